@@ -1,0 +1,3 @@
+from weaved.cli.app import main
+
+main()

@@ -1,0 +1,43 @@
+"""The ``weave`` typer app: one module per command group, registered here.
+
+Commands that run in-process (``serve``, ``convert``, ``bench``) import the daemon lazily inside
+the command, so client commands start without loading numba, torch or the model.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+app = typer.Typer(
+    name="weave",
+    help="Weave: serve an LLM to many sessions, each with the execution strategy its SLA needs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register() -> None:
+    from weaved.cli import bench, convert
+
+    convert.register(app)
+    bench.register(app)
+
+
+_register()
+
+
+def main() -> None:
+    """Console entry point: one-line errors unless WEAVE_DEBUG=1."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence
+        if os.environ.get("WEAVE_DEBUG") == "1":
+            raise
+        typer.echo(f"weave: error: {exc}", err=True)
+        sys.exit(1)

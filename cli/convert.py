@@ -1,0 +1,68 @@
+"""``weave convert``: turn a GGUF model of any quantization into Weave's shared Q4_0 format.
+
+Runs in-process. The converter (numpy, gguf-py) and rich's progress bar are imported inside the
+command, so registering it costs nothing to the client commands.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+HELP = (
+    "Convert a GGUF model into Weave's shared weight format.\n\n"
+    "The shared format is a normal GGUF file that both of Weave's backends (CPU and GPU) compute on "
+    "directly, and that llama.cpp loads too: every 2-D weight matrix is Q4_0 (blocks of 32 weights: an "
+    "fp16 scale and 4-bit values); the token embedding and output matrices are Q8_0 (or stay Q4_0 if "
+    "they already are); norms and biases are float32. Metadata (tokenizer, chat template, "
+    "hyper-parameters) is copied unchanged.\n\n"
+    "Sources may be of any quantization gguf-py reads (Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, F16, BF16, F32 ...); "
+    "architectures: llama, qwen2, qwen3. `weave serve --model X` converts a model that needs it by "
+    "itself (once, into the cache); this command writes the converted file where you choose."
+)
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"weave convert: error: {message}", err=True)
+    return typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``convert`` to ``app``."""
+
+    @app.command("convert", help=HELP)
+    def convert(
+        src: Annotated[Path, typer.Argument(metavar="IN", help="GGUF model to convert.", show_default=False)],
+        dst: Annotated[Path, typer.Argument(metavar="OUT", help="Where to write the converted GGUF.",
+                                            show_default=False)],
+        force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite OUT if it exists.")] = False,
+    ) -> None:
+        if not src.exists():
+            raise _fail(f"input file not found: {src}")
+        if src.is_dir():
+            raise _fail(f"input is a directory, not a GGUF file: {src}")
+        if dst.exists() and not force:
+            raise _fail(f"{dst} already exists; pass --force to overwrite it")
+
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from weaved.model.convert import convert_gguf
+
+        columns = (TextColumn("converting"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.description}"))
+        with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("", total=None)
+
+            def progress(done: int, total: int, name: str) -> None:
+                bar.update(task, completed=done, total=total, description=name)
+
+            try:
+                out = convert_gguf(src, dst, force=force, progress=progress)
+            except FileExistsError:
+                raise _fail(f"{dst} already exists; pass --force to overwrite it") from None
+            except (ValueError, OSError) as exc:
+                raise _fail(str(exc)) from None
+        typer.echo(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")

@@ -1,0 +1,22 @@
+"""Weave's CPU kernels (numba), and the GPU kernels' torch/Triton code.
+
+This package imports nothing from ``weaved``: it is plain arrays in, plain arrays out.  Every
+kernel has a numpy reference beside it and a test against that reference.
+
+Modules
+-------
+``ggml``        GGML type ids and block sizes this package understands.
+``quants``      Q4_0 / Q8_0 quantize and dequantize (bit-exact with ``gguf.quants``), and the
+                Q8_0 quantization of activations (llama.cpp's ``quantize_row_q8_0``).
+``matmul``      ``PackedWeight`` (a weight matrix repacked once at load) and ``linear``:
+                y = x @ W.T for Q4_0 / Q8_0 weights with Q8_0 activations and integer block dot
+                products, or F16 / F32 weights in float.  Batch invariant: row t of the result
+                is bit-identical whatever the other rows of x are and however many there are.
+``attention``   ragged causal attention over per-sequence KV arrays (prefill and decode are the
+                same kernel: one query row at a time), returning the output and the
+                log-sum-exp of every head; the merge of partial results; KV row stores.
+``elementwise`` RMSNorm, RoPE (norm and neox styles), SwiGLU, softmax.
+``threads``     the thread budget shared by every parallel kernel.
+"""
+
+from . import _env  # noqa: F401  (sets NUMBA_CACHE_DIR before numba is first imported)

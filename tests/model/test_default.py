@@ -1,0 +1,128 @@
+"""The model cache: where it is, the default model, and once-only conversion that is safe to race."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from tests.model.test_convert import check_shared_format
+from tests.tiny_models import write_tiny_gguf
+from weaved.model.convert import tensor_types
+from weaved.model.default import (
+    cache_dir,
+    converted_name,
+    default_model_path,
+    ensure_native,
+    models_dir,
+    shipped_smollm2_path,
+)
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("WEAVE_CACHE_DIR", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "explicit"
+    assert models_dir() == tmp_path / "explicit" / "models"
+    monkeypatch.delenv("WEAVE_CACHE_DIR")
+    assert cache_dir() == tmp_path / "xdg" / "weave"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "weave"
+
+
+def test_shipped_smollm2():
+    path = shipped_smollm2_path()
+    assert path.is_file() and path.suffix == ".gguf" and "SmolLM2-135M-Instruct" in path.name
+    assert len(tensor_types(path)) == 272
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path) -> Path:
+    monkeypatch.setenv("WEAVE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_ensure_native_keeps_a_native_model(cache, tmp_path):
+    src = write_tiny_gguf(tmp_path / "native.gguf", n_layers=1, wtype=Q.Q4_0)
+    logs: list[str] = []
+    assert ensure_native(src, log=logs.append) == src
+    assert logs == [] and not cache.exists()
+
+
+def test_ensure_native_converts_once(cache, tmp_path):
+    src = write_tiny_gguf(tmp_path / "tiny-q4_1.gguf", n_layers=1, wtype=Q.Q4_1)
+    logs: list[str] = []
+    calls: list[tuple[int, int, str]] = []
+    first = ensure_native(src, progress=lambda *a: calls.append(a), log=logs.append)
+    assert first.parent == cache / "models"
+    assert first.name.startswith("tiny-q4_1-") and first.name.endswith("-q4_0.gguf")
+    assert len(logs) == 1 and str(src) in logs[0] and str(first) in logs[0]
+    assert calls and calls[-1][0] == calls[-1][1]
+    check_shared_format(src, first)
+    mtime = first.stat().st_mtime_ns
+
+    again = ensure_native(src, log=logs.append)
+    assert again == first and first.stat().st_mtime_ns == mtime and len(logs) == 1
+
+    # a changed source (new modification time) is converted again, under a new name
+    st = src.stat()
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    changed = ensure_native(src, log=logs.append)
+    assert changed != first and changed.name == converted_name(src) and len(logs) == 2
+
+
+def _convert_in_child(src: str, cache: str, log_file: str, barrier, results) -> None:
+    os.environ["WEAVE_CACHE_DIR"] = cache
+
+    def log(message: str) -> None:
+        with open(log_file, "a") as f:
+            f.write(message + "\n")
+
+    barrier.wait()
+    results.put(str(ensure_native(src, log=log)))
+
+
+def test_concurrent_processes_convert_once(cache, tmp_path):
+    src = write_tiny_gguf(tmp_path / "race.gguf", n_layers=2, wtype=Q.Q5_0)
+    log_file = tmp_path / "log.txt"
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(3), ctx.Queue()
+    args = (str(src), str(cache), str(log_file), barrier, results)
+    procs = [ctx.Process(target=_convert_in_child, args=args) for _ in range(3)]
+    for p in procs:
+        p.start()
+    paths = {results.get(timeout=120) for _ in procs}
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert len(paths) == 1
+    (path,) = paths
+    assert log_file.read_text().count("converting") == 1
+    path = Path(path)
+    check_shared_format(src, path)
+    # the converted file and its lock, no temporary leftovers
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name, path.name + ".lock"]
+
+
+def test_default_model_is_cached(smollm2_q4_0):
+    mtime = smollm2_q4_0.stat().st_mtime_ns
+    assert default_model_path() == smollm2_q4_0
+    assert smollm2_q4_0.stat().st_mtime_ns == mtime
+    assert smollm2_q4_0.parent == models_dir()
+    assert smollm2_q4_0.name == converted_name(shipped_smollm2_path())
+    assert set(tensor_types(smollm2_q4_0).values()) == {Q.Q4_0, Q.Q8_0, Q.F32}
+
+
+def test_default_model_converted_into_a_fresh_cache(cache):
+    calls: list[tuple[int, int, str]] = []
+    first = default_model_path(progress=lambda *a: calls.append(a))
+    assert first.parent == cache / "models" and first.is_file()
+    assert len(calls) == 272 and calls[-1][:2] == (272, 272)
+    mtime = first.stat().st_mtime_ns
+    calls.clear()
+    assert default_model_path(progress=lambda *a: calls.append(a)) == first
+    assert calls == [] and first.stat().st_mtime_ns == mtime

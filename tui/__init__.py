@@ -1,0 +1,1 @@
+"""``weave top``: a textual view of a running daemon."""

@@ -1,0 +1,1 @@
+"""HTTP API on the daemon's Unix socket."""

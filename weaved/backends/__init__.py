@@ -1,0 +1,1 @@
+"""Backends execute the model on a device; ``base.Backend`` states the contract."""

@@ -1,0 +1,88 @@
+"""The backend contract: one forward pass over a ragged batch of sequences.
+
+A backend owns the model's weights on its device and executes ``forward`` for a batch engine.  It
+does not schedule, sample or tokenize.  Every backend reads the same Q4_0 GGUF bytes and keeps KV
+in the layout of ``weaved.kv`` ([layer][k|v][kv_head][position][head_dim], float16), which is what
+lets a session move between backends without recomputing anything.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+
+from weaved.kv.cache import KVCache
+from weaved.model.config import ModelConfig
+
+
+class Logits(StrEnum):
+    """Which rows of logits a sequence wants back from a step."""
+
+    NONE = "none"  # a prefill chunk that is not the last one
+    LAST = "last"  # the next-token distribution only (decode, last prefill chunk)
+    ALL = "all"  # every new token's row (prompt log-probabilities, teacher forcing, speculation)
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's part of a step: ``tokens`` at positions ``kv.length ...``.
+
+    The backend writes the chunk's K/V rows into ``kv`` at those positions and advances
+    ``kv.length`` by ``len(tokens)`` once they are written.
+    """
+
+    kv: KVCache
+    tokens: np.ndarray  # [n] int32, n >= 1
+    logits: Logits = Logits.LAST
+
+    @property
+    def pos0(self) -> int:
+        return self.kv.length
+
+
+@dataclass
+class BackendStats:
+    """Counters a test or benchmark can read; they only ever grow."""
+
+    steps: int = 0
+    tokens: int = 0  # every token run through forward
+    prefill_tokens: int = 0  # tokens of chunks with more than one token
+    decode_tokens: int = 0  # tokens of single-token chunks
+    seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Backend(ABC):
+    """Executes the model for a batch engine.
+
+    Contract:
+    - ``forward(chunks)`` runs one step over every chunk together: dense layers as one product
+      over all tokens of the step, attention per sequence over its own KV.  It returns one array
+      per chunk: float32 ``[1, vocab]`` for ``Logits.LAST``, ``[n, vocab]`` for ``Logits.ALL``,
+      ``[0, vocab]`` for ``Logits.NONE``.
+    - A chunk's results depend only on that sequence (its tokens and its KV): never on the other
+      chunks of the step, their number or their order (batch invariance).  Backends that cannot
+      promise bit-identity must stay within mean KL 0.0005 of the CPU backend.
+    - On return every chunk's K/V rows are in its ``KVCache`` and ``kv.length`` has advanced.
+      A chunk that would exceed ``kv.capacity`` raises ``ValueError`` before anything is written.
+    - Thread safety: one engine thread calls ``forward``; it may release the GIL.
+    """
+
+    config: ModelConfig
+    stats: BackendStats
+
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """Short backend name shown in placements and status: ``cpu`` or ``torch``."""
+
+    @abstractmethod
+    def new_kv(self, capacity: int) -> KVCache:
+        """An empty KV cache with room for ``capacity`` positions, in this backend's memory."""
+
+    @abstractmethod
+    def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
+        """Run one step; see the class docstring for the contract."""

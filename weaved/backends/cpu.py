@@ -1,0 +1,184 @@
+"""The CPU backend: the model on the host's cores with Weave's numba kernels.
+
+Weights stay in their GGUF quantization (Q4_0 for every layer matrix) and are repacked once at
+load into the kernel's layout; q|k|v and gate|up are fused into one matrix each so that a step
+quantizes each activation once per fused product.  Dense layers run as one product over all
+tokens of the step; attention runs per sequence over that sequence's KV array.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from weaved.backends.base import Backend, BackendStats, Logits, SeqChunk
+from weaved.kv.cache import KVCache
+from weaved.model.config import ModelConfig
+from weaved.model.gguf_file import GGUFFile
+from weaved.model.loader import open_model
+
+
+@dataclass(frozen=True)
+class _Layer:
+    attn_norm: np.ndarray  # [d_model] f32
+    wqkv: object  # PackedWeight [q_dim + 2*kv_dim, d_model]
+    bqkv: np.ndarray | None  # [q_dim + 2*kv_dim] f32 (qwen2)
+    q_norm: np.ndarray | None  # [head_dim] f32 (qwen3)
+    k_norm: np.ndarray | None
+    wo: object  # PackedWeight [d_model, q_dim]
+    ffn_norm: np.ndarray
+    wgu: object  # PackedWeight [2*d_ff, d_model]
+    wdown: object  # PackedWeight [d_model, d_ff]
+
+
+class CPUBackend(Backend):
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, threads: int | None = None):
+        from weaved.kernels import matmul
+        from weaved.kernels import threads as kthreads
+
+        if threads:
+            kthreads.set_threads(threads)
+        self.threads = kthreads.get_threads()
+        self.config = config
+        self.gguf = gguf
+        self.stats = BackendStats()
+        self._mm = matmul
+        t = gguf.tensors
+        cfg = config
+
+        def f32(name: str) -> np.ndarray:
+            return np.ascontiguousarray(t[name].raw, dtype=np.float32).reshape(-1)
+
+        def packed(names: list[str]):
+            parts = [t[n] for n in names]
+            qtype = parts[0].type_id
+            if any(p.type_id != qtype for p in parts):  # fuse only matrices of one type
+                raise ValueError(f"cannot fuse {names}: mixed tensor types")
+            raw = matmul.concat_rows([p.raw for p in parts]) if len(parts) > 1 else parts[0].raw
+            n_out = sum(p.shape[0] for p in parts)
+            return matmul.pack_weight(raw, qtype, n_out, parts[0].shape[1])
+
+        def packed_or_split(names: list[str]):
+            if len({t[n].type_id for n in names}) == 1:
+                return packed(names)
+            return [packed([n]) for n in names]  # mixed types: separate products
+
+        layers = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            layers.append(
+                _Layer(
+                    attn_norm=f32(p + "attn_norm.weight"),
+                    wqkv=packed_or_split([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
+                    bqkv=np.concatenate([f32(p + f"attn_{x}.bias") for x in "qkv"]) if cfg.attn_bias else None,
+                    q_norm=f32(p + "attn_q_norm.weight") if cfg.qk_norm else None,
+                    k_norm=f32(p + "attn_k_norm.weight") if cfg.qk_norm else None,
+                    wo=packed([p + "attn_output.weight"]),
+                    ffn_norm=f32(p + "ffn_norm.weight"),
+                    wgu=packed_or_split([p + "ffn_gate.weight", p + "ffn_up.weight"]),
+                    wdown=packed([p + "ffn_down.weight"]),
+                )
+            )
+        self.layers = layers
+        self.out_norm = f32("output_norm.weight")
+        emb = t["token_embd.weight"]
+        self._emb_raw, self._emb_type = emb.raw, emb.type_id
+        self.wout = packed(["token_embd.weight" if cfg.tied_output else "output.weight"])
+        self._scale = 1.0 / float(np.sqrt(cfg.head_dim))
+
+    @classmethod
+    def from_file(cls, path: str | Path, threads: int | None = None) -> CPUBackend:
+        gguf, cfg = open_model(path)
+        return cls(gguf, cfg, threads=threads)
+
+    @property
+    def name(self) -> str:
+        return "cpu"
+
+    def new_kv(self, capacity: int) -> KVCache:
+        return KVCache.allocate(self.config, capacity)
+
+    def _linear(self, w, x: np.ndarray) -> np.ndarray:
+        if isinstance(w, list):
+            return np.concatenate([self._mm.linear(p, x) for p in w], axis=1)
+        return self._mm.linear(w, x)
+
+    def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
+        from weaved.kernels import attention as ka
+        from weaved.kernels import elementwise as ke
+
+        if not chunks:
+            return []
+        t0 = time.perf_counter()
+        cfg = self.config
+        lens = [len(c.tokens) for c in chunks]
+        for c, n in zip(chunks, lens, strict=True):
+            if n < 1:
+                raise ValueError("a chunk needs at least one token")
+            if c.kv.length + n > c.kv.capacity:
+                raise ValueError(f"KV cache full: {c.kv.length} + {n} tokens > capacity {c.kv.capacity}")
+        T = sum(lens)
+        ids = np.concatenate([np.asarray(c.tokens, dtype=np.int32) for c in chunks])  # [T]
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+            raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
+        seq_starts = np.zeros(len(chunks) + 1, dtype=np.int64)
+        seq_starts[1:] = np.cumsum(lens)
+        pos0 = np.array([c.kv.length for c in chunks], dtype=np.int64)
+        positions = np.concatenate([np.arange(p, p + n, dtype=np.int64) for p, n in zip(pos0, lens, strict=True)])
+        kvs = ka.kv_list([c.kv.data for c in chunks])
+
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qd, kd = cfg.q_dim, cfg.kv_dim
+        x = self._mm.embed_rows(self._emb_raw, self._emb_type, ids)  # [T, d_model]
+        att = np.empty((T, H, D), dtype=np.float32)
+        lse = np.empty((T, H), dtype=np.float32)
+        for li, L in enumerate(self.layers):
+            h = ke.rmsnorm(x, L.attn_norm, cfg.rms_eps)  # [T, d_model]
+            qkv = self._linear(L.wqkv, h)  # [T, q_dim + 2*kv_dim]
+            if L.bqkv is not None:
+                qkv += L.bqkv
+            q = np.ascontiguousarray(qkv[:, :qd]).reshape(T, H, D)
+            k = np.ascontiguousarray(qkv[:, qd : qd + kd]).reshape(T, Hkv, D)
+            v = np.ascontiguousarray(qkv[:, qd + kd :]).reshape(T, Hkv, D)
+            if L.q_norm is not None:
+                ke.rmsnorm_heads(q, L.q_norm, cfg.rms_eps)
+                ke.rmsnorm_heads(k, L.k_norm, cfg.rms_eps)
+            ke.rope(q, positions, cfg.n_rot, cfg.rope_base, cfg.rope_scale, cfg.rope_style.value)
+            ke.rope(k, positions, cfg.n_rot, cfg.rope_base, cfg.rope_scale, cfg.rope_style.value)
+            ka.kv_store(kvs, li, seq_starts, pos0, k, v)
+            ka.attend(q, kvs, li, seq_starts, pos0, self._scale, att, lse)
+            x += self._linear(L.wo, att.reshape(T, qd))
+            h = ke.rmsnorm(x, L.ffn_norm, cfg.rms_eps)
+            x += self._linear(L.wdown, ke.swiglu(self._linear(L.wgu, h)))
+
+        # logits only for the rows that were asked for
+        rows, counts = [], []
+        for c, s, n in zip(chunks, seq_starts[:-1], lens, strict=True):
+            sel = {Logits.NONE: range(0), Logits.LAST: range(s + n - 1, s + n), Logits.ALL: range(s, s + n)}[
+                c.logits
+            ]
+            rows.extend(sel)
+            counts.append(len(sel))
+        out: list[np.ndarray] = []
+        if rows:
+            hs = ke.rmsnorm(np.ascontiguousarray(x[rows]), self.out_norm, cfg.rms_eps)
+            logits = self._mm.linear(self.wout, hs)  # [n_rows, vocab]
+        else:
+            logits = np.empty((0, cfg.vocab_size), dtype=np.float32)
+        o = 0
+        for n in counts:
+            out.append(logits[o : o + n])
+            o += n
+        for c, n in zip(chunks, lens, strict=True):
+            c.kv.length += n
+
+        st = self.stats
+        st.steps += 1
+        st.tokens += T
+        st.prefill_tokens += sum(n for n in lens if n > 1)
+        st.decode_tokens += sum(1 for n in lens if n == 1)
+        st.seconds += time.perf_counter() - t0
+        return out

@@ -1,0 +1,77 @@
+"""``weave bench``: Weave's CPU backend against llama.cpp on the same GGUF file and thread count.
+
+Both sides run the same workload (``harness``) through a small ``Engine`` interface: the same token
+ids, the same chunking, greedy argmax inside every timed decode loop.  Each side runs in its own
+spawned process, one after the other, so llama.cpp's and numba's thread pools never coexist and
+the resident memory reported for Weave is Weave's alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# Measurements, in report order.  Every value is tokens per second (median over repetitions).
+KEYS: tuple[str, ...] = ("prefill_tps", "decode_tps", "decode_2k_tps", "batch16_tps", "batch64_tps")
+# Informational figures reported for Weave only (no llama.cpp counterpart, no ratio).
+INFO_KEYS: tuple[str, ...] = ("load_s", "rss_mb")
+
+SIDES: tuple[str, ...] = ("weave", "llama_cpp")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What one ``weave bench`` run measures.  Sizes follow the team's llama.cpp baseline."""
+
+    model: Path
+    threads: int
+    keys: tuple[str, ...] = KEYS
+    reps: int = 3  # recorded repetitions per measurement (after one unrecorded warm-up)
+    n_batch: int = 512  # most tokens per forward call in prefill (llama.cpp's n_batch = n_ubatch)
+    n_prefill: int = 512  # prefill_tps: one prompt of this many tokens as a single batch
+    n_short: int = 16  # decode_tps: prompt length before decoding
+    n_long: int = 2000  # decode_2k_tps: context length before decoding
+    n_gen: int = 128  # tokens decoded per single-stream repetition
+    n_batch_prompt: int = 16  # batchB_tps: prompt length of each sequence
+    batch_steps: int = 32  # batchB_tps: decode steps per repetition (B tokens each)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model", Path(self.model))
+        unknown = [k for k in self.keys if k not in KEYS]
+        if unknown:
+            raise ValueError(f"unknown measurement(s) {', '.join(unknown)}; choose from {', '.join(KEYS)}")
+        if not self.keys:
+            raise ValueError("no measurement selected")
+        object.__setattr__(self, "keys", tuple(k for k in KEYS if k in self.keys))  # report order
+        for name in (
+            "threads",
+            "reps",
+            "n_batch",
+            "n_prefill",
+            "n_short",
+            "n_long",
+            "n_gen",
+            "n_batch_prompt",
+            "batch_steps",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_prefill > self.n_batch:
+            raise ValueError(f"n_prefill ({self.n_prefill}) must fit one batch of {self.n_batch} tokens")
+
+    @classmethod
+    def quick(cls, model: Path, threads: int, keys: tuple[str, ...] = KEYS) -> BenchConfig:
+        """Fewer repetitions and tokens; the same prompt and context sizes, so the same meaning."""
+        return cls(model=model, threads=threads, keys=keys, reps=1, n_gen=32, batch_steps=8)
+
+    @property
+    def tokens_needed(self) -> int:
+        """Filler tokens the workload reads (the longest prompt, or 64 distinct batch prompts)."""
+        return max(self.n_prefill, self.n_long, self.n_short, 64 * self.n_batch_prompt) + 1
+
+
+def batch_size(key: str) -> int | None:
+    """16 for ``batch16_tps``, 64 for ``batch64_tps``, None for single-stream keys."""
+    if key.startswith("batch") and key.endswith("_tps"):
+        return int(key[len("batch") : -len("_tps")])
+    return None

@@ -1,0 +1,1 @@
+"""Sequences, sampling and the batch engine."""

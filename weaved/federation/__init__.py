@@ -1,0 +1,1 @@
+"""Peers and distributed strategies (pipeline prefill, Q-Ring decode)."""

@@ -1,0 +1,335 @@
+"""File-backed KV store: one sparse, memory-mapped file per session in the data directory.
+
+A session's file ``<id>.kv`` holds exactly ``KVCache.data``: float16 ``[n_layers, 2, n_kv_heads,
+capacity, head_dim]`` with no header, so the array over the mapping *is* the cache every backend reads
+and writes.  A sidecar ``<id>.json`` (written once, at creation) records the shape, dtype and a model
+fingerprint so a file made for another model is refused on ``open``.
+
+The file's logical size covers the session's whole capacity but is sparse.  Before a step writes
+positions up to ``n``, ``reserve`` allocates real blocks for them with ``posix_fallocate`` on every
+(layer, k|v, head) run, a chunk of positions at a time.  Writing through a mapping into a hole makes the
+kernel allocate the block at page-fault time, and if the disk is full that is a SIGBUS that kills the
+daemon; allocating ahead turns a full disk into a ``DiskFull`` for that one turn.
+
+The store also enforces a cap on total KV bytes over all sessions, counted as reserved positions times
+``kv_bytes_per_token``.  A session reopened after a restart counts its committed length (those rows
+were written, so their blocks exist); a file not opened yet counts its allocated blocks.
+
+Thread safety: bookkeeping is guarded by one lock, so the engine thread may reserve while the API reads
+``tiers()``.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import mmap
+import os
+import re
+import threading
+import weakref
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+
+from weaved.kv.cache import KVCache
+from weaved.kv.tiers import allocated_bytes, file_resident_bytes, punch_hole, resident_bytes
+from weaved.model.config import ModelConfig
+
+FORMAT_VERSION = 1
+LAYOUT = "[layer][k|v][kv_head][position][head_dim]"
+_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+class KVStoreError(Exception):
+    """A KV file operation failed; the message says which session and why."""
+
+
+class KVCapExceeded(KVStoreError):
+    """Reserving more positions would exceed the store's cap on total KV bytes."""
+
+
+class DiskFull(KVStoreError):
+    """The file system could not allocate blocks for the positions to be written."""
+
+
+def model_fingerprint(config: ModelConfig) -> str:
+    """Short hash of every hyper-parameter: KV made under any other config is meaningless."""
+    fields = {k: (v.value if isinstance(v, Enum) else v) for k, v in asdict(config).items()}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class _Session:
+    capacity: int
+    reserved: int  # positions [0, reserved) are backed by allocated blocks
+    mm: mmap.mmap
+    data: np.ndarray  # [n_layers, 2, n_kv_heads, capacity, head_dim] float16 over mm
+
+
+class KVStore:
+    """Per-session KV files under ``data_dir`` for one model."""
+
+    def __init__(self, data_dir: Path, config: ModelConfig, cap_bytes: int | None = None, chunk: int = 256):
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1 position, got {chunk}")
+        self.dir = Path(data_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.config = config
+        self.cap_bytes = cap_bytes
+        self.chunk = chunk
+        self.fingerprint = model_fingerprint(config)
+        self._lock = threading.Lock()
+        self._open: dict[str, _Session] = {}
+        self._ids: weakref.WeakKeyDictionary[KVCache, str] = weakref.WeakKeyDictionary()
+        # Files left by an earlier run count against the cap by their allocated blocks until opened.
+        bpt = config.kv_bytes_per_token
+        self._unopened = {sid: -(-allocated_bytes(self._kv_path(sid)) // bpt) for sid in self.session_ids()}
+
+    # -- paths and metadata ------------------------------------------------------------------------
+
+    def _check_id(self, session_id: str) -> None:
+        if not isinstance(session_id, str) or not _ID_RE.match(session_id):
+            raise KVStoreError(f"invalid session id {session_id!r}: use 1-64 of A-Z a-z 0-9 _ -")
+
+    def _kv_path(self, session_id: str) -> Path:
+        return self.dir / f"{session_id}.kv"
+
+    def _meta_path(self, session_id: str) -> Path:
+        return self.dir / f"{session_id}.json"
+
+    def _shape(self, capacity: int) -> tuple[int, int, int, int, int]:
+        c = self.config
+        return (c.n_layers, 2, c.n_kv_heads, capacity, c.head_dim)
+
+    def _meta(self, capacity: int) -> dict:
+        return {
+            "format": FORMAT_VERSION,
+            "layout": LAYOUT,
+            "dtype": "float16",
+            "shape": list(self._shape(capacity)),
+            "model": {"arch": self.config.arch, "name": self.config.name},
+            "fingerprint": self.fingerprint,
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def create(self, session_id: str, capacity: int) -> KVCache:
+        """Create the session's (sparse) file for ``capacity`` positions; error if it exists."""
+        self._check_id(session_id)
+        if capacity < 1:
+            raise KVStoreError(f"session {session_id}: capacity must be >= 1, got {capacity}")
+        with self._lock:
+            if session_id in self._open or self._kv_path(session_id).exists():
+                raise KVStoreError(f"session {session_id}: KV file already exists")
+            meta = self._meta_path(session_id)
+            tmp = meta.with_suffix(".json.tmp")
+            try:
+                with open(tmp, "w") as f:
+                    json.dump(self._meta(capacity), f)
+                    f.flush()
+                    os.fsync(f.fileno())  # once per session: the sidecar must survive a power loss
+                fd = os.open(self._kv_path(session_id), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.ftruncate(fd, capacity * self.config.kv_bytes_per_token)  # a hole: costs no disk
+                finally:
+                    os.close(fd)
+                os.replace(tmp, meta)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                self._kv_path(session_id).unlink(missing_ok=True)
+                raise self._os_error(session_id, "creating its KV file", e) from e
+            return self._map(session_id, capacity, length=0)
+
+    def open(self, session_id: str, length: int) -> KVCache:
+        """Map an existing file after a restart; ``length`` is the committed length from the journal."""
+        self._check_id(session_id)
+        with self._lock:
+            if session_id in self._open:
+                raise KVStoreError(f"session {session_id}: KV file is already open")
+            path, meta_path = self._kv_path(session_id), self._meta_path(session_id)
+            if not path.exists():
+                raise KVStoreError(f"session {session_id}: no KV file in {self.dir}")
+            try:
+                meta = json.loads(meta_path.read_text())
+            except (OSError, ValueError) as e:
+                raise KVStoreError(f"session {session_id}: unreadable metadata {meta_path}: {e}") from e
+            if meta.get("fingerprint") != self.fingerprint or meta.get("format") != FORMAT_VERSION:
+                raise KVStoreError(
+                    f"session {session_id}: KV file was made for model {meta.get('model')} "
+                    f"(fingerprint {meta.get('fingerprint')}, format {meta.get('format')}); this store "
+                    f"serves {{'arch': {self.config.arch!r}, 'name': {self.config.name!r}}} "
+                    f"(fingerprint {self.fingerprint}, format {FORMAT_VERSION})"
+                )
+            capacity = int(meta["shape"][3])
+            if list(self._shape(capacity)) != meta["shape"] or meta.get("dtype") != "float16":
+                raise KVStoreError(
+                    f"session {session_id}: metadata shape {meta['shape']} does not match the model"
+                )
+            if path.stat().st_size != capacity * self.config.kv_bytes_per_token:
+                raise KVStoreError(f"session {session_id}: KV file size does not match capacity {capacity}")
+            if not 0 <= length <= capacity:
+                raise KVStoreError(f"session {session_id}: length {length} outside capacity {capacity}")
+            self._unopened.pop(session_id, None)
+            return self._map(session_id, capacity, length)
+
+    def _map(self, session_id: str, capacity: int, length: int) -> KVCache:
+        fd = os.open(self._kv_path(session_id), os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, capacity * self.config.kv_bytes_per_token, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)  # the mapping keeps its own reference to the file
+        # Without this, the first write fault in a run makes the kernel read ahead up to megabytes
+        # around it, filling the page cache with zero pages of holes; KV access is per-run, so
+        # readahead only wastes RAM.  Committed rows of a reopened session are prefetched instead.
+        mm.madvise(mmap.MADV_RANDOM)
+        if length:
+            for off, n in self._runs(capacity, 0, length):
+                aligned = off - off % mmap.ALLOCATIONGRANULARITY
+                mm.madvise(mmap.MADV_WILLNEED, aligned, off + n - aligned)
+        data = np.ndarray(self._shape(capacity), dtype=np.float16, buffer=mm)
+        kv = KVCache(data, length)
+        # Committed rows were written, so their blocks exist; reserve() allocates from there on.
+        self._open[session_id] = _Session(capacity, reserved=length, mm=mm, data=data)
+        self._ids[kv] = session_id
+        return kv
+
+    def delete(self, session_id: str) -> None:
+        """Remove the session's files and free its reservation (an engine still holding its
+        KVCache keeps a mapping of the unlinked file until it drops it)."""
+        self._check_id(session_id)
+        with self._lock:
+            self._open.pop(session_id, None)
+            self._unopened.pop(session_id, None)
+            self._kv_path(session_id).unlink(missing_ok=True)
+            self._meta_path(session_id).unlink(missing_ok=True)
+
+    def session_ids(self) -> list[str]:
+        return sorted(p.stem for p in self.dir.glob("*.kv") if _ID_RE.match(p.stem))
+
+    # -- growth ------------------------------------------------------------------------------------
+
+    def reserved_bytes(self) -> int:
+        """Bytes counted against the cap: reserved positions of all sessions x kv_bytes_per_token."""
+        with self._lock:
+            return self._reserved_bytes()
+
+    def _reserved_bytes(self) -> int:
+        positions = sum(s.reserved for s in self._open.values()) + sum(self._unopened.values())
+        return positions * self.config.kv_bytes_per_token
+
+    def reserve(self, kv: KVCache, new_length: int) -> None:
+        """Back positions [0, new_length) with disk blocks before a step writes them.
+
+        Grows in whole chunks (clipped to the capacity, or to ``new_length`` when a whole chunk would
+        break the cap).  Raises ``KVCapExceeded`` or ``DiskFull`` with nothing changed.
+        """
+        session_id = self._session_of(kv)
+        with self._lock:
+            s = self._open[session_id]
+            if new_length <= s.reserved:
+                return
+            if new_length > s.capacity:
+                raise KVStoreError(
+                    f"session {session_id}: {new_length} positions exceed its capacity {s.capacity}"
+                )
+            target = min(-(-new_length // self.chunk) * self.chunk, s.capacity)
+            if self.cap_bytes is not None:
+                bpt = self.config.kv_bytes_per_token
+                others = self._reserved_bytes() - s.reserved * bpt
+                if others + target * bpt > self.cap_bytes:
+                    target = new_length  # a whole chunk does not fit: take exactly what this step needs
+                if others + target * bpt > self.cap_bytes:
+                    raise KVCapExceeded(
+                        f"session {session_id}: KV cap of {self.cap_bytes} bytes exceeded: {new_length} "
+                        f"positions need {new_length * bpt} bytes, {others} already reserved by "
+                        f"{len(self._open) + len(self._unopened) - 1} other session(s)"
+                    )
+            self._allocate(session_id, s, s.reserved, target)
+            s.reserved = target
+
+    def _runs(self, capacity: int, start: int, stop: int) -> list[tuple[int, int]]:
+        """Byte ranges (offset, length) of positions [start, stop) in every (layer, k|v, head) run."""
+        c = self.config
+        row = c.head_dim * 2  # bytes per position per head
+        n_runs = c.n_layers * 2 * c.n_kv_heads
+        return [(r * capacity * row + start * row, (stop - start) * row) for r in range(n_runs)]
+
+    def _allocate(self, session_id: str, s: _Session, start: int, stop: int) -> None:
+        fd = os.open(self._kv_path(session_id), os.O_RDWR)
+        try:
+            done: list[tuple[int, int]] = []
+            try:
+                for off, n in self._runs(s.capacity, start, stop):
+                    os.posix_fallocate(fd, off, n)
+                    done.append((off, n))
+            except OSError as e:
+                for off, n in done:  # give back what this call allocated: nothing changed
+                    punch_hole(fd, off, n)
+                raise self._os_error(session_id, f"allocating positions {start}..{stop}", e) from e
+        finally:
+            os.close(fd)
+
+    def _os_error(self, session_id: str, what: str, e: OSError) -> KVStoreError:
+        cls = DiskFull if e.errno in _DISK_FULL else KVStoreError
+        return cls(f"session {session_id}: {what} in {self.dir} failed: {e.strerror or e}")
+
+    def _session_of(self, kv: KVCache) -> str:
+        session_id = self._ids.get(kv)
+        if session_id is None or session_id not in self._open:
+            raise KVStoreError("this KVCache is not an open session of this store")
+        return session_id
+
+    # -- durability and accounting ------------------------------------------------------------------
+
+    def flush(self, kv: KVCache) -> None:
+        """Write the session's dirty KV pages to disk and wait for them (fdatasync).
+
+        A killed process loses nothing without this: its writes are already in the shared page cache,
+        which the kernel writes back on its own.  It matters against an OS crash or power loss, where
+        only KV rows flushed before a journal commit are sure to match it.  One fdatasync covers every
+        dirty page of the file in one batch of I/O; an msync per (layer, k|v, head) run waits for each
+        run's I/O in turn and costs about 100x more.  It is not free either (about 4 ms here even with
+        nothing dirty: the device-cache flush), so the engine calls it per commit batch, not per token.
+        """
+        session_id = self._session_of(kv)  # no lock held while waiting for the disk
+        try:
+            fd = os.open(self._kv_path(session_id), os.O_RDWR)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise self._os_error(session_id, "flushing its KV file", e) from e
+
+    def tiers(self) -> dict:
+        """Where KV bytes live: ``file_bytes`` allocated on disk, ``ram_bytes`` resident in the page
+        cache (``ram_measured`` False when mincore is unavailable), reservation and cap, session count."""
+        with self._lock:
+            ids = self.session_ids()
+            file_bytes, ram_bytes, measured = 0, 0, True
+            for sid in ids:
+                path = self._kv_path(sid)
+                try:
+                    file_bytes += allocated_bytes(path)
+                    s = self._open.get(sid)
+                    ram = resident_bytes(s.data) if s is not None else file_resident_bytes(path)
+                except FileNotFoundError:
+                    continue
+                if ram is None:
+                    measured = False
+                else:
+                    ram_bytes += ram
+            return {
+                "file_bytes": file_bytes,
+                "ram_bytes": ram_bytes if measured else 0,
+                "ram_measured": measured,
+                "reserved_bytes": self._reserved_bytes(),
+                "cap_bytes": self.cap_bytes,
+                "sessions": len(ids),
+            }
+

@@ -1,0 +1,79 @@
+"""Where a KV file's bytes live - blocks on disk, pages resident in RAM (the page cache) - and giving
+blocks back.
+
+The disk tier is what the file system has allocated (``st_blocks``), which for our sparse files is what
+the store reserved, not the logical size.  The RAM tier is measured with ``mincore(2)`` on a mapping of
+the file: for a shared file mapping it reports the file's pages present in the page cache, whether this
+process touched them or not.  ``mincore`` is reached through ctypes; where libc or the call is missing
+(non-Linux, unusual libc) the measurement reports ``None`` and callers show "unknown".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+
+
+def _libc_function(name: str, argtypes: list, restype=ctypes.c_int):
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+_mincore = _libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
+_fallocate = _libc_function("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+def allocated_bytes(path: Path) -> int:
+    """Bytes the file system has allocated for ``path`` (sparse holes cost nothing)."""
+    return os.stat(path).st_blocks * 512
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Best effort: give a byte range's blocks back to the file system (Linux fallocate PUNCH_HOLE;
+    partial blocks at the ends are zeroed).  Silently does nothing where unsupported."""
+    if _fallocate is not None:
+        _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length)
+
+
+def resident_bytes(buf: np.ndarray) -> int | None:
+    """Bytes of the pages spanned by ``buf`` that are resident in RAM, or None if unmeasurable.
+
+    ``buf`` must be a C-contiguous array over a memory mapping (any dtype); the pages it spans are
+    queried as a whole, so pass the array over the entire mapping to measure a file.
+    """
+    if _mincore is None or buf.nbytes == 0:
+        return None if _mincore is None else 0
+    addr = buf.ctypes.data
+    start = addr - addr % PAGE  # mincore wants a page-aligned start
+    length = addr + buf.nbytes - start
+    n_pages = (length + PAGE - 1) // PAGE
+    vec = np.zeros(n_pages, dtype=np.uint8)  # one byte per page; bit 0 = resident
+    if _mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec.ctypes.data_as(ctypes.c_void_p)) != 0:
+        return None
+    return int(np.count_nonzero(vec & 1)) * PAGE
+
+
+def file_resident_bytes(path: Path) -> int | None:
+    """Page-cache residency of a file this process has not mapped (maps it read-only for the query)."""
+    size = os.stat(path).st_size
+    if size == 0:
+        return 0
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+        view = np.frombuffer(mm, dtype=np.uint8)  # [size]
+        try:
+            return resident_bytes(view)
+        finally:
+            del view  # release the buffer export before the mapping closes

