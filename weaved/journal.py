@@ -1,0 +1,302 @@
+"""The journal: a SQLite record of every session, its transcript and its committed tokens.
+
+What it holds: each session's SLA tags, max context, system prompt, placement (with its reasons),
+status and times; the transcript (messages with the token ids they were rendered to); and the
+session's committed tokens, whose count is the committed KV length.
+
+The invariant the daemon relies on (DESIGN.md section 6): a token is committed - its id appended and
+``kv_length`` advanced - in one transaction, and only after the caller has written its KV rows.  So
+after a crash every session resumes from ``kv_length`` with ``kv_length == len(tokens)`` and the KV
+file holding valid rows for all of them.
+
+Token ids are stored compactly: each commit appends one row of little-endian int32s keyed by
+(session, first position), so a decode step writes a few bytes rather than rewriting a list, and
+truncation only touches the rows at and after the cut.
+
+Thread safety: one connection (``check_same_thread=False``) guarded by one lock.  The engine thread
+commits and the API's event loop reads; every operation is short, so serialising them costs less than
+the lock contention and busy-retries of several connections, and each read is one consistent
+snapshot.  Other processes may open the same file: WAL lets their reads proceed during our writes.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+import threading
+import time
+from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+# Statements are split on ";" (executescript would commit our transaction): keep ";" out of comments.
+_SCHEMA = """
+CREATE TABLE sessions (
+    id          TEXT PRIMARY KEY,
+    created     REAL NOT NULL,
+    updated     REAL NOT NULL,
+    sla         TEXT NOT NULL,              -- JSON: class, ttft_ms, ttlt_s, ...
+    max_context INTEGER NOT NULL,
+    system      TEXT,
+    placement   TEXT,                       -- JSON (with its reasons) or NULL
+    status      TEXT NOT NULL,
+    kv_length   INTEGER NOT NULL DEFAULT 0  -- committed positions == number of committed token ids
+);
+CREATE TABLE messages (
+    session   TEXT NOT NULL,
+    seq       INTEGER NOT NULL,
+    role      TEXT NOT NULL,
+    content   TEXT NOT NULL,
+    token_ids BLOB,                         -- int32 little-endian, NULL when not tokenized
+    kv_at     INTEGER NOT NULL,             -- committed KV length when the message was recorded
+    created   REAL NOT NULL,
+    PRIMARY KEY (session, seq)
+) WITHOUT ROWID;
+CREATE TABLE tokens (
+    session TEXT NOT NULL,
+    start   INTEGER NOT NULL,               -- position of the first id in this row
+    ids     BLOB NOT NULL,                  -- int32 little-endian
+    PRIMARY KEY (session, start)
+) WITHOUT ROWID;
+"""
+
+
+class JournalError(Exception):
+    """The journal file cannot be used (e.g. written by a newer version)."""
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    id: str
+    sla: dict
+    max_context: int
+    system: str | None
+    placement: dict | None
+    status: str
+    created: float
+    updated: float
+    kv_length: int
+    tokens: list[int]  # committed token ids; len(tokens) == kv_length
+    messages: list[dict]  # {"seq", "role", "content", "token_ids" (list | None), "kv_at", "created"}
+
+
+def _pack(ids: list[int]) -> bytes:
+    a = array("i", ids)  # int32
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tobytes()
+
+
+def _unpack(blob: bytes) -> list[int]:
+    a = array("i")
+    a.frombytes(blob)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tolist()
+
+
+class Journal:
+    """Session store over one SQLite file in WAL mode."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves, so a transaction is exactly what we say.
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10.0)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode: a commit is appended to the WAL but fsynced only at checkpoints.  It
+        # survives the daemon being killed (the WAL is in the OS's page cache and is replayed on open)
+        # and can never corrupt the database; only a power loss may drop the last few commits, which
+        # rolls sessions back consistently (tokens and kv_length together).  FULL would cost an fsync
+        # per committed token.
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        with self._tx():
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version == 0:
+                for stmt in _SCHEMA.split(";"):
+                    if stmt.strip():
+                        self._db.execute(stmt)
+                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            elif version != SCHEMA_VERSION:
+                raise JournalError(
+                    f"journal {self.path} has schema version {version}; this Weave reads {SCHEMA_VERSION}"
+                )
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One transaction under the lock.  IMMEDIATE takes the write lock up front so a read-then-write
+        (e.g. checking kv_length before appending) cannot race another process's writer."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _kv_length(self, db: sqlite3.Connection, id: str) -> int:
+        row = db.execute("SELECT kv_length FROM sessions WHERE id=?", (id,)).fetchone()
+        if row is None:
+            raise KeyError(f"no session {id!r} in the journal")
+        return row[0]
+
+    # -- sessions ----------------------------------------------------------------------------------
+
+    def create_session(
+        self, id: str, sla: dict, max_context: int, system: str | None, placement: dict | None,
+        status: str = "active",
+    ) -> None:
+        now = time.time()
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM sessions WHERE id=?", (id,)).fetchone():
+                raise ValueError(f"session {id!r} already exists in the journal")
+            db.execute(
+                "INSERT INTO sessions (id, created, updated, sla, max_context, system, placement, status)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (id, now, now, json.dumps(sla), max_context, system,
+                 None if placement is None else json.dumps(placement), status),
+            )
+
+    def _set(self, id: str, column: str, value: object) -> None:
+        with self._tx() as db:
+            cur = db.execute(
+                f"UPDATE sessions SET {column}=?, updated=? WHERE id=?", (value, time.time(), id)
+            )
+            if cur.rowcount == 0:
+                raise KeyError(f"no session {id!r} in the journal")
+
+    def set_placement(self, id: str, placement: dict | None) -> None:
+        self._set(id, "placement", None if placement is None else json.dumps(placement))
+
+    def set_status(self, id: str, status: str) -> None:
+        self._set(id, "status", status)
+
+    def set_sla(self, id: str, sla: dict) -> None:
+        self._set(id, "sla", json.dumps(sla))
+
+    def delete(self, id: str) -> None:
+        """Forget a session entirely (no error if it is unknown)."""
+        with self._tx() as db:
+            for table, key in (("tokens", "session"), ("messages", "session"), ("sessions", "id")):
+                db.execute(f"DELETE FROM {table} WHERE {key}=?", (id,))
+
+    # -- transcript and tokens ---------------------------------------------------------------------
+
+    def _append_message(self, id: str, role: str, content: str, token_ids: list[int] | None) -> int:
+        now = time.time()
+        with self._tx() as db:
+            kv_at = self._kv_length(db, id)
+            (seq,) = db.execute(
+                "SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE session=?", (id,)
+            ).fetchone()
+            db.execute(
+                "INSERT INTO messages (session, seq, role, content, token_ids, kv_at, created)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (id, seq, role, content, None if token_ids is None else _pack(token_ids), kv_at, now),
+            )
+            db.execute("UPDATE sessions SET updated=? WHERE id=?", (now, id))
+            return seq
+
+    def add_message(self, id: str, role: str, content: str, token_ids: list[int] | None) -> int:
+        """Record one of a turn's input messages (before any work on it); returns its sequence number."""
+        return self._append_message(id, role, content, token_ids)
+
+    def finish_message(self, id: str, role: str, content: str, token_ids: list[int] | None = None) -> int:
+        """Record the reply once the turn ends (its tokens are already committed)."""
+        return self._append_message(id, role, content, token_ids)
+
+    def commit_tokens(self, id: str, token_ids: list[int], new_kv_length: int) -> None:
+        """Append ``token_ids`` and advance ``kv_length`` to ``new_kv_length`` in one transaction.
+
+        Call only after their KV rows are written.  ``new_kv_length`` must be the old length plus
+        ``len(token_ids)``: a mismatch means the caller and the journal disagree, and nothing changes.
+        """
+        with self._tx() as db:
+            old = self._kv_length(db, id)
+            if new_kv_length != old + len(token_ids):
+                raise ValueError(
+                    f"session {id!r}: committing {len(token_ids)} tokens at kv_length {old} cannot "
+                    f"reach {new_kv_length}"
+                )
+            if not token_ids:
+                return
+            db.execute(
+                "INSERT INTO tokens (session, start, ids) VALUES (?, ?, ?)", (id, old, _pack(token_ids))
+            )
+            db.execute(
+                "UPDATE sessions SET kv_length=?, updated=? WHERE id=?", (new_kv_length, time.time(), id)
+            )
+
+    def truncate(self, id: str, kv_length: int) -> None:
+        """Forget committed tokens from position ``kv_length`` on (mirrors ``KVCache.truncate``)."""
+        with self._tx() as db:
+            old = self._kv_length(db, id)
+            if not 0 <= kv_length <= old:
+                raise ValueError(f"session {id!r}: cannot truncate kv_length {old} to {kv_length}")
+            db.execute("DELETE FROM tokens WHERE session=? AND start>=?", (id, kv_length))
+            row = db.execute(
+                "SELECT start, ids FROM tokens WHERE session=? AND start<? ORDER BY start DESC LIMIT 1",
+                (id, kv_length),
+            ).fetchone()
+            if row is not None and row[0] + len(row[1]) // 4 > kv_length:  # the cut falls inside this row
+                db.execute(
+                    "UPDATE tokens SET ids=? WHERE session=? AND start=?",
+                    (row[1][: (kv_length - row[0]) * 4], id, row[0]),
+                )
+            db.execute("UPDATE sessions SET kv_length=?, updated=? WHERE id=?", (kv_length, time.time(), id))
+
+    # -- reads -------------------------------------------------------------------------------------
+
+    def _record(self, db: sqlite3.Connection, row: tuple, with_tokens: bool) -> SessionRecord:
+        id, created, updated, sla, max_context, system, placement, status, kv_length = row
+        tokens: list[int] = []
+        if with_tokens:
+            blobs = db.execute("SELECT ids FROM tokens WHERE session=? ORDER BY start", (id,)).fetchall()
+            tokens = _unpack(b"".join(b for (b,) in blobs))
+        messages = [
+            {"seq": seq, "role": role, "content": content,
+             "token_ids": None if ids is None else _unpack(ids), "kv_at": kv_at, "created": mcreated}
+            for seq, role, content, ids, kv_at, mcreated in db.execute(
+                "SELECT seq, role, content, token_ids, kv_at, created FROM messages WHERE session=?"
+                " ORDER BY seq", (id,))
+        ]
+        return SessionRecord(
+            id=id, sla=json.loads(sla), max_context=max_context, system=system,
+            placement=None if placement is None else json.loads(placement), status=status,
+            created=created, updated=updated, kv_length=kv_length, tokens=tokens, messages=messages,
+        )
+
+    _COLUMNS = "id, created, updated, sla, max_context, system, placement, status, kv_length"
+
+    @contextmanager
+    def _snapshot(self) -> Iterator[sqlite3.Connection]:
+        """A read transaction: every query inside sees the same committed state."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                yield self._db
+            finally:
+                self._db.execute("COMMIT")
+
+    def get(self, id: str) -> SessionRecord | None:
+        with self._snapshot() as db:
+            row = db.execute(f"SELECT {self._COLUMNS} FROM sessions WHERE id=?", (id,)).fetchone()
+            return None if row is None else self._record(db, row, with_tokens=True)
+
+    def list(self, with_tokens: bool = True) -> list[SessionRecord]:
+        """Every session, oldest first.  ``with_tokens=False`` leaves ``tokens`` empty (cheap listing;
+        ``kv_length`` still says how many are committed)."""
+        with self._snapshot() as db:
+            rows = db.execute(f"SELECT {self._COLUMNS} FROM sessions ORDER BY created, id").fetchall()
+            return [self._record(db, row, with_tokens) for row in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
