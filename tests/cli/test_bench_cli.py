@@ -1,0 +1,283 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import typer
+from typer.testing import CliRunner
+from weaved.cli import bench as bench_cli
+
+from weaved.bench import INFO_KEYS, KEYS, BenchConfig, batch_size
+from weaved.bench.harness import filler_text, measure
+from weaved.bench.report import build_report, format_table, ratios
+from weaved.bench.runner import run_bench
+
+TOKENS = list(range(100, 2200))
+
+
+class FakeMeasure:
+    """Test double for a side's measurement: fixed figures, records what it was asked."""
+
+    def __init__(self, fail: str | None = None):
+        self.calls: list[tuple[str, BenchConfig, int]] = []
+        self.fail = fail
+
+    def __call__(self, side, cfg, tokens):
+        self.calls.append((side, cfg, len(tokens)))
+        if side == self.fail:
+            raise RuntimeError("no backend")
+        base = {"weave": 30.0, "llama_cpp": 60.0}[side]
+        out = {k: base * (i + 1) for i, k in enumerate(KEYS) if k in cfg.keys}
+        if side == "weave":
+            out.update(load_s=1.5, rss_mb=250.0)
+        return out
+
+
+def _app(fake: FakeMeasure, progress: list[str]):
+    app = typer.Typer()
+
+    @app.callback()
+    def main() -> None:  # a group, so the command is addressed by name as in `weave bench`
+        pass
+
+    bench_cli.register(
+        app, run=lambda cfg: run_bench(cfg, measure=fake, tokens=TOKENS, progress=progress.append)
+    )
+    return app
+
+
+@pytest.fixture
+def model(tmp_path):
+    """A valid GGUF the engine runs as it is (so the command does not convert it)."""
+    import gguf
+    import numpy as np
+
+    p = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return p
+
+
+def test_json_shape_and_ratios(model):
+    fake, progress = FakeMeasure(), []
+    res = CliRunner().invoke(
+        _app(fake, progress), ["bench", "--model", str(model), "--threads", "3", "--json"]
+    )
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert set(out) == {"model", "threads", "weave", "llama_cpp", "ratio"}
+    assert out["model"] == str(model) and out["threads"] == 3
+    assert set(out["weave"]) == set(KEYS) | set(INFO_KEYS)
+    assert set(out["llama_cpp"]) == set(KEYS)
+    assert out["ratio"] == {k: pytest.approx(0.5) for k in KEYS}
+    assert [c[0] for c in fake.calls] == ["weave", "llama_cpp"]
+    assert all(c[1].reps == 3 and c[1].n_gen == 128 and c[1].threads == 3 for c in fake.calls)
+    assert any("measuring weave" in m for m in progress) and any("measuring llama_cpp" in m for m in progress)
+
+
+def test_table_output(model):
+    res = CliRunner().invoke(_app(FakeMeasure(), []), ["bench", "--model", str(model), "--threads", "2"])
+    assert res.exit_code == 0, res.output
+    text = res.stdout
+    assert "threads 2" in text and "median of 3" in text
+    row = next(line for line in text.splitlines() if line.startswith("decode @2000"))
+    assert row.split()[-3:] == ["90.0", "180.0", "0.50"]
+    assert "load until ready (s)" in text and "1.50" in text
+    assert "resident memory (MB)" in text and "250.0" in text
+
+
+def test_only_and_quick(model):
+    fake = FakeMeasure()
+    args = ["bench", "--model", str(model), "--quick", "--only", "decode_2k, batch64_tps,decode_2k", "--json"]
+    res = CliRunner().invoke(_app(fake, []), args)
+    assert res.exit_code == 0, res.output
+    cfg = fake.calls[0][1]
+    assert cfg.keys == ("decode_2k_tps", "batch64_tps")
+    assert cfg.reps == 1 and cfg.n_gen < 128 and cfg.n_long == 2000
+    assert cfg.threads == (os.cpu_count() or 2)
+    out = json.loads(res.stdout)
+    assert set(out["ratio"]) == {"decode_2k_tps", "batch64_tps"}
+
+
+@pytest.mark.parametrize("only", ["decode,bogus", ",", "prefill_tp"])
+def test_only_rejects_unknown_keys(model, only):
+    res = CliRunner().invoke(_app(FakeMeasure(), []), ["bench", "--model", str(model), "--only", only])
+    assert res.exit_code == 2
+    assert "--only" in res.output or "measurement" in res.output
+
+
+def test_missing_model_file_is_a_usage_error(tmp_path):
+    res = CliRunner().invoke(_app(FakeMeasure(), []), ["bench", "--model", str(tmp_path / "nope.gguf")])
+    assert res.exit_code == 2
+
+
+def test_failing_side_keeps_the_other_and_exits_nonzero(model):
+    fake = FakeMeasure(fail="weave")
+    res = CliRunner().invoke(_app(fake, []), ["bench", "--model", str(model), "--json"])
+    assert res.exit_code == 1
+    out = json.loads(res.stdout)
+    assert out["weave"] == {"error": "RuntimeError: no backend"}
+    assert set(out["llama_cpp"]) == set(KEYS)
+    assert out["ratio"] == {}
+    table = format_table(out)
+    assert "weave failed: RuntimeError: no backend" in table
+
+
+def test_ratios_skip_info_keys_missing_and_zero():
+    w = {"prefill_tps": 10.0, "decode_tps": 5.0, "batch16_tps": 1.0, "load_s": 2.0}
+    b = {"prefill_tps": 20.0, "decode_tps": 0.0, "load_s": 1.0}
+    assert ratios(w, b) == {"prefill_tps": 0.5}
+    rep = build_report("m", 1, w, b)
+    assert rep["ratio"] == {"prefill_tps": 0.5}
+    row = next(line for line in format_table(rep).splitlines() if line.startswith("batch 16"))
+    assert row.split()[-3:] == ["1.0", "-", "-"]  # no llama.cpp figure, no ratio
+
+
+def test_option_helpers():
+    assert bench_cli.parse_only(None) is None
+    assert bench_cli.parse_only("prefill, batch16") == ("prefill_tps", "batch16_tps")
+    assert batch_size("batch64_tps") == 64 and batch_size("decode_tps") is None
+    with pytest.raises(ValueError, match="unknown measurement"):
+        BenchConfig(model="m", threads=1, keys=("fast_tps",))
+    with pytest.raises(ValueError, match="threads"):
+        BenchConfig(model="m", threads=0)
+
+
+class CountingEngine:
+    """Test double for a side: tracks lengths and counts calls; tokens are the position mod 7."""
+
+    def __init__(self):
+        self.lengths: list[int] = []
+        self.capacity = 0
+        self.steps = 0
+        self.step_tokens = 0
+        self.prefill_tokens = 0
+
+    def open(self, n_seqs, capacity):
+        self.lengths, self.capacity = [0] * n_seqs, capacity
+
+    def prefill(self, seqs, prompts, want_logits):
+        for s, p in zip(seqs, prompts, strict=True):
+            assert 1 <= len(p) <= 512
+            self.lengths[s] += len(p)
+            assert self.lengths[s] <= self.capacity
+            self.prefill_tokens += len(p)
+        return [self.lengths[s] % 7 for s in seqs] if want_logits else []
+
+    def step(self, tokens):
+        assert len(tokens) == len(self.lengths)
+        self.steps += 1
+        self.step_tokens += len(tokens)
+        for s in range(len(tokens)):
+            self.lengths[s] += 1
+            assert self.lengths[s] <= self.capacity
+        return [n % 7 for n in self.lengths]
+
+    def truncate(self, seq, length):
+        assert length <= self.lengths[seq]
+        self.lengths[seq] = length
+
+
+def test_harness_runs_warmup_plus_reps_with_rewinds():
+    cfg = BenchConfig(model="m", threads=1, reps=2, n_gen=5, batch_steps=3)
+    eng, msgs = CountingEngine(), []
+    out = measure(eng, cfg, TOKENS, msgs.append)
+    assert list(out) == list(KEYS)
+    assert all(v > 0 for v in out.values())
+    # decode and decode_2k: (1 warm-up + 2 reps) x 5 tokens; batches: 3 runs x 3 steps
+    assert eng.steps == 2 * 3 * 5 + 2 * 3 * 3
+    assert eng.step_tokens == 2 * 3 * 5 + (16 + 64) * 3 * 3
+    # prefill 512 three times, 16 + 2000 once each, 16 tokens per batch sequence once
+    assert eng.prefill_tokens == 3 * 512 + 16 + 2000 + 16 * (16 + 64)
+    assert sum("rep" in m for m in msgs) == 2 * len(KEYS)
+
+
+def test_filler_text_is_deterministic():
+    assert filler_text() == filler_text()
+    assert len(filler_text().split()) > 6000
+
+
+def test_importing_the_command_stays_light():
+    code = (
+        "import sys, weaved.cli.bench as b, typer; b.register(typer.Typer()); "
+        "heavy = {'numba', 'llama_cpp', 'torch', 'weaved.bench.harness'} & set(sys.modules); "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_measure_side_rejects_unknown_side():
+    from weaved.bench.runner import measure_side
+
+    with pytest.raises(ValueError, match="unknown side"):
+        measure_side("vllm", BenchConfig(model="m", threads=1), TOKENS)
+
+
+# --- the real sides, on tiny sizes (wiring, not speed) -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_model():
+    from weaved.model.default import default_model_path
+
+    return default_model_path()
+
+
+def _tiny(model) -> BenchConfig:
+    # n_long > n_batch so the long context is prefilled in two pieces, as the real 2,000 is
+    return BenchConfig(model=model, threads=1, reps=1, n_prefill=32, n_long=600, n_gen=4, batch_steps=2)
+
+
+def _rewind_is_exact(engine, tokens) -> None:
+    engine.open(2, 64)
+    first = engine.prefill([0, 1], [tokens[:16], tokens[16:32]], want_logits=True)
+
+    def gen(n):
+        cur, out = first, []
+        for _ in range(n):
+            cur = engine.step(cur)
+            out.append(cur)
+        return out
+
+    a = gen(6)
+    engine.truncate(0, 16)
+    engine.truncate(1, 16)
+    assert gen(6) == a
+
+
+@pytest.mark.llama
+@pytest.mark.slow
+def test_llama_side_in_a_subprocess(real_model):
+    from weaved.bench.harness import filler_tokens
+    from weaved.bench.llama_side import LlamaEngine
+    from weaved.bench.runner import measure_in_subprocess
+
+    cfg = _tiny(real_model)
+    tokens = filler_tokens(real_model, cfg.tokens_needed)
+    engine = LlamaEngine(str(real_model), 1)
+    try:
+        _rewind_is_exact(engine, tokens)
+    finally:
+        engine.close()
+    out = measure_in_subprocess("llama_cpp", cfg, tokens)
+    assert set(out) == set(KEYS) and all(v > 0 for v in out.values())
+
+
+@pytest.mark.slow
+def test_weave_side_in_a_subprocess(real_model):
+    from weaved.bench.harness import filler_tokens
+    from weaved.bench.runner import measure_in_subprocess
+    from weaved.bench.weave_side import WeaveEngine, load_backend
+
+    cfg = _tiny(real_model)
+    tokens = filler_tokens(real_model, cfg.tokens_needed)
+    be, load_s = load_backend(cfg)
+    assert load_s > 0
+    _rewind_is_exact(WeaveEngine(be), tokens)
+    out = measure_in_subprocess("weave", cfg, tokens)
+    assert set(out) == set(KEYS) | set(INFO_KEYS) and all(v > 0 for v in out.values())

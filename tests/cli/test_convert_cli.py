@@ -1,0 +1,85 @@
+"""``weave convert``: success, refusal to overwrite, --force, and one-line errors with exit code 1."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+from typer.testing import CliRunner
+from weaved.cli.app import app
+
+from tests.tiny_models import write_tiny_gguf
+from weaved.model.convert import needs_conversion, tensor_types
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def q4_1_model(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("src") / "tiny-q4_1.gguf", n_layers=1, wtype=Q.Q4_1)
+
+
+def _error_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_converts(q4_1_model, tmp_path):
+    out = tmp_path / "out.gguf"
+    result = runner.invoke(app, ["convert", str(q4_1_model), str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out}" in result.stdout
+    assert needs_conversion(q4_1_model) and not needs_conversion(out)
+    assert tensor_types(out)["blk.0.ffn_up.weight"] == Q.Q4_0
+
+
+def test_refuses_to_overwrite_then_force(q4_1_model, tmp_path):
+    out = tmp_path / "out.gguf"
+    out.write_bytes(b"keep me")
+    result = runner.invoke(app, ["convert", str(q4_1_model), str(out)])
+    assert result.exit_code == 1
+    line = _error_line(result)
+    assert "already exists" in line and "--force" in line
+    assert out.read_bytes() == b"keep me"
+
+    result = runner.invoke(app, ["convert", str(q4_1_model), str(out), "--force"])
+    assert result.exit_code == 0, result.output
+    assert not needs_conversion(out)
+
+
+@pytest.mark.parametrize(
+    ("make_input", "message"),
+    [
+        (lambda d: d / "missing.gguf", "input file not found"),
+        (lambda d: d, "is a directory"),
+        (lambda d: (d / "notes.txt", (d / "notes.txt").write_text("hello"))[0], "not a readable GGUF"),
+        (lambda d: write_tiny_gguf(d / "gpt2.gguf", "gpt2", n_layers=1), "unsupported architecture 'gpt2'"),
+    ],
+    ids=["missing", "directory", "not-gguf", "unsupported-arch"],
+)
+def test_errors_are_one_line_with_exit_code_1(tmp_path, make_input, message):
+    src = make_input(tmp_path)
+    out = tmp_path / "out.gguf"
+    result = runner.invoke(app, ["convert", str(src), str(out)])
+    assert result.exit_code == 1
+    assert message in _error_line(result)
+    assert not out.exists()
+
+
+def test_help_explains_the_shared_format():
+    result = runner.invoke(app, ["convert", "--help"])
+    assert result.exit_code == 0
+    text = " ".join(result.stdout.split())
+    assert "Q4_0" in text and "Q8_0" in text and "--force" in text
+
+
+def test_module_import_stays_light():
+    code = (
+        "import sys, weaved.cli.convert; "
+        "print(','.join(m for m in ('numpy', 'numba', 'torch', 'gguf', 'rich.progress') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

@@ -1,0 +1,89 @@
+import pytest
+
+from weaved.engine.stops import StopChecker
+
+
+def _run(checker, pieces):
+    """Feed pieces (str or (str, id)); returns (emitted text, stopped, matched)."""
+    out = []
+    for p in pieces:
+        piece, tid = p if isinstance(p, tuple) else (p, None)
+        step = checker.feed(piece, tid)
+        out.append(step.text)
+        if step.stopped:
+            return "".join(out), True, step.matched
+    out.append(checker.flush())
+    return "".join(out), False, None
+
+
+def test_no_stops_passes_text_through_immediately():
+    c = StopChecker()
+    assert c.feed("hello").text == "hello"
+    assert c.feed(" world").text == " world"
+    assert c.flush() == ""
+
+
+def test_stop_string_inside_one_piece_truncates_before_it():
+    c = StopChecker(["END"])
+    step = c.feed("abcENDxyz")
+    assert step.text == "abc" and step.stopped and step.matched == "END"
+    assert c.stopped
+
+
+def test_stop_string_spanning_pieces_is_held_back_then_cut():
+    c = StopChecker(["</s>"])
+    assert c.feed("Hello <").text == "Hello "  # "<" might start "</s>"
+    assert c.feed("/").text == ""
+    step = c.feed("s>tail")
+    assert step.text == "" and step.stopped and step.matched == "</s>"
+
+
+def test_false_alarm_releases_held_text():
+    c = StopChecker(["</s>"])
+    assert c.feed("a </").text == "a "
+    assert c.feed("b>").text == "</b>"
+    assert not c.stopped
+
+
+def test_flush_releases_tail_at_end_of_output():
+    c = StopChecker(["STOP"])
+    assert c.feed("go ST").text == "go "
+    assert c.flush() == "ST"
+
+
+def test_earliest_stop_wins_and_longest_at_same_start():
+    assert _run(StopChecker(["xyz", "b"]), ["axyzb"]) == ("a", True, "xyz")
+    assert _run(StopChecker(["ab", "abc"]), ["zabc"]) == ("z", True, "abc")
+
+
+def test_held_tail_uses_longest_possible_prefix_of_any_stop():
+    c = StopChecker(["abc", "bcd"])
+    assert c.feed("xab").text == "x"  # "ab" may start "abc"
+    step = c.feed("cd")
+    assert step.stopped and step.text == "" and step.matched == "abc"
+
+
+def test_stop_token_id_emits_held_text_but_not_its_own_piece():
+    c = StopChecker(["END"], stop_ids=[2])
+    assert c.feed("word E", 10).text == "word "
+    step = c.feed("</s>", 2)
+    assert step.stopped and step.matched == 2 and step.text == "E"
+
+
+def test_concatenation_equals_reference_for_every_split():
+    text = "The answer is 42.\n\nUser: next"
+    stops = ["\n\nUser:", "###"]
+    expected = "The answer is 42."
+    for cut1 in range(len(text)):
+        for cut2 in range(cut1, len(text)):
+            pieces = [text[:cut1], text[cut1:cut2], text[cut2:]]
+            assert _run(StopChecker(stops), pieces) == (expected, True, "\n\nUser:"), (cut1, cut2)
+
+
+def test_feed_after_stop_raises_and_empty_stop_rejected():
+    c = StopChecker(["x"])
+    c.feed("x")
+    with pytest.raises(RuntimeError):
+        c.feed("y")
+    with pytest.raises(ValueError):
+        StopChecker([""])

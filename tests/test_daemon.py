@@ -1,0 +1,154 @@
+"""The daemon's core in-process: turns reuse KV, restarts and kill -9 lose nothing committed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from weaved.daemon import Daemon
+from weaved.engine.sampling import SamplingParams
+from weaved.errors import ContextTooLong, InvalidRequest, NotFound
+from weaved.journal import Journal
+from weaved.profile import load_profile
+from weaved.router import SLA, SLAClass
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+def make_daemon(model: Path, data_dir: Path) -> Daemon:
+    d = Daemon(load_profile("cpu-only"), model, data_dir=data_dir, log_fn=lambda m: None)
+    d.load()
+    return d
+
+
+def run_turn(d: Daemon, sid: str | None, text: str, params: SamplingParams = GREEDY) -> tuple[list[dict], object]:
+    done = threading.Event()
+    events: list[dict] = []
+
+    def emit(ev: dict) -> None:
+        events.append(ev)
+        if ev["type"] in ("done", "error"):
+            done.set()
+
+    h = d.start_turn(session_id=sid, messages=[{"role": "user", "content": text}], params=params, emit=emit)
+    assert done.wait(120), "turn did not finish"
+    return events, h
+
+
+def prefilled(d: Daemon) -> int:
+    return sum(e.counters.tokens_prefilled for e in d.engines.values())
+
+
+@pytest.fixture
+def daemon(tiny_llama, tmp_path):
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    yield d
+    d.shutdown()
+
+
+def test_second_turn_feeds_only_new_tokens(daemon):
+    sid = daemon.create_session(SLA(SLAClass.BACKGROUND), None, "Be brief.")["id"]
+    ev1, h1 = run_turn(daemon, sid, "Hello there")
+    assert ev1[-1]["type"] == "done" and ev1[-1]["usage"]["completion_tokens"] > 0
+    before = prefilled(daemon)
+    ev2, h2 = run_turn(daemon, sid, "And again")
+    fed = prefilled(daemon) - before
+    assert h2.cached_tokens > 0 and fed == h2.prompt_tokens - h2.cached_tokens
+    assert fed < 20  # the new user message and the template around it, never the stored context
+    msgs = daemon.get_session(sid)["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
+
+
+def test_restart_recovers_sessions_and_their_kv(tiny_llama, tmp_path):
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    sid = d.create_session(SLA(SLAClass.INTERACTIVE, 500, None))["id"]
+    run_turn(d, sid, "Remember the number seven")
+    ctx = d.get_session(sid)["context_tokens"]
+    d.shutdown()
+    d2 = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        info = d2.get_session(sid)
+        assert info["sla"]["class"] == "interactive" and len(info["messages"]) == 2
+        assert info["context_tokens"] >= ctx - 1  # the unfed last token of a turn is re-derived
+        _, h = run_turn(d2, sid, "Which number?")
+        assert prefilled(d2) == h.prompt_tokens - h.cached_tokens < 20
+    finally:
+        d2.shutdown()
+
+
+def test_bad_turns_change_nothing(daemon):
+    sid = daemon.create_session(SLA(SLAClass.BACKGROUND), 64, None)["id"]
+    with pytest.raises(NotFound):
+        run_turn(daemon, "s-nope", "hi")
+    with pytest.raises(ContextTooLong):
+        run_turn(daemon, sid, "word " * 100)
+    with pytest.raises(ContextTooLong):
+        run_turn(daemon, sid, "hi", SamplingParams(max_tokens=60))
+    with pytest.raises(InvalidRequest):
+        daemon.start_turn(session_id=sid, messages=[], params=GREEDY, emit=lambda ev: None)
+    assert daemon.get_session(sid)["context_tokens"] == 0
+    ev, _ = run_turn(daemon, sid, "hi")
+    assert ev[-1]["type"] == "done"
+
+
+def test_promote_and_demote_change_placement(daemon):
+    sid = daemon.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    p = daemon.promote(sid)["placement"]
+    assert p["priority"] == 2 and any("no GPU pool" in r for r in p["reasons"])
+    assert daemon.demote(sid)["placement"]["priority"] == 1
+
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from weaved.daemon import Daemon
+    from weaved.engine.sampling import SamplingParams
+    from weaved.profile import load_profile
+    from weaved.router import SLA, SLAClass
+    d = Daemon(load_profile("cpu-only"), Path(sys.argv[1]), data_dir=Path(sys.argv[2]), log_fn=lambda m: None)
+    d.load()
+    sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    d.start_turn(session_id=sid, messages=[{"role": "user", "content": "Tell me a long story"}],
+                 params=SamplingParams(max_tokens=1500, temperature=0, stop_token_ids=()), emit=lambda ev: None)
+    print(sid, flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.slow
+def test_kill_9_mid_generation_loses_nothing_committed(tiny_llama, tmp_path):
+    data = tmp_path / "data"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tiny_llama), str(data)], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        sid = child.stdout.readline().strip()
+        assert sid.startswith("s-")
+        j = Journal(data / "journal.sqlite")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until the answer has some committed tokens
+            rec = j.get(sid)
+            if rec is not None and rec.messages and rec.kv_length > len(rec.messages[-1]["token_ids"] or []) + 5:
+                break
+            time.sleep(0.05)
+        j.close()
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(30)
+    d = make_daemon(tiny_llama, data)
+    try:
+        info = d.get_session(sid)
+        assert [m["role"] for m in info["messages"]] == ["user", "assistant"]  # the partial answer is kept
+        kv = d.sessions[sid].kv
+        assert kv.length == len(d.sessions[sid].committed) > 5
+        _, h = run_turn(d, sid, "Go on")
+        assert prefilled(d) == h.prompt_tokens - h.cached_tokens < 20  # nothing stored was recomputed
+    finally:
+        d.shutdown()

@@ -1,0 +1,135 @@
+"""The llama.cpp side of ``weave bench``: llama-cpp-python's low-level API on the CPU.
+
+Contexts are created the way the team's baseline measures llama.cpp: ``n_batch = n_ubatch = 512``,
+non-unified KV with ``n_seq_max`` equal to the number of sequences (each its own cells), flash
+attention left to llama.cpp (``auto``), no GPU layers, ``n_threads = n_threads_batch = threads``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import numpy as np
+
+from weaved.bench import BenchConfig
+from weaved.bench.harness import Progress, measure
+
+_LOG_CB = None  # keeps the ctypes log callback alive for the life of the process
+
+
+def _quiet_logs(L) -> None:
+    global _LOG_CB
+    _LOG_CB = L.llama_log_callback(lambda level, text, user: None)
+    L.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+
+
+class LlamaEngine:
+    """``harness.Engine`` over one llama.cpp model; a new context per ``open``."""
+
+    def __init__(self, path: str, threads: int, n_batch: int = 512):
+        import llama_cpp as L
+
+        self.L = L
+        _quiet_logs(L)
+        L.llama_backend_init()
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        self.model = L.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp cannot load {path}")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.threads = threads
+        self.n_batch = n_batch
+        self.ctx = None
+        self.batch = None
+        self.lengths: list[int] = []
+
+    def open(self, n_seqs: int, capacity: int) -> None:
+        L = self.L
+        self._free_context()
+        per_seq = -(-max(capacity, 256) // 256) * 256  # llama.cpp pads KV use to 256 cells
+        cp = L.llama_context_default_params()
+        cp.n_ctx = per_seq * n_seqs  # non-unified KV: each sequence gets n_ctx / n_seq_max cells
+        cp.n_batch = self.n_batch
+        cp.n_ubatch = self.n_batch
+        cp.n_seq_max = n_seqs
+        cp.n_threads = self.threads
+        cp.n_threads_batch = self.threads
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_AUTO
+        cp.kv_unified = False
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp cannot create a context")
+        self.mem = L.llama_get_memory(self.ctx)
+        self.batch = L.llama_batch_init(max(self.n_batch, n_seqs), 0, 1)
+        self.lengths = [0] * n_seqs
+
+    def close(self) -> None:
+        self._free_context()
+        if self.model:
+            self.L.llama_model_free(self.model)
+            self.model = None
+
+    def _free_context(self) -> None:
+        if self.batch is not None:
+            self.L.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx:
+            self.L.llama_free(self.ctx)
+            self.ctx = None
+
+    def _decode(self, toks: Sequence[int], pos: Sequence[int], seqs: Sequence[int], logits: Sequence[int]):
+        b = self.batch
+        for i, t in enumerate(toks):
+            b.token[i] = t
+            b.pos[i] = pos[i]
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seqs[i]
+            b.logits[i] = logits[i]
+        b.n_tokens = len(toks)
+        rc = self.L.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        self.L.llama_synchronize(self.ctx)
+
+    def _argmax_rows(self, n_rows: int) -> list[int]:
+        # With logits requested for n_rows tokens, llama.cpp stores exactly those rows in order.
+        p = self.L.llama_get_logits(self.ctx)
+        rows = np.ctypeslib.as_array(p, shape=(n_rows, self.n_vocab))  # [n_rows, vocab] f32
+        return [int(v) for v in rows.argmax(axis=1)]
+
+    def prefill(self, seqs: Sequence[int], prompts: Sequence[Sequence[int]], want_logits: bool) -> list[int]:
+        toks, pos, sq, lg = [], [], [], []
+        for s, p in zip(seqs, prompts, strict=True):
+            n = len(p)
+            toks += list(p)
+            pos += range(self.lengths[s], self.lengths[s] + n)
+            sq += [s] * n
+            lg += [0] * (n - 1) + [1 if want_logits else 0]
+            self.lengths[s] += n
+        self._decode(toks, pos, sq, lg)
+        return self._argmax_rows(len(seqs)) if want_logits else []
+
+    def step(self, tokens: Sequence[int]) -> list[int]:
+        n = len(tokens)
+        self._decode(tokens, self.lengths, range(n), [1] * n)
+        for s in range(n):
+            self.lengths[s] += 1
+        return self._argmax_rows(n)
+
+    def truncate(self, seq: int, length: int) -> None:
+        if not self.L.llama_memory_seq_rm(self.mem, seq, length, -1):
+            raise RuntimeError(f"llama.cpp cannot truncate sequence {seq} to {length}")
+        self.lengths[seq] = length
+
+
+def measure_llama(cfg: BenchConfig, tokens: Sequence[int], progress: Progress) -> dict[str, float]:
+    """Every selected measurement on llama.cpp."""
+    progress("loading the model")
+    engine = LlamaEngine(str(cfg.model), cfg.threads, cfg.n_batch)
+    try:
+        return measure(engine, cfg, tokens, progress)
+    finally:
+        engine.close()

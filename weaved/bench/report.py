@@ -1,0 +1,69 @@
+"""The benchmark's output: ratios, the JSON object and the table.
+
+JSON shape: ``{"model", "threads", "weave": {...}, "llama_cpp": {...}, "ratio": {...}}``.  A side's
+dict holds the measured keys (tokens/s) - plus ``load_s`` and ``rss_mb`` for Weave - or
+``{"error": message}`` when that side failed.  ``ratio`` is weave / llama.cpp for every key both
+sides measured.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weaved.bench import INFO_KEYS, KEYS
+
+_LABELS = {
+    "prefill_tps": "prefill 512 tokens (tok/s)",
+    "decode_tps": "decode @16 (tok/s)",
+    "decode_2k_tps": "decode @2000 (tok/s)",
+    "batch16_tps": "batch 16 decode (agg tok/s)",
+    "batch64_tps": "batch 64 decode (agg tok/s)",
+    "load_s": "load until ready (s)",
+    "rss_mb": "resident memory (MB)",
+}
+
+
+def ratios(weave: dict[str, Any], llama: dict[str, Any]) -> dict[str, float]:
+    """weave / llama.cpp for every measurement key both sides have (INFO_KEYS never)."""
+    out = {}
+    for k in KEYS:
+        w, b = weave.get(k), llama.get(k)
+        if isinstance(w, int | float) and isinstance(b, int | float) and b > 0:
+            out[k] = w / b
+    return out
+
+
+def build_report(model: str, threads: int, weave: dict[str, Any], llama: dict[str, Any]) -> dict[str, Any]:
+    """The JSON object ``weave bench --json`` prints."""
+    return {
+        "model": model,
+        "threads": threads,
+        "weave": dict(weave),
+        "llama_cpp": dict(llama),
+        "ratio": ratios(weave, llama),
+    }
+
+
+def _num(v: Any, digits: int) -> str:
+    return f"{v:.{digits}f}" if isinstance(v, int | float) else "-"
+
+
+def format_table(report: dict[str, Any], reps: int | None = None) -> str:
+    """A plain-text table: one row per measured key, then Weave's informational figures."""
+    w, b, r = report["weave"], report["llama_cpp"], report["ratio"]
+    head = f"model {report['model']}  threads {report['threads']}"
+    if reps is not None:
+        head += f"  median of {reps}"
+    lines = [head, f"{'measurement':30s} {'weave':>10s} {'llama.cpp':>10s} {'ratio':>7s}"]
+    for k in KEYS:
+        if k in w or k in b:
+            lines.append(
+                f"{_LABELS[k]:30s} {_num(w.get(k), 1):>10s} {_num(b.get(k), 1):>10s} {_num(r.get(k), 2):>7s}"
+            )
+    for k in INFO_KEYS:
+        if k in w:
+            lines.append(f"{_LABELS[k]:30s} {_num(w[k], 1 if k == 'rss_mb' else 2):>10s}")
+    for side, d in (("weave", w), ("llama.cpp", b)):
+        if "error" in d:
+            lines.append(f"{side} failed: {d['error']}")
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""Runs the two sides of the benchmark one after the other, each in its own spawned process.
+
+Why processes: llama.cpp (its ggml thread pool) and numba (its own pool) would otherwise live in one
+process, where idle spinning workers of one steal cores from the other, and the resident memory of
+one would count in the other's figure.  A fresh ``spawn`` process per side starts clean (no
+inherited thread pools, which ``fork`` could copy in a broken state) and exits before the next side
+starts, so the two pools never exist at the same time.  The cost is a second interpreter start,
+outside every timed region.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from weaved.bench import SIDES, BenchConfig
+from weaved.bench.harness import Progress, filler_tokens, stderr_progress
+from weaved.bench.report import build_report
+
+# measure(side, cfg, tokens) -> {key: value}; the default runs the side in a subprocess.
+Measure = Callable[[str, BenchConfig, Sequence[int]], dict[str, float]]
+
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+def measure_side(side: str, cfg: BenchConfig, tokens: Sequence[int]) -> dict[str, float]:
+    """Measure one side in this process (the subprocess's entry point)."""
+    progress = stderr_progress(side)
+    if side == "weave":
+        from weaved.bench.weave_side import measure_weave
+
+        return measure_weave(cfg, tokens, progress)
+    if side == "llama_cpp":
+        from weaved.bench.llama_side import measure_llama
+
+        return measure_llama(cfg, tokens, progress)
+    raise ValueError(f"unknown side {side!r}; expected one of {SIDES}")
+
+
+@contextlib.contextmanager
+def _thread_env(threads: int) -> Iterator[None]:
+    """Environment a spawned child inherits: every library's pool sized to the thread budget."""
+    saved = {k: os.environ.get(k) for k in _THREAD_VARS}
+    os.environ.update({k: str(threads) for k in _THREAD_VARS})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def measure_in_subprocess(side: str, cfg: BenchConfig, tokens: Sequence[int]) -> dict[str, float]:
+    """``measure_side`` in a fresh spawned process; its progress goes straight to our stderr."""
+    with _thread_env(cfg.threads):
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+            return pool.submit(measure_side, side, cfg, list(tokens)).result()
+
+
+def _warn_if_busy(threads: int, progress: Progress) -> None:
+    """Say so when other work already occupies the cores: llama.cpp's workers spin while they wait,
+    so a loaded machine distorts its figures far more than Weave's.  (CPU use sampled over half a
+    second, not the load average, which lags by a minute.)"""
+    import psutil
+
+    cpus = os.cpu_count() or 1
+    busy = psutil.cpu_percent(interval=0.5) / 100.0 * cpus  # CPUs' worth of work running now
+    if busy + threads > cpus + 0.5:
+        progress(
+            f"warning: {busy:.1f} of {cpus} CPUs busy before starting; "
+            f"with {threads} more threads the figures will be unreliable"
+        )
+
+
+def run_bench(
+    cfg: BenchConfig,
+    measure: Measure | None = None,
+    tokens: Sequence[int] | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Measure Weave, then llama.cpp, and build the report (see ``report``).
+
+    A side that raises is reported as ``{"error": message}`` so the other side's figures survive.
+    """
+    progress = progress or stderr_progress("bench")
+    if measure is None:
+        measure = measure_in_subprocess
+        _warn_if_busy(cfg.threads, progress)
+    if tokens is None:
+        progress("tokenizing the filler prompts")
+        tokens = filler_tokens(cfg.model, cfg.tokens_needed)
+    results: dict[str, dict[str, Any]] = {}
+    for side in SIDES:
+        progress(f"measuring {side} ({', '.join(cfg.keys)})")
+        try:
+            results[side] = dict(measure(side, cfg, tokens))
+        except Exception as exc:  # noqa: BLE001 - reported in the output, the other side still runs
+            results[side] = {"error": f"{type(exc).__name__}: {exc}"}
+            progress(f"{side} failed: {results[side]['error']}")
+    return build_report(str(cfg.model), cfg.threads, results["weave"], results["llama_cpp"])

@@ -1,0 +1,376 @@
+"""The daemon's core: model, sessions, router, one batch engine per pool, journal and KV store.
+
+The API calls only this class.  Methods other than ``load`` and ``shutdown`` do no heavy work and
+are called from the API's event loop; the engines call back from their own threads (``_commit``,
+``_on_turn_event``), so session state shared between the two is guarded by ``self._lock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from weaved.engine.engine import BatchEngine
+from weaved.engine.sampling import SamplingParams
+from weaved.engine.scheduler import SchedulerConfig
+from weaved.engine.sequence import Sequence
+from weaved.engine.stops import StopChecker
+from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound, Overloaded, WeaveError
+from weaved.profile import Profile
+from weaved.router import SLA, RoutingError, SessionRequest, SLAClass, SystemState, place, pool_state, promote
+from weaved.session import Session, chat_turn_tokens
+
+log = logging.getLogger("weave.daemon")
+KV_ALIGN = 32  # capacities are multiples of this: keeps the file's per-head runs page-aligned
+
+
+@dataclass
+class TurnHandle:
+    session_id: str
+    prompt_tokens: int  # the context the turn starts from (cached + new), for usage
+    cached_tokens: int
+    _daemon: Daemon
+
+    def cancel(self) -> None:
+        self._daemon.cancel_turn(self.session_id)
+
+
+class Daemon:
+    def __init__(self, profile: Profile, model_path: Path, *, data_dir: Path | None = None,
+                 log_fn: Callable[[str], None] = print):
+        self.profile = profile
+        self.model_path = Path(model_path)
+        self.data_dir = Path(data_dir or profile.host.data_dir)
+        self._log = log_fn
+        self._lock = threading.RLock()
+        self.sessions: dict[str, Session] = {}
+        self.engines: dict[str, BatchEngine] = {}
+        self.pool_notes: list[str] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._subscribers: set[asyncio.Queue] = set()
+        self.started = time.time()
+
+    # ---- life cycle ------------------------------------------------------------------------------
+    def load(self, progress: Callable[[str], None] | None = None) -> None:
+        from weaved.backends.cpu import CPUBackend
+        from weaved.journal import Journal
+        from weaved.kv.store import KVStore
+        from weaved.model.loader import open_model
+        from weaved.model.tokenizer import Tokenizer
+
+        say = progress or (lambda m: None)
+        say(f"opening {self.model_path.name}")
+        gguf, self.config = open_model(self.model_path)
+        self.model_name = self.model_path.stem
+        self.tokenizer = Tokenizer(self.model_path, gguf)
+        say("loading weights and kernels")
+        cpu = None
+        for pool in self.profile.pools:
+            if pool.backend == "cpu" and pool.strategy == "standard":
+                cpu = cpu or CPUBackend(gguf, self.config, threads=self.profile.threads.kernels)
+                self.engines[pool.name] = BatchEngine(
+                    pool.name, cpu,
+                    SchedulerConfig(pool.token_budget, pool.max_batch, pool.prefill_chunk),
+                    commit=self._commit, reserve=self._reserve, on_event=self.publish,
+                )
+            else:
+                note = f"pool {pool.name!r} ({pool.backend}, {pool.strategy}) is not served by this daemon build"
+                self.pool_notes.append(note)
+                log.warning(note)
+        if not self.engines:
+            raise WeaveError("the profile has no pool this daemon can run (a cpu pool with the standard strategy)")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = KVStore(self.data_dir / "kv", self.config, cap_bytes=self.profile.host.kv_cap_bytes)
+        self.journal = Journal(self.data_dir / "journal.sqlite")
+        say("recovering sessions")
+        self._recover()
+        for e in self.engines.values():
+            e.start()
+        say("ready")
+
+    def _recover(self) -> None:
+        for rec in self.journal.list():
+            try:
+                kv = self.store.open(rec.id, rec.kv_length)
+            except Exception as exc:  # a KV file made for another model, or lost: keep the rest serving
+                self._log(f"session {rec.id} not recovered: {exc}")
+                continue
+            from weaved.router import Placement
+
+            sla = SLA(SLAClass(rec.sla["class"]), rec.sla.get("ttft_ms"), rec.sla.get("ttlt_s"))
+            pl = rec.placement or {}
+            placement = Placement(**{**pl, "reasons": tuple(pl.get("reasons", ()))}) if pl else None
+            if placement is None or placement.decode_pool not in self.engines:
+                placement = self._place(sla, rec.kv_length, rec.max_context)
+            messages = [{"role": m["role"], "content": m["content"]} for m in rec.messages]
+            partial = self._unfinished_answer(rec)
+            if partial is not None:  # the daemon stopped mid-turn: keep what was committed of the answer
+                messages.append({"role": "assistant", "content": partial[0]})
+                self.journal.finish_message(rec.id, "assistant", partial[0], partial[1])
+            self.sessions[rec.id] = Session(rec.id, sla, rec.max_context, rec.system, placement, kv,
+                                            list(rec.tokens), messages, created=rec.created)
+        if self.sessions:
+            self._log(f"recovered {len(self.sessions)} session(s) from {self.data_dir}")
+
+    def _unfinished_answer(self, rec) -> tuple[str, list[int]] | None:
+        """Text and ids of the answer a turn had committed when the daemon stopped, if any.
+
+        A turn records its prompt tokens with its last input message; what was committed after them
+        is the answer so far."""
+        if not rec.messages or rec.messages[-1]["role"] != "user":
+            return None
+        last = rec.messages[-1]
+        start = (last["kv_at"] or 0) + len(last["token_ids"] or [])
+        ids = rec.tokens[start:]
+        return (self.tokenizer.decode(ids), ids) if ids else None
+
+    def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def shutdown(self) -> None:
+        for e in self.engines.values():
+            e.stop()
+        if hasattr(self, "journal"):
+            self.journal.close()
+
+    # ---- sessions --------------------------------------------------------------------------------
+    def _system_state(self) -> SystemState:
+        free = max(0, (self.profile.host.kv_cap_bytes - self.store.reserved_bytes()) // self.config.kv_bytes_per_token)
+        pools = []
+        for p in self.profile.pools:
+            e = self.engines.get(p.name)
+            if e is not None:
+                pools.append(pool_state(p, free_kv_tokens=int(free), batch_depth=e.depth))
+        node = int(self.profile.host.kv_cap_bytes // self.config.kv_bytes_per_token)
+        return SystemState(tuple(pools), peers_alive=0, ring_batch_depth=0, node_kv_tokens=node,
+                           pipeline_possible=False)
+
+    def _place(self, sla: SLA, prompt_tokens: int, max_context: int | None):
+        try:
+            return place(SessionRequest(sla, prompt_tokens, max_context), self._system_state(), self.profile.routing)
+        except RoutingError as exc:
+            raise ContextTooLong(str(exc), param="max_context") from exc
+
+    def create_session(self, sla: SLA, max_context: int | None = None, system: str | None = None, *,
+                       ephemeral: bool = False, prompt_tokens: int = 0) -> dict:
+        limit = self.config.context_length
+        if max_context is not None and not 1 <= max_context <= limit:
+            raise ContextTooLong(f"max_context must be between 1 and the model's context ({limit})",
+                                 param="max_context")
+        with self._lock:
+            if len(self.sessions) >= self.profile.host.max_sessions:
+                raise Overloaded(f"too many sessions ({self.profile.host.max_sessions}); delete some or retry later")
+            placement = self._place(sla, prompt_tokens, max_context)
+            sid = ("tmp-" if ephemeral else "s-") + secrets.token_hex(8)
+            cap = -(-(max_context or limit) // KV_ALIGN) * KV_ALIGN
+            kv = self.store.create(sid, cap)
+            s = Session(sid, sla, max_context or limit, system, placement, kv, [], [], ephemeral=ephemeral)
+            self.sessions[sid] = s
+            if not ephemeral:
+                self.journal.create_session(sid, _sla_dict(sla), s.max_context, system, _pl_dict(placement))
+        self.publish("placement", {"session": sid, "placement": _pl_dict(placement)})
+        if not ephemeral:
+            self._log(f"session {sid}: {sla.cls.value} -> {placement.decode_pool} ({'; '.join(placement.reasons)})")
+        return self.get_session(sid)
+
+    def _get(self, sid: str) -> Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise NotFound(f"no session {sid!r}", param="session")
+        return s
+
+    def get_session(self, sid: str) -> dict:
+        with self._lock:
+            s = self._get(sid)
+            return {
+                "id": s.id, "sla": _sla_dict(s.sla), "max_context": s.max_context, "system": s.system,
+                "placement": _pl_dict(s.placement), "status": "busy" if s.busy else "idle",
+                "context_tokens": s.context_tokens, "messages": list(s.messages), "created": s.created,
+                "pool": s.pool, "backend": self.engines[s.pool].backend.name if s.pool in self.engines else None,
+            }
+
+    def list_sessions(self) -> list[dict]:
+        with self._lock:
+            ids = [sid for sid, s in self.sessions.items() if not s.ephemeral]
+        return [self.get_session(sid) for sid in ids]
+
+    def delete_session(self, sid: str) -> None:
+        with self._lock:
+            s = self._get(sid)
+            if s.busy:
+                self.engines[s.pool].cancel(sid)
+            del self.sessions[sid]
+        self.store.delete(sid)
+        if not s.ephemeral:
+            self.journal.delete(sid)
+
+    # ---- turns -----------------------------------------------------------------------------------
+    def start_turn(self, *, session_id: str | None, messages: list[dict] | None = None,
+                   prompt: str | list[int] | None = None, params: SamplingParams, sla: SLA | None = None,
+                   echo: bool = False, emit: Callable[[dict], None]) -> TurnHandle:
+        if (messages is None) == (prompt is None):
+            raise InvalidRequest("a turn needs either messages or a prompt")
+        if messages is not None and not messages:
+            raise InvalidRequest("messages must not be empty", param="messages")
+        if session_id is None:
+            info = self.create_session(sla or SLA(SLAClass.INTERACTIVE), ephemeral=True)
+            session_id = info["id"]
+        with self._lock:
+            s = self._get(session_id)
+            if s.busy:
+                raise Conflict(f"session {session_id} is already generating a turn", param="session")
+            if messages is not None:
+                new, keep = chat_turn_tokens(self.tokenizer, s, messages)
+            else:
+                ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_bos=None if
+                                                                                    not s.committed else False)
+                new, keep = s.tail + list(ids), len(s.committed)
+            try:
+                self._check_fits(s, keep, new, params)
+            except WeaveError:
+                if s.ephemeral:
+                    self._drop_ephemeral(s)
+                raise
+            if keep < len(s.committed):  # the template rewrote history: drop what no longer matches
+                s.kv.truncate(keep)
+                del s.committed[keep:]
+                if not s.ephemeral:
+                    self.journal.truncate(s.id, keep)
+            s.tail = []
+            if sla is not None and sla != s.sla:
+                s.sla = sla
+            if messages is not None:
+                for i, m in enumerate(messages):
+                    s.messages.append({"role": m["role"], "content": m["content"]})
+                    if not s.ephemeral:  # the last message carries the turn's prompt tokens (see recovery)
+                        ids = list(new) if i == len(messages) - 1 else None
+                        self.journal.add_message(s.id, m["role"], m["content"], ids)
+            elif not s.ephemeral:
+                self.journal.add_message(s.id, "prompt", prompt if isinstance(prompt, str) else "", list(new))
+            stop_ids = set(params.stop_token_ids) | set(self.tokenizer.eog_ids)
+            seq = Sequence(
+                session_id=s.id, kv=s.kv, pending=list(new), params=params, rank=s.rank,
+                ttft_s=s.sla.ttft_ms / 1000 if s.sla.ttft_ms else None, ttlt_s=s.sla.ttlt_s,
+                history=list(s.committed), decoder=self.tokenizer.stream_decoder(),
+                stops=StopChecker(params.stop, stop_ids), prompt_logprobs=echo,
+            )
+            n_prompt = len(s.committed) + len(new)
+            seq.emit = lambda ev, s=s, seq=seq: self._on_turn_event(s, seq, ev, emit, n_prompt)
+            s.turn = seq
+            s.last_active = time.time()
+        handle = TurnHandle(s.id, n_prompt, keep, self)
+        self.engines[s.pool].submit(seq)
+        return handle
+
+    def _check_fits(self, s: Session, keep: int, new: list[int], params: SamplingParams) -> None:
+        if not new:
+            raise InvalidRequest("the turn adds no tokens", param="messages")
+        total = keep + len(new)
+        cap = s.kv.capacity
+        if total >= cap:
+            raise ContextTooLong(f"the prompt needs {total} tokens of context but the session holds {cap}")
+        if total + params.max_tokens > cap:
+            raise ContextTooLong(
+                f"max_tokens {params.max_tokens} with a {total}-token context exceeds the session's context of "
+                f"{cap} tokens", param="max_tokens")
+
+    def _drop_ephemeral(self, s: Session) -> None:
+        with self._lock:
+            self.sessions.pop(s.id, None)
+        self.store.delete(s.id)
+
+    def cancel_turn(self, sid: str) -> None:
+        with self._lock:
+            s = self.sessions.get(sid)
+        if s is not None and s.busy:
+            self.engines[s.pool].cancel(sid)
+
+    # engine-thread callbacks
+    def _reserve(self, seq: Sequence, new_length: int) -> None:
+        self.store.reserve(seq.kv, new_length)
+
+    def _commit(self, seq: Sequence, fed: list[int]) -> None:
+        with self._lock:
+            s = self.sessions.get(seq.session_id)
+            if s is None:
+                return
+            s.committed.extend(fed)
+            if not s.ephemeral:
+                self.journal.commit_tokens(s.id, fed, seq.kv.length)
+
+    def _on_turn_event(self, s: Session, seq: Sequence, ev: dict, emit: Callable[[dict], None],
+                       n_prompt: int) -> None:
+        kind = ev["type"]
+        if kind in ("done", "error"):
+            with self._lock:
+                s.tail = list(seq.pending) if kind == "done" else []
+                text = "".join(seq.text)
+                if seq.generated and kind == "done":
+                    s.messages.append({"role": "assistant", "content": text})
+                    if not s.ephemeral:
+                        self.journal.finish_message(s.id, "assistant", text, list(seq.generated))
+                s.last_active = time.time()
+            emit({**ev, "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(seq.generated),
+                                  "cached_tokens": n_prompt - seq.prefilled}})
+            if s.ephemeral:
+                self._drop_ephemeral(s)
+            return
+        emit(ev)
+
+    # ---- SLA changes -----------------------------------------------------------------------------
+    def promote(self, sid: str) -> dict:
+        return self._change_sla(sid, SLA(SLAClass.INTERACTIVE, 500.0, None), "promotion")
+
+    def demote(self, sid: str) -> dict:
+        return self._change_sla(sid, SLA(SLAClass.BACKGROUND, None, None), "demotion")
+
+    def _change_sla(self, sid: str, sla: SLA, kind: str) -> dict:
+        with self._lock:
+            s = self._get(sid)
+            new = promote(s.placement, SessionRequest(sla, s.context_tokens, s.max_context), self._system_state(),
+                          self.profile.routing)
+            s.sla, s.placement = sla, new
+            if s.busy:  # the running turn's priority changes at the next step
+                self.engines[s.pool].set_rank(sid, s.rank)
+            if not s.ephemeral:
+                self.journal.set_sla(sid, _sla_dict(sla))
+                self.journal.set_placement(sid, _pl_dict(new))
+        self.publish(kind, {"session": sid, "placement": _pl_dict(new)})
+        return self.get_session(sid)
+
+    # ---- status and events -----------------------------------------------------------------------
+    def publish(self, kind: str, data: dict) -> None:
+        """Send an event to every ``/v1/events`` subscriber (any thread)."""
+        ev = {"type": kind, "time": time.time(), **data}
+        loop = self._loop
+        if loop is None:
+            return
+        for q in list(self._subscribers):
+            loop.call_soon_threadsafe(q.put_nowait, ev)
+
+    def subscribe(self) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue(maxsize=10000)
+        self._subscribers.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue) -> None:
+        self._subscribers.discard(q)
+
+    def status(self) -> dict:
+        from weaved.daemon_status import status_dict
+
+        return status_dict(self)
+
+
+def _sla_dict(sla: SLA) -> dict:
+    return {"class": sla.cls.value, "ttft_ms": sla.ttft_ms, "ttlt_s": sla.ttlt_s}
+
+
+def _pl_dict(p) -> dict:
+    return p.to_dict()

@@ -1,0 +1,77 @@
+"""``/v1/status``: everything ``weave top`` shows, as one JSON-able dict."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from weaved.daemon import Daemon
+
+
+def _tps(engine, window_s: float = 10.0) -> float:
+    now = time.monotonic()
+    recent = [(t, n) for t, n in list(engine.tps_window) if now - t <= window_s]
+    if not recent:
+        return 0.0
+    span = max(now - recent[0][0], 1e-3)
+    return sum(n for _, n in recent) / span
+
+
+def _hardware() -> dict:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return {
+        "cpu_percent": psutil.cpu_percent(interval=None, percpu=True),
+        "memory_total": vm.total,
+        "memory_used": vm.total - vm.available,
+        "rss": psutil.Process(os.getpid()).memory_info().rss,
+        "gpus": [],  # a GPU pool reports its device here
+    }
+
+
+def status_dict(d: Daemon) -> dict:
+    pools = []
+    for p in d.profile.pools:
+        e = d.engines.get(p.name)
+        if e is None:
+            continue
+        seqs = e.snapshot()
+        pools.append({
+            "name": p.name, "backend": e.backend.name, "device": p.device, "strategy": p.strategy,
+            "variant": {"speculative": p.speculative, "max_batch": p.max_batch, "prefill_chunk": p.prefill_chunk,
+                        "token_budget": p.token_budget},
+            "batch_depth": sum(1 for s in seqs if s.status.value == "running"),
+            "queue_depth": sum(1 for s in seqs if s.status.value in ("waiting", "paused")),
+            "tokens_per_s": round(_tps(e), 2),
+            "steps": e.counters.steps, "tokens_generated": e.counters.tokens_generated,
+            "tokens_prefilled": e.counters.tokens_prefilled, "preemptions": e.counters.preemptions,
+        })
+    now = time.monotonic()
+    sessions = []
+    with d._lock:
+        for s in d.sessions.values():
+            t = s.turn
+            running = t is not None and not t.status.done
+            ttft = (t.first_token_at - t.arrival) if (t is not None and t.first_token_at) else None
+            slack = (t.deadline(now) - now) if running else None
+            tps = None
+            if t is not None and t.first_token_at and len(t.generated) > 1:
+                tps = (len(t.generated) - 1) / max((t.last_token_at or now) - t.first_token_at, 1e-6)
+            sessions.append({
+                "id": s.id, "class": s.sla.cls.value, "pool": s.pool,
+                "backend": d.engines[s.pool].backend.name if s.pool in d.engines else None,
+                "context_tokens": s.context_tokens, "state": t.status.value if running else "idle",
+                "tokens_per_s": round(tps, 2) if tps else None, "ttft_s": round(ttft, 4) if ttft else None,
+                "deadline_slack_s": round(slack, 3) if slack is not None and slack != float("inf") else None,
+                "reason": "; ".join(s.placement.reasons), "ephemeral": s.ephemeral,
+            })
+    return {
+        "model": {"name": d.model_name, "path": str(d.model_path), "arch": d.config.arch,
+                  "context_length": d.config.context_length},
+        "profile": d.profile.name, "uptime_s": round(time.time() - d.started, 1),
+        "pools": pools, "pool_notes": d.pool_notes, "sessions": sessions,
+        "kv": d.store.tiers(), "hardware": _hardware(), "peers": [],
+    }

@@ -1,0 +1,276 @@
+"""The batch engine of one pool: continuous batching in its own thread.
+
+Each step: admit new turns, let the scheduler pick work under the token budget by SLA, reserve KV
+rows, run one ``backend.forward`` over every picked chunk, then for each sequence commit the fed
+tokens to the journal (their KV rows are written by then), sample, check stops and stream events.
+The kernels release the GIL, so the API's event loop keeps serving while a step runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from weaved.backends.base import Backend, Logits, SeqChunk
+from weaved.engine.sampling import logprobs_of
+from weaved.engine.scheduler import SchedulerConfig, Work, schedule
+from weaved.engine.sequence import SeqStatus, Sequence, SLARank
+
+log = logging.getLogger("weave.engine")
+
+
+@dataclass
+class PoolCounters:
+    steps: int = 0
+    tokens_generated: int = 0
+    tokens_prefilled: int = 0
+    preemptions: int = 0
+    busy_s: float = 0.0
+
+
+class BatchEngine:
+    """Runs the sequences of one pool.  ``submit``/``cancel``/``set_rank`` are thread-safe.
+
+    ``commit(seq, fed_tokens)`` is called after each step for every sequence that fed tokens, once
+    their KV rows are written: the daemon records them in the journal there.  ``reserve(seq, n)``
+    is called before a step writes ``n`` more rows (the KV store grows the file, enforces the cap);
+    if it raises, that sequence fails with the error's message and the others continue.
+    ``on_event(kind, data)`` receives pool-level events (preemption) for ``/v1/events``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        backend: Backend,
+        config: SchedulerConfig,
+        *,
+        commit: Callable[[Sequence, list[int]], None] | None = None,
+        reserve: Callable[[Sequence, int], None] | None = None,
+        on_event: Callable[[str, dict], None] | None = None,
+    ):
+        self.name = name
+        self.backend = backend
+        self.config = config
+        self._commit = commit
+        self._reserve = reserve
+        self._on_event = on_event
+        self._cond = threading.Condition()
+        self._incoming: list[Sequence] = []
+        self._active: list[Sequence] = []
+        self._cancel: set[str] = set()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.counters = PoolCounters()
+        self.tps_window: list[tuple[float, int]] = []  # (time, tokens generated) per step, recent
+
+    # ---- control (any thread) ----------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish the step in flight, then stop; unfinished turns end with finish_reason 'shutdown'."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, seq: Sequence) -> None:
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            self._incoming.append(seq)
+            self._cond.notify_all()
+
+    def cancel(self, session_id: str) -> None:
+        with self._cond:
+            self._cancel.add(session_id)
+            self._cond.notify_all()
+
+    def set_rank(self, session_id: str, rank: SLARank) -> bool:
+        """Change a running turn's SLA rank; it takes effect at the next step."""
+        with self._cond:
+            for s in self._active + self._incoming:
+                if s.session_id == session_id and not s.status.done:
+                    s.rank = rank
+                    return True
+        return False
+
+    def snapshot(self) -> list[Sequence]:
+        with self._cond:
+            return list(self._active) + list(self._incoming)
+
+    @property
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._active) + len(self._incoming)
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._incoming and not self._active and not self._cancel:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                self._active.extend(self._incoming)
+                self._incoming.clear()
+                cancelled, self._cancel = self._cancel, set()
+            for s in self._active:
+                if s.session_id in cancelled and not s.status.done:
+                    self._finish(s, SeqStatus.CANCELLED, "cancelled")
+            self._active = [s for s in self._active if not s.status.done]
+            if self._active:
+                try:
+                    self.step()
+                except Exception as exc:  # a bug in one step must not kill the pool: fail its turns
+                    log.exception("engine %s: step failed", self.name)
+                    for s in self._active:
+                        self._fail(s, f"internal error: {exc}")
+                self._active = [s for s in self._active if not s.status.done]
+        with self._cond:
+            rest = self._active + self._incoming
+            self._active, self._incoming = [], []
+        for s in rest:
+            if not s.status.done:
+                self._finish(s, SeqStatus.CANCELLED, "shutdown")
+
+    def step(self) -> None:
+        """One scheduling step over the active sequences (engine thread only)."""
+        now = time.monotonic()
+        before = {id(s): s.status for s in self._active}
+        work = schedule(self._active, self.config, now)
+        for s in self._active:
+            if s.status == SeqStatus.PAUSED and before[id(s)] != SeqStatus.PAUSED:
+                self.counters.preemptions += 1
+                self._event("preemption", {"session": s.session_id, "pool": self.name})
+        work = [w for w in work if self._reserved(w)]
+        if not work:
+            return
+        chunks = []
+        for w in work:
+            s = w.seq
+            last = w.n_tokens == len(s.pending)
+            want = Logits.ALL if (s.prompt_logprobs and s.prefilling) else (Logits.LAST if last else Logits.NONE)
+            chunks.append(SeqChunk(s.kv, np.asarray(s.pending[: w.n_tokens], np.int32), want))
+        t0 = time.perf_counter()
+        outs = self.backend.forward(chunks)
+        self.counters.busy_s += time.perf_counter() - t0
+        self.counters.steps += 1
+        generated = 0
+        for w, logits in zip(work, outs, strict=True):
+            generated += self._advance(w, logits)
+        self.tps_window.append((time.monotonic(), generated))
+        if len(self.tps_window) > 256:
+            del self.tps_window[:128]
+
+    def _reserved(self, w: Work) -> bool:
+        if self._reserve is None:
+            return True
+        try:
+            self._reserve(w.seq, w.seq.kv.length + w.n_tokens)
+            return True
+        except Exception as exc:  # KV cap, full disk: that turn fails, the others go on
+            self._fail(w.seq, str(exc))
+            return False
+
+    def _advance(self, w: Work, logits: np.ndarray) -> int:
+        s = w.seq
+        fed = s.pending[: w.n_tokens]
+        del s.pending[: w.n_tokens]
+        was_prefill = s.prefilling
+        if s.prompt_logprobs and was_prefill and len(logits):
+            self._emit_prompt_logprobs(s, fed, logits)
+        s.history.extend(fed)
+        if was_prefill:
+            s.prefilled += len(fed)
+            self.counters.tokens_prefilled += len(fed)
+        if self._commit is not None:
+            self._commit(s, fed)
+        if s.pending:
+            return 0  # more prompt to feed
+        return self._sample(s, logits[-1])
+
+    def _emit_prompt_logprobs(self, s: Sequence, fed: list[int], logits: np.ndarray) -> None:
+        """Log-probability of each fed token given what came before it.  Row i of ``logits``
+        predicts fed token i+1; the chunk's first token is predicted by the previous chunk's last
+        row (none for the first token the turn feeds)."""
+        rows = [s.prev_row, *logits[:-1]]
+        items = []
+        for tok, row in zip(fed, rows, strict=True):
+            if row is None:
+                items.append((tok, None, []))
+            else:
+                lp, top = logprobs_of(row, tok, s.params.logprobs or 0)
+                items.append((tok, lp, top))
+        s.prev_row = logits[-1].copy()
+        self._emit(s, {"type": "prompt_logprobs", "items": items})
+
+    def _sample(self, s: Sequence, row: np.ndarray) -> int:
+        now = time.monotonic()
+        tok = s.sample(row)
+        lp = logprobs_of(row, tok, s.params.logprobs) if s.params.logprobs is not None else None
+        if s.first_token_at is None:
+            s.first_token_at = now
+            s.status = SeqStatus.RUNNING
+        s.last_token_at = now
+        s.generated.append(tok)
+        self.counters.tokens_generated += 1
+        piece = s.decoder.push(tok) if s.decoder is not None else ""
+        step = s.stops.feed(piece, tok) if s.stops is not None else None
+        text = step.text if step is not None else piece
+        if text:
+            s.text.append(text)
+        ev = {"type": "token", "token": tok, "text": text}
+        if lp is not None:
+            ev["logprob"], ev["top_logprobs"] = lp
+        self._emit(s, ev)
+        if step is not None and step.stopped:
+            # the stop token (e.g. end of turn) is part of the transcript; feed it with the next turn
+            s.pending = [tok]
+            self._finish(s, SeqStatus.FINISHED, "stop")
+        elif len(s.generated) >= s.params.max_tokens or s.kv.length + 1 >= s.kv.capacity:
+            s.pending = [tok]
+            self._finish(s, SeqStatus.FINISHED, "length")
+        else:
+            s.pending = [tok]
+        return 1
+
+    def _finish(self, s: Sequence, status: SeqStatus, reason: str) -> None:
+        if s.status.done:
+            return
+        if s.decoder is not None and status == SeqStatus.FINISHED and reason != "stop":
+            tail = s.decoder.flush()
+            if s.stops is not None:
+                tail = s.stops.feed(tail).text + s.stops.flush() if tail else s.stops.flush()
+            if tail:
+                s.text.append(tail)
+                self._emit(s, {"type": "token", "token": None, "text": tail})
+        s.status = status
+        s.finish_reason = reason
+        self._emit(s, {"type": "done", "finish_reason": reason})
+
+    def _fail(self, s: Sequence, message: str) -> None:
+        if s.status.done:
+            return
+        s.status = SeqStatus.FAILED
+        s.error = message
+        s.finish_reason = "error"
+        self._emit(s, {"type": "error", "message": message})
+
+    def _emit(self, s: Sequence, ev: dict) -> None:
+        if s.emit is not None:
+            try:
+                s.emit(ev)
+            except Exception:  # a dead client must not stop the engine
+                log.exception("engine %s: emit failed for %s", self.name, s.session_id)
+
+    def _event(self, kind: str, data: dict) -> None:
+        if self._on_event is not None:
+            self._on_event(kind, data)

@@ -1,0 +1,270 @@
+"""Token sampling: llama.cpp's default sampler chain on one row of logits.
+
+The chain runs in llama.cpp's order - repetition penalty, top-k, top-p, min-p, temperature, draw - so
+that a request means the same thing here as it does to llama.cpp: top-p and min-p see the
+probabilities *before* temperature scaling.  Temperature 0 is greedy (argmax, ties to the lowest id)
+and never touches the random generator.
+
+A ``Sampler`` belongs to one sequence and owns that sequence's generator (PCG64), so a seeded request
+draws the same tokens whatever else is in the batch.  Candidates are kept in a canonical order (by id,
+or by descending logit then id once sorted) so that the inverse-CDF draw is reproducible too.
+
+Speed: the vocabulary is ~49k, so nothing here sorts the whole vocabulary when it can be avoided:
+top-k finds its threshold with a block-maximum floor and ``np.partition``, top-p grows a partial
+selection until it holds the nucleus, and the draw searches block sums before one block.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit for top_logprobs)
+_NUCLEUS_START = 256  # first partial selection tried by top-p over the full vocabulary
+_DRAW_BLOCK = 1024  # block size of the two-level inverse-CDF search
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns logits into tokens, and when it stops.
+
+    ``repeat_last_n``: how many of the latest tokens the repetition penalty looks at
+    (0 = none, -1 = the whole history).  ``logprobs``: how many top alternatives to report per token
+    (None = no log-probabilities).  ``stop`` strings and ``stop_token_ids`` are applied by the engine
+    (see ``weaved.engine.stops``); they are validated here with the rest.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    repeat_last_n: int = 64
+    seed: int | None = None  # None = a fresh random seed per sampler
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Accept lists from JSON bodies but store tuples, so the params stay hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_float("temperature", self.temperature, lo=0.0)
+        _check_int("top_k", self.top_k, lo=0)
+        _check_float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
+        _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        _check_int("repeat_last_n", self.repeat_last_n, lo=-1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=0, hi=2**64 - 1)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids entries", t, lo=0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, v: object, lo: int, hi: int | None = None) -> None:
+    if isinstance(v, bool) or not isinstance(v, int | np.integer):
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+    if v < lo or (hi is not None and v > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {bound}, got {v}")
+
+
+def _check_float(name: str, v: object, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
+    if isinstance(v, bool) or not isinstance(v, int | float | np.floating | np.integer):
+        raise ValueError(f"{name} must be a number, got {v!r}")
+    v = float(v)
+    bad_lo = v <= lo if lo_open else v < lo
+    if not math.isfinite(v) or bad_lo or (hi is not None and v > hi):
+        if hi is None:
+            bound = f"> {lo}" if lo_open else f">= {lo}"
+        else:
+            bound = f"in {'(' if lo_open else '['}{lo}, {hi}]"
+        raise ValueError(f"{name} must be a finite number {bound}, got {v}")
+
+
+class Sampler:
+    """Samples the next token of one sequence; owns the sequence's random generator."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        # The seed actually used, so that an unseeded run can still be replayed.
+        self.seed: int = params.seed if params.seed is not None else secrets.randbits(63)
+        self.rng = np.random.Generator(np.random.PCG64(self.seed))
+
+    def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
+        """The next token id, given float32 ``logits`` [vocab] and the sequence's tokens so far.
+
+        ``logits`` is not modified.  Raises ``ValueError`` on NaN logits or when every logit is -inf.
+        """
+        p = self.params
+        x = np.asarray(logits, dtype=np.float32)  # [vocab]
+        if x.ndim != 1:
+            raise ValueError(f"logits must be one row [vocab], got shape {x.shape}")
+        if np.isnan(x).any():
+            raise ValueError("logits contain NaN")
+        x = apply_repetition_penalty(x, history, p.repetition_penalty, p.repeat_last_n)
+        if p.greedy:
+            # top-k, top-p and min-p always keep the most likely token, so they cannot change argmax.
+            best = int(np.argmax(x))  # first maximum = lowest id
+            if x[best] == -np.inf:
+                raise ValueError("every logit is -inf")
+            return best
+
+        ids = np.arange(x.shape[0])  # [n] candidate ids, in canonical order
+        vals = x  # [n] their logits
+        if p.top_k > 0:
+            ids, vals = top_k_filter(ids, vals, p.top_k)
+        if p.top_p < 1.0:
+            ids, vals = top_p_filter(ids, vals, p.top_p)
+        if p.min_p > 0.0:
+            ids, vals = min_p_filter(ids, vals, p.min_p)
+        w = _weights(vals, p.temperature)  # [n] unnormalized probabilities
+        return int(ids[_draw(w, self.rng.random())])
+
+
+def apply_repetition_penalty(
+    logits: np.ndarray, history: Sequence[int], penalty: float, last_n: int
+) -> np.ndarray:
+    """llama.cpp's repetition penalty: every token seen among the last ``last_n`` of ``history``
+    has a positive logit divided by ``penalty`` and a non-positive one multiplied by it (once, however
+    often it occurred).  Returns ``logits`` itself when there is nothing to do, else a copy."""
+    if penalty == 1.0 or last_n == 0 or len(history) == 0:
+        return logits
+    window = history if last_n < 0 else history[-last_n:]
+    seen = np.unique(np.asarray(window, dtype=np.int64))
+    seen = seen[(seen >= 0) & (seen < logits.shape[0])]
+    out = logits.copy()
+    v = out[seen]
+    out[seen] = np.where(v <= 0, v * np.float32(penalty), v / np.float32(penalty))
+    return out
+
+
+def _sorted_desc(ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Candidates ordered by descending logit, ties in their current order.  Callers keep candidates
+    in ascending id among equal logits, so ties end up ordered by ascending id."""
+    order = np.argsort(-vals, kind="stable")
+    return ids[order], vals[order]
+
+
+def _kth_largest(vals: np.ndarray, k: int):
+    """The k-th largest value of ``vals`` (1 <= k <= n) in O(n) without touching most of it twice.
+
+    Split ``vals`` into k blocks: the smallest of the k block maxima is a floor with at least k values
+    at or above it, so the k largest are all among the values >= floor - usually a few hundred.
+    """
+    n = vals.shape[0]
+    cand = vals
+    if 4 * k <= n:
+        starts = np.linspace(0, n, k, endpoint=False).astype(np.int64)
+        cand = vals[vals >= np.maximum.reduceat(vals, starts).min()]
+    m = cand.shape[0]
+    return np.partition(cand, m - k)[m - k]
+
+
+def top_k_filter(ids: np.ndarray, vals: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` highest-logit candidates (ties at the boundary go to the lowest ids), sorted
+    descending.  O(n) selection plus a sort of ``k`` items; never a sort of the vocabulary."""
+    n = vals.shape[0]
+    if k < n:
+        kth = _kth_largest(vals, k)
+        keep = vals >= kth
+        if np.count_nonzero(keep) > k:  # ties at the k-th value: keep only the first ones
+            # Positions ascend with id among equal logits (candidates are in id order or sorted by
+            # logit then id), so the first tied positions are the lowest ids.
+            at = np.flatnonzero(vals == kth)
+            keep[at[k - np.count_nonzero(vals > kth) :]] = False
+        sel = np.flatnonzero(keep)
+        ids, vals = ids[sel], vals[sel]
+    return _sorted_desc(ids, vals)
+
+
+def top_p_filter(ids: np.ndarray, vals: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Nucleus: the shortest prefix of the candidates sorted by probability whose total reaches ``p``
+    (llama.cpp: keep up to and including the token where the running sum first reaches ``p``).
+    Returns the prefix sorted descending."""
+    n = vals.shape[0]
+    w = _weights(vals, 1.0)  # [n] unnormalized probabilities
+    target = p * float(w.sum(dtype=np.float64))
+    positions = np.arange(n)
+    m = min(n, _NUCLEUS_START)
+    while True:
+        # Only the m most probable candidates are sorted; if they already hold mass p, the nucleus
+        # lies inside them (a full sort is the last resort, for a very flat distribution).
+        order = top_k_filter(positions, vals, m)[0]  # positions of the m largest, sorted descending
+        cum = np.cumsum(w[order], dtype=np.float64)
+        if cum[-1] >= target or m >= n:
+            keep = min(int(np.searchsorted(cum, target, side="left")) + 1, m)
+            order = order[:keep]
+            return ids[order], vals[order]
+        m = min(n, m * 8)
+
+
+def min_p_filter(ids: np.ndarray, vals: np.ndarray, min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Keep candidates whose probability is at least ``min_p`` times the top one's (compared in logit
+    space, as llama.cpp does: logit >= max_logit + log(min_p)).  Order is preserved."""
+    threshold = np.max(vals) + np.float32(math.log(min_p))
+    keep = vals >= threshold
+    return ids[keep], vals[keep]
+
+
+def _weights(vals: np.ndarray, temperature: float) -> np.ndarray:
+    """Unnormalized softmax of ``vals / temperature`` (float32, the largest is 1); raises when no
+    candidate has a finite logit.  float32 is enough for drawing and ~10x faster than float64."""
+    mx = vals.max()
+    if mx == -np.inf:
+        raise ValueError("every logit is -inf")
+    # Subtract the maximum first (so nothing overflows) and cap 1/T (so 0 * inf cannot occur).
+    inv_t = np.float32(min(1.0 / temperature, 1e30))
+    return np.exp((vals - mx) * inv_t)
+
+
+def _draw(w: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw: the position where the running sum of ``w`` [n] passes ``u`` (in [0, 1))
+    times the total.  Large ``w`` is searched block by block, so there is no cumsum over all of it."""
+    n = w.shape[0]
+    if n <= 4 * _DRAW_BLOCK:
+        c = np.cumsum(w, dtype=np.float64)
+        i = int(np.searchsorted(c, u * c[-1], side="right"))
+    else:
+        starts = np.arange(0, n, _DRAW_BLOCK)
+        cb = np.cumsum(np.add.reduceat(w, starts, dtype=np.float64))  # [n_blocks] running block sums
+        t = u * cb[-1]
+        b = min(int(np.searchsorted(cb, t, side="right")), starts.shape[0] - 1)
+        t -= cb[b - 1] if b else 0.0
+        c = np.cumsum(w[starts[b] : starts[b] + _DRAW_BLOCK], dtype=np.float64)
+        i = int(starts[b]) + int(np.searchsorted(c, t, side="right"))
+    if i >= n or w[i] == 0:
+        # Rounding put the target at (or past) the very end: take the last token that has weight,
+        # never a masked one.
+        pos = np.flatnonzero(w[: min(i, n - 1) + 1] > 0)
+        i = int(pos[-1]) if pos.shape[0] else int(np.flatnonzero(w > 0)[0])
+    return i
+
+
+def logprobs_of(logits: np.ndarray, token: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:
+    """Log-probability of ``token`` under ``logits`` [vocab], and the ``top_n`` most likely tokens
+    with theirs (descending, ties to the lowest id).  Log-softmax in float64 for stability."""
+    z = np.asarray(logits, dtype=np.float64)  # [vocab]
+    mx = z.max()
+    lse = mx + math.log(float(np.exp(z - mx).sum()))
+    lp_token = float(z[token] - lse)
+    if top_n <= 0:
+        return lp_token, []
+    n = min(top_n, z.shape[0])
+    ids, vals = top_k_filter(np.arange(z.shape[0]), z, n)
+    return lp_token, [(int(i), float(v - lse)) for i, v in zip(ids, vals, strict=True)]

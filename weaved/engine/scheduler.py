@@ -1,0 +1,62 @@
+"""Which sequences run in the next step, under a token budget, by SLA.
+
+Order (DESIGN.md §8): interactive first; then earliest deadline (the TTFT deadline for a waiting
+prefill; the TTLT budget spread over the remaining tokens for a decode); batch class last.  A
+sequence not picked this step is paused; since its KV stays in its file, that costs nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weaved.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    token_budget: int = 512  # tokens per step over all sequences
+    max_batch: int = 64  # sequences per step
+    prefill_chunk: int = 256  # the most prompt tokens one sequence feeds in a step
+
+    def __post_init__(self) -> None:
+        for k in ("token_budget", "max_batch", "prefill_chunk"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"scheduler {k} must be >= 1")
+
+
+@dataclass(frozen=True)
+class Work:
+    seq: Sequence
+    n_tokens: int  # how many of seq.pending to feed this step
+
+
+def priority_key(seq: Sequence, now: float) -> tuple:
+    """Sort key: rank (interactive < background < batch), then deadline, then arrival."""
+    return (int(seq.rank), seq.deadline(now), seq.arrival)
+
+
+def schedule(active: list[Sequence], cfg: SchedulerConfig, now: float) -> list[Work]:
+    """Pick the step's work; marks picked sequences RUNNING/WAITING and the rest PAUSED.
+
+    Decodes cost one token.  A prefill takes what is left of the budget (at most
+    ``prefill_chunk``); a prefill that gets no tokens waits for a later step.
+    """
+    budget = cfg.token_budget
+    picked: list[Work] = []
+    for seq in sorted(active, key=lambda s: priority_key(s, now)):
+        if seq.status.done or not seq.pending:
+            continue
+        if len(picked) >= cfg.max_batch or budget <= 0:
+            _pause(seq)
+            continue
+        n = min(len(seq.pending), cfg.prefill_chunk, budget) if seq.prefilling else 1
+        picked.append(Work(seq, n))
+        budget -= n
+        seq.status = SeqStatus.WAITING if seq.prefilling else SeqStatus.RUNNING
+    return picked
+
+
+def _pause(seq: Sequence) -> None:
+    if seq.status == SeqStatus.RUNNING:
+        seq.status = SeqStatus.PAUSED
+        seq.preemptions += 1

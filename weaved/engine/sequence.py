@@ -1,0 +1,98 @@
+"""One turn of a session as the batch engine sees it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum, StrEnum
+
+import numpy as np
+
+from weaved.engine.sampling import Sampler, SamplingParams
+from weaved.engine.stops import StopChecker
+from weaved.kv.cache import KVCache
+
+
+class SeqStatus(StrEnum):
+    WAITING = "waiting"  # prompt tokens still to prefill
+    RUNNING = "running"  # decoding: one token per step
+    PAUSED = "paused"  # preempted this step; its KV stays where it is, resuming costs nothing
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    @property
+    def done(self) -> bool:
+        return self in (SeqStatus.FINISHED, SeqStatus.CANCELLED, SeqStatus.FAILED)
+
+
+class SLARank(int, Enum):
+    """Scheduling rank by SLA class: lower runs first."""
+
+    INTERACTIVE = 0
+    BACKGROUND = 1
+    BATCH = 2
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A turn being generated: its pending prompt tokens, sampler, deadlines and output sink.
+
+    ``pending`` holds tokens whose KV is not yet written (the new prompt, then each sampled token
+    until the next step feeds it).  ``emit`` is called from the engine thread with each event; the
+    API wraps it so that events reach asyncio safely.
+    """
+
+    session_id: str
+    kv: KVCache
+    pending: list[int]  # tokens to feed; the prompt first, then the last sampled token
+    params: SamplingParams
+    rank: SLARank
+    ttft_s: float | None = None  # target time to first token
+    ttlt_s: float | None = None  # budget for the whole turn
+    emit: Callable[[dict], None] | None = None
+    decoder: object | None = None  # tokenizer.StreamDecoder: token ids -> text as it streams
+    stops: StopChecker | None = None  # stop strings and stop/end-of-generation token ids
+    prompt_logprobs: bool = False  # return the prompt tokens' log-probabilities (completions echo)
+    history: list[int] = field(default_factory=list)  # context tokens, for the repetition penalty
+    arrival: float = field(default_factory=time.monotonic)
+    status: SeqStatus = SeqStatus.WAITING
+    generated: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    preemptions: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    sampler: Sampler = field(init=False)
+    text: list[str] = field(default_factory=list)  # emitted output text pieces
+    prefilled: int = 0  # prompt tokens fed this turn
+    prev_row: np.ndarray | None = None  # last logits row of the previous prefill chunk (prompt logprobs)
+
+    def __post_init__(self) -> None:
+        self.sampler = Sampler(self.params)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.first_token_at is None
+
+    @property
+    def remaining_tokens(self) -> int:
+        return max(1, self.params.max_tokens - len(self.generated))
+
+    def deadline(self, now: float) -> float:
+        """When this sequence's next unit of work is due (monotonic seconds; inf if no target).
+
+        A waiting prefill is due at its TTFT deadline.  A decode spreads what is left of the turn's
+        TTLT budget evenly over the tokens it still has to generate.
+        """
+        if self.prefilling:
+            return self.arrival + self.ttft_s if self.ttft_s is not None else float("inf")
+        if self.ttlt_s is None:
+            return float("inf")
+        end = self.arrival + self.ttlt_s
+        last = self.last_token_at or now
+        return last + max(0.0, end - last) / self.remaining_tokens
+
+    def sample(self, logits_row: np.ndarray) -> int:
+        return self.sampler.sample(logits_row, self.history)

@@ -1,0 +1,88 @@
+"""Incremental stop detection for streamed text.
+
+Tokens arrive one decoded piece at a time, and a stop string may span several pieces ("</s" then
+">").  ``StopChecker`` therefore holds back the longest tail of the text that could still grow into a
+stop string, emits everything before it, and when a stop string completes returns the text up to
+(not including) it.  A stop token id ends generation without emitting that token's text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StopStep:
+    """What one ``feed`` produced.
+
+    ``text`` is safe to emit now (when ``stopped``, it is the last text of the output).  ``matched``
+    is the stop string or stop token id that ended generation, or None.
+    """
+
+    text: str
+    stopped: bool = False
+    matched: str | int | None = None
+
+
+class StopChecker:
+    """Watches one sequence's output for stop strings and stop token ids.
+
+    Contract: the concatenation of every ``feed(...).text`` plus ``flush()`` is the output up to the
+    first stop (excluded), or all of it when nothing stopped it.  Feeding after a stop raises
+    ``RuntimeError``.
+    """
+
+    def __init__(self, stop_strings: Iterable[str] = (), stop_ids: Iterable[int] = ()):
+        self.stop_strings = tuple(s for s in stop_strings)
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop strings must be non-empty")
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
+        self._held = ""  # a tail that may be the start of a stop string; not emitted yet
+        self._max_hold = max((len(s) for s in self.stop_strings), default=1) - 1
+        self.stopped = False
+        self.matched: str | int | None = None
+
+    def feed(self, piece: str, token_id: int | None = None) -> StopStep:
+        """Take the decoded text of the next token (and its id, to check stop ids)."""
+        if self.stopped:
+            raise RuntimeError("generation already stopped")
+        if token_id is not None and token_id in self.stop_ids:
+            # The stop token's own text is not part of the output; what was held back is.
+            text, self._held = self._held, ""
+            return self._stop(text, token_id)
+        buf = self._held + piece
+        cut, which = self._first_match(buf)
+        if which is not None:
+            self._held = ""
+            return self._stop(buf[:cut], which)
+        hold = self._partial_tail(buf)
+        self._held = buf[len(buf) - hold :]
+        return StopStep(buf[: len(buf) - hold])
+
+    def flush(self) -> str:
+        """End of output for another reason (length, end of sequence): release the held text."""
+        text, self._held = self._held, ""
+        return text
+
+    def _stop(self, text: str, matched: str | int) -> StopStep:
+        self.stopped = True
+        self.matched = matched
+        return StopStep(text, stopped=True, matched=matched)
+
+    def _first_match(self, buf: str) -> tuple[int, str | None]:
+        """Earliest start of any stop string in ``buf`` (the longest string wins a tie)."""
+        best, which = len(buf) + 1, None
+        for s in self.stop_strings:
+            i = buf.find(s)
+            if i >= 0 and (i < best or (i == best and which is not None and len(s) > len(which))):
+                best, which = i, s
+        return best, which
+
+    def _partial_tail(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of some stop string."""
+        for n in range(min(self._max_hold, len(buf)), 0, -1):
+            tail = buf[len(buf) - n :]
+            if any(s.startswith(tail) for s in self.stop_strings):
+                return n
+        return 0

@@ -1,0 +1,47 @@
+"""Errors the daemon reports to clients, each with its HTTP status and OpenAI error type."""
+
+from __future__ import annotations
+
+
+class WeaveError(Exception):
+    status = 500
+    type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(WeaveError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextTooLong(InvalidRequest):
+    def __init__(self, message: str, *, param: str | None = "messages"):
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class NotFound(WeaveError):
+    status = 404
+    type = "not_found_error"
+
+
+class Conflict(WeaveError):
+    status = 409
+    type = "conflict_error"
+
+
+class Unauthorized(WeaveError):
+    status = 401
+    type = "authentication_error"
+
+
+class Overloaded(WeaveError):
+    status = 503
+    type = "overloaded_error"
