@@ -6,7 +6,7 @@ import numpy as np
 
 from weaved.engine.sampling import SamplingParams
 from weaved.engine.scheduler import SchedulerConfig, schedule
-from weaved.engine.sequence import Sequence, SeqStatus, SLARank
+from weaved.engine.sequence import SeqStatus, Sequence, SLARank
 from weaved.kv.cache import KVCache
 
 

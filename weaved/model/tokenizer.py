@@ -17,6 +17,7 @@ class Tokenizer:
     def __init__(self, path: str | Path, gguf: GGUFFile | None = None):
         import llama_cpp
 
+        _quiet_llama_logs(llama_cpp)
         self.path = Path(path)
         self._llama = llama_cpp.Llama(str(self.path), vocab_only=True, verbose=False)
         meta = gguf or GGUFFile(self.path)
@@ -73,6 +74,19 @@ class StreamDecoder:
 
     def flush(self) -> str:
         return self._dec.decode(b"", final=True)
+
+
+_LOG_CALLBACK = None  # kept alive: llama.cpp holds a pointer to it
+
+
+def _quiet_llama_logs(llama_cpp) -> None:
+    """Route llama.cpp's own log lines (context warnings of the vocabulary-only model) nowhere."""
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+        import ctypes
+
+        _LOG_CALLBACK = llama_cpp.llama_log_callback(lambda level, text, user: None)
+        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
 
 
 def _opt_int(v) -> int | None:
