@@ -86,7 +86,17 @@ class CPUBackend(Backend):
         self.out_norm = f32("output_norm.weight")
         emb = t["token_embd.weight"]
         self._emb_raw, self._emb_type = emb.raw, emb.type_id
-        self.wout = packed(["token_embd.weight" if cfg.tied_output else "output.weight"])
+        # the output matrix runs with float activations: quantizing the final hidden state to Q8_0
+        # was the largest single error in the next-token distribution (kernels._gemm_f32act)
+        out_t = t["token_embd.weight" if cfg.tied_output else "output.weight"]
+        if out_t.type_id in (2, 8):  # Q4_0, Q8_0
+            from weaved.kernels import linear_f32act as lf
+
+            w = lf.pack_weight_f32act(out_t.raw, out_t.type_id, *out_t.shape)
+            self._logits = lambda h, w=w: lf.linear_f32act(w, h)
+        else:
+            w = matmul.pack_weight(out_t.raw, out_t.type_id, *out_t.shape)
+            self._logits = lambda h, w=w: matmul.linear(w, h)
         self._scale = 1.0 / float(np.sqrt(cfg.head_dim))
 
     @classmethod
@@ -165,7 +175,7 @@ class CPUBackend(Backend):
         out: list[np.ndarray] = []
         if rows:
             hs = ke.rmsnorm(np.ascontiguousarray(x[rows]), self.out_norm, cfg.rms_eps)
-            logits = self._mm.linear(self.wout, hs)  # [n_rows, vocab]
+            logits = self._logits(hs)  # [n_rows, vocab]
         else:
             logits = np.empty((0, cfg.vocab_size), dtype=np.float32)
         o = 0

@@ -1,0 +1,182 @@
+"""Row-wise kernels vs numpy references: exp, RMSNorm, RoPE, SwiGLU, softmax, residual add."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import njit
+from weaved.kernels import elementwise as E
+
+BIG_T = 300  # rows enough to take the parallel drivers (>= 2**16 elements at these widths)
+
+
+@njit(cache=True)
+def _exp_all(x, y):
+    for i in range(x.shape[0]):
+        y[i] = E.exp_f32(x[i])
+
+
+def test_exp_f32_within_one_ulp_and_edge_values():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.uniform(-87.3, 88.3, 200_000), rng.standard_normal(50_000)]).astype(np.float32)
+    y = np.empty_like(x)
+    _exp_all(x, y)
+    exact = np.exp(x.astype(np.float64))
+    ulps = np.abs(y - exact) / np.spacing(exact.astype(np.float32))
+    assert ulps.max() <= 1.0
+    edge = np.array([0.0, -np.inf, -100.0, -87.5, 89.0, np.inf], np.float32)
+    y = np.empty_like(edge)
+    _exp_all(edge, y)
+    assert list(y) == [1.0, 0.0, 0.0, 0.0, np.inf, np.inf]
+
+
+def test_rmsnorm_matches_reference_and_ggml_recipe():
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((7, 576)) * 3).astype(np.float32)
+    w = rng.standard_normal(576).astype(np.float32)
+    y = E.rmsnorm(x, w, 1e-5)
+    np.testing.assert_allclose(y, E.rmsnorm_ref(x, w, 1e-5), rtol=2e-6, atol=1e-6)
+    # ggml: float32 squares summed in float64, mean rounded to float32, scale = 1 / sqrtf(mean + eps)
+    mean = ((x * x).astype(np.float64).sum(axis=1) / 576).astype(np.float32)
+    scale = np.float32(1) / np.sqrt(mean + np.float32(1e-5))
+    assert np.array_equal(y, (x * scale[:, None]) * w)
+    out = np.empty_like(x)
+    assert E.rmsnorm(x, w, 1e-5, out=out) is out and np.array_equal(out, y)
+    x2 = x.copy()
+    E.rmsnorm(x2, w, 1e-5, out=x2)  # in place
+    assert np.array_equal(x2, y)
+
+
+def test_rmsnorm_heads_normalises_every_head():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 4, 32)).astype(np.float32)
+    w = rng.standard_normal(32).astype(np.float32)
+    ref = E.rmsnorm_ref(x, w, 1e-6)
+    assert E.rmsnorm_heads(x, w, 1e-6) is x
+    np.testing.assert_allclose(x, ref, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["rmsnorm", "rope", "swiglu"])
+def test_rows_are_bit_identical_alone_and_in_a_large_batch(kernel):
+    """The serial (small batch) and parallel (large batch) drivers give the same bits per row."""
+    rng = np.random.default_rng(3)
+    if kernel == "rmsnorm":
+        x = rng.standard_normal((BIG_T, 576)).astype(np.float32)
+        w = rng.standard_normal(576).astype(np.float32)
+        big, one = E.rmsnorm(x, w, 1e-5), E.rmsnorm(x[7:8], w, 1e-5)
+    elif kernel == "rope":
+        x = rng.standard_normal((BIG_T, 9, 64)).astype(np.float32)
+        pos = rng.integers(0, 5000, BIG_T)
+        big = E.rope(x.copy(), pos, 64, 10000.0, 1.0, "neox")
+        one = E.rope(x[7:8].copy(), pos[7:8], 64, 10000.0, 1.0, "neox")
+    else:
+        x = rng.standard_normal((BIG_T, 2 * 1536)).astype(np.float32)
+        big, one = E.swiglu(x), E.swiglu(x[7:8])
+    assert np.array_equal(big[7:8], one)
+
+
+@pytest.mark.parametrize("style", ["norm", "neox"])
+def test_rope_matches_float64_reference(style):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((6, 3, 64)).astype(np.float32)
+    pos = np.array([0, 1, 2, 7, 31, 100], np.int64)
+    y = E.rope(x.copy(), pos, 64, 10000.0, 1.0, style)
+    # the float32 angles (ggml's recipe) drift by ~1e-7 per pair and position from the exact ones
+    np.testing.assert_allclose(y, E.rope_ref64(x, pos, 64, 10000.0, 1.0, style), atol=5e-5)
+
+
+@pytest.mark.parametrize("style", ["norm", "neox"])
+def test_rope_follows_the_float32_recipe_at_long_positions(style):
+    """Far positions carry ggml's float32 angle error (theta *= theta_scale per pair): we match that
+    recipe to about an ulp, and the exact rotation to the recipe's own angle error."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 2, 128)).astype(np.float32)
+    pos = np.array([1000, 4095, 20000, 131000], np.int64)
+    y = E.rope(x.copy(), pos, 128, 1e6, 1.0, style)
+    np.testing.assert_allclose(y, E.rope_ref(x, pos, 128, 1e6, 1.0, style), atol=3e-6)
+    np.testing.assert_allclose(y, E.rope_ref64(x, pos, 128, 1e6, 1.0, style), atol=5e-2)
+
+
+@pytest.mark.parametrize("style", ["norm", "neox"])
+def test_rope_position_zero_is_identity_and_rotation_preserves_norms(style):
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((3, 4, 64)).astype(np.float32)
+    assert np.array_equal(E.rope(x.copy(), np.zeros(3, np.int64), 64, 10000.0, 1.0, style), x)
+    pos = np.array([3, 50, 9000], np.int64)
+    y = E.rope(x.copy(), pos, 64, 10000.0, 1.0, style)
+    pairs = {"neox": (np.arange(32), np.arange(32, 64)), "norm": (np.arange(0, 64, 2), np.arange(1, 64, 2))}
+    i0, i1 = pairs[style]
+    norm_x, norm_y = np.hypot(x[..., i0], x[..., i1]), np.hypot(y[..., i0], y[..., i1])
+    np.testing.assert_allclose(norm_y, norm_x, rtol=1e-6)
+    # rotating back by -pos (exact math) recovers the input, up to the float32 angle drift
+    back = E.rope_ref64(y[:2], -pos[:2], 64, 10000.0, 1.0, style)
+    np.testing.assert_allclose(back, x[:2], atol=5e-5)
+
+
+@pytest.mark.parametrize("style", ["norm", "neox"])
+def test_rope_partial_rotation_and_scaling(style):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((5, 2, 64)).astype(np.float32)
+    pos = np.array([0, 3, 17, 60, 250], np.int64)
+    y = E.rope(x.copy(), pos, 32, 10000.0, 4.0, style)
+    assert np.array_equal(y[..., 32:], x[..., 32:])  # dims past n_rot untouched
+    np.testing.assert_allclose(y, E.rope_ref64(x, pos, 32, 10000.0, 4.0, style), atol=5e-5)
+    # linear scaling: position p with scale s is position p / s without it
+    same = E.rope_ref64(x, pos // 1, 32, 10000.0, 1.0, style)
+    quarter = E.rope_ref64(x, pos * 4, 32, 10000.0, 4.0, style)
+    np.testing.assert_allclose(quarter, same, atol=1e-12)
+
+
+def test_swiglu_matches_reference():
+    rng = np.random.default_rng(8)
+    gu = (rng.standard_normal((4, 2 * 96)) * 6).astype(np.float32)
+    gu[0, :3] = [-200.0, 200.0, 0.0]  # exp overflow / underflow inside silu
+    y = E.swiglu(gu)
+    ref = E.swiglu_ref(gu)
+    np.testing.assert_allclose(y, ref, rtol=3e-6, atol=1e-6)
+    out = np.empty((4, 96), np.float32)
+    assert E.swiglu(gu, out=out) is out and np.array_equal(out, y)
+
+
+def test_softmax_rows():
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((3, 49152)) * 8).astype(np.float32)
+    x[1, 5] = 1e4  # one dominant logit: no overflow
+    y = E.softmax(x)
+    np.testing.assert_allclose(y, E.softmax_ref(x), rtol=3e-6, atol=1e-12)
+    np.testing.assert_allclose(y.sum(axis=1), 1.0, rtol=1e-6)
+    assert y[1, 5] == 1.0
+    v = x[0, :37].copy()
+    np.testing.assert_allclose(E.softmax(v), E.softmax_ref(v), rtol=3e-6)
+
+
+def test_add_in_place():
+    x = np.ones((2, 3), np.float32)
+    y = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert E.add_(x, y) is x
+    assert np.array_equal(x, 1 + y)
+
+
+def test_errors_name_the_problem():
+    x = np.zeros((2, 8), np.float32)
+    with pytest.raises(ValueError, match="x must be a C-contiguous float32"):
+        E.rmsnorm(x.astype(np.float64), np.ones(8, np.float32), 1e-5)
+    with pytest.raises(ValueError, match="weight length"):
+        E.rmsnorm(x, np.ones(7, np.float32), 1e-5)
+    with pytest.raises(ValueError, match="x must be a C-contiguous float32"):
+        E.rmsnorm(np.zeros((8, 2), np.float32).T, np.ones(8, np.float32), 1e-5)
+    q = np.zeros((2, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="style"):
+        E.rope(q, np.zeros(2, np.int64), 8, 10000.0, 1.0, "gptj")
+    with pytest.raises(ValueError, match="n_rot"):
+        E.rope(q, np.zeros(2, np.int64), 7, 10000.0, 1.0, "norm")
+    with pytest.raises(ValueError, match="positions must be int64"):
+        E.rope(q, np.zeros(2, np.int32), 8, 10000.0, 1.0, "norm")
+    with pytest.raises(ValueError, match="even"):
+        E.swiglu(np.zeros((2, 5), np.float32))
+    with pytest.raises(ValueError, match="out shape"):
+        E.swiglu(np.zeros((2, 6), np.float32), out=np.zeros((2, 6), np.float32))
+    with pytest.raises(ValueError, match="shapes differ"):
+        E.add_(x, np.zeros((2, 7), np.float32))
+    with pytest.raises(ValueError, match="empty row"):
+        E.softmax(np.zeros((2, 0), np.float32))
