@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from weaved.kernels.ggml import GGMLType
 from weaved.kernels.linear_f32act import linear_f32act, pack_weight_f32act
 from weaved.kernels.quants import dequantize_q4_0, dequantize_q8_0, quantize_q4_0, quantize_q8_0
