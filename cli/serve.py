@@ -1,0 +1,124 @@
+"""``weave serve``: run the daemon - the model, its sessions and the HTTP API on the Unix socket.
+
+Everything heavy (the daemon, numba, FastAPI, uvicorn) is imported inside the command, so registering
+it costs nothing to the client commands.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+HELP = (
+    "Run the Weave daemon: load the model, recover the sessions of earlier runs and serve the HTTP API "
+    "(OpenAI-compatible, plus Weave's sessions and SLA tags) on a Unix socket.\n\n"
+    "The socket is $WEAVE_SOCKET, else $XDG_RUNTIME_DIR/weave/weave.sock, else ~/.weave/weave.sock; "
+    "only your user can use it (mode 0600). --listen adds a TCP listener, which needs an API key "
+    "(--api-key or $WEAVE_API_KEY) that clients send as 'Authorization: Bearer KEY'.\n\n"
+    "Without --model, the default model (SmolLM2-135M-Instruct) is used; a model in another "
+    "quantization is converted to the shared Q4_0 format once, into the cache. SIGTERM or Ctrl-C stop "
+    "the daemon cleanly: the step in flight finishes, its tokens are committed, the socket is removed."
+)
+
+
+def _say(message: str) -> None:
+    typer.echo(f"weave: {message}")
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"weave serve: error: {message}", err=True)
+    return typer.Exit(1)
+
+
+def _log_line(message: str) -> None:
+    typer.echo(f"{time.strftime('%H:%M:%S')} {message}")
+
+
+class _ConvertProgress:
+    """Prints a model conversion's progress in steps of 10 %."""
+
+    def __init__(self) -> None:
+        self._shown = -1
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        if total <= 0:
+            return
+        tenth = done * 10 // total
+        if tenth > self._shown:
+            self._shown = tenth
+            _say(f"converting the model: {tenth * 10}%")
+
+
+def _model_path(model: Path | None) -> Path:
+    from weaved.model.default import default_model_path, ensure_native
+
+    if model is None:
+        return default_model_path(_ConvertProgress())
+    if not model.is_file():
+        raise _fail(f"model file not found: {model}")
+    return ensure_native(model, _ConvertProgress(), log=_say)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` to ``app``."""
+
+    @app.command("serve", help=HELP)
+    def serve(
+        model: Annotated[Path | None, typer.Option("--model", "-m", help="GGUF model to serve (default: "
+                                                   "SmolLM2-135M-Instruct).", show_default=False)] = None,
+        profile: Annotated[str | None, typer.Option("--profile", "-p", help="Shipped profile name or a TOML "
+                                                    "file (default: detected from the hardware).",
+                                                    show_default=False)] = None,
+        socket: Annotated[Path | None, typer.Option("--socket", help="Unix socket path.",
+                                                    show_default=False)] = None,
+        listen: Annotated[str | None, typer.Option("--listen", metavar="HOST:PORT",
+                                                   help="Also listen on TCP (needs an API key).")] = None,
+        api_key: Annotated[str | None, typer.Option("--api-key", envvar="WEAVE_API_KEY", show_default=False,
+                                                    help="Key TCP clients must send.")] = None,
+        data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Where sessions' KV files and the "
+                                                      "journal live (default: the profile's).",
+                                                      show_default=False)] = None,
+    ) -> None:
+        import asyncio
+
+        from weaved.cli.socket_path import default_socket_path
+
+        from weaved.api.server import Server, ServerError, check_socket_free, parse_listen
+        from weaved.profile import ProfileError, load_profile
+
+        path = (socket or default_socket_path()).expanduser().absolute()
+        try:  # everything that can be refused is refused before the model loads
+            if listen is not None:
+                if not api_key:
+                    raise ServerError("--listen needs an API key (--api-key or WEAVE_API_KEY)")
+                parse_listen(listen)
+            check_socket_free(path)
+            prof = load_profile(profile)
+        except (ServerError, ProfileError) as e:
+            raise _fail(str(e)) from None
+        for note in prof.notes:
+            _say(note)
+        model_path = _model_path(model)
+
+        from weaved.daemon import Daemon
+
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+        started = time.monotonic()
+        daemon = Daemon(prof, model_path, data_dir=data_dir, log_fn=_log_line)
+        daemon.load(progress=_say)
+        server = Server(daemon, path, listen=listen, api_key=api_key, log=_log_line)
+
+        def ready(where: str) -> None:
+            _say(f"serving {daemon.model_name} with profile {prof.name!r}, "
+                 f"loaded in {time.monotonic() - started:.1f} s")
+            _say(f"ready on {where}")
+
+        try:
+            asyncio.run(server.serve(on_ready=ready))
+        except ServerError as e:
+            raise _fail(str(e)) from None
+        _say("stopped")

@@ -1,0 +1,186 @@
+"""Bad input gets a 4xx (503 when overloaded) in OpenAI's error shape, changes nothing, and the daemon
+keeps serving.  Against the daemon's test double; ``test_real_daemon`` repeats the daemon's own checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.api.fake_daemon import FakeDaemon
+
+USER = [{"role": "user", "content": "hi"}]
+CHAT = "/v1/chat/completions"
+
+
+def assert_error(r, status: int, param: str | None = "*", type_: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param != "*":
+        assert err["param"] == param
+    if type_ is not None:
+        assert err["type"] == type_
+    return err
+
+
+@pytest.fixture
+def bystander(client):
+    """A session with a finished turn, to check that a bad request leaves it alone."""
+    sid = client.post("/v1/sessions", json={"sla": {"class": "background"}}).json()["id"]
+    client.post(f"/v1/sessions/{sid}/turns", json={"messages": USER, "max_tokens": 4})
+    before = client.get(f"/v1/sessions/{sid}").json()
+    yield sid
+    assert client.get(f"/v1/sessions/{sid}").json() == before  # unchanged
+    ok = client.post(CHAT, json={"messages": USER, "max_tokens": 2})  # and the daemon still serves
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "He"
+
+
+RAW_BODIES = [
+    pytest.param(b'{"messages": [', "not valid JSON", id="malformed-json"),
+    pytest.param(b'{"messages": "\xff\xfe"}', "UTF-8", id="bad-utf8"),
+    pytest.param(b"[1, 2]", "JSON object", id="not-an-object"),
+    pytest.param(b"", "empty", id="empty-body"),
+    pytest.param(b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "NaN", id="nan"),
+]
+
+
+@pytest.mark.parametrize(("raw", "words"), RAW_BODIES)
+def test_unreadable_bodies(client, bystander, raw: bytes, words: str):
+    for path in (CHAT, "/v1/completions", f"/v1/sessions/{bystander}/turns"):
+        err = assert_error(client.post(path, content=raw, headers={"content-type": "application/json"}), 400,
+                           type_="invalid_request_error")
+        assert words in err["message"]
+
+
+WRONG = [
+    pytest.param({"messages": USER, "max_tokens": "5"}, "max_tokens", id="max-tokens-string"),
+    pytest.param({"messages": USER, "stream": "yes"}, "stream", id="stream-string"),
+    pytest.param({"messages": "hi"}, "messages", id="messages-string"),
+    pytest.param({"messages": [{"role": "user"}]}, "messages.0.content", id="message-no-content"),
+    pytest.param({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", id="bad-role"),
+    pytest.param({"messages": USER, "temperature": "hot"}, "temperature", id="temperature-string"),
+    pytest.param({"messages": USER, "temperature": -1}, "temperature", id="temperature-negative"),
+    pytest.param({"messages": USER, "top_p": 0}, "top_p", id="top-p-zero"),
+    pytest.param({"messages": USER, "stop": [""]}, "stop", id="empty-stop"),
+    pytest.param({"messages": USER, "seed": -3}, "seed", id="negative-seed"),
+    pytest.param({}, "messages", id="no-messages"),
+    pytest.param({"messages": []}, "messages", id="empty-messages"),
+    pytest.param({"messages": USER, "max_tokens": 0}, "max_tokens", id="max-tokens-zero"),
+    pytest.param({"messages": USER, "max_tokens": -5}, "max_tokens", id="max-tokens-negative"),
+    pytest.param({"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens", id="mct-zero"),
+    pytest.param({"messages": USER, "n": 2}, "n", id="n-2"),
+    pytest.param({"messages": USER, "top_logprobs": 2}, "top_logprobs", id="top-logprobs-alone"),
+    pytest.param({"messages": USER, "logprobs": True, "top_logprobs": 99}, "top_logprobs", id="top-logprobs-99"),
+    pytest.param({"messages": USER, "tools": [{"type": "function"}]}, "tools", id="tools"),
+    pytest.param({"messages": USER, "presence_penalty": 0.5}, "presence_penalty", id="presence-penalty"),
+    pytest.param({"messages": USER, "sla": {"class": "urgent"}}, "sla.class", id="sla-class"),
+    pytest.param({"messages": USER, "sla": {"ttft_ms": -1}}, "sla.ttft_ms", id="sla-ttft-negative"),
+    pytest.param({"messages": USER, "sla": {"ttlt_s": 0}}, "sla.ttlt_s", id="sla-ttlt-zero"),
+    pytest.param({"messages": USER, "sla": {"ttft_ms": "fast"}}, "sla.ttft_ms", id="sla-ttft-string"),
+    pytest.param({"messages": USER, "sla": {"klass": "batch"}}, "sla.klass", id="sla-unknown-key"),
+    pytest.param({"messages": USER, "sla": "interactive"}, "sla", id="sla-string"),
+    pytest.param({"messages": USER, "session": ""}, "session", id="session-empty"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), WRONG)
+def test_wrong_fields(client, fake: FakeDaemon, bystander, body: dict, param: str):
+    starts = sum(1 for n, _ in fake.calls if n == "start_turn")
+    assert_error(client.post(CHAT, json=body), 400, param, "invalid_request_error")
+    assert sum(1 for n, _ in fake.calls if n == "start_turn") == starts  # refused before any work
+
+
+@pytest.mark.parametrize(("headers", "param"), [
+    ({"X-Weave-SLA-Class": "urgent"}, "x-weave-sla-class"),
+    ({"X-Weave-TTFT-Ms": "soon"}, "x-weave-ttft-ms"),
+    ({"X-Weave-TTFT-Ms": "-5"}, "x-weave-ttft-ms"),
+    ({"X-Weave-TTLT-S": "inf"}, "x-weave-ttlt-s"),
+])
+def test_invalid_sla_headers(client, bystander, headers: dict, param: str):
+    assert_error(client.post(CHAT, json={"messages": USER}, headers=headers), 400, param)
+    assert_error(client.post("/v1/sessions", json={}, headers=headers), 400, param)
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": 5}, {"prompt": ""}, {"prompt": []}, {"prompt": ["a", "b"]}, {"prompt": [1, -2]},
+    {"prompt": [1, 999999]}, {"prompt": "x", "logprobs": 21}, {"prompt": "x", "echo": 1},
+    {"prompt": "x", "best_of": 3}, {"prompt": "x", "max_tokens": 0},
+], ids=["int", "empty", "empty-list", "batch", "negative-id", "id-beyond-vocab", "logprobs-21", "echo-int",
+        "best-of", "max-tokens-zero"])
+def test_bad_completions(client, bystander, body: dict):
+    assert_error(client.post("/v1/completions", json=body), 400, type_="invalid_request_error")
+
+
+def test_bad_session_bodies(client, bystander):
+    assert_error(client.post("/v1/sessions", json={"max_context": 0}), 400, "max_context")
+    assert_error(client.post("/v1/sessions", json={"max_context": "big"}), 400, "max_context")
+    assert_error(client.post("/v1/sessions", json={"sla": {"class": "now"}}), 400, "sla.class")
+    assert_error(client.post("/v1/sessions", json={"colour": "red"}), 400, "colour")
+    assert_error(client.post("/v1/sessions", json={"max_context": 10**6}), 400, "max_context")  # the daemon's
+    assert_error(client.post(f"/v1/sessions/{bystander}/turns",
+                             json={"messages": USER, "session": "s-other"}), 400, "session")
+
+
+def test_unknown_session(client, bystander):
+    for method, path, body in [
+        ("post", CHAT, {"messages": USER, "session": "s-nope"}),
+        ("post", "/v1/completions", {"prompt": "x", "session": "s-nope"}),
+        ("post", "/v1/sessions/s-nope/turns", {"messages": USER}),
+        ("get", "/v1/sessions/s-nope", None),
+        ("delete", "/v1/sessions/s-nope", None),
+        ("post", "/v1/sessions/s-nope/promote", None),
+        ("post", "/v1/sessions/s-nope/demote", None),
+    ]:
+        r = client.request(method.upper(), path, json=body)
+        assert_error(r, 404, "session", "not_found_error")
+    assert_error(client.post(CHAT, json={"messages": USER}, headers={"X-Weave-Session": "s-nope"}), 404)
+
+
+def test_context_limits(client, fake: FakeDaemon, bystander):
+    long = [{"role": "user", "content": "x" * 5000}]  # the double's context is 4096 tokens
+    err = assert_error(client.post(CHAT, json={"messages": long, "max_tokens": 1}), 400)
+    assert err["code"] == "context_length_exceeded"
+    err = assert_error(client.post("/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 1}), 400)
+    assert err["code"] == "context_length_exceeded"
+    err = assert_error(client.post(CHAT, json={"messages": USER, "max_tokens": 5000}), 400, "max_tokens")
+    assert err["code"] == "context_length_exceeded"
+    assert all(not s.ephemeral for s in fake.sessions.values())  # refused turns leave no session behind
+
+
+def test_too_many_sessions(client, fake: FakeDaemon, bystander):
+    for _ in range(fake.max_sessions - 1):
+        assert client.post("/v1/sessions", json={}).status_code == 200
+    r = client.post("/v1/sessions", json={})
+    assert_error(r, 503, type_="overloaded_error")
+    assert r.headers["retry-after"] == "1"
+    assert_error(client.post(CHAT, json={"messages": USER, "max_tokens": 2}), 503)  # no room for one more
+    for s in client.get("/v1/sessions").json()["data"]:
+        if s["id"] != bystander:
+            client.delete(f"/v1/sessions/{s['id']}")
+
+
+def test_busy_session_conflict(fake: FakeDaemon, bystander, client):
+    sid = client.post("/v1/sessions", json={}).json()["id"]
+    fake.sessions[sid].busy = True  # as if a turn were in flight
+    assert_error(client.post(f"/v1/sessions/{sid}/turns", json={"messages": USER}), 409, "session")
+    fake.sessions[sid].busy = False
+
+
+def test_unknown_routes_and_methods(client, bystander):
+    assert "no such endpoint" in assert_error(client.get("/v1/nothing"), 404, type_="not_found_error")["message"]
+    assert_error(client.get(CHAT), 405)
+    assert_error(client.put("/v1/sessions", json={}), 405)
+
+
+def test_oversized_body(client, bystander, monkeypatch):
+    from weaved.api import body
+
+    monkeypatch.setattr(body, "MAX_BODY_BYTES", 1000)
+    big = {"messages": [{"role": "user", "content": "x" * 2000}]}
+    assert "larger than" in assert_error(client.post(CHAT, json=big), 413, type_="invalid_request_error")["message"]
+
+    def chunks():
+        for _ in range(10):
+            yield b" " * 200  # no content-length: refused while streaming in
+
+    assert_error(client.post(CHAT, content=chunks()), 413)

@@ -1,0 +1,163 @@
+"""Chat completions and session turns, against the daemon's test double."""
+
+from __future__ import annotations
+
+import json
+
+from tests.api.fake_daemon import FakeDaemon
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def sse_events(text: str) -> list:
+    """The ``data:`` payloads of an SSE body, JSON-decoded except ``[DONE]``."""
+    out = []
+    for block in text.split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                payload = line[len("data: "):]
+                out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def test_chat_completion_shape(client, fake: FakeDaemon):
+    r = client.post("/v1/chat/completions", json={"model": "anything", "messages": USER, "max_tokens": 64})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["model"] == "fake-model"
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "Hello from Weave!"}
+    assert choice["finish_reason"] == "stop" and choice["logprobs"] is None
+    usage = body["usage"]
+    assert usage["completion_tokens"] == len("Hello from Weave!")
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert body["weave"]["session"] is None  # a plain OpenAI call: an ephemeral session
+    assert body["weave"]["placement"]["decode_pool"] == "cpu"
+    assert fake.sessions == {}  # the ephemeral session is gone after its turn
+
+
+def test_sampling_fields_reach_the_daemon(client, fake: FakeDaemon):
+    body = {"messages": USER, "max_completion_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 40,
+            "min_p": 0.05, "repetition_penalty": 1.1, "seed": 7, "stop": "x"}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    params = [c for name, c in fake.calls if name == "start_turn"][-1]["params"]
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (5, 0.5, 0.9, 40)
+    assert (params.min_p, params.repetition_penalty, params.seed, params.stop) == (0.05, 1.1, 7, ("x",))
+    assert params.logprobs is None
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_string_ends_the_text(client):
+    r = client.post("/v1/chat/completions", json={"messages": USER, "stop": [" from", "zz"], "max_tokens": 64})
+    assert r.json()["choices"][0]["message"]["content"] == "Hello"
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_logprobs(client):
+    r = client.post("/v1/chat/completions",
+                    json={"messages": USER, "max_tokens": 3, "logprobs": True, "top_logprobs": 2})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["H", "e", "l"]
+    assert content[0]["logprob"] == -0.5 and content[0]["bytes"] == [ord("H")]
+    assert content[0]["top_logprobs"] == [{"token": "H", "logprob": -0.5, "bytes": [72]}] * 2
+
+
+def test_streaming_with_usage(client):
+    body = {"messages": USER, "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["weave"]["placement"]["decode_pool"] == "cpu"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "Hello"
+    finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finish) == 1 and finish[0]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_streaming_without_usage_has_no_usage_field(client):
+    r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "stream": True})
+    chunks = sse_events(r.text)[:-1]
+    assert all("usage" not in c for c in chunks)
+    assert all(c["choices"] for c in chunks)
+
+
+def test_sla_body_and_headers(client, fake: FakeDaemon):
+    client.post("/v1/chat/completions",
+                json={"messages": USER, "max_tokens": 2, "sla": {"class": "batch", "ttlt_s": 30}})
+    sla = [c for n, c in fake.calls if n == "start_turn"][-1]["sla"]
+    assert (sla.cls.value, sla.ttft_ms, sla.ttlt_s) == ("batch", None, 30.0)
+    headers = {"X-Weave-SLA-Class": "background", "X-Weave-TTFT-Ms": "2500", "X-Weave-TTLT-S": "60"}
+    client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2}, headers=headers)
+    sla = [c for n, c in fake.calls if n == "start_turn"][-1]["sla"]
+    assert (sla.cls.value, sla.ttft_ms, sla.ttlt_s) == ("background", 2500.0, 60.0)
+    # the body wins over a header of the same meaning
+    client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "sla": {"class": "batch"}},
+                headers=headers)
+    sla = [c for n, c in fake.calls if n == "start_turn"][-1]["sla"]
+    assert (sla.cls.value, sla.ttft_ms) == ("batch", 2500.0)
+
+
+def test_session_by_field_and_header(client, fake: FakeDaemon):
+    sid = client.post("/v1/sessions", json={"sla": {"class": "background"}}).json()["id"]
+    r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, "session": sid})
+    assert r.json()["weave"]["session"] == sid
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "again"}],
+                                                  "max_tokens": 4}, headers={"X-Weave-Session": sid})
+    assert r.json()["weave"]["session"] == sid
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the first turn stays in the KV
+    msgs = client.get(f"/v1/sessions/{sid}").json()["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
+
+
+def test_session_turn_keeps_its_class_when_sla_has_none(client, fake: FakeDaemon):
+    sid = client.post("/v1/sessions", json={"sla": {"class": "batch"}}).json()["id"]
+    client.post(f"/v1/sessions/{sid}/turns", json={"messages": USER, "max_tokens": 2},
+                headers={"X-Weave-TTFT-Ms": "900"})
+    sla = [c for n, c in fake.calls if n == "start_turn"][-1]["sla"]
+    assert (sla.cls.value, sla.ttft_ms) == ("batch", 900.0)
+
+
+def test_turns_answer_like_chat_completions(client):
+    sid = client.post("/v1/sessions", json={}).json()["id"]
+    r = client.post(f"/v1/sessions/{sid}/turns", json={"messages": USER, "max_tokens": 5})
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["weave"]["session"] == sid
+    assert body["choices"][0]["message"]["content"] == "Hello"
+    r = client.post(f"/v1/sessions/{sid}/turns", json={"messages": USER, "max_tokens": 5, "stream": True})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in events[:-1]) == "Hello"
+
+
+def test_developer_role_and_text_parts(client, fake: FakeDaemon):
+    msgs = [{"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}).status_code == 200
+    sent = [c for n, c in fake.calls if n == "start_turn"][-1]["messages"]
+    assert sent == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+
+
+def test_a_turn_the_engine_fails():
+    from fastapi.testclient import TestClient
+
+    from weaved.api.app import create_app
+
+    fake = FakeDaemon(context_length=4096, fail="the KV cap (1 MiB) is reached")
+    with TestClient(create_app(fake)) as client:
+        r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 5})
+        assert r.status_code == 500
+        assert r.json()["error"]["message"] == "the KV cap (1 MiB) is reached"
+        assert r.json()["error"]["type"] == "server_error"
+        r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 5, "stream": True})
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["message"] == "the KV cap (1 MiB) is reached"
+        assert events[1]["choices"][0]["delta"]["content"] == "H"  # what came before the failure
+        assert 'weave_turns_total{finish_reason="error",sla_class="interactive"} 2.0' in client.get("/metrics").text

@@ -1,0 +1,76 @@
+"""``/v1/completions``: text and token-id prompts, echo, prompt log-probabilities, streaming."""
+
+from __future__ import annotations
+
+from tests.api.fake_daemon import FakeDaemon
+from tests.api.test_chat import sse_events
+
+
+def _last_turn(fake: FakeDaemon) -> dict:
+    return [c for n, c in fake.calls if n == "start_turn"][-1]
+
+
+def test_text_prompt(client, fake: FakeDaemon):
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "Once"})
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    # OpenAI's default of 16 tokens
+    assert body["choices"][0] == {"index": 0, "text": "Hello from Weave", "logprobs": None,
+                                  "finish_reason": "length"}
+    assert body["usage"]["prompt_tokens"] == 4 and body["usage"]["completion_tokens"] == 16
+    assert _last_turn(fake)["prompt"] == "Once" and _last_turn(fake)["echo"] is False
+
+
+def test_token_id_prompts(client, fake: FakeDaemon):
+    for prompt in ([79, 110], [[79, 110]]):
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "echo": True})
+        assert r.json()["choices"][0]["text"] == "OnHel"
+        assert _last_turn(fake)["prompt"] == [79, 110]
+    r = client.post("/v1/completions", json={"prompt": ["Once"], "max_tokens": 1})
+    assert r.json()["choices"][0]["text"] == "H"
+
+
+def test_echo_with_logprobs_returns_prompt_logprobs(client, fake: FakeDaemon):
+    r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "echo": True, "logprobs": 1})
+    choice = r.json()["choices"][0]
+    assert _last_turn(fake)["echo"] is True
+    assert choice["text"] == "abcHe"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["a", "b", "c", "H", "e"]
+    assert lp["token_logprobs"] == [None, -1.0, -1.0, -0.5, -0.5]
+    assert lp["top_logprobs"] == [None, {"b": -1.0}, {"c": -1.0}, {"H": -0.5}, {"e": -0.5}]
+    assert lp["text_offset"] == [0, 1, 2, 3, 4]
+
+
+def test_logprobs_without_echo(client, fake: FakeDaemon):
+    r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "logprobs": 0})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert _last_turn(fake)["echo"] is False  # no prompt scoring asked for
+    assert lp == {"tokens": ["H", "e"], "token_logprobs": [-0.5, -0.5], "top_logprobs": [{}, {}],
+                  "text_offset": [0, 1]}
+
+
+def test_streaming_echo_with_logprobs(client):
+    body = {"prompt": "ab", "max_tokens": 2, "echo": True, "logprobs": 1, "stream": True,
+            "stream_options": {"include_usage": True}}
+    events = sse_events(client.post("/v1/completions", json=body).text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["text"] == "ab"  # the echoed prompt first, whole
+    assert chunks[0]["choices"][0]["logprobs"]["tokens"] == ["a", "b"]
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0]
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert "".join(texts) == "abHe"
+    offsets = [o for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+               for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == [0, 1, 2, 3]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_completion_in_a_session(client, fake: FakeDaemon):
+    sid = client.post("/v1/sessions", json={}).json()["id"]
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "session": sid})
+    assert r.json()["weave"]["session"] == sid
+    r = client.post("/v1/completions", json={"prompt": "y", "max_tokens": 2}, headers={"X-Weave-Session": sid})
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 3

@@ -1,0 +1,62 @@
+"""``weave serve``'s refusals (before any model loads) and the socket path's resolution."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+from weaved.cli.app import app
+from weaved.cli.socket_path import default_socket_path
+
+
+def test_socket_path_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setenv("WEAVE_SOCKET", str(tmp_path / "a.sock"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
+    assert default_socket_path() == tmp_path / "a.sock"
+    monkeypatch.delenv("WEAVE_SOCKET")
+    assert default_socket_path() == Path("/run/user/1000/weave/weave.sock")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "relative/dir")  # not absolute: ignored, as the spec says
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_socket_path() == tmp_path / ".weave" / "weave.sock"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert default_socket_path() == tmp_path / ".weave" / "weave.sock"
+
+
+def _serve(*args: str, env: dict | None = None):
+    return CliRunner().invoke(app, ["serve", *args], env={"WEAVE_API_KEY": None, **(env or {})})
+
+
+def test_listen_without_a_key_is_refused(tmp_path: Path):
+    r = _serve("--socket", str(tmp_path / "w.sock"), "--listen", "127.0.0.1:0")
+    assert r.exit_code == 1 and "API key" in r.output
+
+
+def test_bad_listen_address_is_refused(tmp_path: Path):
+    r = _serve("--socket", str(tmp_path / "w.sock"), "--listen", "nowhere", "--api-key", "k")
+    assert r.exit_code == 1 and "HOST:PORT" in r.output
+
+
+def test_live_socket_is_refused(tmp_path: Path):
+    path = tmp_path / "w.sock"
+    live = socket.socket(socket.AF_UNIX)
+    live.bind(str(path))
+    live.listen(1)
+    try:
+        r = _serve("--socket", str(path))
+        assert r.exit_code == 1 and "already listening" in r.output
+    finally:
+        live.close()
+
+
+def test_bad_profile_is_refused(tmp_path: Path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[host]\nmax_sessions = 'many'\n")
+    r = _serve("--socket", str(tmp_path / "w.sock"), "--profile", str(bad))
+    assert r.exit_code == 1 and "bad.toml" in r.output
+
+
+def test_missing_model_is_refused(tmp_path: Path):
+    r = _serve("--socket", str(tmp_path / "w.sock"), "--profile", "cpu-only", "--model", str(tmp_path / "no.gguf"))
+    assert r.exit_code == 1 and "not found" in r.output

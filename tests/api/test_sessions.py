@@ -1,0 +1,82 @@
+"""The session API and the daemon's own routes (health, status, metrics, models)."""
+
+from __future__ import annotations
+
+from tests.api.fake_daemon import FakeDaemon
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_session_life(client, fake: FakeDaemon):
+    r = client.post("/v1/sessions", json={"sla": {"class": "background", "ttlt_s": 120}, "max_context": 1024,
+                                          "system": "You are terse."})
+    assert r.status_code == 200
+    s = r.json()
+    sid = s["id"]
+    assert s["placement"]["reasons"] and s["sla"] == {"class": "background", "ttft_ms": None, "ttlt_s": 120.0}
+    created = [c for n, c in fake.calls if n == "create_session"][-1]
+    assert created["max_context"] == 1024 and created["system"] == "You are terse."
+
+    assert client.post(f"/v1/sessions/{sid}/turns", json={"messages": USER, "max_tokens": 5}).status_code == 200
+    got = client.get(f"/v1/sessions/{sid}").json()
+    assert got["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+    assert [x["id"] for x in client.get("/v1/sessions").json()["data"]] == [sid]
+
+    promoted = client.post(f"/v1/sessions/{sid}/promote").json()
+    assert promoted["sla"]["class"] == "interactive" and promoted["placement"]["priority"] == 2
+    demoted = client.post(f"/v1/sessions/{sid}/demote").json()
+    assert demoted["sla"]["class"] == "background"
+
+    assert client.delete(f"/v1/sessions/{sid}").json() == {"id": sid, "object": "session.deleted",
+                                                           "deleted": True}
+    assert client.get(f"/v1/sessions/{sid}").status_code == 404
+    assert client.get("/v1/sessions").json()["data"] == []
+
+
+def test_session_defaults_and_sla_headers(client, fake: FakeDaemon):
+    s = client.post("/v1/sessions").json()  # no body at all: an interactive session
+    assert s["sla"]["class"] == "interactive"
+    s = client.post("/v1/sessions", json={}, headers={"X-Weave-SLA-Class": "batch"}).json()
+    assert s["sla"]["class"] == "batch"
+
+
+def test_health_models_status(client):
+    assert client.get("/health").json() == {"status": "ok", "model": "fake-model"}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "fake-model"
+    assert client.get("/v1/models/fake-model").json()["context_length"] == 4096
+    assert client.get("/v1/models/other").status_code == 404
+    assert client.get("/v1/status").json()["pools"][0]["name"] == "cpu"
+
+
+def test_metrics_after_turns(client):
+    client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 3, "sla": {"class": "batch"}})
+    client.post("/v1/sessions", json={})
+    client.get("/v1/sessions/nope")
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    assert 'weave_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
+    assert 'weave_requests_total{route="/v1/sessions/{session_id}",status="404"} 1.0' in text
+    assert 'weave_tokens_total{kind="completion",sla_class="batch"} 3.0' in text
+    assert 'weave_time_to_first_token_seconds_count{sla_class="batch"} 1.0' in text
+    assert 'weave_inter_token_seconds_count{sla_class="batch"} 2.0' in text
+    assert 'weave_turns_total{finish_reason="length",sla_class="batch"} 1.0' in text
+    assert 'weave_pool_queue_depth{pool="cpu"} 0.0' in text
+    assert 'weave_kv_bytes{tier="file"} 8192.0' in text and 'weave_kv_bytes{tier="ram"} 4096.0' in text
+    assert "weave_sessions 1.0" in text
+
+
+def test_detached_turn_runs_to_its_end(client, fake: FakeDaemon):
+    sid = client.post("/v1/sessions", json={"sla": {"class": "batch"}}).json()["id"]
+    r = client.post(f"/v1/sessions/{sid}/turns", json={"messages": USER, "max_tokens": 5, "detach": True})
+    assert r.status_code == 202
+    assert r.json()["id"] == sid and r.json()["status"] == "running" and r.json()["placement"]["priority"] == 0
+    for t in fake._threads:
+        t.join(10)
+    assert client.get(f"/v1/sessions/{sid}").json()["messages"][-1] == {"role": "assistant", "content": "Hello"}
+    assert sid not in fake.cancelled
+    for body in ({"messages": USER, "detach": True},  # no session: nobody would ever see the answer
+                 {"messages": USER, "detach": True, "stream": True, "session": sid}):
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "detach"

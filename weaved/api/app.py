@@ -1,0 +1,48 @@
+"""The FastAPI app: OpenAI-compatible routes, Weave's session and status routes, errors in one shape."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from weaved.api import errors, openai, sessions, system
+from weaved.api.state import ApiState
+from weaved.metrics import Metrics
+
+
+class RequestMetrics:
+    """Counts requests by route template (never the raw path: session ids would explode the labels)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def watch(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            route = scope.get("route")
+            self.metrics.observe_request(getattr(route, "path", "unmatched"), status)
+
+
+def create_app(daemon, *, metrics: Metrics | None = None) -> FastAPI:
+    """The app serving ``daemon`` (a loaded ``weaved.daemon.Daemon`` or anything with its interface)."""
+    app = FastAPI(title="Weave", docs_url=None, redoc_url=None, openapi_url=None)
+    state = ApiState(daemon, metrics or Metrics())
+    app.state.weave = state
+    errors.install(app)
+    for module in (openai, sessions, system):
+        app.include_router(module.router)
+    app.add_middleware(RequestMetrics, metrics=state.metrics)
+    return app

@@ -1,0 +1,92 @@
+"""Reading a request body: UTF-8, then strict JSON, then a pydantic model - each failure a clear 400."""
+
+from __future__ import annotations
+
+import json
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from weaved.errors import InvalidRequest
+
+M = TypeVar("M", bound=BaseModel)
+MAX_BODY_BYTES = 32 * 2**20  # far above any prompt that fits a context; a bound on what one request costs
+
+
+class TooLarge(InvalidRequest):
+    status = 413
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(raw: bytes) -> object:
+    """The JSON value of ``raw``; InvalidRequest for bad UTF-8, malformed JSON, NaN or Infinity."""
+    if not raw.strip():
+        raise InvalidRequest("the request body is empty; send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"the request body is not valid JSON: {e.msg} at line {e.lineno} "
+                             f"column {e.colno}") from None
+    except ValueError as e:  # NaN, Infinity
+        raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+
+
+def validate(model: type[M], data: object) -> M:
+    """``data`` as ``model``; the first problem becomes an InvalidRequest naming its field."""
+    if not isinstance(data, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data, strict=True)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def validation_error(errors: list) -> InvalidRequest:
+    """An InvalidRequest from pydantic's (or FastAPI's) error list: the first error, its field as param."""
+    if not errors:
+        return InvalidRequest("invalid request")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
+    # unions report one error per member ("prompt.str", "prompt.list[int]"): name the field only
+    loc = [p for p in loc if not _is_type_tag(p)]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return InvalidRequest(f"{param}: {msg}{more}" if param else f"{msg}{more}", param=param)
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool") or part.startswith(("list[", "function-", "literal[",
+                                                                       "constrained-"))
+
+
+async def _raw(request: Request) -> bytes:
+    """The body, refused (413) past MAX_BODY_BYTES without reading the rest."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise TooLarge(f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise TooLarge(f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def read(request: Request, model: type[M]) -> M:
+    return validate(model, parse_json(await _raw(request)))
+
+
+async def read_optional(request: Request, model: type[M]) -> M:
+    """Like ``read``, but an empty body means ``{}`` (for endpoints whose fields are all optional)."""
+    raw = await _raw(request)
+    return validate(model, parse_json(raw) if raw.strip() else {})

@@ -1,0 +1,105 @@
+"""Chat turns, answered as OpenAI's chat completions: one JSON body, or SSE chunks ending ``[DONE]``.
+
+Used by ``POST /v1/chat/completions`` (a plain OpenAI call, or a turn of the session its ``session``
+field or ``X-Weave-Session`` header names) and ``POST /v1/sessions/{id}/turns``.  With a session,
+``messages`` are the turn's new messages only: the session holds the conversation so far, and
+``detach: true`` answers 202 at once while the turn runs to its end (its answer lands in the transcript).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from weaved.api.logprobs import chat_entry
+from weaved.api.models import ChatRequest
+from weaved.api.params import chat_params
+from weaved.api.sse import DONE, frame, sse_response
+from weaved.api.state import state_of
+from weaved.api.turn import Turn, TurnSpec, resolve, start_turn
+from weaved.errors import InvalidRequest
+
+
+async def answer_chat(request: Request, req: ChatRequest, session_id: str | None) -> Response:
+    state = state_of(request)
+    params = chat_params(req)
+    if req.detach and (session_id is None or req.stream):
+        raise InvalidRequest("detach needs a session and no stream: the answer goes to the session's "
+                             "transcript", param="detach")
+    info, sla = await resolve(state, session_id, req.sla, request.headers)
+    spec = TurnSpec(session_id, params, sla, messages=[m.to_dict() for m in req.messages])
+    turn = await start_turn(state, spec, info)
+    if req.detach:
+        turn.detach()
+        return JSONResponse({"id": session_id, "object": "session.turn", "status": "running",
+                             "placement": turn.placement, "weave": turn.weave()}, status_code=202)
+    meta = _Meta(state.daemon.model_name, req.logprobs)
+    if req.stream:
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return sse_response(_stream(request, turn, meta, usage))
+    events = await turn.collect(request)
+    return JSONResponse(_body(turn, meta, events, state.daemon.tokenizer))
+
+
+class _Meta:
+    def __init__(self, model: str, logprobs: bool):
+        self.id = "chatcmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.model = model
+        self.logprobs = logprobs
+
+
+def _body(turn: Turn, meta: _Meta, events: list[dict], tokenizer) -> dict:
+    text = "".join(ev["text"] for ev in events if ev["type"] == "token")
+    logprobs = None
+    if meta.logprobs:
+        logprobs = {"content": [chat_entry(tokenizer, ev["token"], ev["logprob"], ev.get("top_logprobs", ()))
+                                for ev in events if ev["type"] == "token" and "logprob" in ev]}
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+              "finish_reason": turn.finish_reason}
+    return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
+            "choices": [choice], "usage": turn.usage, "weave": turn.weave()}
+
+
+def _chunk(meta: _Meta, delta: dict, *, finish: str | None = None, logprobs: dict | None = None,
+           usage: bool = False, weave: dict | None = None) -> dict:
+    out = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
+           "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+    if usage:
+        out["usage"] = None  # OpenAI's shape: null on every chunk but the last
+    if weave is not None:
+        out["weave"] = weave
+    return out
+
+
+async def _stream(request: Request, turn: Turn, meta: _Meta, usage: bool) -> AsyncIterator[bytes]:
+    """The chunks: the role first, then content (with logprobs), the finish reason, usage, [DONE].
+    The ``weave`` field rides on the first and the finishing chunk."""
+    tokenizer = turn.state.daemon.tokenizer
+    turn.watch(request)
+    try:
+        yield frame(_chunk(meta, {"role": "assistant", "content": ""}, usage=usage, weave=turn.weave()))
+        async for ev in turn.events():
+            if ev["type"] == "token":
+                lp = None
+                if meta.logprobs and "logprob" in ev:
+                    lp = {"content": [chat_entry(tokenizer, ev["token"], ev["logprob"],
+                                                 ev.get("top_logprobs", ()))]}
+                if ev["text"] or lp is not None:
+                    delta = {"content": ev["text"]} if ev["text"] else {}
+                    yield frame(_chunk(meta, delta, logprobs=lp, usage=usage))
+        if turn.error is not None:
+            yield frame(turn.failure().to_dict())
+        else:
+            yield frame(_chunk(meta, {}, finish=turn.finish_reason, usage=usage, weave=turn.weave()))
+            if usage:
+                yield frame({"id": meta.id, "object": "chat.completion.chunk", "created": meta.created,
+                             "model": meta.model, "choices": [], "usage": turn.usage})
+        yield DONE
+    finally:
+        turn.unwatch()
+        turn.abandon()

@@ -1,0 +1,129 @@
+"""``POST /v1/completions``: a raw prompt (text or token ids) continued, as OpenAI's legacy API.
+
+``echo: true`` puts the prompt in front of the output; with ``logprobs: N`` as well, the prompt's
+tokens come with their log-probabilities too (the first one has none: nothing predicts it), as vLLM
+does - evaluation harnesses score text this way.  With a ``session`` the prompt is appended to the
+session's context.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from weaved.api.logprobs import CompletionLogprobs
+from weaved.api.models import CompletionRequest
+from weaved.api.params import completion_params, session_from
+from weaved.api.sse import DONE, frame, sse_response
+from weaved.api.state import state_of
+from weaved.api.turn import Turn, TurnSpec, resolve, start_turn
+from weaved.errors import InvalidRequest
+
+
+async def answer_completion(request: Request, req: CompletionRequest) -> Response:
+    state = state_of(request)
+    params = completion_params(req)
+    prompt = req.single_prompt()
+    tokenizer = state.daemon.tokenizer
+    if isinstance(prompt, list):
+        vocab = getattr(tokenizer, "vocab_size", None)
+        if vocab is not None and max(prompt) >= vocab:
+            raise InvalidRequest(f"prompt token id {max(prompt)} is outside the vocabulary (0..{vocab - 1})",
+                                 param="prompt")
+    session_id = session_from(req, request.headers)
+    info, sla = await resolve(state, session_id, req.sla, request.headers)
+    prompt_logprobs = req.echo and req.logprobs is not None
+    turn = await start_turn(state, TurnSpec(session_id, params, sla, prompt=prompt, echo=prompt_logprobs), info)
+    echo = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if req.echo else ""
+    meta = _Meta(state.daemon.model_name, req.logprobs is not None, echo)
+    if req.stream:
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return sse_response(_stream(request, turn, meta, usage, tokenizer))
+    events = await turn.collect(request)
+    return JSONResponse(_body(turn, meta, events, tokenizer))
+
+
+class _Meta:
+    def __init__(self, model: str, logprobs: bool, echo: str):
+        self.id = "cmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.model = model
+        self.logprobs = logprobs
+        self.echo = echo
+
+
+def _add(lps: CompletionLogprobs, ev: dict) -> None:
+    """Add a ``prompt_logprobs`` or ``token`` event's entries."""
+    if ev["type"] == "prompt_logprobs":
+        for token_id, lp, top in ev["items"]:
+            lps.add(token_id, lp, top)
+    elif ev["type"] == "token" and "logprob" in ev:
+        lps.add(ev["token"], ev["logprob"], ev.get("top_logprobs", ()))
+
+
+def _body(turn: Turn, meta: _Meta, events: list[dict], tokenizer) -> dict:
+    text = meta.echo + "".join(ev["text"] for ev in events if ev["type"] == "token")
+    logprobs = None
+    if meta.logprobs:
+        lps = CompletionLogprobs(tokenizer)
+        generating = False
+        for ev in events:
+            if ev["type"] == "token" and not generating:
+                lps.offset, generating = len(meta.echo), True  # offsets count from the end of the echo
+            _add(lps, ev)
+        logprobs = lps.to_dict()
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": turn.finish_reason}
+    return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+            "choices": [choice], "usage": turn.usage, "weave": turn.weave()}
+
+
+def _chunk(meta: _Meta, text: str, *, logprobs: dict | None = None, finish: str | None = None,
+           usage: bool = False, weave: dict | None = None) -> dict:
+    out = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+           "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+    if usage:
+        out["usage"] = None
+    if weave is not None:
+        out["weave"] = weave
+    return out
+
+
+async def _stream(request: Request, turn: Turn, meta: _Meta, usage: bool, tokenizer) -> AsyncIterator[bytes]:
+    """Chunks of text (with logprobs).  An echoed prompt goes out whole, with its log-probabilities,
+    in the first chunk - sent when the first token (or the end) arrives, so every prompt entry is in."""
+    lps = CompletionLogprobs(tokenizer)
+    echo_pending = bool(meta.echo)
+    first = True
+    turn.watch(request)
+    try:
+        async for ev in turn.events():
+            if ev["type"] == "prompt_logprobs":
+                _add(lps, ev)
+                continue
+            if echo_pending and ev["type"] in ("token", "done"):
+                lps.offset = len(meta.echo)  # generated tokens' offsets count from the end of the prompt
+                yield frame(_chunk(meta, meta.echo, logprobs=lps.take() if meta.logprobs else None, usage=usage,
+                                   weave=turn.weave()))
+                echo_pending, first = False, False
+            if ev["type"] == "token":
+                _add(lps, ev)
+                lp = lps.take() if meta.logprobs and len(lps) else None
+                if ev["text"] or lp is not None:
+                    yield frame(_chunk(meta, ev["text"], logprobs=lp, usage=usage,
+                                       weave=turn.weave() if first else None))
+                    first = False
+        if turn.error is not None:
+            yield frame(turn.failure().to_dict())
+        else:
+            yield frame(_chunk(meta, "", finish=turn.finish_reason, usage=usage, weave=turn.weave()))
+            if usage:
+                yield frame({"id": meta.id, "object": "text_completion", "created": meta.created,
+                             "model": meta.model, "choices": [], "usage": turn.usage})
+        yield DONE
+    finally:
+        turn.unwatch()
+        turn.abandon()

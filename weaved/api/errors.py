@@ -1,0 +1,62 @@
+"""Every error leaves the API in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from weaved.api.body import validation_error
+from weaved.errors import WeaveError
+
+log = logging.getLogger("weave.api")
+
+_HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+               413: "invalid_request_error", 503: "overloaded_error"}
+
+
+def error_body(status: int, message: str, *, type: str | None = None, param: str | None = None,
+               code: str | None = None) -> dict:
+    t = type or _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": t, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, **kw: str | None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, **kw), status_code=status)
+
+
+def weave_error_response(exc: WeaveError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status == 503 else None
+    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
+
+
+def install(app: FastAPI) -> None:
+    """Route WeaveError, FastAPI's validation errors, HTTP errors and bugs to the OpenAI shape."""
+
+    @app.exception_handler(WeaveError)
+    async def _weave(request: Request, exc: WeaveError) -> JSONResponse:
+        return weave_error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return weave_error_response(validation_error(list(exc.errors())))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

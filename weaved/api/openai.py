@@ -1,0 +1,51 @@
+"""OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
+
+The daemon serves one model: ``model`` in a request is accepted whatever it names, and every answer
+carries the served model's name.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+from weaved.api import body
+from weaved.api.chat import answer_chat
+from weaved.api.completions import answer_completion
+from weaved.api.models import ChatRequest, CompletionRequest
+from weaved.api.params import session_from
+from weaved.api.state import state_of
+from weaved.errors import NotFound
+
+router = APIRouter()
+
+
+def _model(request: Request) -> dict:
+    d = state_of(request).daemon
+    return {"id": d.model_name, "object": "model", "created": int(getattr(d, "started", 0)), "owned_by": "weave",
+            "context_length": d.config.context_length}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    return {"object": "list", "data": [_model(request)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(request: Request, model_id: str) -> dict:
+    m = _model(request)
+    if model_id != m["id"]:
+        raise NotFound(f"no model {model_id!r}; this daemon serves {m['id']!r}", param="model")
+    return m
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    req = await body.read(request, ChatRequest)
+    return await answer_chat(request, req, session_from(req, request.headers))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await answer_completion(request, await body.read(request, CompletionRequest))

@@ -1,0 +1,200 @@
+"""Serving the app: uvicorn on the Unix socket (mode 0600), and on TCP only behind an API key.
+
+The sockets are bound here rather than by uvicorn, so that the Unix socket is never reachable with
+looser permissions (uvicorn would make it 0666) and a TCP port of 0 reports the port it got.
+Shutdown (SIGTERM, SIGINT or ``stop()``): stop accepting, remove the socket file, let the daemon
+finish its step and commit, give in-flight responses a few seconds to end, then return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import os
+import signal
+import socket
+import stat
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import uvicorn
+
+from weaved.api.app import create_app
+from weaved.api.auth import BearerAuth
+
+GRACE_S = 10.0  # how long in-flight responses may take to finish once the daemon has stopped
+
+
+class ServerError(Exception):
+    """The server cannot start as asked (the message says why and what to do)."""
+
+
+def parse_listen(spec: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6ADDR]:PORT`` -> (host, port)."""
+    host, sep, port = spec.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ServerError(f"--listen must be HOST:PORT (e.g. 127.0.0.1:8080), got {spec!r}")
+    return host, int(port)
+
+
+def socket_is_live(path: Path) -> bool:
+    """Whether a process accepts connections on the Unix socket ``path``."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(2.0)
+    try:
+        s.connect(str(path))
+        return True
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError as e:  # EAGAIN (backlog full), EACCES (someone else's): somebody is there
+        return e.errno != errno.ECONNREFUSED
+    finally:
+        s.close()
+
+
+def check_socket_free(path: Path) -> None:
+    """ServerError if ``path`` is a live socket or not a socket at all (a stale socket is fine)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ServerError(f"{path} exists and is not a socket; remove it or pass another --socket")
+    if socket_is_live(path):
+        raise ServerError(f"a daemon is already listening on {path}; stop it first or pass another --socket")
+
+
+def _lock(path: Path) -> int:
+    """Hold an exclusive lock beside the socket for the server's life, so that two daemons starting
+    at once cannot both decide the socket is stale.  The lock file stays (removing it would race)."""
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ServerError(f"another daemon is starting or running on {path}") from None
+    return fd
+
+
+def bind_unix(path: Path) -> socket.socket:
+    """A listening-ready Unix socket at ``path``, mode 0600; a stale socket file is replaced."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    check_socket_free(path)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # stale: nobody answers on it
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, 0o600)  # before listen(): nobody can connect to it until then
+    except OSError as e:
+        sock.close()
+        raise ServerError(f"cannot create the socket {path}: {e.strerror or e}") from None
+    return sock
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise ServerError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+class Server:
+    """Serves ``daemon`` (already loaded) until ``stop()`` or SIGTERM/SIGINT; ``serve`` then shuts the
+    daemon down and removes the socket before returning."""
+
+    def __init__(self, daemon, socket_path: Path, *, listen: str | None = None, api_key: str | None = None,
+                 log: Callable[[str], None] = print):
+        if listen is not None and not api_key:
+            raise ServerError("--listen needs an API key (--api-key or WEAVE_API_KEY): TCP has no file "
+                              "permissions to protect it")
+        self.daemon = daemon
+        self.socket_path = Path(socket_path)
+        self.listen = parse_listen(listen) if listen is not None else None
+        self.api_key = api_key
+        self.log = log
+        self.tcp_address: tuple[str, int] | None = None
+        self.app = create_app(daemon)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._stop_requested = threading.Event()
+
+    def stop(self) -> None:
+        """Ask a running ``serve`` to shut down (from any thread)."""
+        self._stop_requested.set()
+        if self._loop is not None and self._stop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already finished
+                self._loop.call_soon_threadsafe(self._stop.set)
+
+    def _uvicorn(self, app) -> uvicorn.Server:
+        config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, log_level="warning",
+                                proxy_headers=False, server_header=False, timeout_graceful_shutdown=GRACE_S)
+        config.load()
+        server = uvicorn.Server(config)
+        server.lifespan = config.lifespan_class(config)  # what uvicorn's own serve() sets up (lifespan off)
+        return server
+
+    async def serve(self, on_ready: Callable[[str], None] | None = None) -> None:
+        loop = self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        if self._stop_requested.is_set():
+            self._stop.set()
+        self.daemon.attach_loop(loop)
+        lock: int | None = None
+        listeners: list[tuple[uvicorn.Server, socket.socket]] = []
+        try:
+            self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            lock = _lock(self.socket_path)
+            listeners.append((self._uvicorn(self.app), bind_unix(self.socket_path)))
+            where = str(self.socket_path)
+            if self.listen is not None:
+                assert self.api_key is not None
+                tcp = bind_tcp(*self.listen)
+                self.tcp_address = tcp.getsockname()[:2]
+                listeners.append((self._uvicorn(BearerAuth(self.app, self.api_key)), tcp))
+                host, port = self.tcp_address
+                where += f" and http://{f'[{host}]' if ':' in host else host}:{port}"
+            for server, sock in listeners:
+                await server.startup(sockets=[sock])
+            self._signals(loop, install=True)
+            if on_ready is not None:
+                on_ready(where)
+            await self._stop.wait()
+        finally:
+            self._signals(loop, install=False)
+            await self._shutdown(listeners)
+            if lock is not None:
+                os.close(lock)
+
+    async def _shutdown(self, listeners: list[tuple[uvicorn.Server, socket.socket]]) -> None:
+        self.app.state.weave.closing.set()
+        for server, _ in listeners:  # stop accepting: new clients find no daemon
+            for s in getattr(server, "servers", []):
+                s.close()
+        if listeners:
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+        await asyncio.get_running_loop().run_in_executor(None, self.daemon.shutdown)  # finish the step, commit
+        for server, sock in listeners:
+            if server.started:
+                await server.shutdown(sockets=[sock])
+            else:
+                sock.close()
+
+    def _signals(self, loop: asyncio.AbstractEventLoop, *, install: bool) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach the main thread only; an embedding program calls stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            if install:
+                loop.add_signal_handler(sig, self.stop)
+            else:
+                loop.remove_signal_handler(sig)

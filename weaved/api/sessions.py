@@ -1,0 +1,64 @@
+"""Weave's session API: create with SLA tags (the answer carries the placement), inspect, list,
+delete, take turns, promote and demote."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+
+from weaved.api import body
+from weaved.api.chat import answer_chat
+from weaved.api.models import ChatRequest, SessionCreate
+from weaved.api.params import sla_from
+from weaved.api.state import state_of
+from weaved.errors import InvalidRequest, Overloaded
+from weaved.router import SLA, SLAClass
+
+router = APIRouter(prefix="/v1/sessions")
+
+
+@router.post("")
+async def create_session(request: Request) -> dict:
+    state = state_of(request)
+    if state.closing.is_set():
+        raise Overloaded("the daemon is shutting down")
+    req = await body.read_optional(request, SessionCreate)
+    sla = sla_from(req.sla, request.headers) or SLA(SLAClass.INTERACTIVE)
+    return await run_in_threadpool(state.daemon.create_session, sla, req.max_context, req.system)
+
+
+@router.get("")
+async def list_sessions(request: Request) -> dict:
+    return {"object": "list", "data": await run_in_threadpool(state_of(request).daemon.list_sessions)}
+
+
+@router.get("/{session_id}")
+async def get_session(request: Request, session_id: str) -> dict:
+    return await run_in_threadpool(state_of(request).daemon.get_session, session_id)
+
+
+@router.delete("/{session_id}")
+async def delete_session(request: Request, session_id: str) -> dict:
+    await run_in_threadpool(state_of(request).daemon.delete_session, session_id)
+    return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+
+@router.post("/{session_id}/turns")
+async def take_turn(request: Request, session_id: str) -> Response:
+    req = await body.read(request, ChatRequest)
+    if req.session is not None and req.session != session_id:
+        raise InvalidRequest(f"the body names session {req.session!r} but the path {session_id!r}",
+                             param="session")
+    return await answer_chat(request, req, session_id)
+
+
+@router.post("/{session_id}/promote")
+async def promote(request: Request, session_id: str) -> dict:
+    return await run_in_threadpool(state_of(request).daemon.promote, session_id)
+
+
+@router.post("/{session_id}/demote")
+async def demote(request: Request, session_id: str) -> dict:
+    return await run_in_threadpool(state_of(request).daemon.demote, session_id)

@@ -1,0 +1,68 @@
+"""The daemon's own routes: ``/health``, ``/v1/status``, ``/v1/events`` (SSE) and ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+
+from weaved.api.sse import KEEPALIVE, frame, sse_response
+from weaved.api.state import ApiState, state_of
+from weaved.metrics import CONTENT_TYPE
+
+router = APIRouter()
+KEEPALIVE_S = 15.0  # an idle event stream sends a comment this often (and so notices a dead client)
+
+
+@router.get("/health")
+async def health(request: Request) -> dict:
+    state = state_of(request)
+    return {"status": "closing" if state.closing.is_set() else "ok", "model": state.daemon.model_name}
+
+
+@router.get("/v1/status")
+async def status(request: Request) -> dict:
+    return await run_in_threadpool(state_of(request).daemon.status)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = state_of(request)
+    daemon_status = await run_in_threadpool(state.daemon.status)
+    return Response(state.metrics.render(daemon_status), media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/events")
+async def events(request: Request) -> Response:
+    """Placements, preemptions, promotions and demotions as they happen, one JSON object per event."""
+    state = state_of(request)
+    queue = state.daemon.subscribe()
+    return sse_response(_event_frames(request, state, queue))
+
+
+async def _event_frames(request: Request, state: ApiState, queue: asyncio.Queue) -> AsyncIterator[bytes]:
+    async def hung_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    stop = {asyncio.create_task(hung_up()), asyncio.create_task(state.closing.wait())}
+    try:
+        yield KEEPALIVE  # sends the headers now, so a client knows it is subscribed
+        while True:
+            get = asyncio.create_task(queue.get())
+            done, _ = await asyncio.wait({get, *stop}, timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED)
+            if get in done:
+                yield frame(get.result())
+                continue
+            get.cancel()
+            if done:  # the client left or the daemon is closing
+                return
+            yield KEEPALIVE
+    finally:
+        for t in stop:
+            t.cancel()
+        state.daemon.unsubscribe(queue)

@@ -1,0 +1,221 @@
+"""One turn in flight as the API sees it: started on the daemon, its events bridged to the event loop.
+
+The daemon calls ``emit`` from an engine thread; ``loop.call_soon_threadsafe`` moves each event into
+an asyncio queue that the request's coroutine reads.  A watcher task waits for the client to hang up
+and cancels the generation then, so an abandoned request frees its slot at the engine's next step.
+Timing (time to first token, gaps between tokens) and token counts go to the metrics here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import partial
+
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.requests import Request
+
+from weaved.api.models import SLABody
+from weaved.api.params import sla_from
+from weaved.api.state import ApiState
+from weaved.engine.sampling import SamplingParams
+from weaved.errors import NotFound, Overloaded, WeaveError
+from weaved.router import SLA, SLAClass
+
+_draining: set[asyncio.Task] = set()
+
+
+@dataclass(frozen=True)
+class TurnSpec:
+    session_id: str | None  # None: an ephemeral session, gone after the turn
+    params: SamplingParams
+    sla: SLA | None = None
+    messages: list[dict] | None = None  # chat: this turn's new messages
+    prompt: str | list[int] | None = None  # completions: text or token ids
+    echo: bool = False  # the prompt tokens' log-probabilities too
+
+
+class TurnFailed(WeaveError):
+    """The engine failed the turn after it started (e.g. the KV cap was reached)."""
+
+
+class Turn:
+    def __init__(self, state: ApiState, handle, queue: asyncio.Queue, spec: TurnSpec, sla_class: str,
+                 placement: dict | None, arrived: float):
+        self.state, self.handle, self.spec = state, handle, spec
+        self._queue = queue
+        self.sla_class = sla_class
+        self.placement = placement
+        self.arrived = arrived  # time.monotonic() when the request came in
+        self.session = spec.session_id  # the client's session (None for an ephemeral one)
+        self.finish_reason: str | None = None
+        self.error: dict | None = None
+        self.completion_tokens = 0
+        self._usage: dict | None = None
+        self._last_token_at: float | None = None
+        self._watcher: asyncio.Task | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    @property
+    def usage(self) -> dict:
+        prompt = int(self.handle.prompt_tokens)
+        done_usage = self._usage or {}
+        completion = int(done_usage.get("completion_tokens", self.completion_tokens))
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": int(getattr(self.handle, "cached_tokens", 0))}}
+
+    def weave(self) -> dict:
+        """The ``weave`` field of every response: the session and its placement."""
+        return {"session": self.session, "placement": self.placement}
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.handle.cancel()
+
+    def abandon(self) -> None:
+        """Nobody reads this turn any more (finished, or the client left): cancel it if it still runs,
+        and read its last events in the background so that its metrics are recorded all the same."""
+        if self.done:
+            return
+        self.cancel()
+        self.detach()
+
+    def detach(self) -> None:
+        """Let the turn run to its end with nobody listening; its events are read in the background
+        (its answer lands in the session's transcript, its timing in the metrics)."""
+        if self.done:
+            return
+
+        async def drain() -> None:
+            async for _ in self.events():
+                pass
+
+        task = asyncio.create_task(drain())
+        _draining.add(task)  # a reference, so the task is not collected before it ends
+        task.add_done_callback(_draining.discard)
+
+    # ---- the client ------------------------------------------------------------------------------
+    def watch(self, request: Request) -> None:
+        """Cancel the generation when the client disconnects (until ``unwatch``)."""
+
+        async def wait() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    self.cancel()
+                    return
+
+        self._watcher = asyncio.create_task(wait())
+
+    def unwatch(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+
+    # ---- events ----------------------------------------------------------------------------------
+    async def events(self) -> AsyncIterator[dict]:
+        """The turn's events, ending with its ``done`` or ``error`` event."""
+        while not self.done:
+            ev = await self._queue.get()
+            self._account(ev)
+            yield ev
+
+    async def collect(self, request: Request) -> list[dict]:
+        """Every event of the turn (a non-streaming answer); raises TurnFailed if the engine failed it."""
+        self.watch(request)
+        try:
+            events = [ev async for ev in self.events()]
+        finally:
+            self.unwatch()
+            self.abandon()
+        if self.error is not None:
+            raise self.failure()
+        return events
+
+    def failure(self) -> WeaveError:
+        assert self.error is not None
+        exc = TurnFailed(self.error.get("message", "the turn failed"))
+        exc.status = int(self.error.get("status", 500))
+        return exc
+
+    def _account(self, ev: dict) -> None:
+        kind = ev.get("type")
+        m = self.state.metrics
+        if kind == "token" and ev.get("token") is not None:
+            now = time.monotonic()
+            if self._last_token_at is None:
+                m.ttft.labels(self.sla_class).observe(now - self.arrived)
+            else:
+                m.inter_token.labels(self.sla_class).observe(now - self._last_token_at)
+            self._last_token_at = now
+            self.completion_tokens += 1
+        elif kind in ("done", "error"):
+            self._usage = ev.get("usage")
+            if kind == "done":
+                self.finish_reason = ev.get("finish_reason") or "stop"
+            else:
+                self.error = ev
+            u = self.usage
+            m.observe_turn(self.sla_class, self.finish_reason or "error", u["prompt_tokens"],
+                           u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"])
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+    def emit(ev: dict) -> None:  # engine thread
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, ev)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    return emit
+
+
+async def resolve(state: ApiState, session_id: str | None, sla_body: SLABody | None,
+                  headers: Headers) -> tuple[dict | None, SLA | None]:
+    """The session's record (NotFound for an unknown id) and the turn's SLA tags, if it gives any (tags
+    without a class keep the session's class)."""
+    info = await run_in_threadpool(state.daemon.get_session, session_id) if session_id is not None else None
+    default = info["sla"]["class"] if info is not None else SLAClass.INTERACTIVE
+    return info, sla_from(sla_body, headers, default)
+
+
+async def start_turn(state: ApiState, spec: TurnSpec, session_info: dict | None = None) -> Turn:
+    """Start ``spec`` on the daemon (WeaveError for a request it refuses; nothing changes then).
+    ``session_info`` is the session's record from ``resolve`` when the turn belongs to a session."""
+    arrived = time.monotonic()
+    if state.closing.is_set():
+        raise Overloaded("the daemon is shutting down")
+    daemon = state.daemon
+    session_id = spec.session_id
+    if session_id is None:
+        # An ephemeral session, created here so that its placement is known even if the turn is over
+        # (and the session gone) before start_turn returns.
+        session_info = await run_in_threadpool(
+            partial(daemon.create_session, spec.sla or SLA(SLAClass.INTERACTIVE), None, None, ephemeral=True))
+        session_id = session_info["id"]
+    queue: asyncio.Queue = asyncio.Queue()
+    start = partial(daemon.start_turn, session_id=session_id, messages=spec.messages, prompt=spec.prompt,
+                    params=spec.params, sla=spec.sla, echo=spec.echo,
+                    emit=_emitter(asyncio.get_running_loop(), queue))
+    try:
+        handle = await run_in_threadpool(start)
+    except BaseException:
+        if spec.session_id is None:  # the refused turn's ephemeral session goes (if still there)
+            with contextlib.suppress(NotFound):
+                await run_in_threadpool(daemon.delete_session, session_id)
+        raise
+    placement = getattr(handle, "placement", None) or (session_info or {}).get("placement")
+    if spec.sla is not None:
+        sla_class = spec.sla.cls.value
+    elif session_info is not None:
+        sla_class = session_info["sla"]["class"]
+    else:
+        sla_class = "interactive"
+    return Turn(state, handle, queue, spec, sla_class, placement, arrived)

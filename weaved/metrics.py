@@ -1,0 +1,71 @@
+"""Prometheus metrics of one daemon: requests, tokens, latency per SLA class, pool queues, KV tiers.
+
+Counters and histograms are updated by the API as requests and tokens pass through it, so latencies
+are what a client sees (time to first token from the request's arrival, gaps between streamed
+tokens).  Gauges (pool depths, KV bytes) are read from the daemon's status when ``/metrics`` is
+scraped, so they are never stale.  Each ``Metrics`` owns its registry: several daemons (or tests)
+in one process do not share counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["Metrics", "CONTENT_TYPE"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Seconds.  TTFT spans interactive turns on a GPU (tens of ms) to background prefills on a busy CPU.
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
+KV_TIERS = ("file", "ram", "device")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("weave_requests", "HTTP requests by route and status code",
+                                ["route", "status"], registry=r)
+        self.tokens = Counter("weave_tokens", "Tokens by kind (prompt, cached, completion) and SLA class",
+                              ["kind", "sla_class"], registry=r)
+        self.turns = Counter("weave_turns", "Finished turns by SLA class and finish reason",
+                             ["sla_class", "finish_reason"], registry=r)
+        self.ttft = Histogram("weave_time_to_first_token_seconds",
+                              "From a turn's request to its first token, by SLA class",
+                              ["sla_class"], buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token = Histogram("weave_inter_token_seconds", "Gaps between a turn's tokens, by SLA class",
+                                     ["sla_class"], buckets=INTER_TOKEN_BUCKETS, registry=r)
+        self.queue_depth = Gauge("weave_pool_queue_depth", "Turns waiting or preempted, per pool",
+                                 ["pool"], registry=r)
+        self.batch_depth = Gauge("weave_pool_batch_depth", "Turns decoding, per pool", ["pool"], registry=r)
+        self.kv_bytes = Gauge("weave_kv_bytes", "KV cache bytes per tier (file on disk, resident in RAM, "
+                              "on a device)", ["tier"], registry=r)
+        self.kv_cap = Gauge("weave_kv_cap_bytes", "The cap on total KV bytes", registry=r)
+        self.kv_reserved = Gauge("weave_kv_reserved_bytes", "KV bytes reserved by sessions", registry=r)
+        self.sessions = Gauge("weave_sessions", "Sessions held by the daemon", registry=r)
+
+    def observe_request(self, route: str, status: int) -> None:
+        self.requests.labels(route, str(status)).inc()
+
+    def observe_turn(self, sla_class: str, finish_reason: str, prompt_tokens: int, cached_tokens: int,
+                     completion_tokens: int) -> None:
+        self.turns.labels(sla_class, finish_reason).inc()
+        self.tokens.labels("prompt", sla_class).inc(max(0, prompt_tokens))
+        self.tokens.labels("cached", sla_class).inc(max(0, cached_tokens))
+        self.tokens.labels("completion", sla_class).inc(max(0, completion_tokens))
+
+    def render(self, status: dict) -> bytes:
+        """The exposition text, with gauges refreshed from ``status`` (the daemon's ``status()``)."""
+        self.queue_depth.clear()
+        self.batch_depth.clear()
+        for pool in status.get("pools", []):
+            self.queue_depth.labels(pool["name"]).set(pool.get("queue_depth", 0))
+            self.batch_depth.labels(pool["name"]).set(pool.get("batch_depth", 0))
+        kv = status.get("kv", {})
+        for tier in KV_TIERS:
+            self.kv_bytes.labels(tier).set(kv.get(f"{tier}_bytes", 0) or 0)
+        self.kv_cap.set(kv.get("cap_bytes") or 0)
+        self.kv_reserved.set(kv.get("reserved_bytes") or 0)
+        self.sessions.set(sum(1 for s in status.get("sessions", []) if not s.get("ephemeral")))
+        return generate_latest(self.registry)
