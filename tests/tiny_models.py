@@ -98,7 +98,10 @@ def write_tiny_gguf(
 
     q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
     add("token_embd.weight", matrix(vocab, d_model, d_model**-0.5), embd_type)
-    add("output_norm.weight", near_one(d_model), norm_type)
+    # A final norm of ~4 gives logits a spread like a trained model's (std ~4 rather than ~1): with
+    # near-uniform next-token distributions the top-1 token is decided by ties and comparing top-1
+    # agreement between implementations would measure noise.
+    add("output_norm.weight", 4 * near_one(d_model), norm_type)
     if not tied:
         add("output.weight", matrix(vocab, d_model), embd_type)
     for i in range(n_layers):

@@ -107,5 +107,6 @@ def test_smollm2_greedy_leaves_llama_only_at_near_ties(smollm2_q4_0):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_synthetic_architectures(arch, request):
     path = request.getfixturevalue(f"tiny_{arch}")
-    check_against_truth_and_llama(path, 256)
+    # all 362 tokens of the text: random weights leave many near-ties, so top-1 needs more positions
+    check_against_truth_and_llama(path, 362)
     check_greedy_near_ties(path, GREEDY_PROMPTS[:3], 32)
