@@ -19,6 +19,9 @@ from weaved.router import SLA, SLAClass
 # Without max_tokens a chat turn may write this many tokens (a completion: OpenAI's default of 16).
 DEFAULT_CHAT_MAX_TOKENS = 512
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# What a request that names no sampling field gets: llama.cpp server's defaults.  Small quantized
+# models sampled at temperature 1 with no truncation ramble into noise within a few sentences.
+SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 
 SESSION_HEADER = "x-weave-session"
 SLA_HEADERS = {"cls": "x-weave-sla-class", "ttft_ms": "x-weave-ttft-ms", "ttlt_s": "x-weave-ttlt-s"}
@@ -32,8 +35,9 @@ def check_supported(req: Sampling) -> None:
 
 def _sampling(req: Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    kw = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
-          if getattr(req, k) is not None}
+    kw = dict(SAMPLING_DEFAULTS)
+    kw.update({k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+               if getattr(req, k) is not None})
     try:
         return SamplingParams(max_tokens=max_tokens, stop=tuple(stop), logprobs=logprobs, **kw)
     except ValueError as e:

@@ -1,0 +1,171 @@
+"""``weave chat``: an interactive conversation with one session, answers streamed as they are written.
+
+Ctrl-C while an answer is being written stops that answer (closing the stream makes the daemon cancel
+the generation) and returns to the prompt; at the prompt it only reminds how to leave.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+from weaved.cli import fmt
+from weaved.cli.client import Client, sla_body
+from weaved.cli.common import ApiKeyOpt, SLAClass, SocketOpt, connect, sla_class
+from weaved.cli.errors import ApiError
+from weaved.cli.run import MaxTokensOpt, SeedOpt, SystemOpt, TemperatureOpt, write_stream
+
+PROMPT = ">>> "
+COMMANDS = """\
+/promote   make this session interactive (re-placed for latency, runs first)
+/demote    make it background work (re-placed for throughput)
+/session   show the session: id, SLA, placement, context
+/reset     forget the conversation: start a new session with the same options
+/exit      leave (also Ctrl-D); the session stays in the daemon
+Ctrl-C stops an answer while it is being written."""
+BUSY_RETRY_S = 5.0  # after Ctrl-C the daemon needs a moment (its next step) to cancel the turn
+
+
+class ChatRepl:
+    """The REPL's state and commands, independent of the terminal (``read`` and ``say`` are injected)."""
+
+    def __init__(self, client: Client, *, session_id: str | None, sla: str | None, system: str | None,
+                 sampling: dict[str, Any], read: Callable[[str], str] = input,
+                 say: Callable[[str], None] = typer.echo):
+        self.client, self.sla, self.system, self.sampling = client, sla, system, sampling
+        self.read, self.say = read, say
+        self.session_id = session_id
+        self.created = False  # this chat made the session (so /reset and an unused exit may delete it)
+        self.turns = 0
+        self.interrupted = False  # the last answer was stopped with Ctrl-C
+
+    # ---- session life ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.session_id is not None:
+            s = self.client.session(self.session_id)
+            messages = s.get("messages") or []
+            self.say(f"resumed session {s['id']} ({fmt.sla_summary(s.get('sla'))}, "
+                     f"{len(messages)} message(s), {s.get('context_tokens', 0)} tokens of context)")
+            for m in messages[-2:]:
+                self.say(f"{m.get('role')}: {m.get('content')}")
+            return
+        self._new_session()
+        self.say("/help lists the commands; Ctrl-D or /exit leaves")
+
+    def _new_session(self) -> None:
+        info = self.client.create_session(sla_body(self.sla), None, self.system)
+        self.session_id, self.created, self.turns = info["id"], True, 0
+        self.say(f"session {info['id']}: {fmt.placement_summary(info.get('placement'))}")
+
+    def finish(self) -> None:
+        """Leaving: a session this chat made and never used is deleted; any other is kept."""
+        if self.created and self.turns == 0 and self.session_id is not None:
+            self.client.delete_session(self.session_id)
+        elif self.session_id is not None:
+            self.say(f"session {self.session_id} kept; resume with `weave chat --session {self.session_id}`")
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.start()
+        while True:
+            try:
+                line = self.read(PROMPT)
+            except EOFError:
+                self.say("")
+                break
+            except KeyboardInterrupt:
+                self.say("\n(use /exit or Ctrl-D to leave)")
+                continue
+            try:
+                if not self.handle(line):
+                    break
+            except ApiError as e:  # a refused turn or command ends nothing but itself
+                self.say(f"error: {e}")
+        self.finish()
+
+    def handle(self, line: str) -> bool:
+        """Do one input line; False to leave."""
+        text = line.strip()
+        if not text:
+            return True
+        if not text.startswith("/"):
+            self.ask(line)
+            return True
+        cmd = text.split()[0].lower()
+        if cmd in ("/exit", "/quit", "/bye"):
+            return False
+        if cmd in ("/promote", "/demote"):
+            assert self.session_id is not None
+            change = self.client.promote if cmd == "/promote" else self.client.demote
+            s = change(self.session_id)
+            self.say(f"{fmt.sla_summary(s.get('sla'))} -> {fmt.placement_summary(s.get('placement'))}")
+        elif cmd == "/session":
+            assert self.session_id is not None
+            s = self.client.session(self.session_id)
+            self.say(f"session {s['id']}: {fmt.sla_summary(s.get('sla'))}; {s.get('context_tokens', 0)} of "
+                     f"{s.get('max_context', '?')} tokens; {fmt.placement_summary(s.get('placement'))}")
+        elif cmd == "/reset":
+            old, delete = self.session_id, self.created
+            if delete and old is not None:
+                self.client.delete_session(old)
+            self._new_session()
+            if not delete:
+                self.say(f"(session {old} is kept; `weave rm {old}` deletes it)")
+        elif cmd in ("/help", "/?"):
+            self.say(COMMANDS)
+        else:
+            self.say(f"unknown command {cmd}; /help lists them")
+        return True
+
+    def ask(self, text: str) -> None:
+        assert self.session_id is not None
+        messages = [{"role": "user", "content": text}]
+        deadline = time.monotonic() + (BUSY_RETRY_S if self.interrupted else 0.0)
+        self.interrupted = False
+        while True:
+            stream = self.client.stream_turn(self.session_id, messages, **self.sampling)
+            try:
+                last = write_stream(stream)
+            except ApiError as e:
+                # 409: the turn stopped by Ctrl-C has not finished cancelling yet; it will within a step
+                if e.status == 409 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    continue
+                raise
+            except KeyboardInterrupt:
+                stream.close()  # closes the connection: the daemon cancels the generation
+                self.turns += 1
+                self.interrupted = True
+                sys.stdout.write("\n")
+                self.say("[stopped]")
+                return
+            break
+        self.turns += 1
+        if last is not None and last.finish_reason == "length":
+            self.say("[stopped at the token limit; --max-tokens raises it]")
+
+
+def chat(
+    session: Annotated[str | None, typer.Option("--session", help="Resume this session.", show_default=False)]
+    = None,
+    sla: Annotated[SLAClass, typer.Option("--sla", help="The new session's SLA class.")]
+    = SLAClass.interactive,
+    system: SystemOpt = None, max_tokens: MaxTokensOpt = None, temperature: TemperatureOpt = None,
+    seed: SeedOpt = None, socket: SocketOpt = None, api_key: ApiKeyOpt = None,
+) -> None:
+    """Chat with the model in a session kept across turns; /help lists the commands."""
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401 - line editing and history for input()
+        except ImportError:
+            pass
+    sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    with connect(socket, api_key) as client:
+        ChatRepl(client, session_id=session, sla=sla_class(sla), system=system, sampling=sampling).run()
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(chat)

@@ -1,0 +1,270 @@
+"""A small HTTP client for the daemon over its Unix socket (or TCP): one typed method per endpoint.
+
+Imported by every client command, so it must start fast: it speaks HTTP/1.1 with the standard
+library's ``http.client`` on an ``AF_UNIX`` socket.  (httpx, with the optional packages it imports
+at start - its own CLI's click, rich and pygments, httpcore's trio and anyio - more than doubled the
+time ``weave ps`` takes here; ``weave top`` uses httpx's async client, where textual dominates.)
+
+Every failure becomes a ``ClientError`` (``weaved.cli.errors``) whose message is one line a person
+can act on; the commands print it as ``weave: error: <message>``.  The address is a socket path, or
+an ``http://`` / ``https://`` URL for a daemon's TCP listener (which needs the API key); ``None``
+means the default socket (``weaved.cli.socket_path``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from collections.abc import Iterator
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from weaved.cli.errors import ClientError, DaemonNotRunning, error_from_bytes
+from weaved.cli.socket_path import default_socket_path
+from weaved.cli.sse import DONE, SSEDecoder
+
+CONNECT_TIMEOUT_S = 2.0
+REQUEST_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed chat chunk: new text, and what rides on the first and last chunks."""
+
+    text: str
+    finish_reason: str | None = None
+    weave: dict | None = None  # {"session", "placement"}: on the first and the finishing chunk
+    usage: dict | None = None  # on the usage chunk (stream_options.include_usage)
+
+    @classmethod
+    def of(cls, chunk: dict) -> Delta:
+        choices = chunk.get("choices") or [{}]
+        first = choices[0]
+        delta = first.get("delta") or {}
+        return cls(delta.get("content") or "", first.get("finish_reason"), chunk.get("weave"),
+                   chunk.get("usage"))
+
+
+def sla_body(cls: str | None = None, ttft_ms: float | None = None,
+             ttlt_s: float | None = None) -> dict | None:
+    """Weave's SLA tags as a request's ``sla`` field, or None when none is given."""
+    body = {k: v for k, v in (("class", cls), ("ttft_ms", ttft_ms), ("ttlt_s", ttlt_s)) if v is not None}
+    return body or None
+
+
+def _given(kw: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+# ---- connections ---------------------------------------------------------------------------------
+
+def resolve_address(address: str | Path | None) -> str:
+    return str(address) if address else str(default_socket_path())
+
+
+def is_url(address: str) -> bool:
+    return address.startswith(("http://", "https://"))
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str):
+        super().__init__("localhost", timeout=CONNECT_TIMEOUT_S)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _connection(address: str) -> http.client.HTTPConnection:
+    if not is_url(address):
+        return _UnixConnection(address)
+    url = urlsplit(address)
+    cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+    return cls(url.hostname or "localhost", url.port, timeout=CONNECT_TIMEOUT_S)
+
+
+class Client:
+    """The daemon's API as methods.  Each call opens its own connection (a Unix socket connects in
+    microseconds), so a client may be used from one thread at a time and needs no closing."""
+
+    def __init__(self, address: str | Path | None = None, api_key: str | None = None,
+                 timeout_s: float = REQUEST_TIMEOUT_S):
+        self.address = resolve_address(address)
+        self.timeout_s = timeout_s
+        self._prefix = urlsplit(self.address).path.rstrip("/") if is_url(self.address) else ""
+        self._headers = {"Accept": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    # ---- plumbing --------------------------------------------------------------------------------
+    def _open(self, method: str, path: str, body: dict | None,
+              read_timeout_s: float | None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send the request; the connection and the response (status and headers read)."""
+        conn = _connection(self.address)
+        headers = dict(self._headers)
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        try:
+            try:
+                conn.connect()
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                raise DaemonNotRunning(self.address) from e
+            except PermissionError as e:
+                raise ClientError(f"cannot open the daemon's socket {self.address}: permission denied") from e
+            except OSError as e:
+                raise ClientError(f"cannot connect to the daemon at {self.address}: {e.strerror or e}") from e
+            assert conn.sock is not None
+            conn.sock.settimeout(read_timeout_s)
+            with self._transport_errors():
+                conn.request(method, self._prefix + path, body=data, headers=headers)
+                return conn, conn.getresponse()
+        except BaseException:
+            conn.close()
+            raise
+
+    def _transport_errors(self) -> _TransportErrors:
+        return _TransportErrors(self.address)
+
+    def request(self, method: str, path: str, body: dict | None = None) -> Any:
+        """One request; its JSON answer, or ApiError for an error status."""
+        conn, r = self._open(method, path, body, self.timeout_s)
+        with closing(conn):
+            with self._transport_errors():
+                raw = r.read()
+        if r.status >= 400:
+            raise error_from_bytes(r.status, raw)
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise ClientError(f"the daemon's answer to {method} {path} is not JSON") from None
+
+    def stream(self, method: str, path: str, body: dict | None = None) -> Iterator[Any]:
+        """The events of an SSE answer.  Closing the iterator early (``break``, Ctrl-C) closes the
+        connection, which makes the daemon cancel the generation."""
+        conn, r = self._open(method, path, body, None)  # tokens or events may be minutes apart
+        with closing(conn):
+            if r.status >= 400:
+                with self._transport_errors():
+                    raw = r.read()
+                raise error_from_bytes(r.status, raw)
+            decoder = SSEDecoder()
+            while True:
+                with self._transport_errors():
+                    raw = r.readline()
+                if not raw:
+                    return
+                obj = decoder.feed(raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+                if obj is DONE:
+                    return
+                if obj is not None:
+                    yield obj
+
+    # ---- daemon ----------------------------------------------------------------------------------
+    def health(self) -> dict:
+        return self.request("GET", "/health")
+
+    def status(self) -> dict:
+        """Everything ``weave top`` shows: model, pools, sessions, KV tiers, hardware, peers."""
+        return self.request("GET", "/v1/status")
+
+    def models(self) -> list[dict]:
+        return self.request("GET", "/v1/models")["data"]
+
+    def events(self) -> Iterator[dict]:
+        """``/v1/events``: placements, promotions, demotions, preemptions as they happen (endless)."""
+        return self.stream("GET", "/v1/events")
+
+    # ---- sessions --------------------------------------------------------------------------------
+    def sessions(self) -> list[dict]:
+        return self.request("GET", "/v1/sessions")["data"]
+
+    def session(self, session_id: str) -> dict:
+        """The session with its SLA, placement and transcript (``messages``)."""
+        return self.request("GET", f"/v1/sessions/{_quote(session_id)}")
+
+    def create_session(self, sla: dict | None = None, max_context: int | None = None,
+                       system: str | None = None) -> dict:
+        """A new session; the answer carries its ``id`` and ``placement``."""
+        return self.request("POST", "/v1/sessions", _given({"sla": sla, "max_context": max_context,
+                                                           "system": system}))
+
+    def delete_session(self, session_id: str) -> dict:
+        return self.request("DELETE", f"/v1/sessions/{_quote(session_id)}")
+
+    def promote(self, session_id: str) -> dict:
+        return self.request("POST", f"/v1/sessions/{_quote(session_id)}/promote")
+
+    def demote(self, session_id: str) -> dict:
+        return self.request("POST", f"/v1/sessions/{_quote(session_id)}/demote")
+
+    # ---- turns -----------------------------------------------------------------------------------
+    def turn(self, session_id: str, messages: list[dict], **sampling: Any) -> dict:
+        """A turn of a session, answered as one chat completion."""
+        return self.request("POST", f"/v1/sessions/{_quote(session_id)}/turns",
+                            {"messages": messages, **_given(sampling)})
+
+    def stream_turn(self, session_id: str, messages: list[dict], **sampling: Any) -> Iterator[Delta]:
+        body = {"messages": messages, **_given(sampling), "stream": True}
+        with closing(self.stream("POST", f"/v1/sessions/{_quote(session_id)}/turns", body)) as chunks:
+            for chunk in chunks:
+                yield Delta.of(chunk)
+
+    def detach_turn(self, session_id: str, messages: list[dict], **sampling: Any) -> dict:
+        """Start a turn that runs to its end with nobody listening (its answer lands in the transcript)."""
+        return self.request("POST", f"/v1/sessions/{_quote(session_id)}/turns",
+                            {"messages": messages, **_given(sampling), "detach": True})
+
+    def chat(self, messages: list[dict], *, sla: dict | None = None, **sampling: Any) -> dict:
+        """A one-off chat completion (no session is kept)."""
+        body = {"messages": messages, **_given({"sla": sla, **sampling})}
+        return self.request("POST", "/v1/chat/completions", body)
+
+    def stream_chat(self, messages: list[dict], *, sla: dict | None = None,
+                    **sampling: Any) -> Iterator[Delta]:
+        body = {"messages": messages, **_given({"sla": sla, **sampling}), "stream": True}
+        with closing(self.stream("POST", "/v1/chat/completions", body)) as chunks:
+            for chunk in chunks:
+                yield Delta.of(chunk)
+
+
+def _quote(session_id: str) -> str:
+    return quote(session_id, safe="")
+
+
+class _TransportErrors:
+    """Maps a broken exchange (timeout, reset, malformed HTTP) to a one-line ClientError."""
+
+    def __init__(self, address: str):
+        self.address = address
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        if exc is None:
+            return False
+        if isinstance(exc, TimeoutError):
+            raise ClientError(f"the daemon at {self.address} did not answer in time") from exc
+        if isinstance(exc, http.client.HTTPException | ConnectionError):
+            what = str(exc) or type(exc).__name__
+            raise ClientError(f"lost the connection to the daemon at {self.address}: {what}") from exc
+        return False

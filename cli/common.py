@@ -1,0 +1,75 @@
+"""What every client command shares: the connection options, one-line errors, JSON output.
+
+Exit codes: 0 done, 1 the daemon refused or failed the request, 2 bad usage (click's), 3 no daemon
+is running at the address.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import StrEnum
+from typing import Annotated, Any
+
+import typer
+from weaved.cli.client import Client
+from weaved.cli.errors import ClientError, DaemonNotRunning
+
+EXIT_FAILED = 1
+EXIT_NO_DAEMON = 3
+
+SocketOpt = Annotated[str | None, typer.Option(
+    "--socket", envvar="WEAVE_SOCKET", show_default=False, metavar="PATH|URL",
+    help="The daemon's socket (default: $XDG_RUNTIME_DIR/weave/weave.sock, else ~/.weave/weave.sock), "
+         "or http://HOST:PORT for its TCP listener.")]
+ApiKeyOpt = Annotated[str | None, typer.Option(
+    "--api-key", envvar="WEAVE_API_KEY", show_default=False,
+    help="API key, sent as a bearer token (needed on the daemon's TCP listener).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text (for scripts and agents).")]
+
+
+class SLAClass(StrEnum):
+    interactive = "interactive"
+    background = "background"
+    batch = "batch"
+
+
+def debug() -> bool:
+    return os.environ.get("WEAVE_DEBUG") == "1"
+
+
+def fail(message: str, code: int = EXIT_FAILED) -> typer.Exit:
+    """Print ``weave: error: <message>`` to stderr; raise the returned Exit."""
+    typer.echo(f"weave: error: {message}", err=True)
+    return typer.Exit(code)
+
+
+@contextmanager
+def reporting() -> Iterator[None]:
+    """Turn a ClientError raised inside into a one-line message and an exit code (a traceback only
+    with WEAVE_DEBUG=1)."""
+    try:
+        yield
+    except ClientError as e:
+        if debug():
+            raise
+        raise fail(str(e), EXIT_NO_DAEMON if isinstance(e, DaemonNotRunning) else EXIT_FAILED) from None
+
+
+@contextmanager
+def connect(socket: str | None, api_key: str | None) -> Iterator[Client]:
+    """A client for the daemon at ``socket`` (None: the default address), with ``reporting``."""
+    with reporting(), Client(socket, api_key) as client:
+        yield client
+
+
+def print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, ensure_ascii=False))
+
+
+def sla_class(value: SLAClass | str | None) -> str | None:
+    if value is None:
+        return None
+    return value.value if isinstance(value, SLAClass) else str(value)

@@ -1,0 +1,118 @@
+"""``weave ps``, ``show``, ``rm``, ``promote``, ``demote``: the daemon's sessions."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from typing import Annotated
+
+import typer
+from weaved.cli import fmt
+from weaved.cli.common import ApiKeyOpt, JsonOpt, SocketOpt, connect, print_json
+
+IdArg = Annotated[str, typer.Argument(metavar="ID", help="A session id (as `weave ps` lists them).",
+                                      show_default=False)]
+
+
+def _terminal_width() -> int | None:
+    """Cut long lines only for a person at a terminal; a pipe gets everything."""
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+
+
+def ps_table(sessions: list[dict], width: int | None = None) -> str:
+    headers = ("ID", "CLASS", "POOL", "BACKEND", "CONTEXT", "STATE", "TOK/S", "REASON")
+    rows = [(s["id"], s.get("class"), s.get("pool"), s.get("backend"), s.get("context_tokens"),
+             s.get("state"), None if s.get("tokens_per_s") is None else fmt.rate(s["tokens_per_s"]),
+             s.get("reason") or None) for s in sessions]
+    return fmt.table(headers, rows, width=width, right=(4, 6))
+
+
+def ps(socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False,
+       all: Annotated[bool, typer.Option("--all", "-a", help="Include one-off OpenAI calls' sessions.")]
+       = False) -> None:
+    """List sessions: id, SLA class, pool, backend, context length, state, tokens/s, placement reason."""
+    with connect(socket, api_key) as client:
+        sessions = client.status()["sessions"]
+    if not all:
+        sessions = [s for s in sessions if not s.get("ephemeral")]
+    if json:
+        print_json(sessions)
+    elif not sessions:
+        typer.echo("no sessions")
+    else:
+        typer.echo(ps_table(sessions, _terminal_width()))
+
+
+def show_text(s: dict) -> str:
+    created = s.get("created")
+    lines = [
+        f"session   {s['id']}",
+        f"sla       {fmt.sla_summary(s.get('sla'))}",
+        f"placement {fmt.placement_summary(s.get('placement'))}",
+        f"backend   {s.get('backend') or fmt.DASH}",
+        f"context   {s.get('context_tokens', 0)} of {s.get('max_context', '?')} tokens",
+        f"status    {s.get('status', fmt.DASH)}",
+    ]
+    if created:
+        lines.append(f"created   {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(created))}")
+    if s.get("system"):
+        lines.append(f"system    {s['system']}")
+    messages = s.get("messages") or []
+    lines.append("")
+    if not messages:
+        lines.append("(no messages yet)")
+    for m in messages:
+        lines.append(f"{m.get('role', '?')}: {m.get('content', '')}")
+    return "\n".join(lines)
+
+
+def show(session_id: IdArg, socket: SocketOpt = None, api_key: ApiKeyOpt = None,
+         json: JsonOpt = False) -> None:
+    """Show a session: its SLA, placement and transcript."""
+    with connect(socket, api_key) as client:
+        s = client.session(session_id)
+    print_json(s) if json else typer.echo(show_text(s))
+
+
+def rm(session_ids: Annotated[list[str], typer.Argument(metavar="ID...", help="Sessions to delete.")],
+       socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
+    """Delete sessions (a running turn is cancelled; the transcript and KV file are removed)."""
+    done = []
+    with connect(socket, api_key) as client:
+        for sid in session_ids:
+            done.append(client.delete_session(sid))
+            if not json:
+                typer.echo(f"deleted {sid}")
+    if json:
+        print_json(done)
+
+
+def _sla_change(session_id: str, socket: str | None, api_key: str | None, json: bool, promote: bool) -> None:
+    with connect(socket, api_key) as client:
+        s = client.promote(session_id) if promote else client.demote(session_id)
+    if json:
+        print_json(s)
+    else:
+        typer.echo(f"{s['id']}: {fmt.sla_summary(s.get('sla'))} -> "
+                   f"{fmt.placement_summary(s.get('placement'))}")
+
+
+def promote(session_id: IdArg, socket: SocketOpt = None, api_key: ApiKeyOpt = None,
+            json: JsonOpt = False) -> None:
+    """Make a session interactive: it is re-placed for latency and runs first from the next step."""
+    _sla_change(session_id, socket, api_key, json, promote=True)
+
+
+def demote(session_id: IdArg, socket: SocketOpt = None, api_key: ApiKeyOpt = None,
+           json: JsonOpt = False) -> None:
+    """Make a session background work: it is re-placed for throughput and yields to interactive ones."""
+    _sla_change(session_id, socket, api_key, json, promote=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(ps)
+    app.command()(show)
+    app.command()(rm)
+    app.command()(promote)
+    app.command()(demote)

@@ -1,0 +1,69 @@
+"""``weave status``: the daemon's model, pools, KV tiers, hardware and peers."""
+
+from __future__ import annotations
+
+import typer
+from weaved.cli import fmt
+from weaved.cli.common import ApiKeyOpt, JsonOpt, SocketOpt, connect, print_json
+
+
+def pools_table(pools: list[dict]) -> str:
+    headers = ("POOL", "BACKEND", "DEVICE", "STRATEGY", "VARIANT", "BATCH", "QUEUE", "TOK/S", "PREEMPTED")
+    rows = [(p["name"], p.get("backend"), p.get("device"), p.get("strategy"),
+             fmt.variant(p.get("variant") or {}), p.get("batch_depth"), p.get("queue_depth"),
+             fmt.rate(p.get("tokens_per_s")), p.get("preemptions")) for p in pools]
+    return fmt.table(headers, rows, right=(5, 6, 7, 8))
+
+
+def kv_line(kv: dict) -> str:
+    ram = fmt.size(kv.get("ram_bytes")) if kv.get("ram_measured", True) else "unmeasured"
+    return (f"{kv.get('sessions', 0)} session file(s): {fmt.size(kv.get('file_bytes'))} on disk, "
+            f"{ram} in RAM, {fmt.size(kv.get('reserved_bytes'))} reserved of a "
+            f"{fmt.size(kv.get('cap_bytes'))} cap")
+
+
+def hardware_lines(hw: dict) -> list[str]:
+    cores = hw.get("cpu_percent") or []
+    avg = sum(cores) / len(cores) if cores else 0.0
+    lines = [f"cpu       {len(cores)} core(s), {avg:.0f}% busy on average",
+             f"memory    {fmt.size(hw.get('memory_used'))} used of {fmt.size(hw.get('memory_total'))}; "
+             f"daemon {fmt.size(hw.get('rss'))} resident"]
+    gpus = hw.get("gpus") or []
+    if not gpus:
+        lines.append("gpu       none")
+    for g in gpus:
+        util = g.get("utilization")
+        busy = f", {util:.0f}% busy" if util is not None else ""
+        lines.append(f"gpu       {g.get('name', '?')}: {fmt.size(g.get('memory_used'))} of "
+                     f"{fmt.size(g.get('memory_total'))}{busy}")
+    return lines
+
+
+def status_text(st: dict) -> str:
+    model = st.get("model") or {}
+    sessions = [s for s in st.get("sessions") or () if not s.get("ephemeral")]
+    busy = sum(1 for s in sessions if s.get("state") not in ("idle", None))
+    lines = [
+        f"model     {model.get('name', '?')} ({model.get('arch', '?')}, "
+        f"{model.get('context_length', '?')}-token context)",
+        f"profile   {st.get('profile', '?')}, up {fmt.seconds(st.get('uptime_s'))}",
+        f"sessions  {len(sessions)} ({busy} generating)",
+        f"kv        {kv_line(st.get('kv') or {})}",
+        *hardware_lines(st.get("hardware") or {}),
+    ]
+    peers = st.get("peers") or []
+    lines.append("peers     " + ("none" if not peers else "; ".join(fmt.peer_text(p) for p in peers)))
+    lines += ["", pools_table(st.get("pools") or [])]
+    lines += [f"note: {n}" for n in st.get("pool_notes") or ()]
+    return "\n".join(lines)
+
+
+def status(socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
+    """Show the daemon: model, pools, KV tiers, hardware and peers."""
+    with connect(socket, api_key) as client:
+        st = client.status()
+    print_json(st) if json else typer.echo(status_text(st))
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(status)

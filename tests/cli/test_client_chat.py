@@ -1,0 +1,139 @@
+"""``weave chat``: turns kept in one session, the slash commands, resuming, and Ctrl-C during an answer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from typer.testing import CliRunner
+from weaved.cli.app import app
+from weaved.cli.chat import ChatRepl
+from weaved.cli.client import Client
+
+from tests.cli.fake_server import FakeDaemon, seed_sessions, short_socket_dir
+
+runner = CliRunner()
+IDLE = "s-e24b7f0d9c1a6358"
+
+
+@pytest.fixture
+def fake():
+    with short_socket_dir() as d, FakeDaemon(d / "w.sock") as f:
+        seed_sessions(f)
+        yield f
+
+
+def chat(fake: FakeDaemon, *args: str, input: str):
+    res = runner.invoke(app, ["chat", *args], input=input, env={"WEAVE_SOCKET": str(fake.socket_path)})
+    assert res.exit_code == 0, (res.stdout, res.stderr)
+    return res.stdout
+
+
+def new_ids(fake: FakeDaemon, before: set[str]) -> list[str]:
+    return [s for s in fake.sessions if s not in before]
+
+
+def test_turns_stream_into_one_session(fake):
+    before = set(fake.sessions)
+    out = chat(fake, "--system", "be brief", input="hello\nand again\n/exit\n")
+    [sid] = new_ids(fake, before)
+    assert f"session {sid}: pool cpu" in out
+    assert ">>> You said: hello.\n>>> You said: and again.\n>>> " in out
+    assert f"session {sid} kept; resume with `weave chat --session {sid}`" in out
+    s = fake.sessions[sid]
+    assert s.system == "be brief" and s.cls == "interactive"
+    assert [m["role"] for m in s.messages] == ["user", "assistant", "user", "assistant"]
+    turns = [r for r in fake.requests if r.path == f"/v1/sessions/{sid}/turns"]
+    assert [t.body["messages"] for t in turns] == [[{"role": "user", "content": "hello"}],
+                                                   [{"role": "user", "content": "and again"}]]
+
+
+def test_an_unused_session_is_removed_on_exit(fake):
+    before = set(fake.sessions)
+    out = chat(fake, "--sla", "background", input="")  # Ctrl-D straight away
+    assert new_ids(fake, before) == [] and "kept" not in out
+    assert fake.requests[0].body == {"sla": {"class": "background"}}
+
+
+def test_promote_demote_and_session_commands(fake):
+    out = chat(fake, "--sla", "batch", input="/session\n/promote\n/demote\n/help\n/nonsense\n/exit\n")
+    sid = out.split()[1].rstrip(":")
+    assert f"session {sid}: batch; 0 of 8192 tokens; pool cpu" in out
+    assert "interactive, TTFT 500ms -> pool cpu" in out and "background -> pool cpu" in out
+    assert "/reset     forget the conversation" in out
+    assert "unknown command /nonsense; /help lists them" in out
+    assert [p.rsplit("/", 1)[1] for p in fake.paths("POST") if p.endswith("mote")] == ["promote", "demote"]
+    assert fake.paths("DELETE") == [f"/v1/sessions/{sid}"]  # never used for a turn: not left behind
+
+
+def test_reset_replaces_the_session_it_made(fake):
+    before = set(fake.sessions)
+    chat(fake, input="one\n/reset\ntwo\n/exit\n")
+    [sid] = new_ids(fake, before)
+    assert [m["content"] for m in fake.sessions[sid].messages] == ["two", "You said: two."]
+    assert len(fake.paths("DELETE")) == 1
+
+
+def test_resume_keeps_the_session_and_reset_does_not_delete_it(fake):
+    out = chat(fake, "--session", IDLE, input="more\n/reset\n/exit\n")
+    assert out.startswith(f"resumed session {IDLE} (background, 2 message(s), 14 tokens of context)\n"
+                          "user: Write the changelog\nassistant: Done: 12 entries.\n")
+    assert f"(session {IDLE} is kept; `weave rm {IDLE}` deletes it)" in out
+    assert IDLE in fake.sessions and fake.sessions[IDLE].messages[-1]["content"] == "You said: more."
+    assert IDLE not in "".join(fake.paths("DELETE"))  # only the fresh, unused session went on exit
+
+
+def test_resuming_an_unknown_session_fails_cleanly(fake):
+    env = {"WEAVE_SOCKET": str(fake.socket_path)}
+    res = runner.invoke(app, ["chat", "--session", "s-nope"], input="", env=env)
+    assert res.exit_code == 1 and res.stderr == "weave: error: no session 's-nope'\n"
+
+
+def test_a_refused_turn_reports_and_the_chat_goes_on(fake):
+    fake.sessions[IDLE].busy = True  # a turn of it is running elsewhere: the daemon answers 409
+    out = chat(fake, "--session", IDLE, input="hi\n/exit\n")
+    assert f"error: session {IDLE} is already generating a turn" in out
+
+
+def test_ctrl_c_stops_the_answer_not_the_chat(fake, monkeypatch):
+    """Ctrl-C while tokens arrive: the stream is closed (the daemon sees the client go), the chat goes on."""
+    fake.token_delay_s = 0.02
+    real = Client.stream_turn
+    interrupted = []
+
+    def stream_then_interrupt(self, *a, **kw):
+        for i, d in enumerate(real(self, *a, **kw)):
+            if i == 3 and not interrupted:
+                interrupted.append(True)
+                raise KeyboardInterrupt  # what the terminal delivers on Ctrl-C
+            yield d
+
+    monkeypatch.setattr(Client, "stream_turn", stream_then_interrupt)
+    replies = iter(["a long question with very many words in it", "next", "/exit"])
+    said: list[str] = []
+    repl = ChatRepl(Client(fake.socket_path), session_id=IDLE, sla=None, system=None, sampling={},
+                    read=lambda prompt: next(replies), say=said.append)
+    repl.run()
+    assert "[stopped]" in said
+    for _ in range(200):  # bounded: the fake notices the closed connection at its next write
+        if fake.disconnects:
+            break
+        time.sleep(0.01)
+    assert fake.disconnects == 1
+    # the next turn ran in full
+    assert fake.sessions[IDLE].messages[-1]["content"] == "You said: next."
+
+
+def test_ctrl_c_at_the_prompt_only_reminds_how_to_leave(fake):
+    state = iter([KeyboardInterrupt, "/exit"])
+
+    def read(prompt):
+        item = next(state)
+        if item is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return item
+
+    said: list[str] = []
+    ChatRepl(Client(fake.socket_path), session_id=IDLE, sla=None, system=None, sampling={}, read=read,
+             say=said.append).run()
+    assert "\n(use /exit or Ctrl-D to leave)" in said

@@ -1,0 +1,238 @@
+"""Every client command, as text and as --json, against the fake daemon; and the no-daemon message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+from weaved.cli.app import app
+
+from tests.cli.fake_server import FakeDaemon, seed_sessions, short_socket_dir
+
+runner = CliRunner()
+IDLE = "s-e24b7f0d9c1a6358"
+
+
+@pytest.fixture
+def fake():
+    with short_socket_dir() as d, FakeDaemon(d / "w.sock") as f:
+        seed_sessions(f)
+        yield f
+
+
+def weave(fake: FakeDaemon | None, *args: str, input: str | None = None, socket: str | None = None):
+    env = {"WEAVE_SOCKET": socket or str(fake.socket_path), "WEAVE_API_KEY": None, "WEAVE_DEBUG": None}
+    return runner.invoke(app, list(args), input=input, env=env)
+
+
+def ok(res) -> str:
+    assert res.exit_code == 0, (res.stdout, res.stderr)
+    return res.stdout
+
+
+# ---- sessions -------------------------------------------------------------------------------------
+
+def test_ps_lists_sessions_with_class_pool_backend_context_state_speed_and_reason(fake):
+    out = ok(weave(fake, "ps")).splitlines()
+    assert out[0].split() == ["ID", "CLASS", "POOL", "BACKEND", "CONTEXT", "STATE", "TOK/S", "REASON"]
+    assert len(out) == 5
+    first = out[1].split()
+    assert first[:7] == ["s-3f9c2a1b7d4e8f60", "interactive", "cpu", "cpu", "11", "running", "38.2"]
+    assert out[1].endswith("interactive: latency-sensitive; CPU pool 'cpu' (batch 1/16)")
+    assert out[3].split()[5:7] == ["waiting", "-"]
+
+
+def test_ps_json_is_the_status_sessions(fake):
+    rows = json.loads(ok(weave(fake, "ps", "--json")))
+    assert [r["id"] for r in rows] == list(fake.sessions)
+    assert rows[0]["ttft_s"] == 0.184 and rows[1]["class"] == "background"
+
+
+def test_ps_hides_one_off_sessions_unless_all(fake):
+    fake.add_session("tmp-0000000000000001", "interactive", ephemeral=True)
+    assert "tmp-" not in ok(weave(fake, "ps"))
+    assert "tmp-0000000000000001" in ok(weave(fake, "ps", "--all"))
+
+
+def test_ps_with_no_sessions(fake):
+    fake.sessions.clear()
+    assert ok(weave(fake, "ps")) == "no sessions\n"
+    assert json.loads(ok(weave(fake, "ps", "--json"))) == []
+
+
+def test_show_prints_sla_placement_and_transcript(fake):
+    out = ok(weave(fake, "show", IDLE))
+    assert out.splitlines()[0] == f"session   {IDLE}"
+    assert "sla       background\n" in out
+    assert "placement pool cpu (standard prefill, standard decode): background: throughput-tolerant" in out
+    assert out.endswith("user: Write the changelog\nassistant: Done: 12 entries.\n")
+
+
+def test_show_json_and_unknown_session(fake):
+    data = json.loads(ok(weave(fake, "show", IDLE, "--json")))
+    assert data["id"] == IDLE and len(data["messages"]) == 2
+    res = weave(fake, "show", "s-nope")
+    assert res.exit_code == 1
+    assert res.stderr == "weave: error: no session 's-nope'\n" and res.stdout == ""
+
+
+def test_rm_deletes_each_session(fake):
+    out = ok(weave(fake, "rm", IDLE, "s-0c5d86e2f1a94b37"))
+    assert out == f"deleted {IDLE}\ndeleted s-0c5d86e2f1a94b37\n"
+    assert IDLE not in fake.sessions and len(fake.sessions) == 2
+    data = json.loads(ok(weave(fake, "rm", "s-a71e04c9b2d35f18", "--json")))
+    assert data == [{"id": "s-a71e04c9b2d35f18", "object": "session.deleted", "deleted": True}]
+
+
+def test_promote_and_demote(fake):
+    out = ok(weave(fake, "promote", IDLE))
+    assert out.startswith(f"{IDLE}: interactive, TTFT 500ms -> pool cpu")
+    assert fake.sessions[IDLE].cls == "interactive"
+    assert fake.paths("POST")[-1] == f"/v1/sessions/{IDLE}/promote"
+    data = json.loads(ok(weave(fake, "demote", IDLE, "--json")))
+    assert data["sla"]["class"] == "background" and data["placement"]["priority"] == 1
+    assert [e["type"] for e in fake.events[-2:]] == ["promotion", "demotion"]
+
+
+# ---- status ---------------------------------------------------------------------------------------
+
+def test_status_shows_model_pools_kv_hardware_and_peers(fake):
+    out = ok(weave(fake, "status"))
+    assert out.startswith("model     SmolLM2-135M-Instruct-Q4_0 (llama, 8192-token context)\n")
+    assert "profile   cpu-only, up 1h02m\n" in out
+    assert "sessions  4 (3 generating)\n" in out
+    assert ("kv        4 session file(s): 180.0 MiB on disk, 92.0 MiB in RAM, 192.0 MiB reserved of a "
+            "12.0 GiB cap\n") in out
+    assert "gpu       none\n" in out and "peers     none\n" in out
+    pool_lines = out[out.index("POOL"):].splitlines()
+    assert pool_lines[1].split() == ["cpu", "cpu", "cpu", "standard", "max", "16,", "chunk", "256", "2", "1",
+                                     "212.5", "3"]
+
+
+def test_status_json_and_peers(fake):
+    data = json.loads(ok(weave(fake, "status", "--json")))
+    assert data["pools"][0]["name"] == "cpu" and data["kv"]["cap_bytes"] == 12_884_901_888
+    original = fake.status
+    peer = {"name": "b", "url": "tcp://10.0.0.2:7070", "state": "alive", "latency_ms": 0.4}
+    fake.status = lambda: {**original(), "peers": [peer]}
+    assert "peers     b tcp://10.0.0.2:7070 (alive, 0.4ms)\n" in ok(weave(fake, "status"))
+
+
+# ---- run and submit -------------------------------------------------------------------------------
+
+def test_run_streams_the_answer_without_keeping_a_session(fake):
+    assert ok(weave(fake, "run", "hello there")) == "You said: hello there.\n"
+    body = fake.requests[-1].body
+    assert fake.requests[-1].path == "/v1/chat/completions"
+    assert body == {"messages": [{"role": "user", "content": "hello there"}], "sla": {"class": "interactive"},
+                    "stream": True}
+    assert not any(s.startswith("tmp-") for s in fake.sessions)
+
+
+def test_run_reads_stdin_with_dash_and_passes_options(fake):
+    out = ok(weave(fake, "run", "-", "--sla", "batch", "--system", "terse", "--max-tokens", "2",
+                   "--temperature", "0", "--seed", "7", input="from stdin\n"))
+    assert out == "You said:\n"
+    body = fake.requests[-1].body
+    assert body["messages"] == [{"role": "system", "content": "terse"},
+                                {"role": "user", "content": "from stdin\n"}]
+    assert (body["sla"], body["max_tokens"], body["temperature"], body["seed"]) == \
+        ({"class": "batch"}, 2, 0.0, 7)
+
+
+def test_run_json_prints_the_completion(fake):
+    data = json.loads(ok(weave(fake, "run", "hi", "--json")))
+    assert data["object"] == "chat.completion" and data["choices"][0]["message"]["content"] == "You said: hi."
+
+
+def test_run_refuses_an_empty_prompt(fake):
+    res = weave(fake, "run", "-", input="  \n")
+    assert res.exit_code == 1 and res.stderr == "weave: error: the prompt is empty\n"
+
+
+def test_submit_returns_id_and_placement_at_once(fake):
+    out = ok(weave(fake, "submit", "label the tickets", "--ttlt-s", "3600", "--max-context", "4096"))
+    sid = out.splitlines()[0].split()[1]
+    assert out.splitlines()[1].startswith("placement pool cpu (standard prefill, standard decode): "
+                                          "background")
+    create, turn = fake.requests[-2:]
+    assert create.body == {"sla": {"class": "background", "ttlt_s": 3600.0}, "max_context": 4096}
+    assert turn.path == f"/v1/sessions/{sid}/turns"
+    assert turn.body == {"messages": [{"role": "user", "content": "label the tickets"}], "detach": True}
+
+
+def test_submit_json_reads_a_file(fake, tmp_path):
+    task = tmp_path / "task.txt"
+    task.write_text("summarise the log", encoding="utf-8")
+    data = json.loads(ok(weave(fake, "submit", "--file", str(task), "--sla", "interactive",
+                               "--ttft-ms", "250", "--json")))
+    assert set(data) == {"id", "placement", "status"} and data["status"] == "running"
+    assert data["placement"]["priority"] == 3
+    assert fake.sessions[data["id"]].sla == {"class": "interactive", "ttft_ms": 250.0, "ttlt_s": None}
+    assert fake.sessions[data["id"]].messages[0]["content"] == "summarise the log"
+
+
+def test_submit_reads_piped_stdin(fake):
+    ok(weave(fake, "submit", input="a task from a pipe"))
+    assert fake.requests[-1].body["messages"][0]["content"] == "a task from a pipe"
+
+
+def test_submit_wait_streams_the_result(fake):
+    res = weave(fake, "submit", "--wait", "--sla", "batch", "task two")
+    assert ok(res) == "You said: task two.\n"
+    assert res.stderr.startswith("session   s-") and "batch: throughput-tolerant" in res.stderr
+    assert fake.requests[-1].body["stream"] is True
+
+
+def test_submit_wait_json_is_one_object_at_the_end(fake):
+    data = json.loads(ok(weave(fake, "submit", "--wait", "--json", "--max-tokens", "2", "x y z")))
+    assert data["content"] == "You said:" and data["finish_reason"] == "length"
+    assert data["usage"]["completion_tokens"] == 2 and data["id"].startswith("s-")
+
+
+def test_submit_refuses_two_sources_and_no_task(fake, tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("x")
+    res = weave(fake, "submit", "arg", "--file", str(f))
+    assert res.exit_code == 2 and "not both" in res.stderr
+    res = weave(fake, "submit", "--file", str(tmp_path / "missing.txt"))
+    assert res.exit_code == 2 and res.stderr.startswith("weave: error: cannot read")
+    res = weave(fake, "submit", input="")
+    assert res.exit_code == 2 and res.stderr == "weave: error: the task is empty\n"
+
+
+def test_invalid_sla_class_is_a_usage_error(fake):
+    res = weave(fake, "submit", "--sla", "urgent", "x")
+    assert res.exit_code == 2
+
+
+# ---- no daemon ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args", [["ps"], ["ps", "--json"], ["status"], ["status", "--json"], ["show", "s-1"],
+                                  ["rm", "s-1"], ["promote", "s-1"], ["demote", "s-1"], ["run", "hi"],
+                                  ["submit", "task"], ["submit", "--wait", "task"], ["chat"]])
+def test_every_command_says_no_daemon_and_how_to_start_one(tmp_path, args):
+    sock = str(tmp_path / "none.sock")
+    res = weave(None, *args, socket=sock, input="")
+    assert res.exit_code == 3, (res.stdout, res.stderr)
+    assert res.stderr == f"weave: error: no daemon running at {sock}; start one with `weave serve`\n"
+
+
+def test_socket_option_overrides_the_environment(fake, tmp_path):
+    env = {"WEAVE_SOCKET": str(tmp_path / "x")}
+    res = runner.invoke(app, ["ps", "--socket", str(fake.socket_path)], env=env)
+    assert ok(res).startswith("ID")
+
+
+def test_api_key_from_the_environment(fake):
+    fake.api_key = "s3cret"
+    res = runner.invoke(app, ["ps"], env={"WEAVE_SOCKET": str(fake.socket_path), "WEAVE_API_KEY": "s3cret"})
+    assert ok(res).startswith("ID")
+    res = runner.invoke(app, ["ps"], env={"WEAVE_SOCKET": str(fake.socket_path), "WEAVE_API_KEY": "wrong"})
+    assert res.exit_code == 1 and res.stderr == "weave: error: missing or wrong API key\n"
+
+
+def test_weave_debug_shows_the_traceback(tmp_path):
+    res = runner.invoke(app, ["ps"], env={"WEAVE_SOCKET": str(tmp_path / "none.sock"), "WEAVE_DEBUG": "1"})
+    assert res.exit_code == 1 and type(res.exception).__name__ == "DaemonNotRunning"

@@ -1,0 +1,156 @@
+"""The client library: SSE parsing, error messages, formatting, and the Client against the fake daemon."""
+
+from __future__ import annotations
+
+import pytest
+from weaved.cli import fmt
+from weaved.cli.client import Client, Delta, sla_body
+from weaved.cli.errors import ApiError, ClientError, DaemonNotRunning, api_error
+from weaved.cli.sse import DONE, SSEDecoder, parse_sse
+
+from tests.cli.fake_server import FakeDaemon, short_socket_dir
+
+
+@pytest.fixture
+def fake():
+    with short_socket_dir() as d, FakeDaemon(d / "w.sock") as f:
+        yield f
+
+
+# ---- SSE ------------------------------------------------------------------------------------------
+
+def test_parse_sse_joins_data_lines_skips_comments_and_stops_at_done():
+    lines = [": keep-alive", "", "event: chunk", "id: 7", 'data: {"a":', "data: 1}", "", 'data:{"b": 2}',
+             "", "data: [DONE]", "", 'data: {"after": true}', ""]
+    assert list(parse_sse(lines)) == [{"a": 1}, {"b": 2}]
+
+
+def test_parse_sse_drops_an_event_left_unfinished_at_the_end():
+    assert list(parse_sse(['data: {"a": 1}', "", 'data: {"b": 2}'])) == [{"a": 1}]
+
+
+def test_sse_error_event_raises_api_error_with_its_message():
+    d = SSEDecoder()
+    d.feed('data: {"error": {"message": "the KV cap is reached", "type": "server_error", "param": null}}')
+    with pytest.raises(ApiError, match="the KV cap is reached") as info:
+        d.feed("")
+    assert info.value.type == "server_error"
+
+
+def test_sse_decoder_reports_done_and_refuses_non_json():
+    d = SSEDecoder()
+    assert d.feed("data: [DONE]") is None
+    assert d.feed("") is DONE
+    d.feed("data: not json")
+    with pytest.raises(ClientError, match="not JSON"):
+        d.feed("")
+
+
+# ---- small helpers --------------------------------------------------------------------------------
+
+def test_api_error_reads_the_openai_shape_and_falls_back_to_the_text():
+    body = {"error": {"message": "no session 'x'", "type": "not_found_error", "param": "session"}}
+    e = api_error(404, body)
+    assert (str(e), e.status, e.param) == ("no session 'x'", 404, "session")
+    assert str(api_error(502, "Bad\n gateway")) == "the daemon answered HTTP 502: Bad gateway"
+
+
+def test_delta_of_chunks():
+    chunk = {"choices": [{"delta": {"role": "assistant", "content": ""}}], "weave": {"session": "s"}}
+    first = Delta.of(chunk)
+    assert first == Delta("", None, {"session": "s"}, None)
+    assert Delta.of({"choices": [{"delta": {"content": "hi"}, "finish_reason": None}]}).text == "hi"
+    assert Delta.of({"choices": [], "usage": {"total_tokens": 3}}).usage == {"total_tokens": 3}
+
+
+def test_sla_body_keeps_only_given_tags():
+    assert sla_body() is None
+    assert sla_body("batch") == {"class": "batch"}
+    assert sla_body(None, 200.0, 5.0) == {"ttft_ms": 200.0, "ttlt_s": 5.0}
+
+
+def test_formatting():
+    assert fmt.size(512) == "512 B" and fmt.size(1536) == "1.5 KiB" and fmt.size(3 * 2**30) == "3.0 GiB"
+    assert fmt.seconds(0.184) == "184ms" and fmt.seconds(12.5) == "12.5s" and fmt.seconds(200) == "3m20s"
+    assert fmt.seconds(7500) == "2h05m" and fmt.seconds(-0.5) == "-500ms" and fmt.seconds(None) == "-"
+    sla = {"class": "interactive", "ttft_ms": 500.0, "ttlt_s": None}
+    assert fmt.sla_summary(sla) == "interactive, TTFT 500ms"
+    assert fmt.placement_summary({"decode_pool": "cpu", "prefill_pool": "gpu", "prefill_strategy": "standard",
+                                  "decode_strategy": "standard", "reasons": ["a", "b"]}) == \
+        "pool cpu (standard prefill on gpu, standard decode): a; b"
+    assert fmt.table(("A", "BB"), [("x", None), ("long", 3)], right=()) == "A     BB\nx     -\nlong  3"
+    assert fmt.table(("A", "B"), [("x", "a long reason")], width=12) == "A  B\nx  a long r…"
+
+
+# ---- the client -----------------------------------------------------------------------------------
+
+def test_no_daemon_is_one_clear_message(tmp_path):
+    path = tmp_path / "nothing.sock"
+    with pytest.raises(DaemonNotRunning) as info:
+        Client(path).status()
+    assert str(info.value) == f"no daemon running at {path}; start one with `weave serve`"
+
+
+def test_stale_socket_file_counts_as_no_daemon():
+    import socket
+
+    with short_socket_dir() as d:
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(d / "stale.sock"))
+        s.close()  # the file stays, nobody listens
+        with pytest.raises(DaemonNotRunning):
+            Client(d / "stale.sock").health()
+
+
+def test_requests_and_error_statuses(fake):
+    c = Client(fake.socket_path)
+    assert c.health()["status"] == "ok"
+    assert c.models()[0]["id"].startswith("SmolLM2")
+    info = c.create_session({"class": "batch"}, 1024, "be brief")
+    assert info["placement"]["decode_pool"] == "cpu" and info["max_context"] == 1024
+    assert fake.requests[-1].body == {"sla": {"class": "batch"}, "max_context": 1024, "system": "be brief"}
+    assert [s["id"] for s in c.sessions()] == [info["id"]]
+    with pytest.raises(ApiError) as err:
+        c.session("s-missing")
+    assert err.value.status == 404 and str(err.value) == "no session 's-missing'"
+
+
+def test_stream_turn_yields_text_then_the_finish(fake):
+    c = Client(fake.socket_path)
+    sid = c.create_session()["id"]
+    deltas = list(c.stream_turn(sid, [{"role": "user", "content": "hello"}], max_tokens=None))
+    assert "".join(d.text for d in deltas) == "You said: hello."
+    assert deltas[0].weave["session"] == sid and deltas[-1].finish_reason == "stop"
+    assert fake.requests[-1].body == {"messages": [{"role": "user", "content": "hello"}], "stream": True}
+
+
+def test_closing_a_stream_early_closes_the_connection(fake):
+    fake.token_delay_s = 0.02
+    c = Client(fake.socket_path)
+    sid = c.create_session()["id"]
+    stream = c.stream_turn(sid, [{"role": "user", "content": "one two three four five six seven eight"}])
+    next(stream)
+    next(stream)
+    stream.close()
+    for _ in range(200):  # the fake notices at its next write (bounded wait)
+        if fake.disconnects:
+            break
+        import time
+
+        time.sleep(0.01)
+    assert fake.disconnects == 1
+
+
+def test_api_key_is_sent_as_a_bearer_token(fake):
+    fake.api_key = "k3y"
+    with pytest.raises(ApiError) as err:
+        Client(fake.socket_path).status()
+    assert err.value.status == 401
+    assert Client(fake.socket_path, api_key="k3y").status()["profile"] == "cpu-only"
+    assert fake.requests[-1].headers["authorization"] == "Bearer k3y"
+
+
+def test_session_ids_are_quoted_into_the_path(fake):
+    with pytest.raises(ApiError):
+        Client(fake.socket_path).session("a/b")
+    assert fake.requests[-1].path == "/v1/sessions/a%2Fb"

@@ -1,0 +1,36 @@
+"""The pools table: one row per batch engine, and the KV store's bytes by tier in its subtitle."""
+
+from __future__ import annotations
+
+from textual.widgets import DataTable
+from weaved.cli.fmt import DASH, rate, size, variant
+
+COLUMNS = ("pool", "backend", "device", "strategy", "variant", "batch", "queue", "tok/s", "preempted")
+
+
+class PoolsTable(DataTable):
+    def __init__(self, **kw) -> None:
+        super().__init__(cursor_type="none", zebra_stripes=True, **kw)
+        self._last: tuple | None = None
+
+    def on_mount(self) -> None:
+        self.border_title = "pools"
+        for c in COLUMNS:
+            self.add_column(c, key=c)
+
+    def show(self, pools: list[dict], kv: dict, notes: list[str]) -> None:
+        if (pools, kv, notes) == self._last:
+            return
+        self._last = (pools, kv, notes)
+        self.clear()
+        for p in pools:
+            self.add_row(p["name"], p.get("backend") or DASH, p.get("device") or DASH,
+                         p.get("strategy") or DASH, variant(p.get("variant") or {}), p.get("batch_depth", 0),
+                         p.get("queue_depth", 0), rate(p.get("tokens_per_s")), p.get("preemptions", 0),
+                         key=p["name"])
+        ram = size(kv.get("ram_bytes")) if kv.get("ram_measured", True) else "?"
+        sub = (f"KV {size(kv.get('file_bytes'))} disk · {ram} RAM · {size(kv.get('reserved_bytes'))} reserved"
+               f" / {size(kv.get('cap_bytes'))} cap") if kv else ""
+        if notes:
+            sub += f" · {len(notes)} pool(s) not served"
+        self.border_subtitle = sub
