@@ -16,7 +16,7 @@ Modules
                 same kernel: one query row at a time), returning the output and the
                 log-sum-exp of every head; the merge of partial results; KV row stores.
 ``elementwise`` RMSNorm, RoPE (norm and neox styles), SwiGLU, softmax.
-``linear_f32act`` products with float32 activations on Q4_0 / Q8_0 weights (the logits matrix).
+``residual``    products with two-level Q8_0 activations (the logits matrix: near-float accuracy).
 ``threads``     the thread budget shared by every parallel kernel.
 """
 

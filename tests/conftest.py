@@ -17,17 +17,19 @@ def smollm2_q4_0() -> Path:
     return default_model_path()
 
 
+# The tiny models below have logits spread like a trained model's (output_norm_scale 4): with
+# near-uniform next-token distributions, top-1 comparisons between implementations measure ties.
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "llama.gguf", "llama")
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "llama.gguf", "llama", output_norm_scale=4.0)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "qwen2.gguf", "qwen2")
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "qwen2.gguf", "qwen2", output_norm_scale=4.0)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """qwen3 with a head_dim (32) other than d_model / n_heads (16), as in the real Qwen3 models."""
-    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "qwen3.gguf", "qwen3", head_dim=32)
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "qwen3.gguf", "qwen3", head_dim=32, output_norm_scale=4.0)

@@ -50,6 +50,7 @@ def write_tiny_gguf(
     context_length: int = 2048,
     head_dim: int | None = None,
     norm_type: GGMLQuantizationType = Q.F32,
+    output_norm_scale: float = 1.0,
 ) -> Path:
     """Write a random model of architecture ``arch`` to ``path`` and return the path.
 
@@ -57,6 +58,8 @@ def write_tiny_gguf(
     not ``tied``) ``output.weight``; ``norm_type`` that of 1-D tensors. ``head_dim`` defaults to
     ``d_model // n_heads`` (qwen3 may differ; its key/value lengths are always written). ``arch``
     need not be one Weave runs: other names write llama-shaped tensors under that architecture.
+    ``output_norm_scale`` scales the final norm: ~4 gives logits a spread like a trained model's (std
+    ~4 rather than ~1), which accuracy comparisons want.
     """
     path = Path(path)
     head_dim = head_dim or d_model // n_heads
@@ -98,10 +101,7 @@ def write_tiny_gguf(
 
     q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
     add("token_embd.weight", matrix(vocab, d_model, d_model**-0.5), embd_type)
-    # A final norm of ~4 gives logits a spread like a trained model's (std ~4 rather than ~1): with
-    # near-uniform next-token distributions the top-1 token is decided by ties and comparing top-1
-    # agreement between implementations would measure noise.
-    add("output_norm.weight", 4 * near_one(d_model), norm_type)
+    add("output_norm.weight", output_norm_scale * near_one(d_model), norm_type)
     if not tied:
         add("output.weight", matrix(vocab, d_model), embd_type)
     for i in range(n_layers):

@@ -86,17 +86,15 @@ class CPUBackend(Backend):
         self.out_norm = f32("output_norm.weight")
         emb = t["token_embd.weight"]
         self._emb_raw, self._emb_type = emb.raw, emb.type_id
-        # the output matrix runs with float activations: quantizing the final hidden state to Q8_0
-        # was the largest single error in the next-token distribution (kernels._gemm_f32act)
-        out_t = t["token_embd.weight" if cfg.tied_output else "output.weight"]
-        if out_t.type_id in (2, 8):  # Q4_0, Q8_0
-            from weaved.kernels import linear_f32act as lf
+        # the output matrix runs with two-level activations: quantizing the final hidden state to
+        # Q8_0 once was the largest single error in the next-token distribution (kernels.residual)
+        self.wout = packed(["token_embd.weight" if cfg.tied_output else "output.weight"])
+        if self.wout.qtype in (2, 8):  # Q4_0, Q8_0
+            from weaved.kernels.residual import linear_residual
 
-            w = lf.pack_weight_f32act(out_t.raw, out_t.type_id, *out_t.shape)
-            self._logits = lambda h, w=w: lf.linear_f32act(w, h)
+            self._logits = lambda h: linear_residual(self.wout, h)
         else:
-            w = matmul.pack_weight(out_t.raw, out_t.type_id, *out_t.shape)
-            self._logits = lambda h, w=w: matmul.linear(w, h)
+            self._logits = lambda h: matmul.linear(self.wout, h)
         self._scale = 1.0 / float(np.sqrt(cfg.head_dim))
 
     @classmethod
