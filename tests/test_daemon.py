@@ -152,3 +152,20 @@ def test_kill_9_mid_generation_loses_nothing_committed(tiny_llama, tmp_path):
         assert prefilled(d) == h.prompt_tokens - h.cached_tokens < 20  # nothing stored was recomputed
     finally:
         d.shutdown()
+
+
+def test_cpu_only_daemon_never_imports_torch(tiny_llama, tmp_path):
+    code = textwrap.dedent("""
+        import sys
+        from pathlib import Path
+        from weaved.daemon import Daemon
+        from weaved.profile import load_profile
+        d = Daemon(load_profile("cpu-only"), Path(sys.argv[1]), data_dir=Path(sys.argv[2]), log_fn=lambda m: None)
+        d.load()
+        d.shutdown()
+        print("torch" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_llama), str(tmp_path / "d")], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

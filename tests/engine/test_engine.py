@@ -1,0 +1,92 @@
+"""The batch engine on a real (tiny) model: SLA order of events, cancellation, failures."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from weaved.backends.cpu import CPUBackend
+from weaved.engine.engine import BatchEngine
+from weaved.engine.sampling import SamplingParams
+from weaved.engine.scheduler import SchedulerConfig
+from weaved.engine.sequence import Sequence, SLARank
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_llama):
+    return CPUBackend.from_file(tiny_llama, threads=2)
+
+
+def _seq(be, name, rank, log, done, n_prompt=24, max_tokens=8):
+    def emit(ev, name=name):
+        log.append((name, ev["type"]))
+        if ev["type"] in ("done", "error"):
+            done[name].set()
+
+    done[name] = threading.Event()
+    prompt = list(range(10 + len(done), 10 + len(done) + n_prompt))
+    return Sequence(name, be.new_kv(128), prompt, SamplingParams(max_tokens=max_tokens, temperature=0), rank,
+                    emit=emit)
+
+
+def test_interactive_first_token_before_waiting_background_prefills(backend):
+    """Pool saturated by background decodes, more background turns waiting: an interactive turn's
+    first token comes before any waiting background turn is admitted (order of events only)."""
+    log: list[tuple[str, str]] = []
+    done: dict[str, threading.Event] = {}
+    # one sequence per step, so every waiting turn is visibly queued behind the running ones
+    eng = BatchEngine("cpu", backend, SchedulerConfig(token_budget=32, max_batch=2, prefill_chunk=32))
+    running = [_seq(backend, f"bg-run{i}", SLARank.BACKGROUND, log, done, max_tokens=40) for i in range(2)]
+    for s in running:
+        eng.submit(s)
+    eng.start()
+    try:
+        deadline = time.monotonic() + 60  # until the running turns decode
+        while ("bg-run0", "token") not in log and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ("bg-run0", "token") in log
+        waiting = [_seq(backend, f"bg-wait{i}", SLARank.BACKGROUND, log, done) for i in range(3)]
+        for s in waiting:
+            eng.submit(s)
+        inter = _seq(backend, "inter", SLARank.INTERACTIVE, log, done)
+        eng.submit(inter)
+        for e in done.values():
+            assert e.wait(120)
+    finally:
+        eng.stop()
+    firsts = [name for name, kind in log if kind == "token"]
+    order = list(dict.fromkeys(firsts))  # first token of each turn, in order
+    assert order.index("inter") < min(order.index(f"bg-wait{i}") for i in range(3)), order
+    assert eng.counters.preemptions > 0  # running background decodes were paused for it
+
+
+def test_cancel_frees_the_slot_and_reserve_failure_fails_one_turn(backend):
+    log: list[tuple[str, str]] = []
+    done: dict[str, threading.Event] = {}
+
+    def reserve(seq, n):
+        if seq.session_id == "doomed":
+            raise RuntimeError("KV cap reached for session doomed")
+
+    eng = BatchEngine("cpu", backend, SchedulerConfig(token_budget=64, max_batch=4, prefill_chunk=32),
+                      reserve=reserve)
+    long = _seq(backend, "long", SLARank.BACKGROUND, log, done, max_tokens=100)
+    doomed = _seq(backend, "doomed", SLARank.BACKGROUND, log, done)
+    ok = _seq(backend, "ok", SLARank.BACKGROUND, log, done)
+    eng.start()
+    try:
+        for s in (long, doomed, ok):
+            eng.submit(s)
+        assert done["doomed"].wait(60) and done["ok"].wait(60)
+        eng.cancel("long")
+        assert done["long"].wait(60)
+    finally:
+        eng.stop()
+    assert doomed.status.value == "failed" and "KV cap" in doomed.error
+    assert ok.status.value == "finished" and len(ok.generated) == 8
+    assert long.status.value == "cancelled" and len(long.generated) < 100
+    assert eng.depth == 0
+    assert np.isfinite(ok.kv.data[:, :, :, : ok.kv.length].astype(np.float32)).all()
