@@ -39,4 +39,5 @@ def linear_residual(w: PackedWeight, x: np.ndarray) -> np.ndarray:
     if T == 0:
         return np.empty((0, w.n_out), np.float32)
     y = linear_q(w, quantize_two_level(x))  # [2T, n_out]
-    return y[:T] + y[T:]
+    np.add(y[:T], y[T:], out=y[:T])  # in place: a fresh [T, vocab] array costs page faults per step
+    return y[:T]
