@@ -96,6 +96,7 @@ class CPUBackend(Backend):
         else:
             self._logits = lambda h: matmul.linear(self.wout, h)
         self._scale = 1.0 / float(np.sqrt(cfg.head_dim))
+        gguf.release_pages()  # repacked: the file's pages need not stay in our resident set
 
     @classmethod
     def from_file(cls, path: str | Path, threads: int | None = None) -> CPUBackend:

@@ -1,15 +1,26 @@
-"""Reading a GGUF file: metadata and memory-mapped tensors, through gguf-py's reader."""
+"""Reading a GGUF file: metadata and memory-mapped tensors.
+
+The header is walked with ``gguf_scan`` (struct reads, milliseconds) rather than gguf-py's
+``GGUFReader``, which builds numpy objects for every vocabulary entry: seconds of start-up and
+tens of MB that stay resident.  The vocabulary's token arrays are skipped entirely - the
+tokenizer is llama.cpp's own, which reads them itself.
+"""
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from weaved.model.gguf_scan import scan_gguf, tensor_views
+
 # ggml type ids this engine runs natively (values are ggml's): F32, F16, Q4_0, Q8_0.
 NATIVE_TYPE_IDS = {0: "F32", 1: "F16", 2: "Q4_0", 8: "Q8_0"}
+_SKIPPED_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                   "tokenizer.ggml.merges")
 
 
 @dataclass(frozen=True)
@@ -31,27 +42,23 @@ class GGUFFile:
     """Metadata and tensors of one GGUF file (memory-mapped, read-only)."""
 
     def __init__(self, path: str | Path):
-        import gguf  # gguf-py; imported here so that importing this module stays cheap
-
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"model file not found: {self.path}")
-        try:
-            self._reader = gguf.GGUFReader(str(self.path), "r")
-        except Exception as exc:  # gguf-py raises ValueError / struct errors on non-GGUF input
-            raise ValueError(f"{self.path} is not a readable GGUF file: {exc}") from exc
-        self.tensors: dict[str, Tensor] = {}
-        for t in self._reader.tensors:
-            shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-            type_id = int(t.tensor_type)
-            self.tensors[t.name] = Tensor(t.name, type_id, t.tensor_type.name, shape, t.data)
+        header = scan_gguf(self.path, want=lambda key: key not in _SKIPPED_ARRAYS)
+        self._meta = header.metadata
+        views = tensor_views(self.path, header)
+        self.tensors: dict[str, Tensor] = {
+            t.name: Tensor(t.name, int(t.type), t.type.name, tuple(int(n) for n in t.shape), views[t.name])
+            for t in header.tensors
+        }
 
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value as a Python scalar, string or list (``default`` if absent)."""
-        field = self._reader.fields.get(key)
-        if field is None:
+        item = self._meta.get(key)
+        if item is None:
             return default
-        return field.contents()
+        return _plain(item.value)
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -60,4 +67,23 @@ class GGUFFile:
         return value
 
     def keys(self) -> list[str]:
-        return list(self._reader.fields.keys())
+        return list(self._meta)
+
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's resident set (they stay in the page cache and
+        come back on the next read): after the weights were repacked, only embedding rows are read."""
+        for t in self.tensors.values():  # every view shares the file's one mapping
+            base = t.raw
+            while base is not None and not isinstance(base, mmap.mmap):
+                base = base.base
+            if base is not None:
+                base.madvise(mmap.MADV_DONTNEED)
+            return
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, bytes):
+        return v.decode("utf-8", errors="replace")
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
