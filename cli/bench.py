@@ -96,6 +96,6 @@ def register(app: typer.Typer, run: Runner | None = None) -> None:
         if json_out:
             typer.echo(json.dumps(report))
         else:
-            typer.echo(format_table(report, reps=cfg.reps))
+            typer.echo(format_table(report, reps=cfg.rounds * cfg.reps))
         if any("error" in report[side] for side in ("weave", "llama_cpp")):
             raise typer.Exit(1)

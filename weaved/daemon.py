@@ -23,7 +23,17 @@ from weaved.engine.sequence import Sequence
 from weaved.engine.stops import StopChecker
 from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound, Overloaded, WeaveError
 from weaved.profile import Profile
-from weaved.router import SLA, RoutingError, SessionRequest, SLAClass, SystemState, place, pool_state, promote
+from weaved.router import (
+    SLA,
+    Placement,
+    RoutingError,
+    SessionRequest,
+    SLAClass,
+    SystemState,
+    place,
+    pool_state,
+    promote,
+)
 from weaved.session import Session, chat_turn_tokens
 
 log = logging.getLogger("weave.daemon")
@@ -101,8 +111,6 @@ class Daemon:
             except Exception as exc:  # a KV file made for another model, or lost: keep the rest serving
                 self._log(f"session {rec.id} not recovered: {exc}")
                 continue
-            from weaved.router import Placement
-
             sla = SLA(SLAClass(rec.sla["class"]), rec.sla.get("ttft_ms"), rec.sla.get("ttlt_s"))
             pl = rec.placement or {}
             placement = Placement(**{**pl, "reasons": tuple(pl.get("reasons", ()))}) if pl else None

@@ -75,8 +75,9 @@ def test_json_shape_and_ratios(model):
     assert set(out["weave"]) == set(KEYS) | set(INFO_KEYS)
     assert set(out["llama_cpp"]) == set(KEYS)
     assert out["ratio"] == {k: pytest.approx(0.5) for k in KEYS}
-    assert [c[0] for c in fake.calls] == ["weave", "llama_cpp"]
-    assert all(c[1].reps == 3 and c[1].n_gen == 128 and c[1].threads == 3 for c in fake.calls)
+    # alternating rounds expose both sides to the same drift of the machine
+    assert [c[0] for c in fake.calls] == ["weave", "llama_cpp"] * 3
+    assert all(c[1].rounds == 3 and c[1].reps == 1 and c[1].n_gen == 128 and c[1].threads == 3 for c in fake.calls)
     assert any("measuring weave" in m for m in progress) and any("measuring llama_cpp" in m for m in progress)
 
 
@@ -98,7 +99,7 @@ def test_only_and_quick(model):
     assert res.exit_code == 0, res.output
     cfg = fake.calls[0][1]
     assert cfg.keys == ("decode_2k_tps", "batch64_tps")
-    assert cfg.reps == 1 and cfg.n_gen < 128 and cfg.n_long == 2000
+    assert cfg.rounds == 1 and cfg.reps == 1 and cfg.n_gen < 128 and cfg.n_long == 2000
     assert cfg.threads == (os.cpu_count() or 2)
     out = json.loads(res.stdout)
     assert set(out["ratio"]) == {"decode_2k_tps", "batch64_tps"}
@@ -281,3 +282,22 @@ def test_weave_side_in_a_subprocess(real_model):
     _rewind_is_exact(WeaveEngine(be), tokens)
     out = measure_in_subprocess("weave", cfg, tokens)
     assert set(out) == set(KEYS) | set(INFO_KEYS) and all(v > 0 for v in out.values())
+
+
+def test_rounds_report_each_sides_median_and_a_failed_side_stops():
+    from weaved.bench.runner import run_bench
+
+    seen: dict[str, int] = {"weave": 0, "llama_cpp": 0}
+
+    def measure(side, cfg, tokens):
+        seen[side] += 1
+        if side == "llama_cpp" and seen[side] == 2:
+            raise RuntimeError("boom")
+        return {"decode_tps": [100.0, 300.0, 200.0][seen[side] - 1], "load_s": 1.0, "rss_mb": 10.0} \
+            if side == "weave" else {"decode_tps": 50.0}
+
+    cfg = BenchConfig(model="m", threads=1, keys=("decode_tps",), rounds=3)
+    out = run_bench(cfg, measure=measure, tokens=[1, 2, 3], progress=lambda m: None)
+    assert out["weave"]["decode_tps"] == 200.0  # median of 100, 300, 200
+    assert seen == {"weave": 3, "llama_cpp": 2}  # not run again after it failed
+    assert "boom" in out["llama_cpp"]["error"]

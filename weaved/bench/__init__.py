@@ -26,7 +26,8 @@ class BenchConfig:
     model: Path
     threads: int
     keys: tuple[str, ...] = KEYS
-    reps: int = 3  # recorded repetitions per measurement (after one unrecorded warm-up)
+    rounds: int = 3  # alternating rounds: weave, llama.cpp, weave, ... each a fresh process
+    reps: int = 1  # recorded repetitions per measurement and round (after one unrecorded warm-up)
     n_batch: int = 512  # most tokens per forward call in prefill (llama.cpp's n_batch = n_ubatch)
     n_prefill: int = 512  # prefill_tps: one prompt of this many tokens as a single batch
     n_short: int = 16  # decode_tps: prompt length before decoding
@@ -45,6 +46,7 @@ class BenchConfig:
         object.__setattr__(self, "keys", tuple(k for k in KEYS if k in self.keys))  # report order
         for name in (
             "threads",
+            "rounds",
             "reps",
             "n_batch",
             "n_prefill",
@@ -62,7 +64,7 @@ class BenchConfig:
     @classmethod
     def quick(cls, model: Path, threads: int, keys: tuple[str, ...] = KEYS) -> BenchConfig:
         """Fewer repetitions and tokens; the same prompt and context sizes, so the same meaning."""
-        return cls(model=model, threads=threads, keys=keys, reps=1, n_gen=32, batch_steps=8)
+        return cls(model=model, threads=threads, keys=keys, rounds=1, reps=1, n_gen=32, batch_steps=8)
 
     @property
     def tokens_needed(self) -> int:

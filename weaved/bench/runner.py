@@ -1,4 +1,10 @@
-"""Runs the two sides of the benchmark one after the other, each in its own spawned process.
+"""Runs the two sides of the benchmark in alternating rounds, each side in its own spawned process.
+
+Why rounds: on a shared or virtual machine the speed available drifts by tens of percent over
+minutes (measured here: the same build's single-stream decode at 137 and at 206 tokens/s in two
+runs a few minutes apart, nothing else running).  Measuring all of one side and then all of the
+other turns that drift into a fake ratio; alternating weave, llama.cpp, weave, ... and reporting
+each side's median over the rounds exposes both sides to the same conditions.
 
 Why processes: llama.cpp (its ggml thread pool) and numba (its own pool) would otherwise live in one
 process, where idle spinning workers of one steal cores from the other, and the resident memory of
@@ -13,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import statistics
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
@@ -85,7 +92,8 @@ def run_bench(
     tokens: Sequence[int] | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Measure Weave, then llama.cpp, and build the report (see ``report``).
+    """Measure Weave and llama.cpp in ``cfg.rounds`` alternating rounds and build the report from each
+    side's median over the rounds (see ``report``).
 
     A side that raises is reported as ``{"error": message}`` so the other side's figures survive.
     """
@@ -96,12 +104,24 @@ def run_bench(
     if tokens is None:
         progress("tokenizing the filler prompts")
         tokens = filler_tokens(cfg.model, cfg.tokens_needed)
-    results: dict[str, dict[str, Any]] = {}
-    for side in SIDES:
-        progress(f"measuring {side} ({', '.join(cfg.keys)})")
-        try:
-            results[side] = dict(measure(side, cfg, tokens))
-        except Exception as exc:  # noqa: BLE001 - reported in the output, the other side still runs
-            results[side] = {"error": f"{type(exc).__name__}: {exc}"}
-            progress(f"{side} failed: {results[side]['error']}")
+    rounds: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    for r in range(cfg.rounds):
+        for side in SIDES:
+            if rounds[side] and "error" in rounds[side][-1]:
+                continue  # a side that failed once is not run again
+            progress(f"round {r + 1}/{cfg.rounds}: measuring {side} ({', '.join(cfg.keys)})")
+            try:
+                rounds[side].append(dict(measure(side, cfg, tokens)))
+            except Exception as exc:  # noqa: BLE001 - reported in the output, the other side still runs
+                rounds[side].append({"error": f"{type(exc).__name__}: {exc}"})
+                progress(f"{side} failed: {rounds[side][-1]['error']}")
+    results = {side: _median_over_rounds(rs) for side, rs in rounds.items()}
     return build_report(str(cfg.model), cfg.threads, results["weave"], results["llama_cpp"])
+
+
+def _median_over_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each key's median over the rounds; a side that failed reports its error."""
+    for r in rounds:
+        if "error" in r:
+            return r
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
