@@ -8,6 +8,8 @@ far positions carry ggml's float32 angle drift.  ``rope_ref`` models that recipe
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import njit, prange
 from weaved.kernels._rowwise import _OPTS, _PAR_MIN_ELEMS, _check_f32
@@ -54,6 +56,7 @@ def _rope_parallel(x, positions, n_rot, theta_scale, freq_scale, neox):
         _rope_row(x[t], positions[t], n_rot, theta_scale, freq_scale, neox, cache)
 
 
+@functools.lru_cache(maxsize=64)  # the same few argument sets every layer of every step
 def _rope_params(n_rot: int, head_dim: int, base: float, scale: float, style: str) -> tuple:
     if style not in ("norm", "neox"):
         raise ValueError(f"rope style must be 'norm' or 'neox', got {style!r}")
