@@ -73,5 +73,6 @@ def status_dict(d: Daemon) -> dict:
                   "context_length": d.config.context_length},
         "profile": d.profile.name, "uptime_s": round(time.time() - d.started, 1),
         "pools": pools, "pool_notes": d.pool_notes, "sessions": sessions,
-        "kv": d.store.tiers(), "hardware": _hardware(), "peers": [],
+        # device_bytes: KV copies held by GPU pools (none on a CPU-only daemon)
+        "kv": {**d.store.tiers(), "device_bytes": 0}, "hardware": _hardware(), "peers": [],
     }
