@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -127,7 +128,11 @@ def test_run_streams_the_answer_without_keeping_a_session(fake):
     assert fake.requests[-1].path == "/v1/chat/completions"
     assert body == {"messages": [{"role": "user", "content": "hello there"}], "sla": {"class": "interactive"},
                     "stream": True}
-    assert not any(s.startswith("tmp-") for s in fake.sessions)
+    # the stand-in drops its ephemeral session after the stream's last byte: wait for it, bounded
+    deadline = time.monotonic() + 5
+    while any(s.startswith("tmp-") for s in list(fake.sessions)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(s.startswith("tmp-") for s in list(fake.sessions))
 
 
 def test_run_reads_stdin_with_dash_and_passes_options(fake):
