@@ -15,6 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from weaved.backends.base import Backend, BackendStats, Logits, SeqChunk
+from weaved.kernels import attention as ka
+from weaved.kernels import elementwise as ke
+from weaved.kernels import matmul
+from weaved.kernels import threads as kthreads
+from weaved.kernels.residual import linear_residual
 from weaved.kv.cache import KVCache
 from weaved.model.config import ModelConfig
 from weaved.model.gguf_file import GGUFFile
@@ -36,16 +41,12 @@ class _Layer:
 
 class CPUBackend(Backend):
     def __init__(self, gguf: GGUFFile, config: ModelConfig, threads: int | None = None):
-        from weaved.kernels import matmul
-        from weaved.kernels import threads as kthreads
-
         if threads:
             kthreads.set_threads(threads)
         self.threads = kthreads.get_threads()
         self.config = config
         self.gguf = gguf
         self.stats = BackendStats()
-        self._mm = matmul
         t = gguf.tensors
         cfg = config
 
@@ -90,8 +91,6 @@ class CPUBackend(Backend):
         # Q8_0 once was the largest single error in the next-token distribution (kernels.residual)
         self.wout = packed(["token_embd.weight" if cfg.tied_output else "output.weight"])
         if self.wout.qtype in (2, 8):  # Q4_0, Q8_0
-            from weaved.kernels.residual import linear_residual
-
             self._logits = lambda h: linear_residual(self.wout, h)
         else:
             self._logits = lambda h: matmul.linear(self.wout, h)
@@ -112,13 +111,10 @@ class CPUBackend(Backend):
 
     def _linear(self, w, x: np.ndarray) -> np.ndarray:
         if isinstance(w, list):
-            return np.concatenate([self._mm.linear(p, x) for p in w], axis=1)
-        return self._mm.linear(w, x)
+            return np.concatenate([matmul.linear(p, x) for p in w], axis=1)
+        return matmul.linear(w, x)
 
     def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
-        from weaved.kernels import attention as ka
-        from weaved.kernels import elementwise as ke
-
         if not chunks:
             return []
         t0 = time.perf_counter()
@@ -141,7 +137,7 @@ class CPUBackend(Backend):
 
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qd, kd = cfg.q_dim, cfg.kv_dim
-        x = self._mm.embed_rows(self._emb_raw, self._emb_type, ids)  # [T, d_model]
+        x = matmul.embed_rows(self._emb_raw, self._emb_type, ids)  # [T, d_model]
         att = np.empty((T, H, D), dtype=np.float32)
         lse = np.empty((T, H), dtype=np.float32)
         for li, L in enumerate(self.layers):
