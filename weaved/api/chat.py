@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from weaved.api.logprobs import chat_entry
 from weaved.api.models import ChatRequest
 from weaved.api.params import chat_params
-from weaved.api.sse import DONE, frame, sse_response
+from weaved.api.sse import DONE, frame, sse_response, stream_chunk
 from weaved.api.state import state_of
 from weaved.api.turn import Turn, TurnSpec, resolve, start_turn
 from weaved.errors import InvalidRequest
@@ -67,13 +67,8 @@ def _body(turn: Turn, meta: _Meta, events: list[dict], tokenizer) -> dict:
 
 def _chunk(meta: _Meta, delta: dict, *, finish: str | None = None, logprobs: dict | None = None,
            usage: bool = False, weave: dict | None = None) -> dict:
-    out = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
-           "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
-    if usage:
-        out["usage"] = None  # OpenAI's shape: null on every chunk but the last
-    if weave is not None:
-        out["weave"] = weave
-    return out
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return stream_chunk(meta, "chat.completion.chunk", choice, usage=usage, weave=weave)
 
 
 async def _stream(request: Request, turn: Turn, meta: _Meta, usage: bool) -> AsyncIterator[bytes]:

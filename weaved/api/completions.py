@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from weaved.api.logprobs import CompletionLogprobs
 from weaved.api.models import CompletionRequest
 from weaved.api.params import completion_params, session_from
-from weaved.api.sse import DONE, frame, sse_response
+from weaved.api.sse import DONE, frame, sse_response, stream_chunk
 from weaved.api.state import state_of
 from weaved.api.turn import Turn, TurnSpec, resolve, start_turn
 from weaved.errors import InvalidRequest
@@ -83,13 +83,8 @@ def _body(turn: Turn, meta: _Meta, events: list[dict], tokenizer) -> dict:
 
 def _chunk(meta: _Meta, text: str, *, logprobs: dict | None = None, finish: str | None = None,
            usage: bool = False, weave: dict | None = None) -> dict:
-    out = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-           "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
-    if usage:
-        out["usage"] = None
-    if weave is not None:
-        out["weave"] = weave
-    return out
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    return stream_chunk(meta, "text_completion", choice, usage=usage, weave=weave)
 
 
 async def _stream(request: Request, turn: Turn, meta: _Meta, usage: bool, tokenizer) -> AsyncIterator[bytes]:

@@ -15,6 +15,17 @@ def frame(data: dict) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+def stream_chunk(meta, obj: str, choice: dict, *, usage: bool = False, weave: dict | None = None) -> dict:
+    """One streamed chunk of a chat or text completion: OpenAI's envelope around ``choice``.
+    ``meta`` carries ``id``, ``created`` and ``model``; ``usage`` is null on every chunk but the last."""
+    out = {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model, "choices": [choice]}
+    if usage:
+        out["usage"] = None
+    if weave is not None:
+        out["weave"] = weave
+    return out
+
+
 def sse_response(frames: AsyncIterator[bytes]) -> StreamingResponse:
     # no-cache and X-Accel-Buffering keep proxies from holding frames back
     return StreamingResponse(frames, media_type="text/event-stream",
