@@ -35,6 +35,7 @@ __all__ = ["ProfileError", "parse_size", "load_profile", "detect_profile", "Prof
 BACKENDS = ("cpu", "torch")
 STRATEGIES = ("standard", "qring")
 CPU_RATE_UNITS = ("pool", "thread")
+POLICIES = ("sla", "isolation", "fifo")  # Weave's router, and the two baselines the agents benchmark compares
 
 
 def _check(ok: bool, field_name: str, reason: str) -> None:
@@ -129,8 +130,13 @@ class RoutingThresholds:
     ring_batch_depth: int = 16  # Q-Ring decode pays off once this many sessions share the ring
     node_kv_tokens: int | None = None  # most context one node holds; None: the daemon's KV-cap figure
     pipeline_min_prompt_tokens: int = 8192  # shortest prompt that keeps a prefill pipeline full
+    # "sla": the decision tree.  The baselines of the agents benchmark (docs/benchmarks.md):
+    # "isolation" binds a session to a pool by its class at creation and never moves it or changes
+    # its priority; "fifo" puts every session in the first standard pool, first come first served.
+    policy: str = "sla"
 
     def __post_init__(self) -> None:
+        _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
         _positive(self, "cpu_prefill_tokens_per_s", "cpu_decode_tokens_per_s", "long_prompt_tokens",
                   "ttft_margin", "ring_batch_depth", "pipeline_min_prompt_tokens")
         _check(self.ttft_margin <= 1.0, "ttft_margin", f"must be in (0, 1], got {self.ttft_margin}")
@@ -344,6 +350,7 @@ def _routing(t: _Table, threads: ThreadBudget) -> RoutingThresholds:
                  cpu_prefill_tokens_per_s=t.number("cpu_prefill_tokens_per_s") * scale,
                  cpu_decode_tokens_per_s=t.number("cpu_decode_tokens_per_s") * scale,
                  ttft_margin=t.number("ttft_margin", d["ttft_margin"].default),
+                 policy=t.text("policy", "sla", POLICIES),
                  node_kv_tokens=None if node_kv == AUTO else node_kv)
     t.done()
     return th

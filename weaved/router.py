@@ -375,6 +375,10 @@ def _beyond_node(req: SessionRequest, state: SystemState, th: RoutingThresholds,
 
 def place(req: SessionRequest, state: SystemState, thresholds: RoutingThresholds) -> Placement:
     """Place a new session.  Pure: the same inputs always give the same placement."""
+    if thresholds.policy != "sla":  # a benchmark baseline (weaved.router_baselines)
+        from weaved.router_baselines import place_fifo, place_isolated
+
+        return place_fifo(req, state) if thresholds.policy == "fifo" else place_isolated(req, state)
     limit = _node_limit(state, thresholds)
     if req.context_tokens > limit:
         return _beyond_node(req, state, thresholds, limit)
@@ -395,6 +399,10 @@ def promote(current: Placement, req: SessionRequest, state: SystemState, thresho
     A standard session moves between this node's CPU and GPU pools when the destination has room (one KV
     copy, nothing recomputed); when it has none, the session stays and only its priority changes.
     """
+    if thresholds.policy != "sla":  # the baselines never move a session nor change its priority
+        from weaved.router_baselines import keep_isolated
+
+        return keep_isolated(current, req)
     pools = {p.name: p for p in state.pools}
     here = pools.get(current.decode_pool)
     if here is None:

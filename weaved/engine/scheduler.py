@@ -17,11 +17,14 @@ class SchedulerConfig:
     token_budget: int = 512  # tokens per step over all sequences
     max_batch: int = 64  # sequences per step
     prefill_chunk: int = 256  # the most prompt tokens one sequence feeds in a step
+    order: str = "sla"  # "sla" (DESIGN.md §8) or "fifo": arrival order only (the benchmark's baseline)
 
     def __post_init__(self) -> None:
         for k in ("token_budget", "max_batch", "prefill_chunk"):
             if getattr(self, k) < 1:
                 raise ValueError(f"scheduler {k} must be >= 1")
+        if self.order not in ("sla", "fifo"):
+            raise ValueError(f"scheduler order must be 'sla' or 'fifo', got {self.order!r}")
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,8 @@ def schedule(active: list[Sequence], cfg: SchedulerConfig, now: float) -> list[W
     """
     budget = cfg.token_budget
     picked: list[Work] = []
-    for seq in sorted(active, key=lambda s: priority_key(s, now)):
+    key = (lambda s: s.arrival) if cfg.order == "fifo" else (lambda s: priority_key(s, now))
+    for seq in sorted(active, key=key):
         if seq.status.done or not seq.pending:
             continue
         if len(picked) >= cfg.max_batch or budget <= 0:
