@@ -86,3 +86,32 @@ class Backend(ABC):
     @abstractmethod
     def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
         """Run one step; see the class docstring for the contract."""
+
+    # ---- migration between backends --------------------------------------------------------------
+    # A session's ``KVCache`` (its array over the session's file) is the one source of truth.  A
+    # backend that computes in another memory (a GPU) keeps a device copy beside it, made by ``adopt``
+    # and dropped by ``release``; ``forward`` writes every new row to the device copy *and* through to
+    # ``kv.data`` in the same step, so the file is current whenever a step has returned: the journal
+    # may commit, a crash loses nothing committed, and ``release`` has nothing left to write.
+
+    def adopt(self, kv: KVCache) -> int:
+        """Make ``kv`` runnable here; returns the bytes copied into this backend's memory.
+
+        Copies rows ``0 .. kv.length-1`` once (the KV migration of a promotion).  The host backend
+        computes on ``kv.data`` itself and copies nothing.  Adopting an adopted cache is a no-op.
+        ``forward`` adopts a cache it has not seen (a new session), so calling this first is only
+        needed to move a session with history and to account for the copy.
+        """
+        return 0
+
+    def release(self, kv: KVCache) -> int:
+        """Stop running ``kv`` here and free its copy in this backend's memory (if any).
+
+        Returns the bytes written back to ``kv.data``: zero, since ``forward`` writes through.
+        Releasing a cache that was never adopted is a no-op.
+        """
+        return 0
+
+    def device_kv_bytes(self) -> int:
+        """Bytes of KV this backend holds in its own memory (the device tier); 0 for the host backend."""
+        return 0

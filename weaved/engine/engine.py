@@ -41,6 +41,11 @@ class BatchEngine:
     is called before a step writes ``n`` more rows (the KV store grows the file, enforces the cap);
     if it raises, that sequence fails with the error's message and the others continue.
     ``on_event(kind, data)`` receives pool-level events (preemption) for ``/v1/events``.
+
+    Moving a turn to another pool happens between steps: ``detach`` hands a running sequence to a
+    callback at the next step boundary, and a sequence with ``handoff`` set leaves by itself once its
+    prefill is done (a long prompt prefilled on a GPU pool, decoded on a CPU pool).  Engines that share
+    one backend share ``forward_lock`` so that only one of them runs a step at a time.
     """
 
     def __init__(
@@ -52,6 +57,7 @@ class BatchEngine:
         commit: Callable[[Sequence, list[int]], None] | None = None,
         reserve: Callable[[Sequence, int], None] | None = None,
         on_event: Callable[[str, dict], None] | None = None,
+        forward_lock: threading.Lock | None = None,
     ):
         self.name = name
         self.backend = backend
@@ -63,6 +69,8 @@ class BatchEngine:
         self._incoming: list[Sequence] = []
         self._active: list[Sequence] = []
         self._cancel: set[str] = set()
+        self._detach: list[tuple[str, Callable[[Sequence | None], None]]] = []
+        self._forward_lock = forward_lock or threading.Lock()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.counters = PoolCounters()
@@ -93,6 +101,15 @@ class BatchEngine:
             self._cancel.add(session_id)
             self._cond.notify_all()
 
+    def detach(self, session_id: str, on_detached: Callable[[Sequence | None], None]) -> None:
+        """Take the session's sequence out of this engine at the next step boundary and call
+        ``on_detached(seq)`` from the engine thread (``None`` if it has no live sequence here by then).
+        The sequence keeps its state (pending tokens, sampler, stream) and continues where it is
+        submitted next."""
+        with self._cond:
+            self._detach.append((session_id, on_detached))
+            self._cond.notify_all()
+
     def set_rank(self, session_id: str, rank: SLARank) -> bool:
         """Change a running turn's SLA rank; it takes effect at the next step."""
         with self._cond:
@@ -115,13 +132,25 @@ class BatchEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._incoming and not self._active and not self._cancel:
+                while (not self._stopping and not self._incoming and not self._active and not self._cancel
+                       and not self._detach):
                     self._cond.wait()
                 if self._stopping:
                     break
                 self._active.extend(self._incoming)
                 self._incoming.clear()
                 cancelled, self._cancel = self._cancel, set()
+                detach, self._detach = self._detach, []
+                admitted = [s for s in self._active if s.on_admit is not None]
+            for s in admitted:
+                admit, s.on_admit = s.on_admit, None
+                try:
+                    admit()
+                except Exception as exc:  # e.g. no device memory for its KV: that turn fails
+                    log.exception("engine %s: admitting %s failed", self.name, s.session_id)
+                    self._fail(s, f"could not bring the session's KV to pool {self.name!r}: {exc}")
+            for sid, callback in detach:
+                self._hand_over(sid, callback)
             for s in self._active:
                 if s.session_id in cancelled and not s.status.done:
                     self._finish(s, SeqStatus.CANCELLED, "cancelled")
@@ -140,6 +169,20 @@ class BatchEngine:
         for s in rest:
             if not s.status.done:
                 self._finish(s, SeqStatus.CANCELLED, "shutdown")
+
+    def _hand_over(self, sid: str, callback: Callable[[Sequence | None], None]) -> None:
+        seq = next((s for s in self._active if s.session_id == sid and not s.status.done), None)
+        if seq is not None:
+            self._active.remove(seq)
+        self._hand_over_to(seq, callback)
+
+    def _hand_over_to(self, seq: Sequence | None, callback: Callable) -> None:
+        try:
+            callback(seq)
+        except Exception as exc:  # the receiving side failed: the turn fails, the pool goes on
+            log.exception("engine %s: handing over %s failed", self.name, seq and seq.session_id)
+            if seq is not None:
+                self._fail(seq, f"moving the session failed: {exc}")
 
     def step(self) -> None:
         """One scheduling step over the active sequences (engine thread only)."""
@@ -160,12 +203,19 @@ class BatchEngine:
             want = Logits.ALL if (s.prompt_logprobs and s.prefilling) else (Logits.LAST if last else Logits.NONE)
             chunks.append(SeqChunk(s.kv, np.asarray(s.pending[: w.n_tokens], np.int32), want))
         t0 = time.perf_counter()
-        outs = self.backend.forward(chunks)
+        with self._forward_lock:
+            outs = self.backend.forward(chunks)
         self.counters.busy_s += time.perf_counter() - t0
         self.counters.steps += 1
         generated = 0
         for w, logits in zip(work, outs, strict=True):
             generated += self._advance(w, logits)
+        for w in work:  # prefilled here, decoded elsewhere: leave now, with the first token sampled
+            s = w.seq
+            if s.handoff is not None and not s.prefilling and not s.status.done:
+                handoff, s.handoff = s.handoff, None
+                self._active.remove(s)
+                self._hand_over_to(s, handoff)
         self.tps_window.append((time.monotonic(), generated))
         if len(self.tps_window) > 256:
             del self.tps_window[:128]

@@ -68,6 +68,12 @@ class Sequence:
     text: list[str] = field(default_factory=list)  # emitted output text pieces
     prefilled: int = 0  # prompt tokens fed this turn
     prev_row: np.ndarray | None = None  # last logits row of the previous prefill chunk (prompt logprobs)
+    # called (engine thread) once the prefill is done and the first token sampled: the daemon moves the
+    # sequence to its decode pool (set when prefill and decode run in different pools)
+    handoff: Callable[[Sequence], None] | None = None
+    # called (engine thread) when the engine admits the sequence, before its first step there: the
+    # daemon brings the session's KV to this engine's backend (a GPU pool's one host-to-device copy)
+    on_admit: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self.sampler = Sampler(self.params)
