@@ -75,6 +75,7 @@ class Sampling(BaseModel):
     frequency_penalty: float | None = Field(None, allow_inf_nan=False)
     presence_penalty: float | None = Field(None, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=2**64)
+    ignore_eos: bool | None = None  # extension (as vLLM): generate max_tokens, past end of turn
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -36,7 +36,8 @@ def check_supported(req: Sampling) -> None:
 def _sampling(req: Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     kw = dict(SAMPLING_DEFAULTS)
-    kw.update({k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+    kw.update({k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+                                                 "ignore_eos")
                if getattr(req, k) is not None})
     try:
         return SamplingParams(max_tokens=max_tokens, stop=tuple(stop), logprobs=logprobs, **kw)

@@ -49,6 +49,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    ignore_eos: bool = False  # keep generating past end-of-generation tokens (benchmarks)
 
     def __post_init__(self) -> None:
         # Accept lists from JSON bodies but store tuples, so the params stay hashable and immutable.
