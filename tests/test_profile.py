@@ -155,6 +155,20 @@ def test_minimal_profile_defaults(tmp_path, monkeypatch):
     assert prof.routing.node_kv_tokens is None and prof.peers == ()
 
 
+def test_speculative_pool_draft_knobs(tmp_path):
+    from weaved.engine.speculative import SpecConfig
+
+    text = POOL + "speculative = true\nspec_draft_tokens = 5\nspec_ngram_min = 1\nspec_ngram_max = 4\n" + ROUTING
+    pool = load_profile(write(tmp_path, text), hardware=CPU_BOX).pools[0]
+    assert (pool.spec_max_concurrency, pool.spec_draft_tokens, pool.spec_ngram_min, pool.spec_ngram_max) == (4, 5, 1, 4)
+    assert SpecConfig.from_pool(pool) == SpecConfig(draft_tokens=5, ngram_sizes=(4, 3, 2, 1), max_concurrency=4)
+    default = load_profile(write(tmp_path, POOL + "speculative = true\n" + ROUTING, "d.toml"), hardware=CPU_BOX)
+    assert SpecConfig.from_pool(default.pools[0]) == SpecConfig()  # the profile's defaults are the engine's
+    plain = load_profile(write(tmp_path, MINIMAL, "m.toml"), hardware=CPU_BOX).pools[0]
+    with pytest.raises(ValueError, match="not speculative"):
+        SpecConfig.from_pool(plain)
+
+
 def test_data_dir_without_xdg(monkeypatch):
     monkeypatch.delenv("XDG_DATA_HOME", raising=False)
     assert default_data_dir() == Path.home() / ".local" / "share" / "weave"
@@ -278,6 +292,14 @@ ROUTING = "[routing]\ncpu_prefill_tokens_per_s = 100\ncpu_decode_tokens_per_s = 
     (POOL + 'speculative = true\nstrategy = "qring"\n' + ROUTING, "pools[0].speculative", ["standard"]),
     (POOL + "speculative = true\nspec_max_concurrency = 0\n" + ROUTING, "pools[0].spec_max_concurrency",
      ["> 0"]),
+    (POOL + "spec_draft_tokens = 4\n" + ROUTING, "pools[0].spec_draft_tokens", ["speculative = true"]),
+    (POOL + "spec_ngram_max = 4\n" + ROUTING, "pools[0].spec_ngram_max", ["speculative = true"]),
+    (POOL + "speculative = true\nspec_draft_tokens = 0\n" + ROUTING, "pools[0].spec_draft_tokens", ["> 0"]),
+    (POOL + 'speculative = true\nspec_draft_tokens = "8"\n' + ROUTING, "pools[0].spec_draft_tokens",
+     ["integer"]),
+    (POOL + "speculative = true\nspec_ngram_min = 0\n" + ROUTING, "pools[0].spec_ngram_min", ["> 0"]),
+    (POOL + "speculative = true\nspec_ngram_min = 3\nspec_ngram_max = 2\n" + ROUTING, "pools[0].spec_ngram_max",
+     [">= spec_ngram_min (3)", "2"]),
     (POOL + "idle_demote_s = 60\n" + ROUTING, "pools[0].idle_demote_s", ["GPU"]),
     ('[[pools]]\nname = "g"\nbackend = "torch"\nidle_demote_s = -1\n' + ROUTING, "pools[0].idle_demote_s",
      [">= 0"]),

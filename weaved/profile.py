@@ -83,6 +83,11 @@ class PoolConfig:
     strategy: str = "standard"  # decode strategy: "standard" | "qring"
     speculative: bool = False
     spec_max_concurrency: int = 0  # speculative variant: used while the pool runs fewer sessions
+    # speculative variant's prompt-lookup drafts (weaved.engine.speculative): the most draft tokens a
+    # sequence verifies per step, and the context suffix lengths (n-grams) looked up, longest first
+    spec_draft_tokens: int = 8
+    spec_ngram_min: int = 2
+    spec_ngram_max: int = 3
     max_batch: int = 16  # sequences decoding together
     prefill_chunk: int = 512  # prompt tokens one sequence may prefill per step
     token_budget: int = 528  # tokens per engine step, prefill chunks and decode tokens together
@@ -103,6 +108,9 @@ class PoolConfig:
             _positive(self, "spec_max_concurrency")
         else:
             _check(self.spec_max_concurrency == 0, "spec_max_concurrency", "set only with speculative = true")
+        _positive(self, "spec_draft_tokens", "spec_ngram_min")
+        _check(self.spec_ngram_max >= self.spec_ngram_min, "spec_ngram_max",
+               f"must be >= spec_ngram_min ({self.spec_ngram_min}), got {self.spec_ngram_max}")
         _positive(self, "max_batch", "prefill_chunk", "token_budget")
         _check(self.token_budget >= self.prefill_chunk, "token_budget",
                f"must hold one prefill chunk ({self.prefill_chunk} tokens), got {self.token_budget}")
@@ -286,6 +294,7 @@ def _pools(root: _Table, hw: Callable[[], Hardware], notes: list[str]) -> list[P
             device=t.text("device", "cpu" if backend == "cpu" else "cuda"),
             strategy=t.text("strategy", "standard", STRATEGIES), speculative=speculative,
             spec_max_concurrency=t.integer("spec_max_concurrency", 4 if speculative else 0),
+            **_spec_drafts(t, speculative),
             max_batch=max_batch, prefill_chunk=chunk,
             token_budget=t.integer("token_budget", chunk + max_batch),
             idle_demote_s=t.number("idle_demote_s", None),
@@ -301,6 +310,17 @@ def _pools(root: _Table, hw: Callable[[], Hardware], notes: list[str]) -> list[P
     if not any(p.strategy == "standard" for p in pools):
         raise root.err("pools", 'needs at least one [[pools]] table with strategy = "standard"')
     return pools
+
+
+def _spec_drafts(t: _Table, speculative: bool) -> dict[str, int]:
+    """The draft knobs of a pool's speculative variant; on a plain pool they would silently do nothing."""
+    d = PoolConfig.__dataclass_fields__
+    keys = ("spec_draft_tokens", "spec_ngram_min", "spec_ngram_max")
+    if not speculative:
+        for k in keys:
+            if k in t.data:
+                raise t.err(k, "set only with speculative = true")
+    return {k: t.integer(k, d[k].default) for k in keys}
 
 
 def _threads(t: _Table, pools: list[PoolConfig], hw: Callable[[], Hardware]) -> ThreadBudget:

@@ -20,6 +20,7 @@ from weaved.backends.base import Backend, Logits, SeqChunk
 from weaved.engine.sampling import logprobs_of
 from weaved.engine.scheduler import SchedulerConfig, Work, schedule
 from weaved.engine.sequence import SeqStatus, Sequence, SLARank
+from weaved.engine.speculative import Drafter, SpecConfig, verify
 
 log = logging.getLogger("weave.engine")
 
@@ -31,6 +32,11 @@ class PoolCounters:
     tokens_prefilled: int = 0
     preemptions: int = 0
     busy_s: float = 0.0
+    # speculative variant: draft tokens fed for verification, those accepted, and (sequence, step)
+    # pairs that verified a draft; accepted / drafted is the acceptance rate
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
 
 
 class BatchEngine:
@@ -38,7 +44,8 @@ class BatchEngine:
 
     ``commit(seq, fed_tokens)`` is called after each step for every sequence that fed tokens, once
     their KV rows are written: the daemon records them in the journal there.  ``reserve(seq, n)``
-    is called before a step writes ``n`` more rows (the KV store grows the file, enforces the cap);
+    is called before a step writes rows up to position ``n`` (the new total length: the KV store grows
+    the file, enforces the cap);
     if it raises, that sequence fails with the error's message and the others continue.
     ``on_event(kind, data)`` receives pool-level events (preemption) for ``/v1/events``.
 
@@ -46,6 +53,10 @@ class BatchEngine:
     callback at the next step boundary, and a sequence with ``handoff`` set leaves by itself once its
     prefill is done (a long prompt prefilled on a GPU pool, decoded on a CPU pool).  Engines that share
     one backend share ``forward_lock`` so that only one of them runs a step at a time.
+
+    ``speculative`` turns on the pool's speculative-decoding variant (``weaved.engine.speculative``):
+    while fewer sequences decode than its threshold, each decode step also verifies a prompt-lookup
+    draft; the tokens, events and commits are exactly those of plain decoding, only more per step.
     """
 
     def __init__(
@@ -58,6 +69,7 @@ class BatchEngine:
         reserve: Callable[[Sequence, int], None] | None = None,
         on_event: Callable[[str, dict], None] | None = None,
         forward_lock: threading.Lock | None = None,
+        speculative: SpecConfig | None = None,
     ):
         self.name = name
         self.backend = backend
@@ -71,6 +83,8 @@ class BatchEngine:
         self._cancel: set[str] = set()
         self._detach: list[tuple[str, Callable[[Sequence | None], None]]] = []
         self._forward_lock = forward_lock or threading.Lock()
+        self.speculative = speculative
+        self._drafter = Drafter(speculative) if speculative is not None else None
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.counters = PoolCounters()
@@ -193,7 +207,8 @@ class BatchEngine:
             if s.status == SeqStatus.PAUSED and before[id(s)] != SeqStatus.PAUSED:
                 self.counters.preemptions += 1
                 self._event("preemption", {"session": s.session_id, "pool": self.name})
-        work = [w for w in work if self._reserved(w)]
+        drafts = self._drafter.propose(work, self._active, self.config.token_budget) if self._drafter else {}
+        work = [w for w in work if self._reserved(w, drafts)]
         if not work:
             return
         chunks = []
@@ -201,7 +216,9 @@ class BatchEngine:
             s = w.seq
             last = w.n_tokens == len(s.pending)
             want = Logits.ALL if (s.prompt_logprobs and s.prefilling) else (Logits.LAST if last else Logits.NONE)
-            chunks.append(SeqChunk(s.kv, np.asarray(s.pending[: w.n_tokens], np.int32), want))
+            if s in drafts:  # verify the draft: every row, to sample each position as plain decoding would
+                want = Logits.ALL
+            chunks.append(SeqChunk(s.kv, np.asarray(s.pending[: w.n_tokens] + drafts.get(s, []), np.int32), want))
         t0 = time.perf_counter()
         with self._forward_lock:
             outs = self.backend.forward(chunks)
@@ -209,7 +226,7 @@ class BatchEngine:
         self.counters.steps += 1
         generated = 0
         for w, logits in zip(work, outs, strict=True):
-            generated += self._advance(w, logits)
+            generated += self._verify(w, logits, drafts[w.seq]) if w.seq in drafts else self._advance(w, logits)
         for w in work:  # prefilled here, decoded elsewhere: leave now, with the first token sampled
             s = w.seq
             if s.handoff is not None and not s.prefilling and not s.status.done:
@@ -220,15 +237,29 @@ class BatchEngine:
         if len(self.tps_window) > 256:
             del self.tps_window[:128]
 
-    def _reserved(self, w: Work) -> bool:
+    def _reserved(self, w: Work, drafts: dict[Sequence, list[int]] | None = None) -> bool:
         if self._reserve is None:
             return True
+        extra = len(drafts.get(w.seq, ())) if drafts else 0
         try:
-            self._reserve(w.seq, w.seq.kv.length + w.n_tokens)
+            self._reserve(w.seq, w.seq.kv.length + w.n_tokens + extra)
             return True
         except Exception as exc:  # KV cap, full disk: that turn fails, the others go on
+            if extra:  # only the draft's rows did not fit: decode this step plainly
+                del drafts[w.seq]
+                return self._reserved(w)
             self._fail(w.seq, str(exc))
             return False
+
+    def _verify(self, w: Work, logits: np.ndarray, draft: list[int]) -> int:
+        """A decode step that fed ``[pending] + draft``: each accepted token goes through ``_advance``
+        (commit, sample, stops, events) exactly as a plain decode step would have fed it."""
+        generated, accepted = verify(w.seq, draft, logits, lambda rows: self._advance(w, rows))
+        c = self.counters
+        c.verify_steps += 1
+        c.drafted += len(draft)
+        c.accepted += accepted
+        return generated
 
     def _advance(self, w: Work, logits: np.ndarray) -> int:
         s = w.seq
