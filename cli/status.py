@@ -51,6 +51,11 @@ def status_text(st: dict) -> str:
         f"kv        {kv_line(st.get('kv') or {})}",
         *hardware_lines(st.get("hardware") or {}),
     ]
+    mig = st.get("migrations")
+    if mig:
+        reasons = ", ".join(f"{n} {r}" for r, n in sorted((mig.get("by_reason") or {}).items()))
+        lines.append(f"moves     {mig.get('count', 0)} KV move(s) between backends, {fmt.size(mig.get('bytes'))} "
+                     f"copied in {fmt.seconds(mig.get('seconds'))}" + (f" ({reasons})" if reasons else ""))
     peers = st.get("peers") or []
     lines.append("peers     " + ("none" if not peers else "; ".join(fmt.peer_text(p) for p in peers)))
     lines += ["", pools_table(st.get("pools") or [])]

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from weaved.daemon_moves import PoolMoves
 from weaved.engine.engine import BatchEngine
 from weaved.engine.sampling import SamplingParams
-from weaved.engine.scheduler import SchedulerConfig
 from weaved.engine.sequence import Sequence
 from weaved.engine.stops import StopChecker
 from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound, Overloaded, WeaveError
@@ -31,8 +31,6 @@ from weaved.router import (
     SLAClass,
     SystemState,
     place,
-    pool_state,
-    promote,
 )
 from weaved.session import Session, chat_turn_tokens
 
@@ -51,7 +49,7 @@ class TurnHandle:
         self._daemon.cancel_turn(self.session_id)
 
 
-class Daemon:
+class Daemon(PoolMoves):
     def __init__(self, profile: Profile, model_path: Path, *, data_dir: Path | None = None,
                  log_fn: Callable[[str], None] = print):
         self.profile = profile
@@ -61,18 +59,21 @@ class Daemon:
         self._lock = threading.RLock()
         self.sessions: dict[str, Session] = {}
         self.engines: dict[str, BatchEngine] = {}
+        self.pools: dict = {}  # name -> weaved.pools.Pool
         self.pool_notes: list[str] = []
+        self._housekeeping_stop: threading.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._subscribers: set[asyncio.Queue] = set()
         self.started = time.time()
 
     # ---- life cycle ------------------------------------------------------------------------------
     def load(self, progress: Callable[[str], None] | None = None) -> None:
-        from weaved.backends.cpu import CPUBackend
         from weaved.journal import Journal
         from weaved.kv.store import KVStore
+        from weaved.migration import Mover
         from weaved.model.loader import open_model
         from weaved.model.tokenizer import Tokenizer
+        from weaved.pools import build_pools
 
         say = progress or (lambda m: None)
         say(f"opening {self.model_path.name}")
@@ -80,21 +81,13 @@ class Daemon:
         self.model_name = self.model_path.stem
         self.tokenizer = Tokenizer(self.model_path, gguf)
         say("loading weights and kernels")
-        cpu = None
-        for pool in self.profile.pools:
-            if pool.backend == "cpu" and pool.strategy == "standard":
-                cpu = cpu or CPUBackend(gguf, self.config, threads=self.profile.threads.kernels)
-                self.engines[pool.name] = BatchEngine(
-                    pool.name, cpu,
-                    SchedulerConfig(pool.token_budget, pool.max_batch, pool.prefill_chunk),
-                    commit=self._commit, reserve=self._reserve, on_event=self.publish,
-                )
-            else:
-                note = f"pool {pool.name!r} ({pool.backend}, {pool.strategy}) is not served by this daemon build"
-                self.pool_notes.append(note)
-                log.warning(note)
+        self.pools, self.pool_notes = build_pools(self.profile, gguf, self.config, commit=self._commit,
+                                                  reserve=self._reserve, on_event=self.publish)
+        self.engines = {name: p.engine for name, p in self.pools.items()}
         if not self.engines:
-            raise WeaveError("the profile has no pool this daemon can run (a cpu pool with the standard strategy)")
+            raise WeaveError("the profile has no pool this daemon can run: "
+                             + "; ".join(self.pool_notes or ["it names none with the standard strategy"]))
+        self.mover = Mover(self.publish)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = KVStore(self.data_dir / "kv", self.config, cap_bytes=self.profile.host.kv_cap_bytes)
         self.journal = Journal(self.data_dir / "journal.sqlite")
@@ -102,6 +95,7 @@ class Daemon:
         self._recover()
         for e in self.engines.values():
             e.start()
+        self._start_housekeeping()
         say("ready")
 
     def _recover(self) -> None:
@@ -142,6 +136,8 @@ class Daemon:
         self._loop = loop
 
     def shutdown(self) -> None:
+        if self._housekeeping_stop is not None:
+            self._housekeeping_stop.set()
         for e in self.engines.values():
             e.stop()
         if hasattr(self, "journal"):
@@ -150,11 +146,7 @@ class Daemon:
     # ---- sessions --------------------------------------------------------------------------------
     def _system_state(self) -> SystemState:
         free = max(0, (self.profile.host.kv_cap_bytes - self.store.reserved_bytes()) // self.config.kv_bytes_per_token)
-        pools = []
-        for p in self.profile.pools:
-            e = self.engines.get(p.name)
-            if e is not None:
-                pools.append(pool_state(p, free_kv_tokens=int(free), batch_depth=e.depth))
+        pools = [p.state(int(free)) for p in self.pools.values()]
         node = int(self.profile.host.kv_cap_bytes // self.config.kv_bytes_per_token)
         return SystemState(tuple(pools), peers_alive=0, ring_batch_depth=0, node_kv_tokens=node,
                            pipeline_possible=False)
@@ -214,6 +206,10 @@ class Daemon:
             if s.busy:
                 self.engines[s.pool].cancel(sid)
             del self.sessions[sid]
+            held = self.pools.get(s.kv_at) if s.kv_at else None
+        if held is not None:
+            with held.lock:
+                held.backend.release(s.kv)
         self.store.delete(sid)
         if not s.ephemeral:
             self.journal.delete(sid)
@@ -251,8 +247,11 @@ class Daemon:
                 if not s.ephemeral:
                     self.journal.truncate(s.id, keep)
             s.tail = []
+            resla = sla is not None and sla.cls != s.sla.cls
             if sla is not None and sla != s.sla:
                 s.sla = sla
+            if resla or self._misplaced(s):  # a check-in: the router re-places the session first
+                self._replace(s)
             if messages is not None:
                 for i, m in enumerate(messages):
                     s.messages.append({"role": m["role"], "content": m["content"]})
@@ -261,7 +260,7 @@ class Daemon:
                         self.journal.add_message(s.id, m["role"], m["content"], ids)
             elif not s.ephemeral:
                 self.journal.add_message(s.id, "prompt", prompt if isinstance(prompt, str) else "", list(new))
-            stop_ids = set(params.stop_token_ids) | set(self.tokenizer.eog_ids)
+            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eog_ids))
             seq = Sequence(
                 session_id=s.id, kv=s.kv, pending=list(new), params=params, rank=s.rank,
                 ttft_s=s.sla.ttft_ms / 1000 if s.sla.ttft_ms else None, ttlt_s=s.sla.ttlt_s,
@@ -272,9 +271,29 @@ class Daemon:
             seq.emit = lambda ev, s=s, seq=seq: self._on_turn_event(s, seq, ev, emit, n_prompt)
             s.turn = seq
             s.last_active = time.time()
+            run_in = self._prepare_turn(s, seq, len(new))
         handle = TurnHandle(s.id, n_prompt, keep, self)
-        self.engines[s.pool].submit(seq)
+        self.engines[run_in].submit(seq)
         return handle
+
+    def _misplaced(self, s: Session) -> bool:
+        """A latency-sensitive session sitting on a CPU pool while the host has GPU pools (e.g. it was
+        demoted when idle): its next turn should make the router look again."""
+        return (s.sla.cls is SLAClass.INTERACTIVE and self.profile.routing.policy == "sla"
+                and self.pools[s.pool].device_kind == "cpu"
+                and any(p.device_kind == "gpu" for p in self.pools.values()))
+
+    def _replace(self, s: Session) -> None:
+        from weaved.router import promote
+
+        new = promote(s.placement, SessionRequest(s.sla, s.context_tokens, s.max_context), self._system_state(),
+                      self.profile.routing)
+        s.placement = new
+        if not s.ephemeral:
+            self.journal.set_sla(s.id, _sla_dict(s.sla))
+            self.journal.set_placement(s.id, _pl_dict(new))
+        self._move_to(s, new.decode_pool, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion")
+        self.publish("placement", {"session": s.id, "placement": _pl_dict(new)})
 
     def _check_fits(self, s: Session, keep: int, new: list[int], params: SamplingParams) -> None:
         if not new:
@@ -330,27 +349,6 @@ class Daemon:
                 self._drop_ephemeral(s)
             return
         emit(ev)
-
-    # ---- SLA changes -----------------------------------------------------------------------------
-    def promote(self, sid: str) -> dict:
-        return self._change_sla(sid, SLA(SLAClass.INTERACTIVE, 500.0, None), "promotion")
-
-    def demote(self, sid: str) -> dict:
-        return self._change_sla(sid, SLA(SLAClass.BACKGROUND, None, None), "demotion")
-
-    def _change_sla(self, sid: str, sla: SLA, kind: str) -> dict:
-        with self._lock:
-            s = self._get(sid)
-            new = promote(s.placement, SessionRequest(sla, s.context_tokens, s.max_context), self._system_state(),
-                          self.profile.routing)
-            s.sla, s.placement = sla, new
-            if s.busy:  # the running turn's priority changes at the next step
-                self.engines[s.pool].set_rank(sid, s.rank)
-            if not s.ephemeral:
-                self.journal.set_sla(sid, _sla_dict(sla))
-                self.journal.set_placement(sid, _pl_dict(new))
-        self.publish(kind, {"session": sid, "placement": _pl_dict(new)})
-        return self.get_session(sid)
 
     # ---- status and events -----------------------------------------------------------------------
     def publish(self, kind: str, data: dict) -> None:

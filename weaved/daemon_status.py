@@ -19,7 +19,22 @@ def _tps(engine, window_s: float = 10.0) -> float:
     return sum(n for _, n in recent) / span
 
 
-def _hardware() -> dict:
+def _gpus(d: Daemon) -> list[dict]:
+    """The CUDA devices GPU pools run on (torch is already imported when there are any)."""
+    devices = sorted({p.config.cuda_device for p in d.pools.values() if p.config.cuda_device is not None})
+    if not devices:
+        return []
+    import torch
+
+    out = []
+    for i in devices:
+        free, total = torch.cuda.mem_get_info(i)
+        out.append({"index": i, "name": torch.cuda.get_device_name(i), "memory_total": total,
+                    "memory_used": total - free})
+    return out
+
+
+def _hardware(d: Daemon) -> dict:
     import psutil
 
     vm = psutil.virtual_memory()
@@ -28,19 +43,31 @@ def _hardware() -> dict:
         "memory_total": vm.total,
         "memory_used": vm.total - vm.available,
         "rss": psutil.Process(os.getpid()).memory_info().rss,
-        "gpus": [],  # a GPU pool reports its device here
+        "gpus": _gpus(d),
     }
+
+
+def _device_bytes(d: Daemon) -> int:
+    """KV copies held by GPU pools' backends (each backend counted once)."""
+    backends = {id(p.backend): p.backend for p in d.pools.values()}
+    return sum(b.device_kv_bytes() for b in backends.values())
+
+
+def _spec_counters(engine) -> dict:
+    if getattr(engine, "speculative", None) is None:
+        return {}
+    c = engine.counters
+    return {"speculative": {"drafted": c.drafted, "accepted": c.accepted, "verify_steps": c.verify_steps}}
 
 
 def status_dict(d: Daemon) -> dict:
     pools = []
-    for p in d.profile.pools:
-        e = d.engines.get(p.name)
-        if e is None:
-            continue
+    for pool in d.pools.values():
+        p, e = pool.config, pool.engine
         seqs = e.snapshot()
         pools.append({
             "name": p.name, "backend": e.backend.name, "device": p.device, "strategy": p.strategy,
+            "device_kind": pool.device_kind, "stand_in": pool.stand_in,
             "variant": {"speculative": p.speculative, "max_batch": p.max_batch, "prefill_chunk": p.prefill_chunk,
                         "token_budget": p.token_budget},
             "batch_depth": sum(1 for s in seqs if s.status.value == "running"),
@@ -48,6 +75,7 @@ def status_dict(d: Daemon) -> dict:
             "tokens_per_s": round(_tps(e), 2),
             "steps": e.counters.steps, "tokens_generated": e.counters.tokens_generated,
             "tokens_prefilled": e.counters.tokens_prefilled, "preemptions": e.counters.preemptions,
+            **_spec_counters(e),
         })
     now = time.monotonic()
     sessions = []
@@ -61,7 +89,7 @@ def status_dict(d: Daemon) -> dict:
             if t is not None and t.first_token_at and len(t.generated) > 1:
                 tps = (len(t.generated) - 1) / max((t.last_token_at or now) - t.first_token_at, 1e-6)
             sessions.append({
-                "id": s.id, "class": s.sla.cls.value, "pool": s.pool,
+                "id": s.id, "class": s.sla.cls.value, "pool": s.pool, "kv_at": s.kv_at,
                 "backend": d.engines[s.pool].backend.name if s.pool in d.engines else None,
                 "context_tokens": s.context_tokens, "state": t.status.value if running else "idle",
                 "tokens_per_s": round(tps, 2) if tps else None, "ttft_s": round(ttft, 4) if ttft else None,
@@ -73,6 +101,6 @@ def status_dict(d: Daemon) -> dict:
                   "context_length": d.config.context_length},
         "profile": d.profile.name, "uptime_s": round(time.time() - d.started, 1),
         "pools": pools, "pool_notes": d.pool_notes, "sessions": sessions,
-        # device_bytes: KV copies held by GPU pools (none on a CPU-only daemon)
-        "kv": {**d.store.tiers(), "device_bytes": 0}, "hardware": _hardware(), "peers": [],
+        "kv": {**d.store.tiers(), "device_bytes": _device_bytes(d)}, "hardware": _hardware(d), "peers": [],
+        "migrations": d.mover.counters.to_dict() if hasattr(d, "mover") else None,
     }

@@ -44,6 +44,13 @@ class Metrics:
         self.kv_cap = Gauge("weave_kv_cap_bytes", "The cap on total KV bytes", registry=r)
         self.kv_reserved = Gauge("weave_kv_reserved_bytes", "KV bytes reserved by sessions", registry=r)
         self.sessions = Gauge("weave_sessions", "Sessions held by the daemon", registry=r)
+        # read from the daemon's counters at scrape time, hence gauges; they only ever grow
+        self.migrations = Gauge("weave_migrations", "Session moves that changed backend since start, by reason",
+                                ["reason"], registry=r)
+        self.migration_bytes = Gauge("weave_migration_bytes", "KV bytes copied between memories by session "
+                                     "moves since start", registry=r)
+        self.migration_seconds = Gauge("weave_migration_seconds", "Time spent copying KV for session moves "
+                                       "since start", registry=r)
 
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -68,4 +75,9 @@ class Metrics:
         self.kv_cap.set(kv.get("cap_bytes") or 0)
         self.kv_reserved.set(kv.get("reserved_bytes") or 0)
         self.sessions.set(sum(1 for s in status.get("sessions", []) if not s.get("ephemeral")))
+        mig = status.get("migrations") or {}
+        for reason, n in (mig.get("by_reason") or {}).items():
+            self.migrations.labels(reason).set(n)
+        self.migration_bytes.set(mig.get("bytes", 0))
+        self.migration_seconds.set(mig.get("seconds", 0.0))
         return generate_latest(self.registry)

@@ -26,10 +26,13 @@ class Session:
     turn: Sequence | None = None
     ephemeral: bool = False  # an OpenAI call without a session: deleted after its turn
     last_active: float = field(default_factory=time.time)
+    where: str | None = None  # the pool running the session's turns now (None: its placement's decode pool)
+    kv_at: str | None = None  # the pool whose backend holds a copy of its KV (None: only the file)
+    move_reason: str | None = None  # why it was sent to ``where`` while idle (its KV follows at the next turn)
 
     @property
     def pool(self) -> str:
-        return self.placement.decode_pool
+        return self.where or self.placement.decode_pool
 
     @property
     def rank(self) -> SLARank:

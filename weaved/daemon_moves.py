@@ -1,0 +1,168 @@
+"""The daemon's half that moves sessions between pools: SLA changes, long-prompt prefill on a GPU, idle
+demotion.  Mixed into ``Daemon`` (it uses the daemon's sessions, pools, lock, journal and router).
+
+Where a session is:
+- ``placement.decode_pool``: where the router wants its turns decoded;
+- ``Session.where``: the pool running (or about to run) its turn - differs from the placement while a
+  long prompt prefills on a GPU pool, or while a running turn waits for the step boundary to move;
+- ``Session.kv_at``: the pool whose backend holds a copy of its KV (None: only the file).
+
+Moving into a GPU pool is lazy for an idle session: the one host-to-device copy happens when its next
+turn is admitted, in that pool's engine thread (``Sequence.on_admit``).  Moving out of one releases the
+device copy at once, since that frees device memory and copies nothing (rows were written through).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from weaved.engine.sequence import Sequence
+from weaved.router import SLA, SessionRequest, SLAClass, promote
+from weaved.session import Session
+
+log = logging.getLogger("weave.daemon")
+
+
+class PoolMoves:
+    # ---- bringing KV where the turn runs ---------------------------------------------------------
+    def _bring_kv(self, s: Session, to: str, reason: str) -> None:
+        """Make pool ``to``'s backend hold the session's KV (engine thread of ``to``, or any thread when
+        ``to`` is a host pool)."""
+        dst = self.pools[to]
+        src = self.pools.get(s.kv_at) if s.kv_at else None
+        if src is not None and src.backend is dst.backend:
+            s.kv_at = to
+            return
+        if src is None:
+            with dst.lock:
+                n = dst.backend.adopt(s.kv)
+            if n:  # a session with history arriving on a device from its file (e.g. after a restart)
+                self.mover.record(s.id, s.kv, None, dst, n, reason)
+        else:
+            self.mover.move_kv(s.id, s.kv, src, dst, reason)
+        s.kv_at = to
+        s.move_reason = None
+
+    def _turn_pool(self, s: Session, n_new: int) -> tuple[str, str | None]:
+        """(pool to run this turn in, why it is not the decode pool).  A throughput-tolerant session whose
+        turn brings a long prompt prefills it on a GPU pool with room, then decodes where it lives."""
+        here = s.placement.decode_pool
+        th = self.profile.routing
+        if th.policy != "sla" or n_new < th.long_prompt_tokens or self.pools[here].device_kind == "gpu":
+            return here, None
+        state = self._system_state()
+        need = s.context_tokens + n_new
+        gpus = [p for p in state.pools if p.device_kind == "gpu" and p.strategy == "standard" and p.has_room(need)]
+        if not gpus:
+            return here, None
+        g = min(gpus, key=lambda p: (p.speculative, p.load, p.name))
+        return g.name, (f"turn prompt of {n_new} tokens >= {th.long_prompt_tokens}: prefill on GPU pool {g.name!r}, "
+                        f"decode on {here!r}")
+
+    def _prepare_turn(self, s: Session, seq: Sequence, n_new: int) -> str:
+        """Route the turn (caller holds ``self._lock``); returns the pool to submit it to."""
+        run_in, why = self._turn_pool(s, n_new)
+        if why is not None:
+            self.publish("placement", {"session": s.id, "turn_prefill_pool": run_in, "reason": why})
+            seq.handoff = lambda seq, s=s: self._handoff(s, seq)
+        s.where = run_in
+        reason = "prefill" if why else (s.move_reason or "placement")
+        seq.on_admit = lambda s=s, run_in=run_in: self._bring_kv(s, run_in, reason)
+        return run_in
+
+    def _handoff(self, s: Session, seq: Sequence) -> None:
+        """A long prompt was prefilled on a GPU pool: continue decoding in the session's decode pool
+        (engine thread of the prefill pool)."""
+        with self._lock:
+            to = s.placement.decode_pool
+        if self.pools[to].backend is not self.pools[s.kv_at or to].backend:
+            self._bring_kv(s, to, "prefill handoff")
+        s.where = to
+        self.pools[to].engine.submit(seq)
+
+    # ---- SLA changes -----------------------------------------------------------------------------
+    def promote(self, sid: str) -> dict:
+        return self._change_sla(sid, SLA(SLAClass.INTERACTIVE, 500.0, None), "promotion")
+
+    def demote(self, sid: str, reason: str = "demotion") -> dict:
+        return self._change_sla(sid, SLA(SLAClass.BACKGROUND, None, None), reason)
+
+    def _change_sla(self, sid: str, sla: SLA, kind: str) -> dict:
+        with self._lock:
+            s = self._get(sid)
+            new = promote(s.placement, SessionRequest(sla, s.context_tokens, s.max_context), self._system_state(),
+                          self.profile.routing)
+            s.sla, s.placement = sla, new
+            if not s.ephemeral:
+                self.journal.set_sla(sid, _sla(sla))
+                self.journal.set_placement(sid, new.to_dict())
+            self._move_to(s, new.decode_pool, kind)
+        self.publish(kind, {"session": sid, "placement": new.to_dict()})
+        return self.get_session(sid)
+
+    def _move_to(self, s: Session, to: str, reason: str) -> None:
+        """Send the session to pool ``to`` (caller holds ``self._lock``)."""
+        if s.busy:
+            if s.turn.handoff is not None:  # mid long-prompt prefill: the handoff goes to the new pool
+                return
+            if s.pool == to:
+                self.engines[to].set_rank(s.id, s.rank)
+                return
+            self.engines[s.pool].detach(s.id, lambda seq, s=s, to=to: self._detached(s, seq, to, reason))
+            return
+        s.where = to
+        s.move_reason = reason
+        held = self.pools.get(s.kv_at) if s.kv_at else None
+        if held is not None and held.device_kind == "gpu" and (held.backend is not self.pools[to].backend
+                                                              or reason == "idle demotion"):
+            self.mover.release(s.id, s.kv, held, reason)  # frees device memory now; copies nothing
+            s.kv_at = None
+
+    def _detached(self, s: Session, seq: Sequence | None, to: str, reason: str) -> None:
+        """The source engine let go of the running turn (its engine thread)."""
+        self._bring_kv(s, to, reason)
+        s.where = to
+        if seq is not None:
+            seq.rank = s.rank
+            self.engines[to].submit(seq)
+
+    # ---- idle demotion ---------------------------------------------------------------------------
+    def _start_housekeeping(self) -> None:
+        limits = [p.config.idle_demote_s for p in self.pools.values() if p.config.idle_demote_s is not None]
+        if not limits:
+            return
+        self._housekeeping_stop = threading.Event()
+        tick = min(5.0, max(0.05, min(limits) / 4))
+        t = threading.Thread(target=self._housekeep, args=(tick,), name="weave-housekeeping", daemon=True)
+        t.start()
+        self._housekeeper = t
+
+    def _housekeep(self, tick: float) -> None:
+        while not self._housekeeping_stop.wait(tick):
+            try:
+                self.demote_idle(time.time())
+            except Exception:  # housekeeping must never die; the next tick tries again
+                log.exception("idle demotion failed")
+
+    def demote_idle(self, now: float) -> list[str]:
+        """Demote sessions whose KV sat idle on a GPU pool with ``idle_demote_s`` for longer than that:
+        they leave the GPU pool if a CPU pool has room, and their device copy is freed either way."""
+        with self._lock:
+            due = []
+            for s in self.sessions.values():
+                held = self.pools.get(s.kv_at) if s.kv_at else None
+                limit = held.config.idle_demote_s if held is not None and held.device_kind == "gpu" else None
+                if limit is not None and not s.busy and now - s.last_active >= limit:
+                    due.append(s.id)
+        for sid in due:
+            try:
+                self.demote(sid, reason="idle demotion")
+            except Exception:
+                log.exception("idle demotion of %s failed", sid)
+        return due
+
+
+def _sla(sla: SLA) -> dict:
+    return {"class": sla.cls.value, "ttft_ms": sla.ttft_ms, "ttlt_s": sla.ttlt_s}

@@ -1,0 +1,77 @@
+"""Moving a session between pools: its KV changes backend, nothing is recomputed.
+
+The session's file (its ``KVCache`` array) is the one copy every backend agrees on.  Leaving a GPU
+pool releases the device copy (the torch backend wrote every row through to the file as it computed
+it, so nothing is left to write); entering one adopts the file's rows with one host-to-device copy.
+Two pools on one backend (the GPU's speculative and plain variants) share the device copy, so a move
+between them copies nothing.
+
+A running turn moves at a step boundary: the source engine hands the sequence over (``detach`` or a
+prefill ``handoff``) and it continues in the destination engine with its sampler, pending token and
+stream intact.  Each move with bytes to copy is an event (``/v1/events``) and is counted for
+``/v1/status`` and ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from weaved.kv.cache import KVCache
+from weaved.pools import Pool
+
+
+@dataclass
+class MigrationCounters:
+    count: int = 0  # moves that changed backend
+    bytes: int = 0  # bytes copied between memories
+    seconds: float = 0.0
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"count": self.count, "bytes": self.bytes, "seconds": round(self.seconds, 6),
+                "by_reason": dict(self.by_reason)}
+
+
+class Mover:
+    def __init__(self, publish: Callable[[str, dict], None]):
+        self._publish = publish
+        self._lock = threading.Lock()
+        self.counters = MigrationCounters()
+
+    def move_kv(self, session_id: str, kv: KVCache, src: Pool, dst: Pool, reason: str) -> int:
+        """Move ``kv`` from ``src``'s backend to ``dst``'s; returns bytes copied.  Waits for at most one
+        step of each backend (their locks), never holding both."""
+        if src.backend is dst.backend:
+            return 0
+        t0 = time.perf_counter()
+        with src.lock:
+            back = src.backend.release(kv)
+        with dst.lock:
+            moved = dst.backend.adopt(kv)
+        self.record(session_id, kv, src, dst, back + moved, reason, time.perf_counter() - t0)
+        return back + moved
+
+    def release(self, session_id: str, kv: KVCache, src: Pool, reason: str) -> None:
+        """Drop ``src``'s device copy of ``kv`` (nothing to write: rows were written through)."""
+        t0 = time.perf_counter()
+        with src.lock:
+            back = src.backend.release(kv)
+        self.record(session_id, kv, src, None, back, reason, time.perf_counter() - t0)
+
+    def record(self, session_id: str, kv: KVCache, src: Pool | None, dst: Pool | None, nbytes: int, reason: str,
+               dt: float = 0.0) -> None:
+        with self._lock:
+            c = self.counters
+            c.count += 1
+            c.bytes += nbytes
+            c.seconds += dt
+            c.by_reason[reason] = c.by_reason.get(reason, 0) + 1
+        self._publish("migration", {"session": session_id, "from": src.name if src else "file",
+                                    "to": dst.name if dst else "file",
+                                    "from_backend": src.backend.name if src else "file",
+                                    "to_backend": dst.backend.name if dst else "file",
+                                    "bytes": nbytes, "seconds": round(dt, 6), "kv_tokens": kv.length,
+                                    "reason": reason})

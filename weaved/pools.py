@@ -1,0 +1,135 @@
+"""The daemon's pools: one batch engine per profile pool, over backends shared per device.
+
+Every CPU pool shares one ``CPUBackend`` (one numba thread pool, sized by the profile's kernel thread
+budget).  Torch pools share one ``TorchBackend`` per device, so moving a session between two pools on
+one GPU (the speculative and the plain variant) copies nothing.  Engines over one backend share a
+lock: only one of them runs a step at a time, while engines over different backends (the GPU and the
+CPU) run at the same time, each in its own thread - that is the co-execution.
+
+A torch pool is a GPU pool for the router.  On a host without CUDA a torch pool on ``device = "cpu"``
+stands in for one (tests and functional runs of the benchmarks); it is flagged ``stand_in``.  A pool
+on a CUDA device that this host does not have, and Q-Ring pools (federation), are left out with a
+note instead of failing the daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from weaved.backends.base import Backend
+from weaved.engine.engine import BatchEngine
+from weaved.engine.scheduler import SchedulerConfig
+from weaved.model.config import ModelConfig
+from weaved.model.gguf_file import GGUFFile
+from weaved.profile import PoolConfig, Profile
+from weaved.router import PoolState, pool_state
+
+log = logging.getLogger("weave.pools")
+
+
+@dataclass
+class Pool:
+    config: PoolConfig
+    backend: Backend
+    engine: BatchEngine
+    lock: threading.Lock  # shared by every pool on the same backend
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def device_kind(self) -> str:
+        return "gpu" if self.config.backend == "torch" else "cpu"
+
+    @property
+    def stand_in(self) -> bool:
+        """A torch pool on the CPU device standing in for a GPU pool."""
+        return self.config.backend == "torch" and self.config.cuda_device is None
+
+    def state(self, free_kv_tokens: int) -> PoolState:
+        seqs = self.engine.snapshot()
+        running = sum(1 for s in seqs if s.status.value == "running")
+        waiting = [s for s in seqs if not s.status.done and s.status.value != "running"]
+        return pool_state(self.config, free_kv_tokens=free_kv_tokens, batch_depth=running,
+                          queue_depth=len(waiting), queued_prefill_tokens=sum(len(s.pending) for s in waiting
+                                                                               if s.prefilling),
+                          device_kind=self.device_kind)
+
+
+def _speculative(cfg: PoolConfig):
+    """The pool's speculative-decoding variant, or None."""
+    if not cfg.speculative:
+        return None
+    from weaved.engine.speculative import SpecConfig
+
+    return SpecConfig.from_pool(cfg)
+
+
+class _Backends:
+    """Backends by (kind, device), created on first use."""
+
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, profile: Profile):
+        self.gguf, self.config, self.profile = gguf, config, profile
+        self.made: dict[tuple[str, str], tuple[Backend, threading.Lock]] = {}
+
+    def get(self, cfg: PoolConfig) -> tuple[Backend, threading.Lock]:
+        key = (cfg.backend, cfg.device)
+        if key not in self.made:
+            if cfg.backend == "cpu":
+                from weaved.backends.cpu import CPUBackend
+
+                backend: Backend = CPUBackend(self.gguf, self.config, threads=self.profile.threads.kernels)
+            else:
+                from weaved.backends.torch import TorchBackend
+
+                backend = TorchBackend(self.gguf, self.config, device=cfg.device)
+            self.made[key] = (backend, threading.Lock())
+        return self.made[key]
+
+
+def cuda_missing(cfg: PoolConfig) -> str | None:
+    """Why a pool's CUDA device cannot be used here, or None."""
+    if cfg.cuda_device is None:
+        return None
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    if cfg.cuda_device >= torch.cuda.device_count():
+        return f"this host has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
+def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
+                commit: Callable, reserve: Callable, on_event: Callable) -> tuple[dict[str, Pool], list[str]]:
+    """One ``Pool`` per pool of the profile this daemon can run, and notes on those it cannot."""
+    backends = _Backends(gguf, config, profile)
+    pools: dict[str, Pool] = {}
+    notes: list[str] = []
+    for cfg in profile.pools:
+        if cfg.strategy != "standard":
+            notes.append(f"pool {cfg.name!r} ({cfg.backend}, {cfg.strategy}) needs federation, which this "
+                         f"daemon build does not run")
+            continue
+        missing = cuda_missing(cfg)
+        if missing is not None:
+            notes.append(f"pool {cfg.name!r} left out: device {cfg.device!r} unavailable ({missing})")
+            continue
+        backend, lock = backends.get(cfg)
+        order = "fifo" if profile.routing.policy == "fifo" else "sla"
+        engine = BatchEngine(cfg.name, backend, SchedulerConfig(cfg.token_budget, cfg.max_batch, cfg.prefill_chunk,
+                                                                order),
+                             commit=commit, reserve=reserve, on_event=on_event, forward_lock=lock,
+                             **({"speculative": _speculative(cfg)} if cfg.speculative else {}))
+        pools[cfg.name] = Pool(cfg, backend, engine, lock)
+        if cfg.backend == "torch" and cfg.cuda_device is None:
+            notes.append(f"pool {cfg.name!r}: the torch backend on the CPU device stands in for a GPU pool")
+    for n in notes:
+        log.warning(n)
+    return pools, notes
