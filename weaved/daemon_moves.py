@@ -37,9 +37,11 @@ class PoolMoves:
             return
         if src is None:
             with dst.lock:
+                t0 = time.perf_counter()
                 n = dst.backend.adopt(s.kv)
+                dt = time.perf_counter() - t0
             if n:  # a session with history arriving on a device from its file (e.g. after a restart)
-                self.mover.record(s.id, s.kv, None, dst, n, reason)
+                self.mover.record(s.id, s.kv, None, dst, n, reason, dt)
         else:
             self.mover.move_kv(s.id, s.kv, src, dst, reason)
         s.kv_at = to

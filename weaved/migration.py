@@ -46,20 +46,24 @@ class Mover:
         step of each backend (their locks), never holding both."""
         if src.backend is dst.backend:
             return 0
-        t0 = time.perf_counter()
-        with src.lock:
+        with src.lock:  # the locks wait for a step in flight; only the copies are timed
+            t0 = time.perf_counter()
             back = src.backend.release(kv)
+            dt = time.perf_counter() - t0
         with dst.lock:
+            t0 = time.perf_counter()
             moved = dst.backend.adopt(kv)
-        self.record(session_id, kv, src, dst, back + moved, reason, time.perf_counter() - t0)
+            dt += time.perf_counter() - t0
+        self.record(session_id, kv, src, dst, back + moved, reason, dt)
         return back + moved
 
     def release(self, session_id: str, kv: KVCache, src: Pool, reason: str) -> None:
         """Drop ``src``'s device copy of ``kv`` (nothing to write: rows were written through)."""
-        t0 = time.perf_counter()
         with src.lock:
+            t0 = time.perf_counter()
             back = src.backend.release(kv)
-        self.record(session_id, kv, src, None, back, reason, time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+        self.record(session_id, kv, src, None, back, reason, dt)
 
     def record(self, session_id: str, kv: KVCache, src: Pool | None, dst: Pool | None, nbytes: int, reason: str,
                dt: float = 0.0) -> None:

@@ -123,8 +123,8 @@ def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
             continue
         backend, lock = backends.get(cfg)
         order = "fifo" if profile.routing.policy == "fifo" else "sla"
-        engine = BatchEngine(cfg.name, backend, SchedulerConfig(cfg.token_budget, cfg.max_batch, cfg.prefill_chunk,
-                                                                order),
+        sched = SchedulerConfig(cfg.token_budget, cfg.max_batch, cfg.prefill_chunk, order, cfg.interactive_token_budget)
+        engine = BatchEngine(cfg.name, backend, sched,
                              commit=commit, reserve=reserve, on_event=on_event, forward_lock=lock,
                              **({"speculative": _speculative(cfg)} if cfg.speculative else {}))
         pools[cfg.name] = Pool(cfg, backend, engine, lock)

@@ -92,6 +92,9 @@ class PoolConfig:
     prefill_chunk: int = 512  # prompt tokens one sequence may prefill per step
     token_budget: int = 528  # tokens per engine step, prefill chunks and decode tokens together
     idle_demote_s: float | None = None  # GPU pools: demote a session idle this long (None: never)
+    # tokens per step while an interactive turn decodes in this pool (None: token_budget): bounds the
+    # inter-token gap of an interactive turn that shares the pool with prefilling background turns
+    interactive_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         _check(re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", self.name) is not None, "name",
@@ -117,6 +120,10 @@ class PoolConfig:
         _check(self.token_budget >= self.max_batch, "token_budget",
                f"must hold one decode token per sequence of a full batch ({self.max_batch}), "
                f"got {self.token_budget}")
+        if self.interactive_token_budget is not None:
+            _positive(self, "interactive_token_budget")
+            _check(self.interactive_token_budget <= self.token_budget, "interactive_token_budget",
+                   f"must not exceed token_budget ({self.token_budget}), got {self.interactive_token_budget}")
         if self.idle_demote_s is not None:
             _check(self.backend == "torch", "idle_demote_s", "only GPU (torch) pools demote idle sessions")
             _positive(self, "idle_demote_s", zero_ok=True)
@@ -298,6 +305,7 @@ def _pools(root: _Table, hw: Callable[[], Hardware], notes: list[str]) -> list[P
             max_batch=max_batch, prefill_chunk=chunk,
             token_budget=t.integer("token_budget", chunk + max_batch),
             idle_demote_s=t.number("idle_demote_s", None),
+            interactive_token_budget=t.integer("interactive_token_budget", None),
         )
         only_if_gpu = t.flag("only_if_gpu", False)
         if only_if_gpu and pool.cuda_device is None:

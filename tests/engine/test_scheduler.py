@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from weaved.engine.sampling import SamplingParams
@@ -59,3 +61,16 @@ def test_priority_change_takes_effect_next_step():
     assert schedule([a, b], cfg, now=2.0)[0].seq is a
     b.rank = SLARank.INTERACTIVE
     assert schedule([a, b], cfg, now=2.0)[0].seq is b
+
+
+def test_an_interactive_decode_shrinks_the_step_budget():
+    """While an interactive turn decodes, other turns' prefill chunks shrink to the interactive budget
+    (a step's time is that turn's inter-token gap); without one, prefills get the whole budget."""
+    cfg = SchedulerConfig(token_budget=256, max_batch=8, prefill_chunk=256, interactive_budget=32)
+    bg = _seq("bg", SLARank.BACKGROUND, pending=300, arrival=0.0)
+    assert [w.n_tokens for w in schedule([bg], cfg, 0.0)] == [256]
+    ia = _seq("ia", SLARank.INTERACTIVE, decoding=True, arrival=1.0)
+    work = {w.seq.session_id: w.n_tokens for w in schedule([bg, ia], cfg, 2.0)}
+    assert work == {"ia": 1, "bg": 31}
+    fifo = dataclasses.replace(cfg, order="fifo")  # the baseline knows no classes: the whole budget
+    assert {w.seq.session_id: w.n_tokens for w in schedule([bg, ia], fifo, 2.0)} == {"bg": 256}

@@ -25,6 +25,10 @@ from weaved.engine.speculative import Drafter, SpecConfig, verify
 log = logging.getLogger("weave.engine")
 
 
+class EngineStopping(RuntimeError):
+    """The engine is shutting down and takes no more work."""
+
+
 @dataclass
 class PoolCounters:
     steps: int = 0
@@ -106,7 +110,7 @@ class BatchEngine:
     def submit(self, seq: Sequence) -> None:
         with self._cond:
             if self._stopping:
-                raise RuntimeError("the engine is shutting down")
+                raise EngineStopping("the engine is shutting down")
             self._incoming.append(seq)
             self._cond.notify_all()
 
@@ -193,6 +197,9 @@ class BatchEngine:
     def _hand_over_to(self, seq: Sequence | None, callback: Callable) -> None:
         try:
             callback(seq)
+        except EngineStopping:  # the daemon is shutting down while the turn moves: it ends like the rest
+            if seq is not None:
+                self._finish(seq, SeqStatus.CANCELLED, "shutdown")
         except Exception as exc:  # the receiving side failed: the turn fails, the pool goes on
             log.exception("engine %s: handing over %s failed", self.name, seq and seq.session_id)
             if seq is not None:

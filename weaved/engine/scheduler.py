@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from weaved.engine.sequence import SeqStatus, Sequence
+from weaved.engine.sequence import SeqStatus, Sequence, SLARank
 
 
 @dataclass(frozen=True)
@@ -18,11 +18,16 @@ class SchedulerConfig:
     max_batch: int = 64  # sequences per step
     prefill_chunk: int = 256  # the most prompt tokens one sequence feeds in a step
     order: str = "sla"  # "sla" (DESIGN.md §8) or "fifo": arrival order only (the benchmark's baseline)
+    # tokens per step while an interactive turn is decoding: a step's time is that turn's inter-token
+    # gap, so prefill chunks of other turns shrink to keep it short (None: token_budget always)
+    interactive_budget: int | None = None
 
     def __post_init__(self) -> None:
         for k in ("token_budget", "max_batch", "prefill_chunk"):
             if getattr(self, k) < 1:
                 raise ValueError(f"scheduler {k} must be >= 1")
+        if self.interactive_budget is not None and self.interactive_budget < 1:
+            raise ValueError("scheduler interactive_budget must be >= 1")
         if self.order not in ("sla", "fifo"):
             raise ValueError(f"scheduler order must be 'sla' or 'fifo', got {self.order!r}")
 
@@ -45,6 +50,9 @@ def schedule(active: list[Sequence], cfg: SchedulerConfig, now: float) -> list[W
     ``prefill_chunk``); a prefill that gets no tokens waits for a later step.
     """
     budget = cfg.token_budget
+    if cfg.interactive_budget is not None and cfg.order == "sla" and any(
+            s.rank == SLARank.INTERACTIVE and not s.prefilling and not s.status.done for s in active):
+        budget = min(budget, cfg.interactive_budget)
     picked: list[Work] = []
     key = (lambda s: s.arrival) if cfg.order == "fifo" else (lambda s: priority_key(s, now))
     for seq in sorted(active, key=key):
