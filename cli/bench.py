@@ -53,8 +53,10 @@ def _default_runner(cfg: BenchConfig) -> dict[str, Any]:
     return run_bench(cfg)
 
 
-def register(app: typer.Typer, run: Runner | None = None) -> None:
-    """Add ``bench`` to ``app``.  ``run`` measures a config (the real benchmark when None)."""
+def register(app: typer.Typer, run: Runner | None = None,
+             run_agents: Callable[[Any], dict[str, Any]] | None = None) -> None:
+    """Add ``bench`` to ``app``.  ``run`` measures a config (the real benchmark when None); ``run_agents``
+    runs the agents scenario's options (``weaved.bench.agents``; the real replay when None)."""
     runner = run or _default_runner
 
     @app.command("bench")
@@ -78,8 +80,34 @@ def register(app: typer.Typer, run: Runner | None = None) -> None:
                 "--only", help="Comma list of measurements: prefill, decode, decode_2k, batch16, batch64."
             ),
         ] = None,
+        scenario: Annotated[
+            str, typer.Option("--scenario", help="llama: Weave's CPU engine vs llama.cpp; agents: the reference "
+                                                 "agent workload (docs/benchmarks.md).")
+        ] = "llama",
+        agents: Annotated[int | None, typer.Option("--agents", min=1, help="agents: background agents.")] = None,
+        duration: Annotated[
+            float | None, typer.Option("--duration", min=0.1, help="agents: seconds per configuration run.")
+        ] = None,
+        seed: Annotated[int | None, typer.Option("--seed", min=0, help="agents: workload seed.")] = None,
+        configs: Annotated[
+            str | None, typer.Option("--configs", help="agents: comma list of weave, isolation, fifo, gpu-only.")
+        ] = None,
+        capacity: Annotated[
+            bool | None,
+            typer.Option("--capacity/--no-capacity", help="agents: search each configuration's capacity "
+                                                         "(default: on, off with --quick)."),
+        ] = None,
     ) -> None:
-        """Measure Weave and llama.cpp on the same model and threads; print both and their ratio."""
+        """Measure Weave and llama.cpp on the same model and threads; print both and their ratio.
+        With --scenario agents: replay the reference agent workload against Weave and its baselines."""
+        if scenario not in ("llama", "agents"):
+            raise typer.BadParameter(f"unknown scenario {scenario!r}; choose llama or agents", param_hint="--scenario")
+        agent_opts = (agents, duration, seed, configs, capacity)
+        if scenario == "agents":
+            _agents(model, threads, quick, json_out, only, agent_opts, run_agents)
+            return
+        if any(v is not None for v in agent_opts):
+            raise typer.BadParameter("--agents, --duration, --seed, --configs and --capacity need --scenario agents")
         from weaved.bench import KEYS, BenchConfig
         from weaved.bench.report import format_table
 
@@ -99,3 +127,29 @@ def register(app: typer.Typer, run: Runner | None = None) -> None:
             typer.echo(format_table(report, reps=cfg.rounds * cfg.reps))
         if any("error" in report[side] for side in ("weave", "llama_cpp")):
             raise typer.Exit(1)
+
+
+def _agents(model: Path | None, threads: int | None, quick: bool, json_out: bool, only: str | None,
+            agent_opts: tuple, run_agents: Callable[[Any], dict[str, Any]] | None) -> None:
+    """``weave bench --scenario agents`` (weaved.bench.agents; imported here, not at registration)."""
+    from weaved.bench.agents.cli import parse_configs, run_and_format, scenario_options
+    from weaved.model.default import default_model_path, ensure_native
+
+    if only is not None:
+        raise typer.BadParameter("--only applies to the llama scenario")
+    agents, duration, seed, configs, capacity = agent_opts
+    try:
+        names = parse_configs(configs)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--configs") from None
+    say = lambda msg: typer.echo(msg, err=True)
+    model = Path(default_model_path() if model is None else ensure_native(model, log=say))
+    try:
+        opts = scenario_options(model, threads=threads, quick=quick, agents=agents, duration=duration, seed=seed,
+                                configs=names, capacity=capacity)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    text, ok = run_and_format(opts, json_out, run_agents)
+    typer.echo(text)
+    if not ok:
+        raise typer.Exit(1)

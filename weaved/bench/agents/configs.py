@@ -1,0 +1,128 @@
+"""The configurations the agents scenario compares, and the profile each one runs with.
+
+- ``weave``: Weave's router (policy "sla") over a GPU pool and a CPU pool: promotion on check-in
+  migrates the session to the GPU pool, demotion sends it back when the person leaves;
+- ``isolation``: the same pools, policy "isolation" (a session is bound to a pool by its class when it
+  is created and never moves; a check-in changes neither its pool nor its priority);
+- ``fifo``: one pool, policy "fifo" (one priority, the engine orders by arrival) - the GPU pool when
+  the host has one, as a plain OpenAI-compatible server would use, else the CPU pool;
+- ``gpu-only``: Weave's router over the GPU pool alone - against ``weave``, the seed's co-execution claim.
+
+A GPU pool is a torch pool; on a host without CUDA it runs on torch's CPU device, standing in for a
+GPU (a functional check, not a performance claim).  Without the torch backend in this build, the
+configurations that can fall back to the CPU pool alone do so (and say so); ``gpu-only`` cannot.
+Every configuration starts from the shipped ``cpu-only`` profile (its CPU pool and its calibrated
+routing rates) and changes only the pools, the policy and the thread budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from weaved.profile import PoolConfig, Profile, load_profile
+
+CONFIG_NAMES = ("weave", "isolation", "fifo", "gpu-only")
+BASE_PROFILE = "cpu-only"
+
+
+@dataclass(frozen=True)
+class ConfigSpec:
+    name: str
+    policy: str
+    pools: tuple[str, ...]  # "gpu" and/or "cpu"
+    description: str
+    cpu_fallback: bool = True  # without a GPU pool, run on the CPU pool alone (else: unavailable)
+
+
+SPECS = {
+    "weave": ConfigSpec("weave", "sla", ("gpu", "cpu"),
+                        "router + SLA batch engine; promotion migrates to the GPU pool, demotion back"),
+    "isolation": ConfigSpec("isolation", "isolation", ("gpu", "cpu"),
+                            "pools bound by class at creation; check-ins change neither pool nor priority"),
+    "fifo": ConfigSpec("fifo", "fifo", ("gpu",), "one pool, first come first served"),
+    "gpu-only": ConfigSpec("gpu-only", "sla", ("gpu",), "Weave's router on the GPU pool alone (no co-execution)",
+                           cpu_fallback=False),
+}
+
+
+@dataclass(frozen=True)
+class GpuSupport:
+    torch_backend: bool  # weaved/backends/torch.py is in this build
+    cuda: bool  # torch sees a CUDA device
+
+    @property
+    def pool_possible(self) -> bool:
+        return self.torch_backend
+
+    @property
+    def stand_in(self) -> bool:
+        """A GPU pool here is the torch backend on the CPU device."""
+        return self.torch_backend and not self.cuda
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.cuda else "cpu"
+
+
+def detect_gpu_support() -> GpuSupport:
+    backend = importlib.util.find_spec("weaved.backends.torch") is not None
+    try:
+        import torch
+
+        cuda = bool(torch.cuda.is_available())
+    except ImportError:
+        cuda = False
+    return GpuSupport(backend, cuda)
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    spec: ConfigSpec
+    pools: tuple[str, ...]  # what it runs with here
+    note: str | None = None  # how it differs from the spec on this host
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def resolve(name: str, gpu: GpuSupport) -> ResolvedConfig | str:
+    """The configuration as this host can run it, or why it cannot."""
+    spec = SPECS[name]
+    if "gpu" in spec.pools and not gpu.pool_possible:
+        if not spec.cpu_fallback:
+            return "needs a GPU (torch) pool, and this build has no torch backend (weaved/backends/torch.py)"
+        return ResolvedConfig(spec, ("cpu",), "no torch backend in this build: runs on the CPU pool alone")
+    return ResolvedConfig(spec, spec.pools)
+
+
+def gpu_pool(cpu: PoolConfig, gpu: GpuSupport) -> PoolConfig:
+    """The GPU pool.  On CUDA: the L40S profile's plain GPU variant (wide batch, 2,048-token prefill
+    chunks).  As a stand-in on the CPU device: the CPU pool's variant, so that its steps stay as short as
+    the CPU pool's and a functional run keeps its shape."""
+    if gpu.cuda:
+        return PoolConfig(name="gpu", backend="torch", device="cuda", max_batch=64, prefill_chunk=2048,
+                          token_budget=4096)
+    return PoolConfig(name="gpu", backend="torch", device="cpu", max_batch=cpu.max_batch,
+                      prefill_chunk=cpu.prefill_chunk, token_budget=cpu.token_budget)
+
+
+def build_profile(cfg: ResolvedConfig, data_dir: Path, gpu: GpuSupport, threads: int | None = None,
+                  base: Profile | None = None) -> Profile:
+    base = base or load_profile(BASE_PROFILE)
+    cpu = base.pool("cpu")
+    pools = tuple(gpu_pool(cpu, gpu) if p == "gpu" else cpu for p in cfg.pools)
+    routing = dataclasses.replace(base.routing, policy=cfg.spec.policy)
+    budget = base.threads
+    if threads is not None and threads != budget.kernels:
+        # the profile's CPU rates were scaled by its kernel threads at load: rescale them with the budget
+        scale = threads / budget.kernels
+        routing = dataclasses.replace(routing, cpu_prefill_tokens_per_s=routing.cpu_prefill_tokens_per_s * scale,
+                                      cpu_decode_tokens_per_s=routing.cpu_decode_tokens_per_s * scale)
+        budget = dataclasses.replace(budget, kernels=threads)
+    host = dataclasses.replace(base.host, data_dir=Path(data_dir))
+    return dataclasses.replace(base, name=f"agents-{cfg.name}", pools=pools, routing=routing, threads=budget,
+                               host=host, notes=())
