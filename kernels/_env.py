@@ -3,7 +3,7 @@
 * ``NUMBA_CACHE_DIR``: compiled kernels are cached on disk (every kernel is ``cache=True``), so only
   the first process on a machine pays for compilation.  Unless the variable is already set, the
   cache lives in ``$XDG_CACHE_HOME/weave/numba/<hash>`` (``~/.cache/weave/numba/<hash>`` without
-  XDG_CACHE_HOME).  ``<hash>`` digests the source of every module of this package: numba checks
+  XDG_CACHE_HOME).  ``<hash>`` digests the source of every numba module of this package: numba checks
   only the modification time of the file that defines a cached function, not of the modules its
   LLVM intrinsics and callees live in, so without it an edit to a helper module could leave stale
   machine code in use.
@@ -23,7 +23,8 @@ from pathlib import Path
 def _source_digest() -> str:
     h = hashlib.sha256()
     for p in sorted(Path(__file__).resolve().parent.glob("*.py")):
-        if p.name.startswith("_bench"):  # benchmark scripts: no kernel depends on them
+        # benchmark scripts and the torch/Triton kernels: no numba kernel depends on them
+        if p.name.startswith(("_bench", "torch_", "triton_")):
             continue
         h.update(p.name.encode())
         h.update(p.read_bytes())
