@@ -84,8 +84,13 @@ class _Backends:
 
                 backend: Backend = CPUBackend(self.gguf, self.config, threads=self.profile.threads.kernels)
             else:
+                import torch
+
                 from weaved.backends.torch import TorchBackend
 
+                # torch's own CPU threads launch GPU work (or, on the CPU device, do it): the profile's
+                # gpu_driver cores, so they do not fight the CPU pool's kernel threads for the cores
+                torch.set_num_threads(max(1, self.profile.threads.gpu_driver))
                 backend = TorchBackend(self.gguf, self.config, device=cfg.device)
             self.made[key] = (backend, threading.Lock())
         return self.made[key]
