@@ -18,6 +18,14 @@ Modules
 ``elementwise`` RMSNorm, RoPE (norm and neox styles), SwiGLU, softmax.
 ``residual``    products with two-level Q8_0 activations (the logits matrix: near-float accuracy).
 ``threads``     the thread budget shared by every parallel kernel.
+
+The torch backend's kernels (torch tensors on any device; they do not touch numba):
+``torch_q4``        Q8_0 activation quantization, Q4_0 / Q8_0 products with integer block dot
+                    products, the two-level logits product and embedding rows - the same operations
+                    in the same order as the CPU kernels, so the bits match on torch's CPU device.
+``torch_rowwise``   RMSNorm, RoPE and SwiGLU in the CPU kernels' operation order.
+``torch_attention`` per-row causal attention with the CPU kernel's chunking and summation order.
+``triton_q4``       the Q4_0 x Q8_0 product as a Triton kernel (CUDA; tested in the interpreter).
 """
 
 from . import _env  # noqa: F401  (sets NUMBA_CACHE_DIR before numba is first imported)

@@ -1,0 +1,108 @@
+"""triton_q4 through Triton's interpreter: exact integer block sums, the torch path's arithmetic, and
+the torch backend running on it.
+
+Not collected by default: ``test_triton_q4`` runs this file in a fresh interpreter with
+TRITON_INTERPRET=1, which Triton reads when it is imported (its own ``tl`` functions are decorated
+then), so it must be set before anything in the process imports triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from weaved.kernels import quants
+from weaved.kernels import torch_q4 as tq
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run by test_triton_q4 with TRITON_INTERPRET=1", allow_module_level=True)
+triton = pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def tt():
+    from weaved.kernels import triton_q4
+
+    return triton_q4
+
+
+def _unit_scale_weight(rng, qtype: int, n_out: int, nb: int) -> tuple[np.ndarray, tq.DeviceWeight]:
+    """Random quants with every block scale 1.0: the product is then the sum of the integer block
+    dots, exact in float32 (below 2**24) - the int32 sums themselves."""
+    bsz = tq.BLOCK_BYTES[qtype]
+    raw = rng.integers(0, 256, (n_out, nb, bsz), dtype=np.uint8)
+    raw[:, :, :2] = np.array([1.0], np.float16).view(np.uint8)
+    if qtype == tq.Q4_0:
+        wq = np.concatenate([raw[:, :, 2:] & 15, raw[:, :, 2:] >> 4], axis=2).astype(np.int64) - 8
+    else:
+        wq = raw[:, :, 2:].view(np.int8).astype(np.int64)
+    w = tq.DeviceWeight.upload(raw.reshape(n_out, nb * bsz), qtype, n_out, nb * 32, "cpu")
+    return wq.reshape(n_out, nb * 32), w
+
+
+@pytest.mark.parametrize("qtype", [tq.Q4_0, tq.Q8_0])
+@pytest.mark.parametrize("shape", [(1, 70, 4), (17, 130, 2), (40, 64, 5), (64, 65, 3)])  # (M, N, blocks)
+def test_integer_block_sums_are_exact(tt, qtype, shape):
+    M, N, nb = shape
+    rng = np.random.default_rng(M * N)
+    wq, w = _unit_scale_weight(rng, qtype, N, nb)
+    xq = rng.integers(-127, 128, (M, nb, 32), dtype=np.int8)
+    a = tq.Q8Act(torch.from_numpy(xq), torch.ones((M, nb)))
+    want = xq.reshape(M, -1).astype(np.int64) @ wq.T  # [M, N]
+    got = tt.linear_q(w, a).numpy()
+    assert np.abs(want).max() < 2**24 and np.array_equal(got.astype(np.int64), want)
+    assert np.array_equal(got, tq.linear_q(w, a).numpy())
+
+
+@pytest.mark.parametrize("qtype", [tq.Q4_0, tq.Q8_0])
+@pytest.mark.parametrize("shape", [(1, 70, 96), (17, 130, 64), (40, 64, 160), (5, 33, 32)])  # (M, N, K)
+def test_same_arithmetic_as_the_torch_path(tt, qtype, shape):
+    M, N, K = shape
+    rng = np.random.default_rng(K + N)
+    raw = (quants.quantize_q4_0 if qtype == tq.Q4_0 else quants.quantize_q8_0)(
+        rng.standard_normal((N, K)).astype(np.float32))
+    w = tq.DeviceWeight.upload(raw, qtype, N, K, "cpu")
+    a = tq.quantize_act(torch.from_numpy((rng.standard_normal((M, K)) * 2).astype(np.float32)))
+    got = tt.linear_q(w, a)
+    # the interpreter computes tl.fma as a multiply and an add: the unfused torch path, bit for bit
+    assert torch.equal(got, tq.linear_q(w, a, fused=False))
+    fused = tq.linear_q(w, a)  # a GPU's fma: the CPU kernels' bits; here a few ulps away
+    scale = fused.abs().amax(dim=1, keepdim=True)
+    assert ((got - fused).abs() <= 4 * 2.0**-24 * (K // 32) * scale).all()
+    for i in (0, M - 1):  # batch invariant: a row alone
+        assert torch.equal(tt.linear_q(w, tq.Q8Act(a.q[i:i + 1], a.d[i:i + 1])), got[i:i + 1])
+
+
+def test_argument_checks(tt):
+    rng = np.random.default_rng(0)
+    raw = quants.quantize_q4_0(rng.standard_normal((8, 64)).astype(np.float32))
+    w = tq.DeviceWeight.upload(raw, tq.Q4_0, 8, 64, "cpu")
+    with pytest.raises(ValueError, match="do not match"):
+        tt.linear_q(w, tq.quantize_act(torch.zeros((2, 96))))
+    f32 = tq.DeviceWeight.upload(np.zeros((8, 64), np.float32), tq.F32, 8, 64, "cpu")
+    with pytest.raises(ValueError, match="Q4_0 or Q8_0"):
+        tt.linear_q(f32, tq.quantize_act(torch.zeros((2, 64))))
+    assert tt.linear_q(w, tq.quantize_act(torch.zeros((0, 64)))).shape == (0, 8)
+
+
+def test_torch_backend_on_the_triton_path(tt, tiny_qwen2, monkeypatch):
+    """The backend with its products on the Triton kernel: rows as close to the torch path's as an
+    unfused fma allows (Triton's interpreter), and batch invariant."""
+    from tests.oracles import mean_kl, top1_agreement
+    from weaved.backends.base import Logits, SeqChunk
+    from weaved.backends.torch import TorchBackend
+
+    tokens = np.array([1, 504, 3458, 282, 4649, 314, 253, 1345], np.int32)
+    ref = TorchBackend.from_file(tiny_qwen2, threads=1)
+    monkeypatch.setenv("WEAVE_TORCH_KERNELS", "triton")
+    be = TorchBackend.from_file(tiny_qwen2, threads=1)
+    assert (ref.kernels, be.kernels) == ("torch", "triton")
+    want = ref.forward([SeqChunk(ref.new_kv(16), tokens, Logits.ALL)])[0]
+    got = be.forward([SeqChunk(be.new_kv(16), tokens, Logits.ALL)])[0]
+    assert mean_kl(want, got) < 1e-5 and top1_agreement(want, got) == 1.0
+    kv = be.new_kv(16)
+    be.forward([SeqChunk(kv, tokens[:5], Logits.NONE)])
+    rows = be.forward([SeqChunk(be.new_kv(4), tokens[:2]), SeqChunk(kv, tokens[5:], Logits.ALL)])[1]
+    assert np.array_equal(rows, got[5:])

@@ -1,0 +1,209 @@
+"""The torch backend: the model on a torch device (CUDA in production, torch's CPU device in tests).
+
+It mirrors the CPU backend step for step with its arithmetic, operation for operation
+(``weaved.kernels``'s torch_q4 / torch_rowwise / torch_attention, and on CUDA the Triton product
+of triton_q4): weights stay in their GGUF encoding on the device, activations are quantized to
+Q8_0 per row, block dot products are exact integers accumulated by fma in block order, the logits
+use two-level activations, and every other sum runs in the CPU kernels' fixed order, which depends
+on the row alone.  So a sequence's logits are bit-identical alone or in any batch, n tokens in one
+chunk give the rows of n single steps, and the numbers are the CPU backend's: a session moves
+between the two without its continuation changing.  (Anything less drifts: an ulp here and there
+flips a Q8_0 rounding now and then, and the flips compound until the two are as far apart as
+either is from the float64 truth.)
+
+On the CPU device this is a test vehicle - correct, not fast (torch dispatches one small op at a
+time; attention alone is a few ops per key and layer).
+
+KV: each cache gets a device mirror (``torch_kv``) with the file's layout; a step writes its new
+rows to the mirror and through to ``kv.data`` before returning.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from weaved.backends.base import Backend, BackendStats, Logits, SeqChunk
+from weaved.backends.torch_kv import KVMirrors
+from weaved.backends.torch_weights import upload_model
+from weaved.kernels.torch_attention import attend
+from weaved.kernels.torch_q4 import DeviceWeight, Products, embed_rows, kernel_path, linear_float, quantize_act
+from weaved.kernels.torch_rowwise import RopeTable, rmsnorm, rope, swiglu
+from weaved.kv.cache import KVCache
+from weaved.model.config import ModelConfig, RopeStyle
+from weaved.model.gguf_file import GGUFFile
+from weaved.model.loader import open_model
+
+
+class TorchBackend(Backend):
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, device: torch.device | str = "cpu",
+                 threads: int | None = None):
+        """``threads``: set torch's intra-op thread count (process-wide, like the CPU backend's
+        ``threads``); on the CPU device one thread avoids OpenMP barrier stalls on busy cores."""
+        if threads:
+            torch.set_num_threads(threads)
+        self.config = config
+        self.gguf = gguf
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.stats = BackendStats()
+        self.stats.extra.update(h2d_bytes=0.0, d2h_bytes=0.0)
+        self._io_h2d = self._io_d2h = 0  # token ids and positions in, logits out (the mirrors count KV)
+        self.kernels = kernel_path(self.device)  # "triton" or "torch"
+        self._products = Products(self.kernels)
+        self.weights = upload_model(gguf, config, self.device)
+        self._rope = RopeTable(config.n_rot, config.rope_base, config.rope_scale, self.device)
+        self._kv = KVMirrors(self.device)
+        self._scale = 1.0 / math.sqrt(config.head_dim)
+        gguf.release_pages()  # uploaded: the file's pages need not stay in our resident set
+
+    @classmethod
+    def from_file(cls, path: str | Path, device: torch.device | str = "cpu", threads: int | None = None
+                  ) -> TorchBackend:
+        gguf, cfg = open_model(path)
+        return cls(gguf, cfg, device=device, threads=threads)
+
+    @property
+    def name(self) -> str:
+        return "torch"
+
+    def new_kv(self, capacity: int) -> KVCache:
+        return KVCache.allocate(self.config, capacity)
+
+    # ---- migration ------------------------------------------------------------------------------
+    def adopt(self, kv: KVCache) -> int:
+        with torch.inference_mode():
+            n = self._kv.adopt(kv)
+        self._sync_stats()
+        return n
+
+    def release(self, kv: KVCache) -> int:
+        return self._kv.release(kv)
+
+    def device_kv_bytes(self) -> int:
+        return self._kv.nbytes()
+
+    def _sync_stats(self) -> None:
+        self.stats.extra["h2d_bytes"] = float(self._kv.h2d_bytes + self._io_h2d)
+        self.stats.extra["d2h_bytes"] = float(self._kv.d2h_bytes + self._io_d2h)
+
+    # ---- products -------------------------------------------------------------------------------
+    def _project(self, ws: tuple[DeviceWeight, ...], h: torch.Tensor) -> torch.Tensor:
+        """h float32 [T, n_in] through one or more matrices that read it -> [T, sum of n_out]."""
+        a = quantize_act(h) if any(w.quantized for w in ws) else None  # one quantization for all
+        ys = [self._products.linear_act(w, a) if w.quantized else linear_float(w, h) for w in ws]
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+
+    # ---- the step -------------------------------------------------------------------------------
+    def _check(self, chunks: list[SeqChunk]) -> np.ndarray:
+        """Every error a step can raise, before anything is written: the step's token ids [T]."""
+        for c in chunks:
+            n = len(c.tokens)
+            if n < 1:
+                raise ValueError("a chunk needs at least one token")
+            if c.kv.length + n > c.kv.capacity:
+                raise ValueError(f"KV cache full: {c.kv.length} + {n} tokens > capacity {c.kv.capacity}")
+            if c.kv.data.shape != (self.config.n_layers, 2, self.config.n_kv_heads, c.kv.capacity,
+                                   self.config.head_dim):
+                raise ValueError(f"KV cache shape {c.kv.data.shape} does not fit this model")
+        ids = np.concatenate([np.asarray(c.tokens, dtype=np.int64) for c in chunks])  # [T]
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
+        return ids
+
+    def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
+        if not chunks:
+            return []
+        t0 = time.perf_counter()
+        ids = self._check(chunks)
+        with torch.inference_mode():
+            out = self._forward(chunks, ids)
+        st = self.stats
+        lens = [len(c.tokens) for c in chunks]
+        st.steps += 1
+        st.tokens += sum(lens)
+        st.prefill_tokens += sum(n for n in lens if n > 1)
+        st.decode_tokens += sum(1 for n in lens if n == 1)
+        st.seconds += time.perf_counter() - t0
+        self._sync_stats()
+        return out
+
+    def _forward(self, chunks: list[SeqChunk], ids_np: np.ndarray) -> list[np.ndarray]:
+        cfg, W, dev = self.config, self.weights, self.device
+        lens = [len(c.tokens) for c in chunks]
+        starts = np.concatenate([[0], np.cumsum(lens)]).tolist()  # chunk s has rows starts[s]..starts[s+1]-1
+        pos0 = [c.kv.length for c in chunks]
+        mirrors = [self._kv.prepare(c.kv, n) for c, n in zip(chunks, lens, strict=True)]
+        T = starts[-1]
+        positions = np.concatenate([np.arange(p, p + n) for p, n in zip(pos0, lens, strict=True)])  # [T]
+        ids = torch.from_numpy(ids_np).to(dev)  # [T] int64
+        cos, sin = self._rope.lookup(torch.from_numpy(positions).to(dev))  # [T, n_rot/2]
+        self._io_h2d += 2 * ids_np.nbytes
+
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qd, kd = cfg.q_dim, cfg.kv_dim
+        neox = cfg.rope_style == RopeStyle.NEOX
+        new_kv = torch.empty((cfg.n_layers, 2, Hkv, T, D), dtype=torch.float16, device=dev)  # this step's rows
+        x = embed_rows(W.embedding, ids)  # [T, d_model]
+        for li, L in enumerate(W.layers):
+            h = rmsnorm(x, L.attn_norm, cfg.rms_eps)
+            qkv = self._project(L.wqkv, h)  # [T, q_dim + 2*kv_dim]
+            if L.bqkv is not None:
+                qkv = qkv + L.bqkv
+            q = qkv[:, :qd].reshape(T, H, D)
+            k = qkv[:, qd:qd + kd].reshape(T, Hkv, D)
+            v = qkv[:, qd + kd:].reshape(T, Hkv, D)
+            if L.q_norm is not None:
+                q = rmsnorm(q, L.q_norm, cfg.rms_eps)
+                k = rmsnorm(k, L.k_norm, cfg.rms_eps)
+            q = rope(q, cos, sin, neox)
+            k = rope(k, cos, sin, neox)
+            new_kv[li, 0] = k.transpose(0, 1)  # [Hkv, T, D], rounded to float16 (nearest even)
+            new_kv[li, 1] = v.transpose(0, 1)
+            x = x + self._project((L.wo,), self._attention(li, q, new_kv, mirrors, starts, pos0))
+            h = rmsnorm(x, L.ffn_norm, cfg.rms_eps)
+            x = x + self._project((L.wdown,), swiglu(self._project(L.wgu, h)))
+
+        logits = self._logits(chunks, x, starts)
+        host_kv = new_kv.cpu().numpy()  # one device-to-host copy of the step's rows, then through to the files
+        for s, c in enumerate(chunks):
+            self._kv.write_through(c.kv, host_kv[:, :, :, starts[s]:starts[s + 1]], pos0[s])
+            c.kv.length += lens[s]
+        return logits
+
+    def _attention(self, li: int, q: torch.Tensor, new_kv: torch.Tensor, mirrors, starts, pos0) -> torch.Tensor:
+        """Store layer li's new K/V rows in each sequence's mirror, then attend per sequence:
+        q float32 [T, H, D] -> float32 [T, q_dim]."""
+        T, H, D = q.shape
+        att = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
+        for s, m in enumerate(mirrors):
+            a, b, p = starts[s], starts[s + 1], pos0[s]
+            m.data[li, :, :, p:p + b - a] = new_kv[li, :, :, a:b]  # [2, Hkv, n, D]
+            kv = m.data[li, :, :, :p + b - a]  # [2, Hkv, keys, D]
+            att[a:b] = attend(q[a:b], kv[0], kv[1], p, self._scale)[0]
+        return att.reshape(T, H * D)
+
+    def _logits(self, chunks: list[SeqChunk], x: torch.Tensor, starts: list[int]) -> list[np.ndarray]:
+        """The rows each chunk asked for, float32 numpy [n_rows, vocab] per chunk."""
+        cfg = self.config
+        rows, counts = [], []
+        for c, a, b in zip(chunks, starts[:-1], starts[1:], strict=True):
+            sel = {Logits.NONE: range(0), Logits.LAST: range(b - 1, b), Logits.ALL: range(a, b)}[c.logits]
+            rows.extend(sel)
+            counts.append(len(sel))
+        if rows:
+            hs = rmsnorm(x[torch.tensor(rows, device=x.device)], self.weights.output_norm, cfg.rms_eps)
+            logits = self._products.linear_residual(self.weights.output, hs).cpu().numpy()  # [n_rows, vocab]
+            self._io_d2h += logits.nbytes
+        else:
+            logits = np.empty((0, cfg.vocab_size), dtype=np.float32)
+        out, o = [], 0
+        for n in counts:
+            out.append(logits[o:o + n])
+            o += n
+        return out
