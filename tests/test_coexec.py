@@ -1,0 +1,281 @@
+"""A GPU pool (the torch backend; on torch's CPU device here) beside the CPU pool in one daemon:
+co-execution, routing, promotion/demotion moving KV bytes without recomputing, long-prompt prefill on
+the GPU with decode on the CPU, idle demotion, and a crash while a session sits on the device."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from weaved.backends.cpu import CPUBackend
+from weaved.daemon import Daemon
+from weaved.engine.sampling import SamplingParams
+from weaved.journal import Journal
+from weaved.profile import PoolConfig, Profile, load_profile
+from weaved.router import SLA, SLAClass
+
+pytest.importorskip("torch")
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+BG, IA = SLA(SLAClass.BACKGROUND), SLA(SLAClass.INTERACTIVE, 500.0)
+
+
+def coexec_profile(*, long_prompt: int = 4096, idle: float | None = None, gpu_batch: int = 4) -> Profile:
+    base = load_profile("cpu-only")
+    gpu = PoolConfig(name="gpu", backend="torch", device="cpu", max_batch=gpu_batch, prefill_chunk=128,
+                     token_budget=128 + gpu_batch, idle_demote_s=idle)
+    cpu = dataclasses.replace(base.pools[0], max_batch=4, prefill_chunk=128, token_budget=132)
+    return dataclasses.replace(base, pools=(gpu, cpu), threads=dataclasses.replace(base.threads, kernels=1),
+                               routing=dataclasses.replace(base.routing, long_prompt_tokens=long_prompt))
+
+
+class Turn:
+    """A turn's events, with a way to wait for the n-th token."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self.times: list[float] = []  # arrival of each token event
+        self.done = threading.Event()
+        self.cond = threading.Condition()
+
+    def emit(self, ev: dict) -> None:
+        with self.cond:
+            self.events.append(ev)
+            if ev["type"] == "token":
+                self.times.append(time.monotonic())
+            self.cond.notify_all()
+        if ev["type"] in ("done", "error"):
+            self.done.set()
+
+    @property
+    def tokens(self) -> list[int]:
+        return [e["token"] for e in self.events if e["type"] == "token" and e["token"] is not None]
+
+    def wait_tokens(self, n: int, timeout: float = 120) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.tokens) >= n or self.done.is_set(), timeout)
+        assert len(self.tokens) >= n, self.events[-1:]
+
+    def finish(self, timeout: float = 180) -> list[dict]:
+        assert self.done.wait(timeout), "turn did not finish"
+        assert self.events[-1]["type"] == "done", self.events[-1]
+        return self.events
+
+
+def start(d: Daemon, sid: str, prompt: list[int], params: SamplingParams = GREEDY) -> Turn:
+    t = Turn()
+    d.start_turn(session_id=sid, prompt=prompt, params=params, emit=t.emit)
+    return t
+
+
+def backends(d: Daemon):
+    return d.pools["gpu"].backend, d.pools["cpu"].backend
+
+
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [1] + rng.integers(3, 200, n - 1).tolist()
+
+
+@pytest.fixture
+def daemon_factory(tiny_llama, tmp_path):
+    made: list[Daemon] = []
+
+    def make(**kw) -> Daemon:
+        d = Daemon(coexec_profile(**kw), tiny_llama, data_dir=tmp_path / f"data{len(made)}", log_fn=lambda m: None)
+        d.load()
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.shutdown()
+
+
+def kv_digest(kv, n: int) -> str:
+    return hashlib.sha256(np.ascontiguousarray(kv.data[:, :, :, :n]).tobytes()).hexdigest()
+
+
+def test_pools_are_placed_by_class_and_run_together(daemon_factory):
+    d = daemon_factory()
+    st = d.status()
+    kinds = {p["name"]: (p["backend"], p["device_kind"], p["stand_in"]) for p in st["pools"]}
+    assert kinds == {"gpu": ("torch", "gpu", True), "cpu": ("cpu", "cpu", False)}
+    assert any("stands in" in n for n in st["pool_notes"])
+    ia = d.create_session(IA)["id"]
+    bg = d.create_session(BG)["id"]
+    assert d.get_session(ia)["pool"] == "gpu" and d.get_session(bg)["pool"] == "cpu"
+    for sid in (ia, bg):  # warm both pools (first calls load compiled kernels)
+        start(d, sid, prompt_ids(8, 0), SamplingParams(max_tokens=2, temperature=0)).finish()
+    long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    a, b = start(d, ia, prompt_ids(20, 1), long), start(d, bg, prompt_ids(20, 2), long)
+    a.finish()
+    b.finish()
+    assert len(a.tokens) == len(b.tokens) == 60  # ignore_eos: exactly max_tokens
+    gpu, cpu = backends(d)
+    assert gpu.stats.decode_tokens >= 59 and cpu.stats.decode_tokens >= 59
+    # co-execution: each pool streamed while the other was streaming (not one after the other)
+    assert a.times[0] < b.times[-1] and b.times[0] < a.times[-1]
+
+
+def test_promotion_mid_generation_moves_bytes_and_recomputes_nothing(daemon_factory, tiny_llama):
+    d = daemon_factory()
+    sid = d.create_session(BG)["id"]
+    prompt = prompt_ids(24, 3)
+    n_gen = 36
+    t = start(d, sid, prompt, SamplingParams(max_tokens=n_gen, temperature=0, ignore_eos=True))
+    s = d.sessions[sid]
+    t.wait_tokens(8)
+    d.promote(sid)
+    deadline = time.monotonic() + 60
+    while s.kv_at != "gpu" and not t.done.is_set() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert s.kv_at == "gpu", "the running turn did not move to the GPU pool"
+    gpu, cpu = backends(d)
+    assert gpu.device_kv_bytes() > 0
+    n_moved = s.kv.length
+    digest = kv_digest(s.kv, n_moved)
+    t.wait_tokens(len(t.tokens) + 8)
+    d.demote(sid)
+    events = t.finish()
+    assert s.kv_at != "gpu" and gpu.device_kv_bytes() == 0  # demotion freed the device copy
+    assert kv_digest(s.kv, n_moved) == digest  # the rows that travelled are the same bytes
+    # nothing recomputed: the prompt was prefilled once, on the CPU; the GPU only decoded
+    assert cpu.stats.prefill_tokens == len(prompt) and gpu.stats.prefill_tokens == 0
+    assert gpu.stats.decode_tokens > 0
+    assert s.kv.length == len(prompt) + n_gen - 1 == len(s.committed)
+    mig = d.status()["migrations"]
+    assert mig["count"] == 2 and mig["by_reason"] == {"promotion": 1, "demotion": 1}
+    assert mig["bytes"] >= n_moved * d.config.kv_bytes_per_token
+    # the same greedy continuation as a CPU-only run, except at near-ties
+    ref = CPUBackend.from_file(tiny_llama, threads=1)
+    kv = ref.new_kv(256)
+    got = [e["token"] for e in events if e["type"] == "token"]
+    logits = ref.forward([_chunk(kv, prompt)])[0][-1]
+    for i, tok in enumerate(got):
+        want = int(np.argmax(logits))
+        if tok != want:
+            assert logits[want] - logits[tok] < 0.3, f"token {i}: {tok} vs {want} is not a near-tie"
+            break
+        logits = ref.forward([_chunk(kv, [tok])])[0][-1]
+
+
+def _chunk(kv, toks):
+    from weaved.backends.base import Logits, SeqChunk
+
+    return SeqChunk(kv, np.asarray(toks, np.int32), Logits.LAST)
+
+
+def test_promotion_with_the_gpu_pool_full_raises_priority_on_the_cpu(daemon_factory):
+    d = daemon_factory(gpu_batch=1)
+    ia = d.create_session(IA)["id"]
+    t = start(d, ia, prompt_ids(16, 4), SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+    t.wait_tokens(1)
+    bg = d.create_session(BG)["id"]
+    info = d.promote(bg)
+    t_reasons = " ".join(info["placement"]["reasons"])
+    d.cancel_turn(ia)
+    assert info["pool"] == "cpu" and info["placement"]["priority"] == 2
+    assert "full" in t_reasons and "priority raised" in t_reasons
+
+
+def test_long_prompt_prefills_on_the_gpu_and_decodes_on_the_cpu(daemon_factory):
+    d = daemon_factory(long_prompt=48)
+    sid = d.create_session(BG)["id"]
+    prompt = prompt_ids(64, 5)
+    start(d, sid, prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)).finish()
+    gpu, cpu = backends(d)
+    assert gpu.stats.prefill_tokens == len(prompt) and cpu.stats.prefill_tokens == 0
+    assert cpu.stats.decode_tokens == 9 and gpu.stats.decode_tokens == 0
+    assert d.sessions[sid].pool == "cpu" and gpu.device_kv_bytes() == 0
+    assert d.status()["migrations"]["by_reason"].get("prefill handoff") == 1
+    # a short follow-up stays on the CPU
+    start(d, sid, prompt_ids(8, 6), SamplingParams(max_tokens=4, temperature=0)).finish()
+    assert gpu.stats.prefill_tokens == len(prompt)
+
+
+def test_idle_sessions_leave_the_gpu(daemon_factory):
+    d = daemon_factory(idle=0.2)
+    sid = d.create_session(IA)["id"]
+    start(d, sid, prompt_ids(16, 7)).finish()
+    gpu, _ = backends(d)
+    deadline = time.monotonic() + 30
+    while gpu.device_kv_bytes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gpu.device_kv_bytes() == 0
+    info = d.get_session(sid)
+    assert info["pool"] == "cpu" and info["sla"]["class"] == "background"
+    # the person comes back: an interactive turn brings the session back to the GPU with one copy
+    t = Turn()
+    d.start_turn(session_id=sid, prompt=prompt_ids(6, 8), params=GREEDY, sla=IA, emit=t.emit)
+    t.finish()
+    assert d.get_session(sid)["pool"] == "gpu"
+    assert d.status()["migrations"]["by_reason"].get("promotion") == 1
+
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from tests.test_coexec import coexec_profile
+    from weaved.daemon import Daemon
+    from weaved.engine.sampling import SamplingParams
+    from weaved.router import SLA, SLAClass
+    d = Daemon(coexec_profile(), Path(sys.argv[1]), data_dir=Path(sys.argv[2]), log_fn=lambda m: None)
+    d.load()
+    sid = d.create_session(SLA(SLAClass.INTERACTIVE, 500.0))["id"]
+    d.start_turn(session_id=sid, prompt=list(range(5, 40)), emit=lambda ev: None,
+                 params=SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True))
+    print(sid, flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.slow
+def test_kill_9_while_on_the_device_loses_nothing_committed(tiny_llama, tmp_path):
+    data = tmp_path / "data"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tiny_llama), str(data)], stdout=subprocess.PIPE,
+                             text=True, env=env)
+    try:
+        sid = child.stdout.readline().strip()
+        assert sid.startswith("s-")
+        j = Journal(data / "journal.sqlite")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # some of the answer is committed
+            rec = j.get(sid)
+            if rec is not None and rec.kv_length > 35 + 10:
+                break
+            time.sleep(0.05)
+        j.close()
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(30)
+    d = Daemon(coexec_profile(), tiny_llama, data_dir=data, log_fn=lambda m: None)
+    d.load()
+    try:
+        s = d.sessions[sid]
+        assert s.kv.length == len(s.committed) > 45
+        # the committed rows in the file are the ones a CPU prefill of the same tokens writes
+        ref = CPUBackend.from_file(tiny_llama, threads=1)
+        kv = ref.new_kv(s.kv.capacity)
+        ref.forward([_chunk(kv, s.committed)])
+        n = s.kv.length
+        np.testing.assert_allclose(s.kv.data[:, :, :, :n].astype(np.float32), kv.data[:, :, :, :n].astype(np.float32),
+                                   atol=0.05, rtol=0.02)
+        t = start(d, sid, prompt_ids(6, 9))
+        t.finish()
+        gpu, cpu = backends(d)
+        assert gpu.stats.prefill_tokens + cpu.stats.prefill_tokens < 10  # nothing stored was recomputed
+    finally:
+        d.shutdown()
