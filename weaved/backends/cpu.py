@@ -47,6 +47,11 @@ class CPUBackend(Backend):
         self.config = config
         self.gguf = gguf
         self.stats = BackendStats()
+        # repacking runs parallel kernels: in a thread of its own, so that the thread which later
+        # steps the model owns the only OpenMP team (kernels.threads.in_own_thread says why)
+        kthreads.in_own_thread(lambda: self._load(gguf, config))
+
+    def _load(self, gguf: GGUFFile, config: ModelConfig) -> None:
         t = gguf.tensors
         cfg = config
 
