@@ -101,7 +101,8 @@ class PoolMoves:
                 self.journal.set_sla(sid, _sla(sla))
                 self.journal.set_placement(sid, new.to_dict())
             self._move_to(s, new.decode_pool, kind)
-        self.publish(kind, {"session": sid, "placement": new.to_dict()})
+        event = "promotion" if sla.cls is SLAClass.INTERACTIVE else "demotion"
+        self.publish(event, {"session": sid, "placement": new.to_dict(), "reason": kind})
         return self.get_session(sid)
 
     def _move_to(self, s: Session, to: str, reason: str) -> None:
