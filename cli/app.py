@@ -21,13 +21,14 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from weaved.cli import bench, chat, convert, run, serve, sessions, status, top
+    from weaved.cli import bench, chat, convert, peers, run, serve, sessions, status, top
 
     serve.register(app)
     chat.register(app)
     run.register(app)
     sessions.register(app)
     status.register(app)
+    peers.register(app)
     top.register(app)
     convert.register(app)
     bench.register(app)

@@ -54,9 +54,11 @@ def _default_runner(cfg: BenchConfig) -> dict[str, Any]:
 
 
 def register(app: typer.Typer, run: Runner | None = None,
-             run_agents: Callable[[Any], dict[str, Any]] | None = None) -> None:
+             run_agents: Callable[[Any], dict[str, Any]] | None = None,
+             run_ring: Callable[[Any], dict[str, Any]] | None = None) -> None:
     """Add ``bench`` to ``app``.  ``run`` measures a config (the real benchmark when None); ``run_agents``
-    runs the agents scenario's options (``weaved.bench.agents``; the real replay when None)."""
+    runs the agents scenario's options (``weaved.bench.agents``; the real replay when None); ``run_ring``
+    the ring scenario's (``weaved.bench.ring``; the real measurement when None)."""
     runner = run or _default_runner
 
     @app.command("bench")
@@ -82,7 +84,8 @@ def register(app: typer.Typer, run: Runner | None = None,
         ] = None,
         scenario: Annotated[
             str, typer.Option("--scenario", help="llama: Weave's CPU engine vs llama.cpp; agents: the reference "
-                                                 "agent workload (docs/benchmarks.md).")
+                                                 "agent workload (docs/benchmarks.md); ring: Q-Ring's compute "
+                                                 "vs transfer margin and loopback decode (docs/ring-cost-model.md).")
         ] = "llama",
         agents: Annotated[int | None, typer.Option("--agents", min=1, help="agents: background agents.")] = None,
         duration: Annotated[
@@ -100,14 +103,18 @@ def register(app: typer.Typer, run: Runner | None = None,
     ) -> None:
         """Measure Weave and llama.cpp on the same model and threads; print both and their ratio.
         With --scenario agents: replay the reference agent workload against Weave and its baselines."""
-        if scenario not in ("llama", "agents"):
-            raise typer.BadParameter(f"unknown scenario {scenario!r}; choose llama or agents", param_hint="--scenario")
+        if scenario not in ("llama", "agents", "ring"):
+            raise typer.BadParameter(f"unknown scenario {scenario!r}; choose llama, agents or ring",
+                                     param_hint="--scenario")
         agent_opts = (agents, duration, seed, configs, capacity)
         if scenario == "agents":
             _agents(model, threads, quick, json_out, only, agent_opts, run_agents)
             return
         if any(v is not None for v in agent_opts):
             raise typer.BadParameter("--agents, --duration, --seed, --configs and --capacity need --scenario agents")
+        if scenario == "ring":
+            _ring(model, threads, quick, json_out, only, run_ring)
+            return
         from weaved.bench import KEYS, BenchConfig
         from weaved.bench.report import format_table
 
@@ -152,4 +159,28 @@ def _agents(model: Path | None, threads: int | None, quick: bool, json_out: bool
     text, ok = run_and_format(opts, json_out, run_agents)
     typer.echo(text)
     if not ok:
+        raise typer.Exit(1)
+
+
+def _ring(model: Path | None, threads: int | None, quick: bool, json_out: bool, only: str | None,
+          run_ring: Callable[[Any], dict[str, Any]] | None) -> None:
+    """``weave bench --scenario ring`` (weaved.bench.ring; imported here, not at registration)."""
+    from weaved.bench.ring import RingBenchOptions
+    from weaved.bench.ring.report import format_table
+    from weaved.model.default import default_model_path, ensure_native
+
+    if only is not None:
+        raise typer.BadParameter("--only applies to the llama scenario")
+    say = lambda msg: typer.echo(f"[ring] {msg}", err=True)
+    model = Path(default_model_path() if model is None else ensure_native(model, log=say))
+    n = threads or default_threads()
+    opts = RingBenchOptions.quick(model, n) if quick else RingBenchOptions(model=model, threads=n)
+    if run_ring is None:
+        from weaved.bench.ring.run import run_ring_bench
+
+        report = run_ring_bench(opts, say)
+    else:
+        report = run_ring(opts)
+    typer.echo(json.dumps(report) if json_out else format_table(report))
+    if report.get("errors"):
         raise typer.Exit(1)

@@ -216,6 +216,17 @@ class Client:
     def demote(self, session_id: str) -> dict:
         return self.request("POST", f"/v1/sessions/{_quote(session_id)}/demote")
 
+    # ---- peers -----------------------------------------------------------------------------------
+    def peers(self) -> list[dict]:
+        """The federation's peers with their state (``weave peers ls``)."""
+        return self.request("GET", "/v1/peers")["data"]
+
+    def add_peer(self, name: str, url: str, token: str) -> dict:
+        return self.request("POST", "/v1/peers", {"name": name, "url": url, "token": token})
+
+    def delete_peer(self, name: str) -> dict:
+        return self.request("DELETE", f"/v1/peers/{_quote(name)}")
+
     # ---- turns -----------------------------------------------------------------------------------
     def turn(self, session_id: str, messages: list[dict], **sampling: Any) -> dict:
         """A turn of a session, answered as one chat completion."""

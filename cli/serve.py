@@ -20,7 +20,9 @@ HELP = (
     "only your user can use it (mode 0600). --listen adds a TCP listener, which needs an API key "
     "(--api-key or $WEAVE_API_KEY) that clients send as 'Authorization: Bearer KEY'.\n\n"
     "Without --model, the default model (SmolLM2-135M-Instruct) is used; a model in another "
-    "quantization is converted to the shared Q4_0 format once, into the cache. SIGTERM or Ctrl-C stop "
+    "quantization is converted to the shared Q4_0 format once, into the cache. With peers in the profile, or "
+    "--federation-port, it also serves the control plane its peers check (TCP, 127.0.0.1 unless the profile's "
+    "federation bind says otherwise, every request carrying the federation token). SIGTERM or Ctrl-C stop "
     "the daemon cleanly: the step in flight finishes, its tokens are committed, the socket is removed."
 )
 
@@ -82,12 +84,18 @@ def register(app: typer.Typer) -> None:
         data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Where sessions' KV files and the "
                                                       "journal live (default: the profile's).",
                                                       show_default=False)] = None,
+        federation_port: Annotated[int | None, typer.Option(
+            "--federation-port", min=0, max=65535, show_default=False,
+            help="Serve the control plane for peers on this TCP port (0: any free port; default: the "
+                 "profile's federation port, 7411 when it names peers). Needs the profile's federation "
+                 "token.")] = None,
     ) -> None:
         import asyncio
 
         from weaved.cli.socket_path import default_socket_path
 
         from weaved.api.server import Server, ServerError, check_socket_free, parse_listen
+        from weaved.federation.service import FederationError, federation_listen
         from weaved.profile import ProfileError, load_profile
 
         path = (socket or default_socket_path()).expanduser().absolute()
@@ -98,7 +106,8 @@ def register(app: typer.Typer) -> None:
                 parse_listen(listen)
             check_socket_free(path)
             prof = load_profile(profile)
-        except (ServerError, ProfileError) as e:
+            federation = federation_listen(prof, federation_port)
+        except (ServerError, ProfileError, FederationError) as e:
             raise _fail(str(e)) from None
         for note in prof.notes:
             _say(note)
@@ -110,7 +119,7 @@ def register(app: typer.Typer) -> None:
         started = time.monotonic()
         daemon = Daemon(prof, model_path, data_dir=data_dir, log_fn=_log_line)
         daemon.load(progress=_say)
-        server = Server(daemon, path, listen=listen, api_key=api_key, log=_log_line)
+        server = Server(daemon, path, listen=listen, api_key=api_key, log=_log_line, federation=federation)
 
         def ready(where: str) -> None:
             _say(f"serving {daemon.model_name} with profile {prof.name!r}, "

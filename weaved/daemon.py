@@ -91,8 +91,12 @@ class Daemon(PoolMoves):
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = KVStore(self.data_dir / "kv", self.config, cap_bytes=self.profile.host.kv_cap_bytes)
         self.journal = Journal(self.data_dir / "journal.sqlite")
+        from weaved.federation.service import peer_registry
+
+        self.peers = peer_registry(self)  # profile and run-time peers, health-checked in the background
         say("recovering sessions")
         self._recover()
+        self.peers.start()
         for e in self.engines.values():
             e.start()
         self._start_housekeeping()
@@ -138,6 +142,8 @@ class Daemon(PoolMoves):
     def shutdown(self) -> None:
         if self._housekeeping_stop is not None:
             self._housekeeping_stop.set()
+        if getattr(self, "peers", None) is not None:
+            self.peers.stop()
         for e in self.engines.values():
             e.stop()
         if hasattr(self, "journal"):
@@ -148,8 +154,8 @@ class Daemon(PoolMoves):
         free = max(0, (self.profile.host.kv_cap_bytes - self.store.reserved_bytes()) // self.config.kv_bytes_per_token)
         pools = [p.state(int(free)) for p in self.pools.values()]
         node = int(self.profile.host.kv_cap_bytes // self.config.kv_bytes_per_token)
-        return SystemState(tuple(pools), peers_alive=0, ring_batch_depth=0, node_kv_tokens=node,
-                           pipeline_possible=False)
+        return SystemState(tuple(pools), peers_alive=self.peers.peers_alive(), ring_batch_depth=0,
+                           node_kv_tokens=node, pipeline_possible=False)
 
     def _place(self, sla: SLA, prompt_tokens: int, max_context: int | None):
         try:

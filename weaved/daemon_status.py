@@ -101,6 +101,7 @@ def status_dict(d: Daemon) -> dict:
                   "context_length": d.config.context_length},
         "profile": d.profile.name, "uptime_s": round(time.time() - d.started, 1),
         "pools": pools, "pool_notes": d.pool_notes, "sessions": sessions,
-        "kv": {**d.store.tiers(), "device_bytes": _device_bytes(d)}, "hardware": _hardware(d), "peers": [],
+        "kv": {**d.store.tiers(), "device_bytes": _device_bytes(d)}, "hardware": _hardware(d),
+        "peers": d.peers.list() if getattr(d, "peers", None) is not None else [],
         "migrations": d.mover.counters.to_dict() if hasattr(d, "mover") else None,
     }

@@ -30,7 +30,7 @@ from weaved.profile_toml import AUTO, ProfileError, _Invalid, _Table, parse_size
 if TYPE_CHECKING:
     from weaved.hardware import Hardware
 
-__all__ = ["ProfileError", "parse_size", "load_profile", "detect_profile", "Profile"]
+__all__ = ["ProfileError", "parse_size", "load_profile", "detect_profile", "Profile", "FederationConfig"]
 
 BACKENDS = ("cpu", "torch")
 STRATEGIES = ("standard", "qring")
@@ -170,6 +170,36 @@ class PeerConfig:
         m = re.fullmatch(r"https?://(\[[0-9a-fA-F:.]+\]|[^/\s:\[\]]+)(:\d+)?/?", self.url)
         _check(m is not None, "url", f"must be http(s)://host[:port], got {self.url!r}")
         _check(bool(self.token), "token", "must not be empty")
+        _check(self.token.isprintable() and not any(c.isspace() for c in self.token), "token",
+               "must be printable and without spaces (it travels in an HTTP header)")
+
+
+DEFAULT_FEDERATION_PORT = 7411  # the control plane's TCP port when the profile names peers but no port
+
+
+@dataclass(frozen=True)
+class FederationConfig:
+    """This node's side of the control plane: where it listens for its peers and the shared token
+    every request must carry (the token its peers send; see docs/federation.md, control plane)."""
+
+    port: int | None = None  # TCP port of the control plane (0: any free port); None: not listening
+    bind: str = "127.0.0.1"  # loopback unless the operator opens it to the network on purpose
+    token: str | None = field(default=None, repr=False)  # kept out of reprs and logs
+    health_interval_s: float = 5.0  # how often every peer is checked
+    health_timeout_s: float = 2.0  # bound on one check's connect and read
+
+    def __post_init__(self) -> None:
+        if self.port is not None:
+            _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
+        _check(bool(self.bind) and not any(c.isspace() for c in self.bind), "bind",
+               f"must be a host address, got {self.bind!r}")
+        if self.token is not None:
+            _check(bool(self.token), "token", "must not be empty")
+            _check(self.token.isprintable() and not any(c.isspace() for c in self.token), "token",
+                   "must be printable and without spaces (it travels in an HTTP header)")
+        _positive(self, "health_interval_s", "health_timeout_s")
+        _check(self.health_timeout_s <= self.health_interval_s, "health_timeout_s",
+               f"must not exceed health_interval_s ({self.health_interval_s}), got {self.health_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -181,6 +211,7 @@ class Profile:
     pools: tuple[PoolConfig, ...]
     routing: RoutingThresholds
     peers: tuple[PeerConfig, ...] = ()
+    federation: FederationConfig = field(default_factory=FederationConfig)
     description: str = ""
     notes: tuple[str, ...] = ()  # what load-time detection decided (e.g. a GPU pool left out)
 
@@ -193,7 +224,7 @@ class Profile:
 
 # --- resolving a profile --------------------------------------------------------------------------
 
-_TOP_KEYS = ("description", "host", "threads", "pools", "routing", "peers")
+_TOP_KEYS = ("description", "host", "threads", "pools", "routing", "peers", "federation")
 
 
 def default_data_dir() -> Path:
@@ -281,8 +312,10 @@ def _resolve(name: str, source: str, data: dict[str, Any], hardware: Hardware | 
     host = _host(root.sub("host"), source, hw)
     routing = _routing(root.sub("routing"), threads)
     peers = _peers(root)
+    federation = _federation(root.sub("federation"))
     return Profile(name=name, source=source, host=host, threads=threads, pools=tuple(pools),
-                   routing=routing, peers=tuple(peers), description=description, notes=tuple(notes))
+                   routing=routing, peers=tuple(peers), federation=federation, description=description,
+                   notes=tuple(notes))
 
 
 def _pools(root: _Table, hw: Callable[[], Hardware], notes: list[str]) -> list[PoolConfig]:
@@ -384,19 +417,38 @@ def _routing(t: _Table, threads: ThreadBudget) -> RoutingThresholds:
     return th
 
 
+def _token(t: _Table, required: bool) -> str | None:
+    """``token`` or ``token_env`` (the name of a variable holding it): exactly one when required,
+    at most one otherwise."""
+    token, env = t.text("token", None), t.text("token_env", None)
+    if token is not None and env is not None:
+        raise t.err("token", "give exactly one of token or token_env")
+    if required and token is None and env is None:
+        raise t.err("token", "give exactly one of token or token_env")
+    if env is not None:
+        token = os.environ.get(env, "")
+        if not token:
+            raise t.err("token_env", f"environment variable {env} is not set")
+    return token
+
+
+def _federation(t: _Table) -> FederationConfig:
+    d = FederationConfig.__dataclass_fields__
+    port = t.integer("port", None)
+    fed = t.build(FederationConfig, port=port, bind=t.text("bind", d["bind"].default), token=_token(t, False),
+                  health_interval_s=t.number("health_interval_s", d["health_interval_s"].default),
+                  health_timeout_s=t.number("health_timeout_s", d["health_timeout_s"].default))
+    t.done()
+    return fed
+
+
 def _peers(root: _Table) -> list[PeerConfig]:
     peers: list[PeerConfig] = []
     for t in root.array("peers"):
         pname, url = t.text("name"), t.text("url")
         if any(p.name == pname for p in peers):
             raise t.err("name", f"duplicate peer name {pname!r}")
-        token, env = t.text("token", None), t.text("token_env", None)
-        if (token is None) == (env is None):
-            raise t.err("token", "give exactly one of token or token_env")
-        if env is not None:
-            token = os.environ.get(env, "")
-            if not token:
-                raise t.err("token_env", f"environment variable {env} is not set")
+        token = _token(t, True)
         peers.append(t.build(PeerConfig, name=pname, url=url, token=token))
         t.done()
     return peers

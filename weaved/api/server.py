@@ -113,7 +113,7 @@ class Server:
     daemon down and removes the socket before returning."""
 
     def __init__(self, daemon, socket_path: Path, *, listen: str | None = None, api_key: str | None = None,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, federation=None):
         if listen is not None and not api_key:
             raise ServerError("--listen needs an API key (--api-key or WEAVE_API_KEY): TCP has no file "
                               "permissions to protect it")
@@ -123,6 +123,9 @@ class Server:
         self.api_key = api_key
         self.log = log
         self.tcp_address: tuple[str, int] | None = None
+        # the control plane for peers (weaved.federation.service.FederationListen), on its own listener
+        self.federation = federation
+        self.federation_address: tuple[str, int] | None = None
         self.app = create_app(daemon)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -163,6 +166,14 @@ class Server:
                 listeners.append((self._uvicorn(BearerAuth(self.app, self.api_key)), tcp))
                 host, port = self.tcp_address
                 where += f" and http://{f'[{host}]' if ':' in host else host}:{port}"
+            if self.federation is not None:
+                from weaved.federation.service import federation_app
+
+                fed = bind_tcp(self.federation.host, self.federation.port)
+                self.federation_address = fed.getsockname()[:2]
+                listeners.append((self._uvicorn(federation_app(self.daemon, self.federation)), fed))
+                host, port = self.federation_address
+                where += f"; federation on http://{f'[{host}]' if ':' in host else host}:{port}"
             for server, sock in listeners:
                 await server.startup(sockets=[sock])
             self._signals(loop, install=True)

@@ -1,0 +1,111 @@
+"""``weave peers ls|add|rm``: the daemons this one federates with, through the daemon's socket.
+
+The shared token of a new peer is read from an environment variable (``--token-env``, default
+``WEAVE_PEER_TOKEN``) so that it stays out of shell history and ``ps``; ``--token`` exists for
+scripts that hold it already.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+import typer
+from weaved.cli import fmt
+from weaved.cli.common import ApiKeyOpt, JsonOpt, SocketOpt, connect, fail, print_json
+
+DEFAULT_TOKEN_ENV = "WEAVE_PEER_TOKEN"
+
+peers_app = typer.Typer(name="peers", no_args_is_help=True,
+                        help="The peer daemons this one federates with: list, add, remove.")
+
+NameArg = Annotated[str, typer.Argument(metavar="NAME", help="The peer's name (as `weave peers ls` lists it).",
+                                        show_default=False)]
+
+
+def _load(p: dict) -> str | None:
+    pools = (p.get("load") or {}).get("pools")
+    if pools is None:
+        return None
+    running = sum(q.get("batch_depth", 0) for q in pools)
+    queued = sum(q.get("queue_depth", 0) for q in pools)
+    return f"{running} running, {queued} queued"
+
+
+def _layers(p: dict) -> str | None:
+    layers = p.get("layers") or {}
+    return f"{layers.get('count', 0)}/{layers['of']}" if layers.get("of") else None
+
+
+def _free_kv(p: dict) -> str | None:
+    kv = p.get("kv") or {}
+    if kv.get("free_bytes") is None:
+        return None
+    return f"{fmt.size(kv['free_bytes'])} ({kv.get('free_tokens', '?')} tok)"
+
+
+def peers_table(peers: list[dict]) -> str:
+    headers = ("NAME", "URL", "SOURCE", "STATE", "LATENCY", "LAYERS", "FREE KV", "LOAD", "NOTE")
+    rows = []
+    for p in peers:
+        alive = p.get("state") == "alive"
+        note = p.get("last_error") if not alive else (p.get("layers") or {}).get("reason")
+        rows.append((p["name"], p.get("url"), p.get("source"), p.get("state"),
+                     None if p.get("latency_ms") is None else f"{p['latency_ms']:.1f}ms", _layers(p),
+                     _free_kv(p), _load(p), note))
+    return fmt.table(headers, rows, right=(4,))
+
+
+@peers_app.command("ls")
+def ls(socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
+    """List the peers: where they are, whether they answer, what they can hold and how busy they are."""
+    with connect(socket, api_key) as client:
+        peers = client.peers()
+    if json:
+        print_json(peers)
+    elif not peers:
+        typer.echo("no peers")
+    else:
+        typer.echo(peers_table(peers))
+
+
+@peers_app.command("add")
+def add(name: NameArg,
+        url: Annotated[str, typer.Argument(metavar="URL", help="The peer's control plane, http(s)://host:port.",
+                                           show_default=False)],
+        token_env: Annotated[str, typer.Option("--token-env", metavar="VAR",
+                                               help="Read the shared token from this environment variable.")]
+        = DEFAULT_TOKEN_ENV,
+        token: Annotated[str | None, typer.Option("--token", show_default=False,
+                                                  help="The shared token itself (it lands in shell history: "
+                                                       "prefer --token-env).")] = None,
+        socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
+    """Federate with another daemon; it is health-checked at once and kept across restarts."""
+    if token is None:
+        token = os.environ.get(token_env, "")
+        if not token:
+            raise fail(f"no token for the peer: set {token_env} (or pass --token-env VAR)", 2)
+    with connect(socket, api_key) as client:
+        peer = client.add_peer(name, url, token)
+    if json:
+        print_json(peer)
+    else:
+        typer.echo(f"added peer {peer['name']} at {peer['url']}; it is being checked (see `weave peers ls`)")
+
+
+@peers_app.command("rm")
+def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Peers to remove.")],
+       socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
+    """Stop federating with peers added at run time (profile peers stay until the profile changes)."""
+    done = []
+    with connect(socket, api_key) as client:
+        for n in names:
+            done.append(client.delete_peer(n))
+            if not json:
+                typer.echo(f"removed peer {n}")
+    if json:
+        print_json(done)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(peers_app)

@@ -1,0 +1,52 @@
+"""What this node tells its peers (``GET /federation/v1/info``): its model, hardware, free KV and load.
+
+The peers decide with it: the model fingerprint says whether the node can hold their layers (KV
+shards or pipeline stages of another model are meaningless), free KV how much context it can take,
+the pools' depths how busy it is.  Hardware is probed once per process (NVML is slow to start) and
+the rest read from the daemon's counters, without taking an engine step's time.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+REPORT_VERSION = 1
+
+
+@functools.cache
+def _hardware() -> dict:
+    from weaved.hardware import detect
+
+    hw = detect()
+    return {"physical_cores": hw.physical_cores, "logical_cpus": hw.logical_cpus, "memory_bytes": hw.memory_bytes,
+            "cpu_model": hw.cpu_model, "gpus": [{"name": g.name, "memory_bytes": g.memory_bytes} for g in hw.gpus]}
+
+
+def hardware_report() -> dict:
+    return dict(_hardware())
+
+
+def node_report(daemon: Any) -> dict:
+    """The report of a loaded ``weaved.daemon.Daemon`` (or anything with its attributes)."""
+    from weaved.kv.store import model_fingerprint
+
+    cfg, prof = daemon.config, daemon.profile
+    per_token = cfg.kv_bytes_per_token
+    cap = prof.host.kv_cap_bytes
+    reserved = daemon.store.reserved_bytes()
+    free = max(0, cap - reserved)
+    pools = []
+    for p in daemon.pools.values():
+        st = p.state(free // per_token)
+        pools.append({"name": st.name, "strategy": st.strategy, "device_kind": st.device_kind,
+                      "batch_depth": st.batch_depth, "queue_depth": st.queue_depth, "max_batch": st.max_batch})
+    return {
+        "version": REPORT_VERSION,
+        "node": prof.host.name,
+        "model": {"name": daemon.model_name, "arch": cfg.arch, "fingerprint": model_fingerprint(cfg),
+                  "n_layers": cfg.n_layers, "kv_bytes_per_token": per_token, "context_length": cfg.context_length},
+        "hardware": hardware_report(),
+        "kv": {"cap_bytes": cap, "reserved_bytes": reserved, "free_bytes": free, "free_tokens": free // per_token},
+        "load": {"pools": pools, "sessions": len(daemon.sessions)},
+    }

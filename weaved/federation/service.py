@@ -1,0 +1,63 @@
+"""Glue between the daemon and its control plane: the peer registry a daemon builds at load, and
+whether (and where) ``weave serve`` listens for its peers.
+
+The listener runs only when the profile names peers or a federation port is given (``--federation-port``
+or ``[federation] port``): a daemon nobody federates with opens no TCP port.  It binds 127.0.0.1
+unless ``[federation] bind`` says otherwise, and it needs the shared token (``[federation] token``
+or ``token_env``): without one it would have to accept anybody, so ``weave serve`` refuses to start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from weaved.profile import DEFAULT_FEDERATION_PORT, Profile
+
+PEERS_FILE = "peers.json"
+
+
+class FederationError(Exception):
+    """The control plane cannot be served as configured (the message says what to set)."""
+
+
+@dataclass(frozen=True)
+class FederationListen:
+    host: str
+    port: int  # 0: any free port (the server reports the one it got)
+    token: str = field(repr=False)
+
+
+def federation_listen(profile: Profile, port: int | None = None) -> FederationListen | None:
+    """Where this daemon serves its control plane, or None when it has no reason to."""
+    fed = profile.federation
+    port = fed.port if port is None else port
+    if port is None and not profile.peers:
+        return None
+    if port is not None and not 0 <= port <= 65535:
+        raise FederationError(f"the federation port must be in 0..65535, got {port}")
+    if not fed.token:
+        why = "peers are configured" if port is None else f"a federation port ({port}) is set"
+        raise FederationError(f"{why} but no federation token: set token or token_env in the profile's "
+                              "[federation] table (every peer must send it)")
+    return FederationListen(fed.bind, DEFAULT_FEDERATION_PORT if port is None else port, fed.token)
+
+
+def peer_registry(daemon: Any):
+    """The registry of a daemon being loaded (its model known): profile peers plus the run-time
+    peers saved in its data directory, checked at the profile's interval."""
+    from weaved.federation.peers import LocalModel, PeerRegistry
+    from weaved.kv.store import model_fingerprint
+
+    fed, cfg = daemon.profile.federation, daemon.config
+    local = LocalModel(daemon.model_name, model_fingerprint(cfg), cfg.n_layers)
+    return PeerRegistry(daemon.profile.peers, store_path=daemon.data_dir / PEERS_FILE, local=local,
+                        interval_s=fed.health_interval_s, timeout_s=fed.health_timeout_s, log=daemon._log)
+
+
+def federation_app(daemon: Any, listen: FederationListen):
+    """The control-plane app serving ``daemon``'s report, behind the token guard."""
+    from weaved.federation.control import create_federation_app
+    from weaved.federation.node_report import node_report
+
+    return create_federation_app(lambda: node_report(daemon), listen.token, daemon.profile.host.name)
