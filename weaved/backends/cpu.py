@@ -119,6 +119,38 @@ class CPUBackend(Backend):
             return np.concatenate([matmul.linear(p, x) for p in w], axis=1)
         return matmul.linear(w, x)
 
+    # The two halves of a layer around attention: the forward below runs them with attention over each
+    # sequence's own KV; federation's Q-Ring runs them with attention gathered around the ring.
+    def pre_attention(self, li: int, x: np.ndarray, positions: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Layer ``li``'s attention norm, q|k|v product (+ biases, q/k norms) and rope on x float32
+        [T, d_model] at ``positions`` [T] int64 -> q [T, n_heads, head_dim], k and v [T, n_kv_heads,
+        head_dim], float32."""
+        cfg, L = self.config, self.layers[li]
+        T = x.shape[0]
+        H, Hkv, D, qd, kd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.q_dim, cfg.kv_dim
+        h = ke.rmsnorm(x, L.attn_norm, cfg.rms_eps)  # [T, d_model]
+        qkv = self._linear(L.wqkv, h)  # [T, q_dim + 2*kv_dim]
+        if L.bqkv is not None:
+            qkv += L.bqkv
+        q = np.ascontiguousarray(qkv[:, :qd]).reshape(T, H, D)
+        k = np.ascontiguousarray(qkv[:, qd : qd + kd]).reshape(T, Hkv, D)
+        v = np.ascontiguousarray(qkv[:, qd + kd :]).reshape(T, Hkv, D)
+        if L.q_norm is not None:
+            ke.rmsnorm_heads(q, L.q_norm, cfg.rms_eps)
+            ke.rmsnorm_heads(k, L.k_norm, cfg.rms_eps)
+        ke.rope(q, positions, cfg.n_rot, cfg.rope_base, cfg.rope_scale, cfg.rope_style.value)
+        ke.rope(k, positions, cfg.n_rot, cfg.rope_base, cfg.rope_scale, cfg.rope_style.value)
+        return q, k, v
+
+    def post_attention(self, li: int, x: np.ndarray, att: np.ndarray) -> None:
+        """Output product + residual, then the feed-forward block + residual, into x [T, d_model] in
+        place; att float32 [T, n_heads, head_dim]."""
+        cfg, L = self.config, self.layers[li]
+        x += self._linear(L.wo, att.reshape(x.shape[0], cfg.q_dim))
+        h = ke.rmsnorm(x, L.ffn_norm, cfg.rms_eps)
+        x += self._linear(L.wdown, ke.swiglu(self._linear(L.wgu, h)))
+
     def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
         if not chunks:
             return []
@@ -140,29 +172,14 @@ class CPUBackend(Backend):
         positions = np.concatenate([np.arange(p, p + n, dtype=np.int64) for p, n in zip(pos0, lens, strict=True)])
         kvs = ka.kv_list([c.kv.data for c in chunks])
 
-        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qd, kd = cfg.q_dim, cfg.kv_dim
         x = matmul.embed_rows(self._emb_raw, self._emb_type, ids)  # [T, d_model]
-        att = np.empty((T, H, D), dtype=np.float32)
-        lse = np.empty((T, H), dtype=np.float32)
-        for li, L in enumerate(self.layers):
-            h = ke.rmsnorm(x, L.attn_norm, cfg.rms_eps)  # [T, d_model]
-            qkv = self._linear(L.wqkv, h)  # [T, q_dim + 2*kv_dim]
-            if L.bqkv is not None:
-                qkv += L.bqkv
-            q = np.ascontiguousarray(qkv[:, :qd]).reshape(T, H, D)
-            k = np.ascontiguousarray(qkv[:, qd : qd + kd]).reshape(T, Hkv, D)
-            v = np.ascontiguousarray(qkv[:, qd + kd :]).reshape(T, Hkv, D)
-            if L.q_norm is not None:
-                ke.rmsnorm_heads(q, L.q_norm, cfg.rms_eps)
-                ke.rmsnorm_heads(k, L.k_norm, cfg.rms_eps)
-            ke.rope(q, positions, cfg.n_rot, cfg.rope_base, cfg.rope_scale, cfg.rope_style.value)
-            ke.rope(k, positions, cfg.n_rot, cfg.rope_base, cfg.rope_scale, cfg.rope_style.value)
+        att = np.empty((T, cfg.n_heads, cfg.head_dim), dtype=np.float32)
+        lse = np.empty((T, cfg.n_heads), dtype=np.float32)
+        for li in range(len(self.layers)):
+            q, k, v = self.pre_attention(li, x, positions)
             ka.kv_store(kvs, li, seq_starts, pos0, k, v)
             ka.attend(q, kvs, li, seq_starts, pos0, self._scale, att, lse)
-            x += self._linear(L.wo, att.reshape(T, qd))
-            h = ke.rmsnorm(x, L.ffn_norm, cfg.rms_eps)
-            x += self._linear(L.wdown, ke.swiglu(self._linear(L.wgu, h)))
+            self.post_attention(li, x, att)
 
         # logits only for the rows that were asked for
         rows, counts = [], []

@@ -3,10 +3,9 @@
 ``LayerRunner`` runs layers [first, last) of a loaded ``CPUBackend`` with the backend's own weights,
 kernels and order of operations, so federation computes exactly what a single node computes:
 a runner over all layers reproduces ``CPUBackend.forward`` bit for bit (tested), and a pipeline of
-runners reproduces it too (hidden states travel as float32, bit for bit).  It reads the backend's
-attributes (``layers``, ``_linear``, ``_logits``, ``out_norm``, the embedding) rather than changing
-cpu.py; a change to the backend's layer arithmetic must be mirrored in ``pre_attention`` /
-``post_attention`` (the bit-identity test says when it was not).
+runners reproduces it too (hidden states travel as float32, bit for bit).  The half-layers around
+attention are the backend's own ``pre_attention`` / ``post_attention``; the embedding and the logits
+read its attributes (``_emb_raw``, ``out_norm``, ``_logits``).
 
 Stage-local KV: a stage keeps KV for its own layers only, in the standard layout with the layer axis
 counted from ``first`` (``[last - first, 2, n_kv_heads, capacity, head_dim]``).
@@ -66,35 +65,13 @@ class LayerRunner:
 
     def pre_attention(self, li: int, x: np.ndarray, positions: np.ndarray
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Norm, fused q|k|v product (+ bias, + qk-norm) and RoPE of layer ``li`` for hidden rows x
-        [T, d_model] at ``positions`` [T] int64 -> q [T, n_heads, head_dim], k and v [T, n_kv_heads,
-        head_dim], float32, rotated."""
-        cfg, be = self.config, self.backend
-        L = be.layers[li]
-        T = x.shape[0]
-        H, Hkv, D, qd, kd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.q_dim, cfg.kv_dim
-        h = ke.rmsnorm(x, L.attn_norm, cfg.rms_eps)  # [T, d_model]
-        qkv = be._linear(L.wqkv, h)  # [T, q_dim + 2*kv_dim]
-        if L.bqkv is not None:
-            qkv += L.bqkv
-        q = np.ascontiguousarray(qkv[:, :qd]).reshape(T, H, D)
-        k = np.ascontiguousarray(qkv[:, qd : qd + kd]).reshape(T, Hkv, D)
-        v = np.ascontiguousarray(qkv[:, qd + kd :]).reshape(T, Hkv, D)
-        if L.q_norm is not None:
-            ke.rmsnorm_heads(q, L.q_norm, cfg.rms_eps)
-            ke.rmsnorm_heads(k, L.k_norm, cfg.rms_eps)
-        ke.rope(q, positions, cfg.n_rot, cfg.rope_base, cfg.rope_scale, cfg.rope_style.value)
-        ke.rope(k, positions, cfg.n_rot, cfg.rope_base, cfg.rope_scale, cfg.rope_style.value)
-        return q, k, v
+        """Layer ``li`` up to attention (the CPU backend's own half-layer): q [T, n_heads, head_dim],
+        k and v [T, n_kv_heads, head_dim], float32, rotated."""
+        return self.backend.pre_attention(li, x, positions)
 
     def post_attention(self, li: int, x: np.ndarray, att: np.ndarray) -> None:
-        """Output projection + residual, then the feed-forward block + residual, into x [T, d_model]
-        in place; att float32 [T, n_heads, head_dim]."""
-        cfg, be = self.config, self.backend
-        L = be.layers[li]
-        x += be._linear(L.wo, att.reshape(x.shape[0], cfg.q_dim))
-        h = ke.rmsnorm(x, L.ffn_norm, cfg.rms_eps)
-        x += be._linear(L.wdown, ke.swiglu(be._linear(L.wgu, h)))
+        """Layer ``li`` after attention, in place on x [T, d_model] (the CPU backend's own half-layer)."""
+        self.backend.post_attention(li, x, att)
 
     # ---- the range with standard (single-node) attention -------------------------------------------------
 
