@@ -279,3 +279,17 @@ def test_kill_9_while_on_the_device_loses_nothing_committed(tiny_llama, tmp_path
         assert gpu.stats.prefill_tokens + cpu.stats.prefill_tokens < 10  # nothing stored was recomputed
     finally:
         d.shutdown()
+
+
+def test_promote_then_demote_before_the_move_lands_ends_where_the_last_change_says(daemon_factory):
+    d = daemon_factory()
+    sid = d.create_session(BG)["id"]
+    t = start(d, sid, prompt_ids(16, 10), SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    t.wait_tokens(3)
+    d.promote(sid)
+    d.demote(sid)  # likely before the engine's next step boundary
+    t.finish()
+    s = d.sessions[sid]
+    assert s.pool == "cpu" and s.placement.decode_pool == "cpu"
+    assert d.pools["gpu"].backend.device_kv_bytes() == 0
+    assert len(t.tokens) == 60

@@ -124,7 +124,10 @@ class PoolMoves:
             s.kv_at = None
 
     def _detached(self, s: Session, seq: Sequence | None, to: str, reason: str) -> None:
-        """The source engine let go of the running turn (its engine thread)."""
+        """The source engine let go of the running turn (its engine thread).  The session goes where its
+        placement says *now*: an SLA change that came while the move was pending wins over ``to``."""
+        with self._lock:
+            to = s.placement.decode_pool if s.placement.decode_pool in self.pools else to
         self._bring_kv(s, to, reason)
         s.where = to
         if seq is not None:
