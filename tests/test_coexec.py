@@ -293,3 +293,20 @@ def test_promote_then_demote_before_the_move_lands_ends_where_the_last_change_sa
     assert s.pool == "cpu" and s.placement.decode_pool == "cpu"
     assert d.pools["gpu"].backend.device_kv_bytes() == 0
     assert len(t.tokens) == 60
+
+
+def test_deleted_and_ephemeral_sessions_free_their_device_copy(daemon_factory):
+    d = daemon_factory()
+    gpu, _ = backends(d)
+    sid = d.create_session(IA)["id"]
+    start(d, sid, prompt_ids(12, 11)).finish()
+    assert gpu.device_kv_bytes() > 0
+    d.delete_session(sid)
+    assert gpu.device_kv_bytes() == 0
+    t = Turn()  # an OpenAI-style call without a session: an ephemeral interactive session on the GPU
+    d.start_turn(session_id=None, prompt=prompt_ids(12, 12), params=GREEDY, emit=t.emit)
+    t.finish()
+    deadline = time.monotonic() + 10
+    while d.sessions and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not d.sessions and gpu.device_kv_bytes() == 0

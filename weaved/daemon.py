@@ -212,10 +212,7 @@ class Daemon(PoolMoves):
             if s.busy:
                 self.engines[s.pool].cancel(sid)
             del self.sessions[sid]
-            held = self.pools.get(s.kv_at) if s.kv_at else None
-        if held is not None:
-            with held.lock:
-                held.backend.release(s.kv)
+        self._free_device_copy(s)
         self.store.delete(sid)
         if not s.ephemeral:
             self.journal.delete(sid)
@@ -316,7 +313,16 @@ class Daemon(PoolMoves):
     def _drop_ephemeral(self, s: Session) -> None:
         with self._lock:
             self.sessions.pop(s.id, None)
+        self._free_device_copy(s)
         self.store.delete(s.id)
+
+    def _free_device_copy(self, s: Session) -> None:
+        """A deleted session's KV copy on a GPU pool goes now, not whenever it is garbage-collected."""
+        held = self.pools.get(s.kv_at) if s.kv_at else None
+        if held is not None:
+            with held.lock:
+                held.backend.release(s.kv)
+            s.kv_at = None
 
     def cancel_turn(self, sid: str) -> None:
         with self._lock:
