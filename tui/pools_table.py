@@ -24,13 +24,16 @@ class PoolsTable(DataTable):
         self._last = (pools, kv, notes)
         self.clear()
         for p in pools:
-            self.add_row(p["name"], p.get("backend") or DASH, p.get("device") or DASH,
+            # a torch pool on the CPU device stands in for a GPU pool (tests, functional benchmarks)
+            device = f"{p.get('device')} (GPU stand-in)" if p.get("stand_in") else (p.get("device") or DASH)
+            self.add_row(p["name"], p.get("backend") or DASH, device,
                          p.get("strategy") or DASH, variant(p.get("variant") or {}), p.get("batch_depth", 0),
                          p.get("queue_depth", 0), rate(p.get("tokens_per_s")), p.get("preemptions", 0),
                          key=p["name"])
         ram = size(kv.get("ram_bytes")) if kv.get("ram_measured", True) else "?"
-        sub = (f"KV {size(kv.get('file_bytes'))} disk · {ram} RAM · {size(kv.get('reserved_bytes'))} reserved"
+        device = f" · {size(kv['device_bytes'])} GPU" if kv.get("device_bytes") else ""
+        sub = (f"KV {size(kv.get('file_bytes'))} disk · {ram} RAM{device} · {size(kv.get('reserved_bytes'))} reserved"
                f" / {size(kv.get('cap_bytes'))} cap") if kv else ""
         if notes:
-            sub += f" · {len(notes)} pool(s) not served"
+            sub += f" · {len(notes)} pool note(s)"
         self.border_subtitle = sub

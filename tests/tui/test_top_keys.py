@@ -226,3 +226,27 @@ def test_weave_top_command_opens_the_view_on_the_socket(monkeypatch, tmp_path):
     res = CliRunner().invoke(cli, ["top", "--interval", "2"], env={"WEAVE_SOCKET": str(tmp_path / "w.sock")})
     assert res.exit_code == 0, res.output
     assert opened == [(str(tmp_path / "w.sock"), 2.0)]
+
+
+def test_a_gpu_stand_in_pool_and_device_kv_are_shown(fake, monkeypatch):
+    real = fake.status
+
+    def status() -> dict:
+        st = real()
+        st["pools"].append({**st["pools"][0], "name": "gpu", "backend": "torch", "device": "cpu",
+                            "device_kind": "gpu", "stand_in": True})
+        st["kv"]["device_bytes"] = 3 * 2**20
+        return st
+
+    monkeypatch.setattr(fake, "status", status)
+
+    async def scenario():
+        app = top(fake, poll_interval_s=0.05)
+        async with app.run_test(size=SIZE) as pilot:
+            await loaded(pilot, app)
+            pools = app.query_one("#pools")
+            await until(pilot, lambda: pools.row_count == 2, what="both pools")
+            assert [str(c) for c in pools.get_row("gpu")][:3] == ["gpu", "torch", "cpu (GPU stand-in)"]
+            assert "92.0 MiB RAM · 3.0 MiB GPU ·" in pools.border_subtitle
+
+    run(scenario())
