@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from weaved.subprocs import run_processes
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 180.0  # a busy 2-core host starting 3 interpreters with torch and numba
@@ -42,33 +42,18 @@ def run_members(tmp: Path, scenario: str, world: int, *, wait_for: list[int] | N
     tmp.mkdir(parents=True, exist_ok=True)
     wait_for = list(range(world)) if wait_for is None else wait_for
     env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    procs, logs = [], []
+    cmds, logs = [], []
     for r in range(world):
         job = dict(params, scenario=scenario, rank=r, world=world, out=str(tmp), port_file=str(tmp / "port"))
         (tmp / f"job{r}.json").write_text(json.dumps(job))
-        log = open(tmp / f"rank{r}.log", "w")  # closed below, after the process ends
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.federation._worker", str(tmp / f"job{r}.json")],
-                                      cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
-    end = time.monotonic() + deadline_s
-    try:
-        for r in wait_for:
-            try:
-                procs[r].wait(max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(30)
-        for log in logs:
-            log.close()
+        cmds.append([sys.executable, "-m", "tests.federation._worker", str(tmp / f"job{r}.json")])
+        logs.append(tmp / f"rank{r}.log")
+    codes = run_processes(cmds, logs, deadline_s=deadline_s, env=env, cwd=REPO, wait_for=wait_for)
     members = []
-    for r, p in enumerate(procs):
+    for r, code in enumerate(codes):
         f = tmp / f"rank{r}.json"
         result = json.loads(f.read_text()) if f.exists() else None
-        members.append(Member(r, result, (tmp / f"rank{r}.log").read_text(errors="replace"), p.returncode))
+        members.append(Member(r, result, (tmp / f"rank{r}.log").read_text(errors="replace"), code))
     return members
 
 

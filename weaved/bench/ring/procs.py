@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
+
+from weaved.subprocs import run_processes
 
 Say = Callable[[str], None]
 
@@ -32,28 +32,15 @@ def run_workers(jobs: list[dict], names: list[str], threads: int, deadline_s: fl
     result (``{"status": "error", ...}`` for one that wrote none)."""
     with tempfile.TemporaryDirectory(prefix="weave-ring-") as tmp:
         out = Path(tmp)
-        procs, logs = [], []
+        cmds, logs = [], []
         for i, job in enumerate(jobs):
             job = {**job, "out": str(out), "port_file": str(out / "port")}
             (out / f"job{i}.json").write_text(json.dumps(job))
-            log = open(out / f"log{i}.txt", "w")  # closed below, after the process ends
-            logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, "-m", "weaved.bench.ring.worker", str(out / f"job{i}.json")],
-                                          env=_env(threads), stdout=log, stderr=subprocess.STDOUT))
-        end = time.monotonic() + deadline_s
-        try:
-            for p in procs:
-                try:
-                    p.wait(max(0.1, end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    say(f"a worker is still running after {deadline_s:.0f} s: stopping it")
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(30)
-            for log in logs:
-                log.close()
+            cmds.append([sys.executable, "-m", "weaved.bench.ring.worker", str(out / f"job{i}.json")])
+            logs.append(out / f"log{i}.txt")
+        codes = run_processes(cmds, logs, deadline_s=deadline_s, env=_env(threads),
+                              on_overdue=lambda i: say(f"a worker is still running after {deadline_s:.0f} s: "
+                                                       "stopping it"))
         results = []
         for i, name in enumerate(names):
             f = out / name
@@ -61,6 +48,6 @@ def run_workers(jobs: list[dict], names: list[str], threads: int, deadline_s: fl
                 results.append(json.loads(f.read_text()))
             else:
                 tail = (out / f"log{i}.txt").read_text(errors="replace")[-2000:]
-                results.append({"status": "error", "error": f"the worker wrote no result (exit {procs[i].returncode})",
+                results.append({"status": "error", "error": f"the worker wrote no result (exit {codes[i]})",
                                 "trace": tail})
         return results
