@@ -254,7 +254,8 @@ class Daemon(PoolMoves):
             if sla is not None and sla != s.sla:
                 s.sla = sla
             if resla or self._misplaced(s):  # a check-in: the router re-places the session first
-                self._replace(s)
+                new_pl = self._replace(s, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion")
+                self.publish("placement", {"session": s.id, "placement": _pl_dict(new_pl)})
             if messages is not None:
                 for i, m in enumerate(messages):
                     s.messages.append({"role": m["role"], "content": m["content"]})
@@ -278,25 +279,6 @@ class Daemon(PoolMoves):
         handle = TurnHandle(s.id, n_prompt, keep, self)
         self.engines[run_in].submit(seq)
         return handle
-
-    def _misplaced(self, s: Session) -> bool:
-        """A latency-sensitive session sitting on a CPU pool while the host has GPU pools (e.g. it was
-        demoted when idle): its next turn should make the router look again."""
-        return (s.sla.cls is SLAClass.INTERACTIVE and self.profile.routing.policy == "sla"
-                and self.pools[s.pool].device_kind == "cpu"
-                and any(p.device_kind == "gpu" for p in self.pools.values()))
-
-    def _replace(self, s: Session) -> None:
-        from weaved.router import promote
-
-        new = promote(s.placement, SessionRequest(s.sla, s.context_tokens, s.max_context), self._system_state(),
-                      self.profile.routing)
-        s.placement = new
-        if not s.ephemeral:
-            self.journal.set_sla(s.id, _sla_dict(s.sla))
-            self.journal.set_placement(s.id, _pl_dict(new))
-        self._move_to(s, new.decode_pool, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion")
-        self.publish("placement", {"session": s.id, "placement": _pl_dict(new)})
 
     def _check_fits(self, s: Session, keep: int, new: list[int], params: SamplingParams) -> None:
         if not new:

@@ -19,7 +19,7 @@ import threading
 import time
 
 from weaved.engine.sequence import Sequence
-from weaved.router import SLA, SessionRequest, SLAClass, promote
+from weaved.router import SLA, Placement, SessionRequest, SLAClass, _of, _with_room, promote
 from weaved.session import Session
 
 log = logging.getLogger("weave.daemon")
@@ -30,20 +30,7 @@ class PoolMoves:
     def _bring_kv(self, s: Session, to: str, reason: str) -> None:
         """Make pool ``to``'s backend hold the session's KV (engine thread of ``to``, or any thread when
         ``to`` is a host pool)."""
-        dst = self.pools[to]
-        src = self.pools.get(s.kv_at) if s.kv_at else None
-        if src is not None and src.backend is dst.backend:
-            s.kv_at = to
-            return
-        if src is None:
-            with dst.lock:
-                t0 = time.perf_counter()
-                n = dst.backend.adopt(s.kv)
-                dt = time.perf_counter() - t0
-            if n:  # a session with history arriving on a device from its file (e.g. after a restart)
-                self.mover.record(s.id, s.kv, None, dst, n, reason, dt)
-        else:
-            self.mover.move_kv(s.id, s.kv, src, dst, reason)
+        self.mover.move_kv(s.id, s.kv, self.pools.get(s.kv_at) if s.kv_at else None, self.pools[to], reason)
         s.kv_at = to
         s.move_reason = None
 
@@ -54,12 +41,9 @@ class PoolMoves:
         th = self.profile.routing
         if th.policy != "sla" or n_new < th.long_prompt_tokens or self.pools[here].device_kind == "gpu":
             return here, None
-        state = self._system_state()
-        need = s.context_tokens + n_new
-        gpus = [p for p in state.pools if p.device_kind == "gpu" and p.strategy == "standard" and p.has_room(need)]
-        if not gpus:
+        g = _with_room(_of(self._system_state(), "gpu"), s.context_tokens + n_new, plain_first=True)
+        if g is None:
             return here, None
-        g = min(gpus, key=lambda p: (p.speculative, p.load, p.name))
         return g.name, (f"turn prompt of {n_new} tokens >= {th.long_prompt_tokens}: prefill on GPU pool {g.name!r}, "
                         f"decode on {here!r}")
 
@@ -79,8 +63,7 @@ class PoolMoves:
         (engine thread of the prefill pool)."""
         with self._lock:
             to = s.placement.decode_pool
-        if self.pools[to].backend is not self.pools[s.kv_at or to].backend:
-            self._bring_kv(s, to, "prefill handoff")
+        self._bring_kv(s, to, "prefill handoff")
         s.where = to
         self.pools[to].engine.submit(seq)
 
@@ -94,16 +77,30 @@ class PoolMoves:
     def _change_sla(self, sid: str, sla: SLA, kind: str) -> dict:
         with self._lock:
             s = self._get(sid)
-            new = promote(s.placement, SessionRequest(sla, s.context_tokens, s.max_context), self._system_state(),
-                          self.profile.routing)
-            s.sla, s.placement = sla, new
-            if not s.ephemeral:
-                self.journal.set_sla(sid, _sla(sla))
-                self.journal.set_placement(sid, new.to_dict())
-            self._move_to(s, new.decode_pool, kind)
+            s.sla = sla
+            new = self._replace(s, kind)
         event = "promotion" if sla.cls is SLAClass.INTERACTIVE else "demotion"
         self.publish(event, {"session": sid, "placement": new.to_dict(), "reason": kind})
         return self.get_session(sid)
+
+    def _replace(self, s: Session, reason: str) -> Placement:
+        """Let the router place the session again for its (new) SLA, record it and send the session
+        where it says (caller holds ``self._lock``)."""
+        new = promote(s.placement, SessionRequest(s.sla, s.context_tokens, s.max_context), self._system_state(),
+                      self.profile.routing)
+        s.placement = new
+        if not s.ephemeral:
+            self.journal.set_sla(s.id, _sla(s.sla))
+            self.journal.set_placement(s.id, new.to_dict())
+        self._move_to(s, new.decode_pool, reason)
+        return new
+
+    def _misplaced(self, s: Session) -> bool:
+        """A latency-sensitive session sitting on a CPU pool while the host has GPU pools (e.g. it was
+        demoted when idle): its next turn should make the router look again."""
+        return (s.sla.cls is SLAClass.INTERACTIVE and self.profile.routing.policy == "sla"
+                and self.pools[s.pool].device_kind == "cpu"
+                and any(p.device_kind == "gpu" for p in self.pools.values()))
 
     def _move_to(self, s: Session, to: str, reason: str) -> None:
         """Send the session to pool ``to`` (caller holds ``self._lock``)."""
@@ -120,7 +117,7 @@ class PoolMoves:
         held = self.pools.get(s.kv_at) if s.kv_at else None
         if held is not None and held.device_kind == "gpu" and (held.backend is not self.pools[to].backend
                                                               or reason == "idle demotion"):
-            self.mover.release(s.id, s.kv, held, reason)  # frees device memory now; copies nothing
+            self.mover.move_kv(s.id, s.kv, held, None, reason)  # frees device memory now; copies nothing
             s.kv_at = None
 
     def _detached(self, s: Session, seq: Sequence | None, to: str, reason: str) -> None:

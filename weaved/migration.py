@@ -41,32 +41,28 @@ class Mover:
         self._lock = threading.Lock()
         self.counters = MigrationCounters()
 
-    def move_kv(self, session_id: str, kv: KVCache, src: Pool, dst: Pool, reason: str) -> int:
-        """Move ``kv`` from ``src``'s backend to ``dst``'s; returns bytes copied.  Waits for at most one
-        step of each backend (their locks), never holding both."""
-        if src.backend is dst.backend:
+    def move_kv(self, session_id: str, kv: KVCache, src: Pool | None, dst: Pool | None, reason: str) -> int:
+        """Move ``kv`` from ``src``'s backend to ``dst``'s; returns bytes copied.  ``src`` None: the KV is
+        only in its file (a restart, or after a release); ``dst`` None: it goes back to the file only
+        (the device copy is freed).  Waits for at most one step of each backend (their locks), never
+        holding both.  A move from the file that copies nothing (a new session's first turn) is not a
+        migration and is not counted."""
+        if src is not None and dst is not None and src.backend is dst.backend:
             return 0
-        with src.lock:  # the locks wait for a step in flight; only the copies are timed
-            t0 = time.perf_counter()
-            back = src.backend.release(kv)
-            dt = time.perf_counter() - t0
-        with dst.lock:
-            t0 = time.perf_counter()
-            moved = dst.backend.adopt(kv)
-            dt += time.perf_counter() - t0
-        self.record(session_id, kv, src, dst, back + moved, reason, dt)
-        return back + moved
+        nbytes, dt = 0, 0.0
+        for pool, op in ((src, "release"), (dst, "adopt")):
+            if pool is None:
+                continue
+            with pool.lock:  # the lock waits for a step in flight; only the copies are timed
+                t0 = time.perf_counter()
+                nbytes += getattr(pool.backend, op)(kv)
+                dt += time.perf_counter() - t0
+        if src is not None or nbytes:
+            self._record(session_id, kv, src, dst, nbytes, reason, dt)
+        return nbytes
 
-    def release(self, session_id: str, kv: KVCache, src: Pool, reason: str) -> None:
-        """Drop ``src``'s device copy of ``kv`` (nothing to write: rows were written through)."""
-        with src.lock:
-            t0 = time.perf_counter()
-            back = src.backend.release(kv)
-            dt = time.perf_counter() - t0
-        self.record(session_id, kv, src, None, back, reason, dt)
-
-    def record(self, session_id: str, kv: KVCache, src: Pool | None, dst: Pool | None, nbytes: int, reason: str,
-               dt: float = 0.0) -> None:
+    def _record(self, session_id: str, kv: KVCache, src: Pool | None, dst: Pool | None, nbytes: int, reason: str,
+                dt: float) -> None:
         with self._lock:
             c = self.counters
             c.count += 1

@@ -129,11 +129,10 @@ def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
         backend, lock = backends.get(cfg)
         order = "fifo" if profile.routing.policy == "fifo" else "sla"
         sched = SchedulerConfig(cfg.token_budget, cfg.max_batch, cfg.prefill_chunk, order, cfg.interactive_token_budget)
-        engine = BatchEngine(cfg.name, backend, sched,
-                             commit=commit, reserve=reserve, on_event=on_event, forward_lock=lock,
-                             **({"speculative": _speculative(cfg)} if cfg.speculative else {}))
+        engine = BatchEngine(cfg.name, backend, sched, commit=commit, reserve=reserve, on_event=on_event,
+                             forward_lock=lock, speculative=_speculative(cfg))
         pools[cfg.name] = Pool(cfg, backend, engine, lock)
-        if cfg.backend == "torch" and cfg.cuda_device is None:
+        if pools[cfg.name].stand_in:
             notes.append(f"pool {cfg.name!r}: the torch backend on the CPU device stands in for a GPU pool")
     for n in notes:
         log.warning(n)
