@@ -64,14 +64,13 @@ def status_dict(d: Daemon) -> dict:
     pools = []
     for pool in d.pools.values():
         p, e = pool.config, pool.engine
-        seqs = e.snapshot()
+        running, waiting = pool.turns()
         pools.append({
             "name": p.name, "backend": e.backend.name, "device": p.device, "strategy": p.strategy,
             "device_kind": pool.device_kind, "stand_in": pool.stand_in,
             "variant": {"speculative": p.speculative, "max_batch": p.max_batch, "prefill_chunk": p.prefill_chunk,
                         "token_budget": p.token_budget},
-            "batch_depth": sum(1 for s in seqs if s.status.value == "running"),
-            "queue_depth": sum(1 for s in seqs if s.status.value in ("waiting", "paused")),
+            "batch_depth": len(running), "queue_depth": len(waiting),
             "tokens_per_s": round(_tps(e), 2),
             "steps": e.counters.steps, "tokens_generated": e.counters.tokens_generated,
             "tokens_prefilled": e.counters.tokens_prefilled, "preemptions": e.counters.preemptions,

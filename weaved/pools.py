@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from weaved.backends.base import Backend
 from weaved.engine.engine import BatchEngine
 from weaved.engine.scheduler import SchedulerConfig
+from weaved.engine.sequence import SeqStatus, Sequence
 from weaved.model.config import ModelConfig
 from weaved.model.gguf_file import GGUFFile
 from weaved.profile import PoolConfig, Profile
@@ -50,11 +51,15 @@ class Pool:
         """A torch pool on the CPU device standing in for a GPU pool."""
         return self.config.backend == "torch" and self.config.cuda_device is None
 
+    def turns(self) -> tuple[list[Sequence], list[Sequence]]:
+        """(decoding, waiting or preempted) turns of the pool now."""
+        seqs = [s for s in self.engine.snapshot() if not s.status.done]
+        running = [s for s in seqs if s.status is SeqStatus.RUNNING]
+        return running, [s for s in seqs if s.status is not SeqStatus.RUNNING]
+
     def state(self, free_kv_tokens: int) -> PoolState:
-        seqs = self.engine.snapshot()
-        running = sum(1 for s in seqs if s.status.value == "running")
-        waiting = [s for s in seqs if not s.status.done and s.status.value != "running"]
-        return pool_state(self.config, free_kv_tokens=free_kv_tokens, batch_depth=running,
+        running, waiting = self.turns()
+        return pool_state(self.config, free_kv_tokens=free_kv_tokens, batch_depth=len(running),
                           queue_depth=len(waiting), queued_prefill_tokens=sum(len(s.pending) for s in waiting
                                                                                if s.prefilling),
                           device_kind=self.device_kind)
