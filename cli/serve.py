@@ -117,7 +117,7 @@ def register(app: typer.Typer) -> None:
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
         started = time.monotonic()
-        daemon = Daemon(prof, model_path, data_dir=data_dir, log_fn=_log_line)
+        daemon = Daemon(prof, model_path, data_dir=data_dir, log_fn=_log_line, federation=federation)
         daemon.load(progress=_say)
         server = Server(daemon, path, listen=listen, api_key=api_key, log=_log_line, federation=federation)
 

@@ -40,6 +40,23 @@ def hardware_lines(hw: dict) -> list[str]:
     return lines
 
 
+def ring_lines(st: dict) -> list[str]:
+    """The rings this node homes (its qring pools) and the groups it serves for its peers."""
+    lines = []
+    for p in st.get("pools") or ():
+        r = p.get("ring")
+        if not r:
+            continue
+        where = f"{r['ring']} with {', '.join(r['members']) or 'no peers'}" if r.get("ring") else "not formed"
+        lines.append(f"ring      {p['name']}: {where}, {r.get('sessions', 0)} session(s); "
+                     f"formed {r.get('formed', 0)}x, lost {r.get('lost', 0)}x, "
+                     f"rebuilt {r.get('rebuilt_sessions', 0)} session(s) ({r.get('rebuilt_tokens', 0)} tokens), "
+                     f"{r.get('pipeline_prefills', 0)} pipeline prefill(s)")
+    for g in st.get("groups") or ():
+        lines.append(f"member    of {g['group']} (home {g['home']}), rank {g['rank']} of {g['world']}, {g['state']}")
+    return lines
+
+
 def status_text(st: dict) -> str:
     model = st.get("model") or {}
     sessions = [s for s in st.get("sessions") or () if not s.get("ephemeral")]
@@ -59,6 +76,7 @@ def status_text(st: dict) -> str:
                      f"copied in {fmt.seconds(mig.get('seconds'))}" + (f" ({reasons})" if reasons else ""))
     peers = st.get("peers") or []
     lines.append("peers     " + ("none" if not peers else "; ".join(fmt.peer_text(p) for p in peers)))
+    lines += ring_lines(st)
     lines += ["", pools_table(st.get("pools") or [])]
     lines += [f"note: {n}" for n in st.get("pool_notes") or ()]
     return "\n".join(lines)

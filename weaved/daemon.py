@@ -22,6 +22,7 @@ from weaved.engine.sampling import SamplingParams
 from weaved.engine.sequence import Sequence
 from weaved.engine.stops import StopChecker
 from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound, Overloaded, WeaveError
+from weaved.kv.cache import KVCache
 from weaved.profile import Profile
 from weaved.router import (
     SLA,
@@ -51,8 +52,12 @@ class TurnHandle:
 
 class Daemon(PoolMoves):
     def __init__(self, profile: Profile, model_path: Path, *, data_dir: Path | None = None,
-                 log_fn: Callable[[str], None] = print):
+                 log_fn: Callable[[str], None] = print, federation=None):
         self.profile = profile
+        # where this daemon serves its control plane (weaved.federation.service.FederationListen), or
+        # None: it then neither homes rings nor joins its peers' groups
+        self.federation = federation
+        self.member_groups = None
         self.model_path = Path(model_path)
         self.data_dir = Path(data_dir or profile.host.data_dir)
         self._log = log_fn
@@ -80,20 +85,25 @@ class Daemon(PoolMoves):
         gguf, self.config = open_model(self.model_path)
         self.model_name = self.model_path.stem
         self.tokenizer = Tokenizer(self.model_path, gguf)
-        say("loading weights and kernels")
-        self.pools, self.pool_notes = build_pools(self.profile, gguf, self.config, commit=self._commit,
-                                                  reserve=self._reserve, on_event=self.publish)
-        self.engines = {name: p.engine for name, p in self.pools.items()}
-        if not self.engines:
-            raise WeaveError("the profile has no pool this daemon can run: "
-                             + "; ".join(self.pool_notes or ["it names none with the standard strategy"]))
-        self.mover = Mover(self.publish)
+        from weaved.federation import service as fed
+        from weaved.federation.shard_files import delete_group_files
+
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = KVStore(self.data_dir / "kv", self.config, cap_bytes=self.profile.host.kv_cap_bytes)
+        delete_group_files(self.store)  # ring shards never outlive their group: rebuilt from transcripts
         self.journal = Journal(self.data_dir / "journal.sqlite")
-        from weaved.federation.service import peer_registry
-
-        self.peers = peer_registry(self)  # profile and run-time peers, health-checked in the background
+        self.peers = fed.peer_registry(self)  # profile and run-time peers, health-checked in the background
+        say("loading weights and kernels")
+        ring = fed.ring_factory(self, self.federation) if self.federation is not None else None
+        self.pools, self.pool_notes = build_pools(self.profile, gguf, self.config, commit=self._commit,
+                                                  reserve=self._reserve, on_event=self.publish, ring=ring)
+        self.engines = {name: p.engine for name, p in self.pools.items()}
+        if not any(p.config.strategy == "standard" for p in self.pools.values()):
+            raise WeaveError("the profile has no pool this daemon can run: "
+                             + "; ".join(self.pool_notes or ["it names none with the standard strategy"]))
+        if self.federation is not None:
+            self.member_groups = fed.member_groups(self, self.federation)
+        self.mover = Mover(self.publish)
         say("recovering sessions")
         self._recover()
         self.peers.start()
@@ -104,16 +114,17 @@ class Daemon(PoolMoves):
 
     def _recover(self) -> None:
         for rec in self.journal.list():
-            try:
-                kv = self.store.open(rec.id, rec.kv_length)
-            except Exception as exc:  # a KV file made for another model, or lost: keep the rest serving
-                self._log(f"session {rec.id} not recovered: {exc}")
-                continue
             sla = SLA(SLAClass(rec.sla["class"]), rec.sla.get("ttft_ms"), rec.sla.get("ttlt_s"))
             pl = rec.placement or {}
             placement = Placement(**{**pl, "reasons": tuple(pl.get("reasons", ()))}) if pl else None
-            if placement is None or placement.decode_pool not in self.engines:
-                placement = self._place(sla, rec.kv_length, rec.max_context)
+            try:
+                if placement is None or placement.decode_pool not in self.engines:
+                    placement = self._place(sla, rec.kv_length, rec.max_context)
+                cap = -(-rec.max_context // KV_ALIGN) * KV_ALIGN
+                kv = self._new_kv(rec.id, placement, cap, list(rec.tokens[: rec.kv_length]))
+            except Exception as exc:  # a KV file made for another model, or lost; no ring: keep the rest serving
+                self._log(f"session {rec.id} not recovered: {exc}")
+                continue
             messages = [{"role": m["role"], "content": m["content"]} for m in rec.messages]
             partial = self._unfinished_answer(rec)
             if partial is not None:  # the daemon stopped mid-turn: keep what was committed of the answer
@@ -146,6 +157,10 @@ class Daemon(PoolMoves):
             self.peers.stop()
         for e in self.engines.values():
             e.stop()
+        for p in self.pools.values():  # e.g. release the members of this daemon's rings
+            p.backend.close()
+        if self.member_groups is not None:
+            self.member_groups.stop()
         if hasattr(self, "journal"):
             self.journal.close()
 
@@ -154,8 +169,12 @@ class Daemon(PoolMoves):
         free = max(0, (self.profile.host.kv_cap_bytes - self.store.reserved_bytes()) // self.config.kv_bytes_per_token)
         pools = [p.state(int(free)) for p in self.pools.values()]
         node = int(self.profile.host.kv_cap_bytes // self.config.kv_bytes_per_token)
-        return SystemState(tuple(pools), peers_alive=self.peers.peers_alive(), ring_batch_depth=0,
-                           node_kv_tokens=node, pipeline_possible=False)
+        alive = self.peers.peers_alive()
+        rings = any(p.config.strategy == "qring" for p in self.pools.values())
+        depth = sum(1 for s in self.sessions.values() if s.placement.decode_strategy == "qring")
+        # a pipeline prefill runs on a ring's group and scatters into its shards (RingBackend)
+        return SystemState(tuple(pools), peers_alive=alive, ring_batch_depth=depth, node_kv_tokens=node,
+                           pipeline_possible=rings and alive > 0)
 
     def _place(self, sla: SLA, prompt_tokens: int, max_context: int | None):
         try:
@@ -175,7 +194,7 @@ class Daemon(PoolMoves):
             placement = self._place(sla, prompt_tokens, max_context)
             sid = ("tmp-" if ephemeral else "s-") + secrets.token_hex(8)
             cap = -(-(max_context or limit) // KV_ALIGN) * KV_ALIGN
-            kv = self.store.create(sid, cap)
+            kv = self._new_kv(sid, placement, cap)
             s = Session(sid, sla, max_context or limit, system, placement, kv, [], [], ephemeral=ephemeral)
             self.sessions[sid] = s
             if not ephemeral:
@@ -184,6 +203,15 @@ class Daemon(PoolMoves):
         if not ephemeral:
             self._log(f"session {sid}: {sla.cls.value} -> {placement.decode_pool} ({'; '.join(placement.reasons)})")
         return self.get_session(sid)
+
+    def _new_kv(self, sid: str, placement, capacity: int, tokens: list[int] | None = None):
+        """A session's KV: its file here, or for Q-Ring decode its ring handle (the rows live on the
+        ring's nodes; the transcript ``tokens`` rebuild them)."""
+        if placement.decode_strategy == "qring":
+            return self.pools[placement.decode_pool].backend.new_kv(capacity, tokens or (), label=sid)
+        if tokens is not None:
+            return self.store.open(sid, len(tokens))
+        return self.store.create(sid, capacity)
 
     def _get(self, sid: str) -> Session:
         s = self.sessions.get(sid)
@@ -212,8 +240,7 @@ class Daemon(PoolMoves):
             if s.busy:
                 self.engines[s.pool].cancel(sid)
             del self.sessions[sid]
-        self._free_device_copy(s)
-        self.store.delete(sid)
+        self._free_kv(s)
         if not s.ephemeral:
             self.journal.delete(sid)
 
@@ -295,16 +322,20 @@ class Daemon(PoolMoves):
     def _drop_ephemeral(self, s: Session) -> None:
         with self._lock:
             self.sessions.pop(s.id, None)
-        self._free_device_copy(s)
-        self.store.delete(s.id)
+        self._free_kv(s)
 
-    def _free_device_copy(self, s: Session) -> None:
-        """A deleted session's KV copy on a GPU pool goes now, not whenever it is garbage-collected."""
+    def _free_kv(self, s: Session) -> None:
+        """A deleted session's KV goes now: its copy on a GPU pool (not whenever it is garbage-collected),
+        its shards on a ring's nodes, its file."""
         held = self.pools.get(s.kv_at) if s.kv_at else None
         if held is not None:
             with held.lock:
-                held.backend.release(s.kv)
+                held.backend.drop(s.kv)
             s.kv_at = None
+        if isinstance(s.kv, KVCache):
+            self.store.delete(s.id)
+        elif s.placement.decode_pool in self.pools:
+            self.pools[s.placement.decode_pool].backend.drop(s.kv)
 
     def cancel_turn(self, sid: str) -> None:
         with self._lock:
@@ -314,7 +345,8 @@ class Daemon(PoolMoves):
 
     # engine-thread callbacks
     def _reserve(self, seq: Sequence, new_length: int) -> None:
-        self.store.reserve(seq.kv, new_length)
+        if isinstance(seq.kv, KVCache):  # a ring session's shards reserve their room when they open
+            self.store.reserve(seq.kv, new_length)
 
     def _commit(self, seq: Sequence, fed: list[int]) -> None:
         with self._lock:

@@ -39,7 +39,8 @@ class PoolMoves:
         turn brings a long prompt prefills it on a GPU pool with room, then decodes where it lives."""
         here = s.placement.decode_pool
         th = self.profile.routing
-        if th.policy != "sla" or n_new < th.long_prompt_tokens or self.pools[here].device_kind == "gpu":
+        if (th.policy != "sla" or n_new < th.long_prompt_tokens or self.pools[here].device_kind == "gpu"
+                or s.placement.decode_strategy == "qring"):  # a ring session's KV lives on the ring's nodes
             return here, None
         g = _with_room(_of(self._system_state(), "gpu"), s.context_tokens + n_new, plain_first=True)
         if g is None:

@@ -75,6 +75,7 @@ def status_dict(d: Daemon) -> dict:
             "steps": e.counters.steps, "tokens_generated": e.counters.tokens_generated,
             "tokens_prefilled": e.counters.tokens_prefilled, "preemptions": e.counters.preemptions,
             **_spec_counters(e),
+            **({"ring": e.backend.describe()} if p.strategy == "qring" else {}),
         })
     now = time.monotonic()
     sessions = []
@@ -103,4 +104,6 @@ def status_dict(d: Daemon) -> dict:
         "kv": {**d.store.tiers(), "device_bytes": _device_bytes(d)}, "hardware": _hardware(d),
         "peers": d.peers.list() if getattr(d, "peers", None) is not None else [],
         "migrations": d.mover.counters.to_dict() if hasattr(d, "mover") else None,
+        # the groups this daemon serves for its peers' rings (it is their home's member)
+        "groups": d.member_groups.status() if getattr(d, "member_groups", None) is not None else [],
     }

@@ -8,8 +8,12 @@ CPU) run at the same time, each in its own thread - that is the co-execution.
 
 A torch pool is a GPU pool for the router.  On a host without CUDA a torch pool on ``device = "cpu"``
 stands in for one (tests and functional runs of the benchmarks); it is flagged ``stand_in``.  A pool
-on a CUDA device that this host does not have, and Q-Ring pools (federation), are left out with a
-note instead of failing the daemon.
+on a CUDA device that this host does not have is left out with a note instead of failing the daemon.
+
+A ``qring`` pool's backend is a ``RingBackend`` over the CPU backend (its home runs the dense layers
+with the same weights); it has a lock of its own, since most of its step is waiting on the ring, and
+the CPU pools keep stepping meanwhile.  It needs a daemon that federates (``ring`` below); without
+one it is left out with a note.
 """
 
 from __future__ import annotations
@@ -117,21 +121,25 @@ def cuda_missing(cfg: PoolConfig) -> str | None:
 
 
 def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
-                commit: Callable, reserve: Callable, on_event: Callable) -> tuple[dict[str, Pool], list[str]]:
-    """One ``Pool`` per pool of the profile this daemon can run, and notes on those it cannot."""
+                commit: Callable, reserve: Callable, on_event: Callable,
+                ring: Callable[[PoolConfig, Backend], Backend] | None = None) -> tuple[dict[str, Pool], list[str]]:
+    """One ``Pool`` per pool of the profile this daemon can run, and notes on those it cannot.
+    ``ring(cfg, cpu_backend)`` makes a ``qring`` pool's backend (None: this daemon does not federate)."""
     backends = _Backends(gguf, config, profile)
     pools: dict[str, Pool] = {}
     notes: list[str] = []
     for cfg in profile.pools:
-        if cfg.strategy != "standard":
-            notes.append(f"pool {cfg.name!r} ({cfg.backend}, {cfg.strategy}) needs federation, which this "
-                         f"daemon build does not run")
+        if cfg.strategy == "qring" and ring is None:
+            notes.append(f"pool {cfg.name!r} (qring) left out: this daemon does not federate (name [[peers]] or "
+                         f"set a [federation] port and token)")
             continue
         missing = cuda_missing(cfg)
         if missing is not None:
             notes.append(f"pool {cfg.name!r} left out: device {cfg.device!r} unavailable ({missing})")
             continue
         backend, lock = backends.get(cfg)
+        if cfg.strategy == "qring":
+            backend, lock = ring(cfg, backend), threading.Lock()
         order = "fifo" if profile.routing.policy == "fifo" else "sla"
         sched = SchedulerConfig(cfg.token_budget, cfg.max_batch, cfg.prefill_chunk, order, cfg.interactive_token_budget)
         engine = BatchEngine(cfg.name, backend, sched, commit=commit, reserve=reserve, on_event=on_event,

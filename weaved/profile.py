@@ -105,6 +105,8 @@ class PoolConfig:
         _check(self.backend == "torch" or self.device == "cpu", "device",
                "the cpu backend runs on device 'cpu' only")
         _check(self.strategy in STRATEGIES, "strategy", f"must be one of {STRATEGIES}, got {self.strategy!r}")
+        _check(self.strategy != "qring" or self.backend == "cpu", "backend",
+               "a qring pool runs on the cpu backend (the ring's home runs the dense layers with the CPU kernels)")
         _check(not (self.speculative and self.strategy != "standard"), "speculative",
                "speculative decoding runs in standard decode pools only")
         if self.speculative:
@@ -187,6 +189,9 @@ class FederationConfig:
     token: str | None = field(default=None, repr=False)  # kept out of reprs and logs
     health_interval_s: float = 5.0  # how often every peer is checked
     health_timeout_s: float = 2.0  # bound on one check's connect and read
+    ring_timeout_s: float = 30.0  # every data-plane wait of a ring or pipeline (longer than a layer's work)
+    ring_idle_timeout_s: float = 60.0  # a member waiting for the home's next command (the home pings at 1/3)
+    ring_heads_per_group: int = 1  # kv heads per travelling Q-Ring packet (must divide the model's)
 
     def __post_init__(self) -> None:
         if self.port is not None:
@@ -197,7 +202,8 @@ class FederationConfig:
             _check(bool(self.token), "token", "must not be empty")
             _check(self.token.isprintable() and not any(c.isspace() for c in self.token), "token",
                    "must be printable and without spaces (it travels in an HTTP header)")
-        _positive(self, "health_interval_s", "health_timeout_s")
+        _positive(self, "health_interval_s", "health_timeout_s", "ring_timeout_s", "ring_idle_timeout_s",
+                  "ring_heads_per_group")
         _check(self.health_timeout_s <= self.health_interval_s, "health_timeout_s",
                f"must not exceed health_interval_s ({self.health_interval_s}), got {self.health_timeout_s}")
 
@@ -437,7 +443,10 @@ def _federation(t: _Table) -> FederationConfig:
     port = t.integer("port", None)
     fed = t.build(FederationConfig, port=port, bind=t.text("bind", d["bind"].default), token=_token(t, False),
                   health_interval_s=t.number("health_interval_s", d["health_interval_s"].default),
-                  health_timeout_s=t.number("health_timeout_s", d["health_timeout_s"].default))
+                  health_timeout_s=t.number("health_timeout_s", d["health_timeout_s"].default),
+                  ring_timeout_s=t.number("ring_timeout_s", d["ring_timeout_s"].default),
+                  ring_idle_timeout_s=t.number("ring_idle_timeout_s", d["ring_idle_timeout_s"].default),
+                  ring_heads_per_group=t.integer("ring_heads_per_group", d["ring_heads_per_group"].default))
     t.done()
     return fed
 

@@ -122,6 +122,19 @@ def test_status_shows_device_kv_and_moves():
     assert "moves     2 KV move(s) between backends, 5.0 MiB copied in 20ms (1 demotion, 1 promotion)" in text
 
 
+def test_status_shows_rings_and_groups():
+    from weaved.cli.status import status_text
+
+    ring = {"ring": "ring-a-2", "members": ["b"], "sessions": 1, "formed": 2, "lost": 1, "rebuilt_sessions": 1,
+            "rebuilt_tokens": 300, "pipeline_prefills": 1}
+    text = status_text({"pools": [{"name": "ring", "backend": "qring", "ring": ring}],
+                        "groups": [{"group": "ring-c-1", "home": "node-c", "rank": 1, "world": 3,
+                                    "state": "serving"}]})
+    assert ("ring      ring: ring-a-2 with b, 1 session(s); formed 2x, lost 1x, rebuilt 1 session(s) (300 tokens), "
+            "1 pipeline prefill(s)") in text
+    assert "member    of ring-c-1 (home node-c), rank 1 of 3, serving" in text
+
+
 def test_status_json_and_peers(fake):
     data = json.loads(ok(weave(fake, "status", "--json")))
     assert data["pools"][0]["name"] == "cpu" and data["kv"]["cap_bytes"] == 12_884_901_888

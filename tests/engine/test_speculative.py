@@ -214,6 +214,9 @@ class _Checked:
         self.seqs: dict[int, Sequence] = {}  # by id(kv)
         self.chunks: list[list[tuple[int, list[int], int]]] = []  # per step: (id(kv), tokens, generated so far)
 
+    def prepare(self, kv, new_length):
+        self.be.prepare(kv, new_length)
+
     def forward(self, chunks):
         for c in chunks:
             if self.reserved.get(id(c.kv), -1) < c.kv.length + len(c.tokens):

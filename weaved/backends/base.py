@@ -112,6 +112,21 @@ class Backend(ABC):
         """
         return 0
 
+    def drop(self, kv: KVCache) -> int:
+        """The session is deleted: free whatever this backend holds for it (a device copy, a ring's
+        shards on other nodes).  Returns bytes freed in this backend's memory; defaults to ``release``."""
+        return self.release(kv)
+
+    def prepare(self, kv: KVCache, new_length: int) -> None:
+        """Called by the engine before a step that grows ``kv`` to ``new_length`` positions, one session
+        at a time, so that what cannot be done for one session fails that session's turn alone (e.g. a
+        ring that must first rebuild the session's shards).  Raises to refuse; the default does nothing."""
+        return None
+
+    def close(self) -> None:
+        """Release what this backend holds beyond its own process (a ring's members) at shutdown."""
+        return None
+
     def device_kv_bytes(self) -> int:
         """Bytes of KV this backend holds in its own memory (the device tier); 0 for the host backend."""
         return 0

@@ -245,17 +245,18 @@ class BatchEngine:
             del self.tps_window[:128]
 
     def _reserved(self, w: Work, drafts: dict[Sequence, list[int]] | None = None) -> bool:
-        if self._reserve is None:
-            return True
         extra = len(drafts.get(w.seq, ())) if drafts else 0
         try:
-            self._reserve(w.seq, w.seq.kv.length + w.n_tokens + extra)
+            self.backend.prepare(w.seq.kv, w.seq.kv.length + w.n_tokens + extra)
+            if self._reserve is not None:
+                self._reserve(w.seq, w.seq.kv.length + w.n_tokens + extra)
             return True
         except Exception as exc:  # KV cap, full disk: that turn fails, the others go on
             if extra:  # only the draft's rows did not fit: decode this step plainly
                 del drafts[w.seq]
                 return self._reserved(w)
-            self._fail(w.seq, str(exc))
+            # out of KV room (the node's cap, a ring's shards) is the server's capacity, not a bug: 503
+            self._fail(w.seq, str(exc), getattr(exc, "http_status", None))
             return False
 
     def _verify(self, w: Work, logits: np.ndarray, draft: list[int]) -> int:
@@ -344,13 +345,14 @@ class BatchEngine:
         s.finish_reason = reason
         self._emit(s, {"type": "done", "finish_reason": reason})
 
-    def _fail(self, s: Sequence, message: str) -> None:
+    def _fail(self, s: Sequence, message: str, status: int | None = None) -> None:
+        """End the turn with an error; ``status`` the HTTP status its answer takes (None: 500)."""
         if s.status.done:
             return
         s.status = SeqStatus.FAILED
         s.error = message
         s.finish_reason = "error"
-        self._emit(s, {"type": "error", "message": message})
+        self._emit(s, {"type": "error", "message": message, **({"status": status} if status else {})})
 
     def _emit(self, s: Sequence, ev: dict) -> None:
         if s.emit is not None:

@@ -2,6 +2,7 @@
 
 ``GET /federation/v1/health``  liveness: ``{"status": "ok", "node": name}``
 ``GET /federation/v1/info``    the node report (``node_report``): model, hardware, free KV, load
+``POST /federation/v1/groups`` a home asks this node to join a ring/pipeline group (202; 409 refused)
 
 Every request must carry the federation's shared token, ``Authorization: Bearer <token>``.  The
 guard runs before routing, so a request without the right token learns nothing - not even which
@@ -17,6 +18,7 @@ import hmac
 from collections.abc import Callable
 
 from fastapi import FastAPI
+from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -62,10 +64,36 @@ class TokenGuard:
         await self.app(scope, receive, send)
 
 
-def create_federation_app(report: Callable[[], dict], token: str, node: str) -> ASGIApp:
-    """The control-plane app: ``report`` builds the node report (called in a worker thread)."""
+class JoinBody(BaseModel):
+    group: str = Field(min_length=1, max_length=200)
+    rank: int = Field(ge=1)
+    world: int = Field(ge=2, le=1024)
+    host: str = Field(min_length=1, max_length=255)
+    port: int = Field(ge=1, le=65535)
+    home: str = Field(max_length=200)
+    fingerprint: str = Field(max_length=200)
+    timeout_s: float = Field(gt=0, le=3600)
+    idle_timeout_s: float = Field(gt=0, le=3600)
+
+
+def create_federation_app(report: Callable[[], dict], token: str, node: str,
+                          join: Callable | None = None) -> ASGIApp:
+    """The control-plane app: ``report`` builds the node report (called in a worker thread);
+    ``join`` (a ``MemberGroups.join``) follows a home's request to join a group."""
+    from weaved.federation.member_groups import JoinRefused, JoinRequest
+    from weaved.federation.ring_form import GROUPS_PATH
+
     app = FastAPI(title="Weave federation", docs_url=None, redoc_url=None, openapi_url=None)
     errors.install(app)
+
+    @app.post(GROUPS_PATH, status_code=202)
+    async def join_group(body: JoinBody):
+        if join is None:
+            return JSONResponse(error_body(409, "this node does not serve groups", code="join_refused"), 409)
+        try:
+            return join(JoinRequest(**body.model_dump()))
+        except JoinRefused as e:
+            return JSONResponse(error_body(409, str(e), code="join_refused"), 409)
 
     @app.get(HEALTH_PATH)
     async def health() -> dict:

@@ -49,4 +49,15 @@ def node_report(daemon: Any) -> dict:
         "hardware": hardware_report(),
         "kv": {"cap_bytes": cap, "reserved_bytes": reserved, "free_bytes": free, "free_tokens": free // per_token},
         "load": {"pools": pools, "sessions": len(daemon.sessions)},
+        "speed": prefill_speed(daemon),
     }
+
+
+def prefill_speed(daemon: Any) -> dict:
+    """How fast this node prefills, for a pipeline's layer split: measured on its CPU backend once it
+    has prefilled enough to say (steps with prefill chunks, all layers), else the profile's estimate."""
+    cpu = next((p.backend for p in daemon.pools.values() if p.backend.name == "cpu"), None)
+    st = cpu.stats if cpu is not None else None
+    if st is not None and st.prefill_tokens >= 256 and st.seconds > 0:
+        return {"prefill_tokens_per_s": round(st.tokens / st.seconds, 1), "source": "measured"}
+    return {"prefill_tokens_per_s": daemon.profile.routing.cpu_prefill_tokens_per_s, "source": "profile"}

@@ -132,6 +132,22 @@ class PeerRegistry:
             return sum(1 for p in self._peers.values()
                        if p.state == ALIVE and layers_for(p.report, self.local)["count"] > 0)
 
+    def usable(self) -> list[PeerConfig]:
+        """The live peers that serve our model (what ``peers_alive`` counts), with their tokens: the
+        peers a ring or a pipeline may be formed with."""
+        with self._lock:
+            return [p.config for p in self._peers.values()
+                    if p.state == ALIVE and layers_for(p.report, self.local)["count"] > 0]
+
+    def mark_dead(self, name: str, why: str) -> None:
+        """Record at once what the data plane learned (a peer lost mid-step, a refused join), rather
+        than waiting for the next health check; a later check that succeeds makes it alive again."""
+        with self._lock:
+            p = self._peers.get(name)
+            peer = p if p is not None and p.state == ALIVE else None
+        if peer is not None:
+            self._record(peer, Probe(DEAD, error=why))
+
     # ---- changing --------------------------------------------------------------------------------
     def add(self, name: str, url: str, token: str) -> dict:
         """A run-time peer: validated, saved, and checked at once (in the background)."""

@@ -97,11 +97,12 @@ class PipelineMember:
     """This daemon's stage in one pipeline group: ``prefill`` on rank 0, ``serve`` on the others."""
 
     def __init__(self, group: PeerGroup, backend: CPUBackend, kv_factory: KVFactory | None = None,
-                 on_kv: OnKV | None = None):
+                 on_kv: OnKV | None = None, lock: threading.Lock | None = None):
         self.group, self.backend, self.config = group, backend, backend.config
         self.kv_factory = kv_factory or memory_kv_factory(backend.config)  # the hand-off's caches
         self.on_kv = on_kv  # e.g. a ring member's ShardTable.adopt for SCATTER
-        self._lock = threading.Lock()
+        # one operation at a time on the group: a ring sharing the group passes its own lock
+        self._lock = lock or threading.Lock()
 
     def prefill(self, sids: Sequence[int], prompts: Sequence[np.ndarray], *, ranges: list[tuple[int, int]],
                 capacities: Sequence[int] | None = None, mb_tokens: int | None = None,
@@ -160,15 +161,19 @@ class PipelineMember:
                     continue
                 if cmd != P.Cmd.PREFILL:
                     raise P.ProtocolError(f"unexpected command {cmd.name} on a pipeline")
-                S, n, mb, mode, dst = (int(a) for a in args[:5])
-                if n != self.group.world_size:
-                    raise P.ProtocolError(f"a plan for {n} stages in a group of {self.group.world_size}")
-                sids, lens, caps = (body[i * S : (i + 1) * S].tolist() for i in range(3))
-                ranges = [tuple(r) for r in body[3 * S :].reshape(n, 2).tolist()]
-                self._run(sids, lens, caps, ranges, mb, Handoff(mode), dst, None)
-                P.send_ack(self.group, 0)
+                self.serve_prefill(args, body)
         finally:
             self.group.close()
+
+    def serve_prefill(self, args: np.ndarray, body: np.ndarray) -> None:
+        """A stage's part of one PREFILL command (its header ``args`` and ``body``), then its ack."""
+        S, n, mb, mode, dst = (int(a) for a in args[:5])
+        if n != self.group.world_size:
+            raise P.ProtocolError(f"a plan for {n} stages in a group of {self.group.world_size}")
+        sids, lens, caps = (body[i * S : (i + 1) * S].tolist() for i in range(3))
+        ranges = [tuple(r) for r in body[3 * S :].reshape(n, 2).tolist()]
+        self._run(sids, lens, caps, ranges, mb, Handoff(mode), dst, None)
+        P.send_ack(self.group, 0)
 
     def _run(self, sids, lens, caps, ranges, mb, mode: Handoff, dst: int, ids) -> PrefillResult:
         g, cfg = self.group, self.config

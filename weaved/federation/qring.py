@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +46,12 @@ from weaved.federation.ring_serve import HOME, RingServe
 from weaved.federation.shards import KVFactory, ShardTable, split_kv
 from weaved.kv.cache import KVCache
 from weaved.model.config import ModelConfig
+
+
+class ShardRefused(ValueError):
+    """A member could not open a session's shard (its KV cap, its disk); the ring itself is fine."""
+
+    http_status = 503  # the ring is full: retry later, or free sessions
 
 
 @dataclass(frozen=True)
@@ -70,13 +77,14 @@ class RingMember(RingServe):
     message is out, any failure closes the ring (the members are mid-protocol) and propagates."""
 
     def __init__(self, group: PeerGroup, config: ModelConfig, runner: LayerRunner | None = None,
-                 kv_factory: KVFactory | None = None, heads_per_group: int = 1):
+                 kv_factory: KVFactory | None = None, heads_per_group: int = 1,
+                 on_close: Callable[[int, KVCache], None] | None = None):
         if group.rank == HOME and (runner is None or runner.first != 0 or runner.last != config.n_layers):
             raise ValueError("the home needs a LayerRunner over every layer")
         if heads_per_group < 1 or config.n_kv_heads % heads_per_group:
             raise ValueError(f"heads_per_group must divide n_kv_heads ({config.n_kv_heads})")
         self.group, self.config, self.runner = group, config, runner
-        self.shards = ShardTable(config, group.rank, group.world_size, kv_factory)
+        self.shards = ShardTable(config, group.rank, group.world_size, kv_factory, on_close)
         self.capacity: dict[int, int] = {}  # home: each open session's capacity (all shards)
         self.heads_per_group = heads_per_group
         self.scale = 1.0 / float(np.sqrt(config.head_dim))  # the CPU backend's float
@@ -91,6 +99,8 @@ class RingMember(RingServe):
         """Run the messaging part of a home operation (the lock already held)."""
         try:
             return fn(*args)
+        except ShardRefused:  # every member answered: the protocol is in step, the ring stays usable
+            raise
         except BaseException:
             self.group.close()
             raise
@@ -133,7 +143,12 @@ class RingMember(RingServe):
                     if mode == P.Rows.SENT:
                         pend.append(self.group.isend(rows[r], r, P.TAG_LOAD))
                 wait_all(pend)
-                P.recv_acks(self.group, f"open session {sid}")
+                try:
+                    P.recv_acks(self.group, f"open session {sid}")
+                except P.ProtocolError as e:  # a member cannot hold its shard: undo the others' opens
+                    wait_all(P.broadcast_cmd(self.group, P.Cmd.CLOSE, sid))
+                    raise ShardRefused(f"session {sid}: a member could not hold its shard (its KV cap or "
+                                       f"disk): {e}") from None
 
             try:
                 self._guard(send)

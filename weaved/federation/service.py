@@ -9,6 +9,7 @@ or ``token_env``): without one it would have to accept anybody, so ``weave serve
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,4 +61,42 @@ def federation_app(daemon: Any, listen: FederationListen):
     from weaved.federation.control import create_federation_app
     from weaved.federation.node_report import node_report
 
-    return create_federation_app(lambda: node_report(daemon), listen.token, daemon.profile.host.name)
+    members = getattr(daemon, "member_groups", None)
+    return create_federation_app(lambda: node_report(daemon), listen.token, daemon.profile.host.name,
+                                 join=members.join if members is not None else None)
+
+
+def advertise_host(bind: str) -> str:
+    """The address peers reach this node's rendezvous store and data plane at."""
+    return socket.gethostname() if bind in ("0.0.0.0", "::", "") else bind
+
+
+def ring_factory(daemon: Any, listen: FederationListen):
+    """What ``build_pools`` calls for a ``qring`` pool: a ``RingBackend`` homing this daemon's ring
+    sessions on the daemon's peers (its registry, KV store and events)."""
+    from weaved.federation.ring_backend import RingBackend
+    from weaved.federation.ring_form import FormSpec
+    from weaved.kv.store import model_fingerprint
+
+    def make(cfg, cpu):
+        prof, fed = daemon.profile, daemon.profile.federation
+        spec = FormSpec(prof.host.name, advertise_host(listen.host), model_fingerprint(daemon.config),
+                        fed.ring_timeout_s, fed.ring_idle_timeout_s)
+        return RingBackend(cpu, daemon.peers, daemon.store, spec, heads_per_group=fed.ring_heads_per_group,
+                           pipeline_min_tokens=prof.routing.pipeline_min_prompt_tokens,
+                           default_speed=prof.routing.cpu_prefill_tokens_per_s, publish=daemon.publish)
+
+    return make
+
+
+def member_groups(daemon: Any, listen: FederationListen):
+    """The groups this daemon joins for its peers (needs a CPU pool: members compute with its
+    backend), or None."""
+    from weaved.federation.member_groups import MemberGroups
+    from weaved.kv.store import model_fingerprint
+
+    cpu = next((p.backend for p in daemon.pools.values() if p.backend.name == "cpu"), None)
+    if cpu is None:
+        return None
+    return MemberGroups(cpu, daemon.store, model_fingerprint(daemon.config), advertise_host(listen.host),
+                        publish=daemon.publish)

@@ -58,9 +58,11 @@ def memory_kv_factory(config: ModelConfig) -> KVFactory:
 class ShardTable:
     """This rank's shards of the ring's sessions: session id -> ``KVCache`` of the shard."""
 
-    def __init__(self, config: ModelConfig, rank: int, n: int, kv_factory: KVFactory | None = None):
+    def __init__(self, config: ModelConfig, rank: int, n: int, kv_factory: KVFactory | None = None,
+                 on_close: Callable[[int, KVCache], None] | None = None):
         self.config, self.rank, self.n = config, rank, n
         self.kv_factory = kv_factory or memory_kv_factory(config)
+        self.on_close = on_close  # a closed shard's cache goes back to whoever made it (e.g. its file)
         self.kv: dict[int, KVCache] = {}
         self.lengths: dict[int, int] = {}  # a session's full length (all shards), for checks
 
@@ -92,8 +94,14 @@ class ShardTable:
         self.lengths[sid] = length
 
     def close(self, sid: int) -> None:
-        self.kv.pop(sid, None)
+        kv = self.kv.pop(sid, None)
         self.lengths.pop(sid, None)
+        if kv is not None and self.on_close is not None:
+            self.on_close(sid, kv)
+
+    def close_all(self) -> None:
+        for sid in list(self.kv):
+            self.close(sid)
 
     def truncate(self, sid: int, length: int) -> None:
         self.kv[sid].truncate(shard_length(length, self.rank, self.n))

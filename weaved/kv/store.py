@@ -52,6 +52,8 @@ class KVStoreError(Exception):
 class KVCapExceeded(KVStoreError):
     """Reserving more positions would exceed the store's cap on total KV bytes."""
 
+    http_status = 503  # the node is full: retry later, or free sessions
+
 
 class DiskFull(KVStoreError):
     """The file system could not allocate blocks for the positions to be written."""

@@ -1,0 +1,233 @@
+"""The backend of a ``qring`` pool: the home daemon's ring sessions, decoded across its peers.
+
+The batch engine drives it like any backend (``forward`` over a ragged batch, sampling and stops in
+the engine), so ring sessions get the daemon's scheduling, streaming, journal and cancellation.
+Underneath, each step is one ``RingMember.step`` of every ring session in the batch.
+
+- **The ring** is formed on the first step, with every live peer that serves our model
+  (``PeerRegistry.usable``), through their control planes (``ring_form``).  Rank 0 is this daemon.
+- **Sessions** are ``RingKV``: a capacity and a transcript.  A session steps on the ring once it has
+  been opened there; one whose shards no ring holds (new, after a restart, after a loss) is rebuilt
+  first: opened, and its transcript prefilled through the ring (or, when it is long and the ring has
+  stages enough, through a pipeline prefill of the same group that scatters straight into the ring's
+  shards).  Its first prompt chunk, when long, takes the pipeline the same way.
+- **Failure.**  A step that loses a peer (``PeerLost``) advances nothing.  The backend records the
+  loss (``ring_lost`` event), re-checks the peers at once, forms a new ring of the survivors (a new
+  group name: an epoch suffix) and retries the step; every session of the old ring is rebuilt from
+  its transcript when it next steps.  The turn in flight completes; nothing the user sent is lost.
+
+Thread safety: the engine thread calls ``forward``; ``truncate``/``drop`` come from the API thread
+and ``close`` from shutdown; one lock serializes them (a ring carries one operation at a time).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from weaved.backends.base import Backend, BackendStats, Logits, SeqChunk
+from weaved.backends.cpu import CPUBackend
+from weaved.federation.comm import PeerLost, host_store
+from weaved.federation.node_group import HomeGroup
+from weaved.federation.qring import RingChunk
+from weaved.federation.ring_form import FormSpec, JoinFailed, form_group
+from weaved.federation.ring_kv import RingKV
+from weaved.federation.ring_sessions import RingSessions
+from weaved.federation.shard_files import delete_group_files, group_prefix, shard_files
+from weaved.kv.store import KVStore
+from weaved.profile import PeerConfig
+
+log = logging.getLogger("weave.federation")
+MAX_FORMS = 3  # ring formations one step may try before its turn fails
+
+
+class RingUnavailable(RuntimeError):
+    """No ring could be formed (the message says why); the turn fails, the daemon goes on."""
+
+
+class RingBackend(RingSessions, Backend):
+    def __init__(self, cpu: CPUBackend, peers, store: KVStore, spec: FormSpec, *, heads_per_group: int = 1,
+                 pipeline_min_tokens: int = 8192, default_speed: float = 1.0,
+                 publish: Callable[[str, dict], None] = lambda k, d: None):
+        self.config = cpu.config
+        self.cpu, self.peers, self.store, self.spec = cpu, peers, store, spec
+        self.heads_per_group = heads_per_group
+        self.pipeline_min_tokens = pipeline_min_tokens
+        self.default_speed = default_speed  # this node's prefill rate until it has measured one
+        self.stats = BackendStats()
+        self._publish = publish
+        self._lock = threading.RLock()
+        self._rids = itertools.count(1)
+        self._home: HomeGroup | None = None
+        self._members: list[PeerConfig] = []
+        self._epoch = 0
+        self._tcp_store = None
+        self.labels: dict[int, str] = {}  # rid -> the daemon's session id, for events
+        self.counters = {"formed": 0, "lost": 0, "rebuilt_sessions": 0, "rebuilt_tokens": 0, "pipeline_prefills": 0}
+
+    @property
+    def name(self) -> str:
+        return "qring"
+
+    # ---- sessions ----------------------------------------------------------------------------------
+    def new_kv(self, capacity: int, tokens=(), label: str | None = None) -> RingKV:  # type: ignore[override]
+        kv = RingKV(next(self._rids), capacity, tokens, on_truncate=self._truncate)
+        if label is not None:
+            self.labels[kv.rid] = label
+        return kv
+
+    def _truncate(self, kv: RingKV, length: int) -> None:
+        with self._lock:
+            if kv.epoch is not None and kv.epoch == self._epoch and self._usable():
+                try:
+                    self._home.ring.truncate(kv.rid, length)
+                    return
+                except PeerLost as e:
+                    self._lost(e)
+            kv.epoch = None  # no ring holds it now: rebuilt from the (truncated) transcript later
+
+    def drop(self, kv) -> int:
+        """The session is deleted: close it on the ring (its shards' files go on every node)."""
+        with self._lock:
+            self.labels.pop(getattr(kv, "rid", -1), None)
+            if isinstance(kv, RingKV) and kv.epoch == self._epoch and self._usable():
+                try:
+                    self._home.ring.close_session(kv.rid)
+                except PeerLost as e:
+                    self._lost(e)
+            if isinstance(kv, RingKV):
+                kv.epoch = None
+        return 0
+
+    # ---- the ring ----------------------------------------------------------------------------------
+    def _usable(self) -> bool:
+        return self._home is not None and not self._home.group.broken
+
+    def _form(self) -> HomeGroup:
+        if self._tcp_store is None:
+            self._tcp_store = host_store(self.spec.host, 0, self.spec.timeout_s)
+        peers = list(self.peers.usable())
+        why = ""
+        for _ in range(MAX_FORMS):
+            self._epoch += 1
+            name = f"ring-{self.spec.home}-{self._epoch}"
+            try:
+                group = form_group(name, peers, self._tcp_store, self.spec)
+            except JoinFailed as e:
+                for p, reason in e.failures:
+                    self.peers.mark_dead(p.name, f"did not join ring {name}: {reason}")
+                peers = [p for p in peers if p not in {f[0] for f in e.failures}]
+                why = str(e)
+                continue
+            except PeerLost as e:  # a peer accepted but never joined: re-check who is alive
+                self.peers.check_now()
+                peers = list(self.peers.usable())
+                why = str(e)
+                continue
+            make, close = shard_files(self.store, group_prefix(name))
+            home = HomeGroup(group, self.cpu, make, close, self.heads_per_group)
+            home.ring.start_keepalive(self.spec.idle_timeout_s / 3)
+            self._home, self._members = home, peers
+            self.counters["formed"] += 1
+            self._publish("ring_formed", {"ring": name, "epoch": self._epoch, "members": [p.name for p in peers]})
+            log.info("formed ring %s with %s", name, [p.name for p in peers] or "no peers")
+            return home
+        raise RingUnavailable(f"no ring could be formed after {MAX_FORMS} tries: {why}")
+
+    def _lost(self, e: PeerLost) -> None:
+        """The current ring lost a peer: drop it (its sessions will be rebuilt) and learn who is alive."""
+        home, self._home = self._home, None
+        if home is not None:
+            home.group.close()
+            home.ring.shards.close_all()
+            delete_group_files(self.store, group_prefix(home.group.name))  # a half-done hand-off's too
+        self.counters["lost"] += 1
+        self._publish("ring_lost", {"ring": home.group.name if home else None, "error": str(e),
+                                    "members": [p.name for p in self._members]})
+        log.warning("ring lost a peer: %s", e)
+        self.peers.check_now()  # a dead peer's control plane is gone too: it is not asked to rejoin
+
+    def _ring(self) -> HomeGroup:
+        return self._home if self._usable() else self._form()
+
+    def close(self) -> None:
+        """Stop the ring: its members leave their serve loops and free their shards."""
+        with self._lock:
+            home, self._home = self._home, None
+            if home is not None:
+                home.stop()
+                delete_group_files(self.store, group_prefix(home.group.name))
+            if self._tcp_store is not None:
+                self._tcp_store = None
+
+    def describe(self) -> dict:
+        home = self._home
+        return {"ring": home.group.name if home else None, "epoch": self._epoch,
+                "members": [p.name for p in self._members] if home else [],
+                "sessions": len(home.ring.capacity) if home else 0, **self.counters,
+                "steps": self.stats.steps, "wait_seconds": round(home.ring.stats.wait_seconds, 3) if home else 0.0}
+
+    def prepare(self, kv, new_length: int) -> None:
+        """Before a step: a session no ring holds is opened now (every node reserving its shard) and
+        rebuilt from its transcript, so that a failure - no room on a node, no ring at all - fails its
+        turn alone."""
+        if not isinstance(kv, RingKV) or kv.epoch == self._epoch and self._usable():
+            return
+        with self._lock:
+            for _ in range(MAX_FORMS):
+                home = self._ring()
+                try:
+                    self._place(home, kv)
+                    return
+                except PeerLost as e:
+                    self._lost(e)
+            raise RingUnavailable(f"the ring kept losing peers ({MAX_FORMS} tries)")
+
+    # ---- a step ------------------------------------------------------------------------------------
+    def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
+        for c in chunks:
+            kv = c.kv
+            if not isinstance(kv, RingKV):
+                raise TypeError(f"the ring backend runs RingKV sessions, got {type(kv).__name__}")
+            if kv.length + len(c.tokens) > kv.capacity:
+                raise ValueError(f"{len(c.tokens)} tokens exceed the session's capacity {kv.capacity}")
+        t0 = time.perf_counter()
+        with self._lock:
+            for _ in range(MAX_FORMS):
+                home = self._ring()
+                try:
+                    out = self._step(home, chunks)
+                    break
+                except PeerLost as e:
+                    self._lost(e)
+            else:
+                raise RingUnavailable(f"the ring kept losing peers ({MAX_FORMS} tries)")
+        st = self.stats
+        n = [len(c.tokens) for c in chunks]
+        st.steps += 1
+        st.tokens += sum(n)
+        st.prefill_tokens += sum(m for m in n if m > 1)
+        st.decode_tokens += sum(m for m in n if m == 1)
+        st.seconds += time.perf_counter() - t0
+        return out
+
+    def _step(self, home: HomeGroup, chunks: list[SeqChunk]) -> list[np.ndarray]:
+        out: dict[int, np.ndarray] = {}
+        for i, c in enumerate(chunks):
+            self._place(home, c.kv)  # a session whose ring was lost since ``prepare``
+            if c.kv.length == 0 and c.logits is not Logits.ALL:  # a long first prompt: one pipeline prefill
+                first = self._pipeline_first(home, c)
+                if first is not None:
+                    out[i] = first
+        rest = [i for i in range(len(chunks)) if i not in out]
+        if rest:
+            res = home.ring.step([RingChunk(chunks[i].kv.rid, chunks[i].tokens, chunks[i].logits) for i in rest])
+            out.update(zip(rest, res, strict=True))
+        for i in rest:
+            chunks[i].kv.tokens.extend(int(t) for t in chunks[i].tokens)
+        return [out[i] for i in range(len(chunks))]
