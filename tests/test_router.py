@@ -208,24 +208,18 @@ def test_long_prompts_use_the_speculative_pool_only_when_no_plain_one_has_room()
     assert place(req(BG, prompt=4000), s, TH).prefill_pool == "gpu-spec"
 
 
-def test_long_prompts_of_ring_sessions_use_a_pipeline_when_it_can_be_filled():
-    deep = dict(peers=2, ring_depth=16, pipeline=True)
-    p = place(req(BA, prompt=8192), state(*HOST, ring(), **deep), TH)
-    assert (p.prefill_strategy, p.prefill_pool, p.decode_strategy, p.decode_pool) == (
-        "pipeline", "gpu", "qring", "ring")
+def test_long_prompts_use_a_pipeline_when_it_can_be_filled():
+    p = place(req(BA, prompt=8192), state(*HOST, peers=2, pipeline=True), TH)
+    assert (p.prefill_strategy, p.prefill_pool, p.decode_pool) == ("pipeline", "gpu", "cpu")
     assert said(p, "pipeline across 2 peer(s)")
-    p = place(req(BA, prompt=8192), state(cpu(), ring(), **deep), TH)  # no GPU: the CPU is the stage
+    p = place(req(BA, prompt=8192), state(cpu(), peers=2, pipeline=True), TH)  # no GPU: the CPU is the stage
     assert (p.prefill_strategy, p.prefill_pool) == ("pipeline", "cpu")
-
-
-def test_the_pipeline_only_feeds_a_ring():
-    # a session decoding on this node's own CPU pool prefills here: the pipeline scatters into ring shards
-    p = place(req(BA, prompt=8192), state(*HOST, ring(), peers=2, pipeline=True), TH)
-    assert (p.prefill_strategy, p.prefill_pool, p.decode_strategy) == ("standard", "gpu", "standard")
+    p = place(req(BA, prompt=8192), state(*HOST, ring(), peers=2, ring_depth=16, pipeline=True), TH)
+    assert (p.prefill_strategy, p.decode_strategy, p.decode_pool) == ("pipeline", "qring", "ring")
 
 
 def test_long_prompts_too_short_for_a_pipeline_prefill_on_the_gpu():
-    p = place(req(BA, prompt=5000), state(*HOST, ring(), peers=2, ring_depth=16, pipeline=True), TH)
+    p = place(req(BA, prompt=5000), state(*HOST, peers=2, pipeline=True), TH)
     assert (p.prefill_strategy, p.prefill_pool) == ("standard", "gpu") and said(p, "too short to fill")
 
 

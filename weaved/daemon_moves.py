@@ -48,9 +48,35 @@ class PoolMoves:
         return g.name, (f"turn prompt of {n_new} tokens >= {th.long_prompt_tokens}: prefill on GPU pool {g.name!r}, "
                         f"decode on {here!r}")
 
+    def _pipeline_ring(self, s: Session, seq: Sequence, n_new: int):
+        """The ring backend whose group prefills this turn's prompt as a pipeline across the peers, or
+        None: a throughput-tolerant standard session's first turn (the pipeline starts at position 0)
+        with a prompt of at least ``pipeline_min_prompt_tokens``, while a ring pool has live peers."""
+        th = self.profile.routing
+        if (th.policy != "sla" or s.sla.cls is SLAClass.INTERACTIVE or s.placement.decode_strategy != "standard"
+                or s.committed or n_new < th.pipeline_min_prompt_tokens or seq.prompt_logprobs
+                or self.peers.peers_alive() == 0):
+            return None
+        return next((p.backend for p in self.pools.values() if p.config.strategy == "qring"), None)
+
+    def _pipeline_prefill(self, s: Session, seq: Sequence, ring) -> int:
+        """(engine thread) Prefill all but the prompt's last token through the pipeline, into the
+        session's file; the engine feeds the last one and samples the first token from its logits."""
+        ids = seq.pending[:-1]
+        self.store.reserve(seq.kv, len(ids))  # the cap is checked before anything is written
+        return len(ids) if ring.pipeline_gather(seq.kv, ids) else 0
+
     def _prepare_turn(self, s: Session, seq: Sequence, n_new: int) -> str:
         """Route the turn (caller holds ``self._lock``); returns the pool to submit it to."""
-        run_in, why = self._turn_pool(s, n_new)
+        ring = self._pipeline_ring(s, seq, n_new)
+        if ring is not None:
+            self.publish("placement", {"session": s.id, "turn_prefill": "pipeline", "reason": (
+                f"first prompt of {n_new} tokens >= {self.profile.routing.pipeline_min_prompt_tokens}: pipeline "
+                f"prefill across the ring's peers, decode on {s.placement.decode_pool!r}")})
+            seq.prefill_outside = lambda seq, s=s, ring=ring: self._pipeline_prefill(s, seq, ring)
+            run_in, why = s.placement.decode_pool, None
+        else:
+            run_in, why = self._turn_pool(s, n_new)
         if why is not None:
             self.publish("placement", {"session": s.id, "turn_prefill_pool": run_in, "reason": why})
             seq.handoff = lambda seq, s=s: self._handoff(s, seq)

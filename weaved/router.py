@@ -9,10 +9,10 @@ plain words) in microseconds, or raises ``RoutingError`` when the node cannot se
 2. Interactive, or a TTFT target the CPU pool is predicted to miss -> standard prefill and decode on a
    GPU pool (its speculative variant while that pool's concurrency is below the variant's threshold).
    No GPU pool, or every GPU pool full -> the CPU pool at top priority.
-3. Background and batch -> short prompts: a CPU pool.  Long prompts: prefill on a GPU pool, then
-   decode on a CPU pool.  Q-Ring decode when the ring's batch depth reaches its threshold; a Q-Ring
-   session's long prompt is prefilled by a pipeline across the ring's nodes when one can be filled
-   (its KV is scattered straight into the ring's shards).
+3. Background and batch -> short prompts: a CPU pool.  Long prompts: prefill on a GPU pool, or a
+   pipeline across peers when one can be filled, then decode on a CPU pool (the pipeline gathers the
+   KV here) or on the Q-Ring (it scatters the KV into the ring's shards).  Q-Ring decode when the
+   ring's batch depth reaches its threshold.
 
 Every number comes from ``RoutingThresholds`` (the profile's [routing] table); none is a constant here.
 ``promote`` re-evaluates a live session whose SLA changed (promotion or demotion).
@@ -288,14 +288,13 @@ def _prefill(req: SessionRequest, state: SystemState, th: RoutingThresholds, dec
                        f"prefill on {where}")
         return "standard", pool.name
     gpu = _with_room(_of(state, "gpu"), need, plain_first=True)
-    piped = state.pipeline_possible and decode.strategy == "qring"  # the pipeline scatters into the ring
-    if piped and req.prompt_tokens >= th.pipeline_min_prompt_tokens:
+    if state.pipeline_possible and req.prompt_tokens >= th.pipeline_min_prompt_tokens:
         stage = gpu or local or _cpu(state, need, None)
         reasons.append(f"long prompt ({req.prompt_tokens} >= {th.pipeline_min_prompt_tokens} tokens) fills a "
                        f"pipeline across {state.peers_alive} peer(s): pipeline prefill, this node's stage on "
                        f"{stage.describe()}")
         return "pipeline", stage.name
-    if piped:
+    if state.pipeline_possible:
         reasons.append(f"prompt too short to fill a pipeline ({req.prompt_tokens} < "
                        f"{th.pipeline_min_prompt_tokens} tokens)")
     if gpu is not None:

@@ -6,7 +6,10 @@ A session that may reach 1,536 positions cannot live on one node: A serves it on
 C (each holds a third), a node without live peers refuses it.  Its greedy continuations match a
 single-node session of A's own CPU pool except at near-ties.  Killing C mid-decode: A rebuilds the
 session on A and B from its transcript (through a pipeline prefill of the two) and the turn
-completes; no daemon hangs.
+completes; no daemon hangs.  Restarted, A rebuilds the session from its journal's transcript on the
+ring that is left, a new ring session's long first prompt scatters through a pipeline, and a standard
+session's long first prompt is prefilled by a pipeline of A and B and gathered into A's file - giving
+exactly the tokens and log-probabilities a single node gives.
 """
 
 from __future__ import annotations
@@ -270,10 +273,27 @@ def test_a_restarted_home_rebuilds_its_ring_sessions_from_their_transcripts(node
             while not events.of("pipeline_prefill"):
                 assert time.monotonic() < end, events.got
                 time.sleep(0.1)
+            # a standard session's long first prompt: pipeline prefill on A and B, gathered into A's file;
+            # hidden states travel as float32 and the kernels are batch invariant, so the answer is B's own
+            assert http.delete(f"/v1/sessions/{fresh['id']}").status_code == 200
+            prompt = list(range(400, 500))
+            local = session(http, 512)
+            assert local["placement"]["decode_strategy"] == "standard"
+            piped = complete(http, local["id"], prompt, 8)
+            end = time.monotonic() + BOUND_S
+            while not [e for e in events.of("pipeline_prefill") if e.get("gather")]:
+                assert time.monotonic() < end, events.got
+                time.sleep(0.1)
+            (gathered,) = [e for e in events.of("pipeline_prefill") if e.get("gather")]
+            assert gathered["tokens"] == len(prompt) - 1 and gathered["ranges"] == [[0, 1], [1, 2]]
+        with uds_client(nodes["b"].socket, timeout=300) as hb:
+            alone = complete(hb, session(hb, 512)["id"], prompt, 8)
+        assert piped["logprobs"]["tokens"] == alone["logprobs"]["tokens"]
+        assert piped["logprobs"]["token_logprobs"] == alone["logprobs"]["token_logprobs"]
         rebuilt = events.of("ring_rebuild")
         assert [(e["session"], e["tokens"], e["via"]) for e in rebuilt] == [(ring["id"], got["context_tokens"],
                                                                               "pipeline")]
         assert events.of("ring_formed")[0]["members"] == ["b"]
-        assert events.of("pipeline_prefill")[0]["session"] == fresh["id"]
+        assert events.of("pipeline_prefill")[0]["session"] == fresh["id"]  # a ring session's: scattered
         events._stop.set()
         assert a2.terminate() == 0, a2.output

@@ -160,6 +160,7 @@ class BatchEngine:
                 cancelled, self._cancel = self._cancel, set()
                 detach, self._detach = self._detach, []
                 admitted = [s for s in self._active if s.on_admit is not None]
+                outside = [s for s in self._active if s.prefill_outside is not None]
             for s in admitted:
                 admit, s.on_admit = s.on_admit, None
                 try:
@@ -167,6 +168,8 @@ class BatchEngine:
                 except Exception as exc:  # e.g. no device memory for its KV: that turn fails
                     log.exception("engine %s: admitting %s failed", self.name, s.session_id)
                     self._fail(s, f"could not bring the session's KV to pool {self.name!r}: {exc}")
+            for s in outside:
+                self._prefill_outside(s)
             for sid, callback in detach:
                 self._hand_over(sid, callback)
             for s in self._active:
@@ -187,6 +190,25 @@ class BatchEngine:
         for s in rest:
             if not s.status.done:
                 self._finish(s, SeqStatus.CANCELLED, "shutdown")
+
+    def _prefill_outside(self, s: Sequence) -> None:
+        """Let ``s.prefill_outside`` write the KV of the turn's first prompt tokens (a pipeline prefill
+        across peers); they count as fed here.  A failure only means this engine prefills them itself."""
+        fn, s.prefill_outside = s.prefill_outside, None
+        if s.status.done:
+            return
+        try:
+            n = fn(s)
+        except Exception:
+            log.exception("engine %s: prefilling %s outside failed; prefilling here", self.name, s.session_id)
+            return
+        fed = s.pending[:n]
+        del s.pending[:n]
+        s.history.extend(fed)
+        s.prefilled += len(fed)
+        self.counters.tokens_prefilled += len(fed)
+        if fed and self._commit is not None:
+            self._commit(s, fed)
 
     def _hand_over(self, sid: str, callback: Callable[[Sequence | None], None]) -> None:
         seq = next((s for s in self._active if s.session_id == sid and not s.status.done), None)

@@ -74,6 +74,10 @@ class Sequence:
     # called (engine thread) when the engine admits the sequence, before its first step there: the
     # daemon brings the session's KV to this engine's backend (a GPU pool's one host-to-device copy)
     on_admit: Callable[[], None] | None = None
+    # called (engine thread) once, after on_admit: writes the KV of the first n pending prompt tokens
+    # elsewhere (a pipeline prefill across peers) and returns n, which the engine then counts as fed;
+    # n < len(pending), so the engine still feeds the last token and samples the first from its logits
+    prefill_outside: Callable[[Sequence], int] | None = None
 
     def __post_init__(self) -> None:
         self.sampler = Sampler(self.params)

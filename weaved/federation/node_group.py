@@ -25,12 +25,15 @@ from weaved.kv.cache import KVCache
 OnClose = Callable[[int, KVCache], None]
 
 
-def reuse_open(ring: RingMember, make: KVFactory) -> KVFactory:
+def reuse_open(ring: RingMember, make: KVFactory, targets: dict[int, KVCache] | None = None) -> KVFactory:
     """The pipeline's hand-off caches: a session the home already opened on the ring (empty shards,
     their room reserved on every rank, so a full node refused it cleanly before any work) hands its
-    empty shard to the pipeline, which fills it and gives it back to the ring (``ShardTable.adopt``)."""
+    empty shard to the pipeline, which fills it and gives it back to the ring (``ShardTable.adopt``).
+    ``targets`` (the home's): full caches a ``GATHER`` hand-off writes into (a standard session's file)."""
 
     def factory(sid: int, capacity: int) -> KVCache:
+        if targets is not None and sid in targets:
+            return targets[sid]
         kv = ring.shards.kv.get(sid)
         if kv is not None and kv.length == 0 and ring.shards.lengths.get(sid) == 0 and kv.capacity >= capacity:
             del ring.shards.kv[sid], ring.shards.lengths[sid]  # adopt puts it back, with its rows
@@ -50,8 +53,13 @@ class HomeGroup:
         self.group = group
         self.ring = RingMember(group, backend.config, LayerRunner(backend), kv_factory=kv_factory,
                                heads_per_group=heads_per_group, on_close=on_close)
-        self.pipe = PipelineMember(group, backend, kv_factory=reuse_open(self.ring, kv_factory),
-                                   on_kv=self.ring.shards.adopt, lock=self.ring._lock)
+        self.targets: dict[int, KVCache] = {}  # sid -> the cache a GATHER hand-off fills (not a shard)
+        self.pipe = PipelineMember(group, backend, kv_factory=reuse_open(self.ring, kv_factory, self.targets),
+                                   on_kv=self._landed, lock=self.ring._lock)
+
+    def _landed(self, sid: int, kv: KVCache, length: int) -> None:
+        if sid not in self.targets:  # a SCATTER's shard: the ring's now
+            self.ring.shards.adopt(sid, kv, length)
 
     def stop(self) -> None:
         """Release the members and free this rank's shards."""

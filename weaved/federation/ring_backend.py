@@ -33,12 +33,14 @@ import numpy as np
 from weaved.backends.base import Backend, BackendStats, Logits, SeqChunk
 from weaved.backends.cpu import CPUBackend
 from weaved.federation.comm import PeerLost, host_store
+from weaved.federation.handoff import Handoff
 from weaved.federation.node_group import HomeGroup
 from weaved.federation.qring import RingChunk
 from weaved.federation.ring_form import FormSpec, JoinFailed, form_group
 from weaved.federation.ring_kv import RingKV
 from weaved.federation.ring_sessions import RingSessions
 from weaved.federation.shard_files import delete_group_files, group_prefix, shard_files
+from weaved.kv.cache import KVCache
 from weaved.kv.store import KVStore
 from weaved.profile import PeerConfig
 
@@ -187,6 +189,37 @@ class RingBackend(RingSessions, Backend):
                 except PeerLost as e:
                     self._lost(e)
             raise RingUnavailable(f"the ring kept losing peers ({MAX_FORMS} tries)")
+
+    def pipeline_gather(self, kv: KVCache, tokens: list[int]) -> bool:
+        """Prefill ``tokens`` (positions 0 .. of an empty standard session's cache ``kv``, its file)
+        through a pipeline over the ring's group, gathering every layer's KV into ``kv``; False when no
+        pipeline fits now (the caller prefills locally).  ``PeerLost`` drops the ring (it is formed
+        again at the next use) and returns False: nothing was written to ``kv``."""
+        if kv.length != 0 or len(tokens) > kv.capacity:
+            raise ValueError("a pipeline prefill starts an empty cache and fits in it")
+        ids = np.asarray(tokens, np.int32)
+        with self._lock:
+            try:
+                home = self._ring()
+                ranges = self._stages(home)
+                if ranges is None or len(ids) < self.pipeline_min_tokens:
+                    return False
+                sid = -next(self._rids)  # not a ring session: a negative id the ring never opens
+                home.targets[sid] = kv
+                try:
+                    t0 = time.perf_counter()
+                    home.pipe.prefill([sid], [ids], ranges=ranges, capacities=[kv.capacity], handoff=Handoff.GATHER)
+                finally:
+                    home.targets.pop(sid, None)
+            except (PeerLost, RingUnavailable) as e:
+                if isinstance(e, PeerLost):
+                    self._lost(e)
+                log.warning("pipeline prefill not run: %s", e)
+                return False
+        self.counters["pipeline_prefills"] += 1
+        self._publish("pipeline_prefill", {"tokens": len(ids), "ring": home.group.name, "gather": True,
+                                           "ranges": ranges, "seconds": round(time.perf_counter() - t0, 3)})
+        return True
 
     # ---- a step ------------------------------------------------------------------------------------
     def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
