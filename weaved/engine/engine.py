@@ -180,9 +180,11 @@ class BatchEngine:
                 try:
                     self.step()
                 except Exception as exc:  # a bug in one step must not kill the pool: fail its turns
-                    log.exception("engine %s: step failed", self.name)
+                    status = getattr(exc, "http_status", None)  # the server's capacity (a ring lost its room)
+                    if status is None:
+                        log.exception("engine %s: step failed", self.name)
                     for s in self._active:
-                        self._fail(s, f"internal error: {exc}")
+                        self._fail(s, str(exc) if status else f"internal error: {exc}", status)
                 self._active = [s for s in self._active if not s.status.done]
         with self._cond:
             rest = self._active + self._incoming

@@ -35,7 +35,7 @@ from weaved.backends.cpu import CPUBackend
 from weaved.federation.comm import PeerLost, host_store
 from weaved.federation.handoff import Handoff
 from weaved.federation.node_group import HomeGroup
-from weaved.federation.qring import RingChunk
+from weaved.federation.qring import RingChunk, ShardRefused
 from weaved.federation.ring_form import FormSpec, JoinFailed, form_group
 from weaved.federation.ring_kv import RingKV
 from weaved.federation.ring_sessions import RingSessions
@@ -50,6 +50,8 @@ MAX_FORMS = 3  # ring formations one step may try before its turn fails
 
 class RingUnavailable(RuntimeError):
     """No ring could be formed (the message says why); the turn fails, the daemon goes on."""
+
+    http_status = 503
 
 
 class RingBackend(RingSessions, Backend):
@@ -155,17 +157,44 @@ class RingBackend(RingSessions, Backend):
         self.peers.check_now()  # a dead peer's control plane is gone too: it is not asked to rejoin
 
     def _ring(self) -> HomeGroup:
+        if self._home is not None and self._home.group.broken:  # lost while idle (a failed keep-alive ping)
+            self._lost(PeerLost(self._home.group.name, None, "keep-alive", "the ring broke between steps"))
+        if self._usable() and not self._home.ring.capacity and self._newcomers():
+            self._retire("peers joined while the ring held no session")  # re-forming costs nothing now
         return self._home if self._usable() else self._form()
+
+    def _newcomers(self) -> list[str]:
+        """Live peers serving our model that the current ring does not include."""
+        have = {p.name for p in self._members}
+        return [p.name for p in self.peers.usable() if p.name not in have]
+
+    def _regrow(self) -> bool:
+        """A session did not fit: when peers that the ring lacks are alive, stop this ring so that the
+        next formation includes them (its sessions are rebuilt from their transcripts); True if so."""
+        new = self._newcomers()
+        if not new:
+            return False
+        self._retire(f"{', '.join(new)} can add room")
+        return True
+
+    def _retire(self, why: str) -> None:
+        home, self._home = self._home, None
+        if home is None:
+            return
+        try:
+            home.stop()
+        except Exception:  # a member already gone: the group is closed either way
+            home.group.close()
+        delete_group_files(self.store, group_prefix(home.group.name))
+        self._publish("ring_retired", {"ring": home.group.name, "reason": why,
+                                       "sessions": len(home.ring.capacity)})
+        log.info("ring %s retired: %s", home.group.name, why)
 
     def close(self) -> None:
         """Stop the ring: its members leave their serve loops and free their shards."""
         with self._lock:
-            home, self._home = self._home, None
-            if home is not None:
-                home.stop()
-                delete_group_files(self.store, group_prefix(home.group.name))
-            if self._tcp_store is not None:
-                self._tcp_store = None
+            self._retire("the daemon is stopping")
+            self._tcp_store = None
 
     def describe(self) -> dict:
         home = self._home
@@ -188,6 +217,9 @@ class RingBackend(RingSessions, Backend):
                     return
                 except PeerLost as e:
                     self._lost(e)
+                except ShardRefused:
+                    if not self._regrow():
+                        raise
             raise RingUnavailable(f"the ring kept losing peers ({MAX_FORMS} tries)")
 
     def pipeline_gather(self, kv: KVCache, tokens: list[int]) -> bool:
