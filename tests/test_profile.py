@@ -73,7 +73,8 @@ def test_every_shipped_profile_loads_on_any_hardware(name, hw):
 
 def test_cpu_only_uses_every_core_and_scales_its_rates():
     prof = load_profile("cpu-only", hardware=CPU_BOX)
-    assert [p.name for p in prof.pools] == ["cpu"] and prof.pools[0].backend == "cpu"
+    assert [p.name for p in prof.pools] == ["cpu", "ring"] and prof.pools[0].backend == "cpu"
+    assert prof.pools[1].strategy == "qring"  # used only when the daemon federates
     assert prof.threads.kernels == 8 and prof.threads.gpu_driver == 0
     per_thread = load_profile("cpu-only", hardware=Hardware(1, 1, 2**30)).routing
     assert prof.routing.cpu_prefill_tokens_per_s == pytest.approx(8 * per_thread.cpu_prefill_tokens_per_s)
@@ -83,10 +84,10 @@ def test_cpu_only_uses_every_core_and_scales_its_rates():
 
 def test_workstation_adds_a_gpu_pool_only_with_a_gpu():
     without = load_profile("workstation", hardware=CPU_BOX)
-    assert [p.name for p in without.pools] == ["cpu"]
+    assert [p.name for p in without.pools] == ["cpu", "ring"]
     assert any("no CUDA GPU" in n for n in without.notes)
     with_gpu = load_profile("workstation", hardware=RTX_BOX)
-    assert [p.name for p in with_gpu.pools] == ["gpu", "cpu"]
+    assert [p.name for p in with_gpu.pools] == ["gpu", "cpu", "ring"]
     assert with_gpu.pool("gpu").cuda_device == 0 and with_gpu.pool("gpu").idle_demote_s == 300
     # the CPU pool gets the cores the GPU's driver thread and the API leave
     assert with_gpu.threads.gpu_driver == 1 and with_gpu.threads.kernels == 16 - 1 - 1

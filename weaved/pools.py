@@ -147,6 +147,6 @@ def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
         pools[cfg.name] = Pool(cfg, backend, engine, lock)
         if pools[cfg.name].stand_in:
             notes.append(f"pool {cfg.name!r}: the torch backend on the CPU device stands in for a GPU pool")
-    for n in notes:
-        log.warning(n)
+    for n in notes:  # a ring pool in a daemon that federates with nobody is expected, not a problem
+        (log.info if "does not federate" in n else log.warning)(n)
     return pools, notes

@@ -46,9 +46,7 @@ def profile(tmp: Path, name: str, kv_bytes: int, peers: str = "") -> Path:
     text = text.replace('kv_cap_bytes = "auto"', f"kv_cap_bytes = {NODE_TOKENS * kv_bytes}")
     text = text.replace('kernels = "auto"', "kernels = 1")  # three daemons share two cores
     text = text.replace("pipeline_min_prompt_tokens = 8192", "pipeline_min_prompt_tokens = 64")
-    text += ('\n[[pools]]\nname = "ring"\nbackend = "cpu"\nstrategy = "qring"\nmax_batch = 8\nprefill_chunk = 256\n'
-             'token_budget = 264\n'
-             '\n[federation]\nport = 0\ntoken = "tok"\nhealth_interval_s = 0.5\nhealth_timeout_s = 0.5\n'
+    text += ('\n[federation]\nport = 0\ntoken = "tok"\nhealth_interval_s = 0.5\nhealth_timeout_s = 0.5\n'
              'ring_timeout_s = 30\nring_idle_timeout_s = 60\n')
     path = tmp / f"{name}.toml"
     path.write_text(text + peers)
