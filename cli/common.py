@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
 from typing import Annotated, Any
@@ -67,6 +67,18 @@ def connect(socket: str | None, api_key: str | None) -> Iterator[Client]:
 
 def print_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2, ensure_ascii=False))
+
+
+def remove_each(items: list[str], remove: Callable[[str], Any], said: Callable[[str], str], json: bool) -> None:
+    """Remove each item through the daemon (``remove(item)`` answers its record), saying ``said(item)``
+    as each goes, or printing every record as JSON at the end."""
+    done = []
+    for item in items:
+        done.append(remove(item))
+        if not json:
+            typer.echo(said(item))
+    if json:
+        print_json(done)
 
 
 def sla_class(value: SLAClass | str | None) -> str | None:

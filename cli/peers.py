@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 from weaved.cli import fmt
-from weaved.cli.common import ApiKeyOpt, JsonOpt, SocketOpt, connect, fail, print_json
+from weaved.cli.common import ApiKeyOpt, JsonOpt, SocketOpt, connect, fail, print_json, remove_each
 
 DEFAULT_TOKEN_ENV = "WEAVE_PEER_TOKEN"
 
@@ -97,14 +97,8 @@ def add(name: NameArg,
 def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Peers to remove.")],
        socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
     """Stop federating with peers added at run time (profile peers stay until the profile changes)."""
-    done = []
     with connect(socket, api_key) as client:
-        for n in names:
-            done.append(client.delete_peer(n))
-            if not json:
-                typer.echo(f"removed peer {n}")
-    if json:
-        print_json(done)
+        remove_each(names, client.delete_peer, lambda n: f"removed peer {n}", json)
 
 
 def register(app: typer.Typer) -> None:

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 from weaved.cli import fmt
-from weaved.cli.common import ApiKeyOpt, JsonOpt, SocketOpt, connect, print_json
+from weaved.cli.common import ApiKeyOpt, JsonOpt, SocketOpt, connect, print_json, remove_each
 
 IdArg = Annotated[str, typer.Argument(metavar="ID", help="A session id (as `weave ps` lists them).",
                                       show_default=False)]
@@ -78,14 +78,8 @@ def show(session_id: IdArg, socket: SocketOpt = None, api_key: ApiKeyOpt = None,
 def rm(session_ids: Annotated[list[str], typer.Argument(metavar="ID...", help="Sessions to delete.")],
        socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
     """Delete sessions (a running turn is cancelled; the transcript and KV file are removed)."""
-    done = []
     with connect(socket, api_key) as client:
-        for sid in session_ids:
-            done.append(client.delete_session(sid))
-            if not json:
-                typer.echo(f"deleted {sid}")
-    if json:
-        print_json(done)
+        remove_each(session_ids, client.delete_session, lambda sid: f"deleted {sid}", json)
 
 
 def _sla_change(session_id: str, socket: str | None, api_key: str | None, json: bool, promote: bool) -> None:
