@@ -128,10 +128,12 @@ def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
     backends = _Backends(gguf, config, profile)
     pools: dict[str, Pool] = {}
     notes: list[str] = []
+    expected: set[str] = set()  # notes on what a profile implies, not a problem: logged as info
     for cfg in profile.pools:
-        if cfg.strategy == "qring" and ring is None:
+        if cfg.strategy == "qring" and ring is None:  # a ring pool in a daemon that federates with nobody
             notes.append(f"pool {cfg.name!r} (qring) left out: this daemon does not federate (name [[peers]] or "
                          f"set a [federation] port and token)")
+            expected.add(notes[-1])
             continue
         missing = cuda_missing(cfg)
         if missing is not None:
@@ -147,6 +149,6 @@ def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
         pools[cfg.name] = Pool(cfg, backend, engine, lock)
         if pools[cfg.name].stand_in:
             notes.append(f"pool {cfg.name!r}: the torch backend on the CPU device stands in for a GPU pool")
-    for n in notes:  # a ring pool in a daemon that federates with nobody is expected, not a problem
-        (log.info if "does not federate" in n else log.warning)(n)
+    for n in notes:
+        (log.info if n in expected else log.warning)(n)
     return pools, notes

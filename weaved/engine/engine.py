@@ -204,13 +204,8 @@ class BatchEngine:
         except Exception:
             log.exception("engine %s: prefilling %s outside failed; prefilling here", self.name, s.session_id)
             return
-        fed = s.pending[:n]
-        del s.pending[:n]
-        s.history.extend(fed)
-        s.prefilled += len(fed)
-        self.counters.tokens_prefilled += len(fed)
-        if fed and self._commit is not None:
-            self._commit(s, fed)
+        if n:
+            self._feed(s, n, prefill=True)
 
     def _hand_over(self, sid: str, callback: Callable[[Sequence | None], None]) -> None:
         seq = next((s for s in self._active if s.session_id == sid and not s.status.done), None)
@@ -295,20 +290,24 @@ class BatchEngine:
 
     def _advance(self, w: Work, logits: np.ndarray) -> int:
         s = w.seq
-        fed = s.pending[: w.n_tokens]
-        del s.pending[: w.n_tokens]
         was_prefill = s.prefilling
         if s.prompt_logprobs and was_prefill and len(logits):
-            self._emit_prompt_logprobs(s, fed, logits)
+            self._emit_prompt_logprobs(s, s.pending[: w.n_tokens], logits)
+        self._feed(s, w.n_tokens, prefill=was_prefill)
+        if s.pending:
+            return 0  # more prompt to feed
+        return self._sample(s, logits[-1])
+
+    def _feed(self, s: Sequence, n: int, prefill: bool) -> None:
+        """The first ``n`` pending tokens' KV rows are written: they join the history and are committed."""
+        fed = s.pending[:n]
+        del s.pending[:n]
         s.history.extend(fed)
-        if was_prefill:
+        if prefill:
             s.prefilled += len(fed)
             self.counters.tokens_prefilled += len(fed)
         if self._commit is not None:
             self._commit(s, fed)
-        if s.pending:
-            return 0  # more prompt to feed
-        return self._sample(s, logits[-1])
 
     def _emit_prompt_logprobs(self, s: Sequence, fed: list[int], logits: np.ndarray) -> None:
         """Log-probability of each fed token given what came before it.  Row i of ``logits``

@@ -53,11 +53,22 @@ def node_report(daemon: Any) -> dict:
     }
 
 
+MEASURED_AFTER = 256  # prefill tokens a CPU backend must have run before its own rate is trusted
+
+
+def measured_prefill_rate(stats) -> float | None:
+    """Tokens per second a backend's counters (``BackendStats``) show, once it has prefilled enough
+    to say (all its steps, prefill chunks among them); None before."""
+    if stats.prefill_tokens >= MEASURED_AFTER and stats.seconds > 0:
+        return stats.tokens / stats.seconds
+    return None
+
+
 def prefill_speed(daemon: Any) -> dict:
-    """How fast this node prefills, for a pipeline's layer split: measured on its CPU backend once it
-    has prefilled enough to say (steps with prefill chunks, all layers), else the profile's estimate."""
+    """How fast this node prefills, for a pipeline's layer split: measured on its CPU backend, else the
+    profile's estimate."""
     cpu = next((p.backend for p in daemon.pools.values() if p.backend.name == "cpu"), None)
-    st = cpu.stats if cpu is not None else None
-    if st is not None and st.prefill_tokens >= 256 and st.seconds > 0:
-        return {"prefill_tokens_per_s": round(st.tokens / st.seconds, 1), "source": "measured"}
+    rate = measured_prefill_rate(cpu.stats) if cpu is not None else None
+    if rate is not None:
+        return {"prefill_tokens_per_s": round(rate, 1), "source": "measured"}
     return {"prefill_tokens_per_s": daemon.profile.routing.cpu_prefill_tokens_per_s, "source": "profile"}

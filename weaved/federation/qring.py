@@ -258,14 +258,18 @@ class RingMember(RingServe):
         for g, (h0, h1) in enumerate(groups):
             out, lse = rows.batch.attend(np.ascontiguousarray(q[:, h0 * G : h1 * G]), li, h0, h1, self.scale)
             if n > 1:
-                ret, pending = rets[g]
-                t = time.perf_counter()
-                pending.wait()
-                self.stats.wait_seconds += time.perf_counter() - t
-                out, lse = merge(out, lse, ret.out, ret.lse)
+                out, lse = self._merge_back(out, lse, *rets[g])
             att[:, h0 * G : h1 * G] = out
         wait_all(sends)
         self.runner.post_attention(li, x, att)
+
+    def _merge_back(self, out: np.ndarray, lse: np.ndarray, ret: Packet, pending) -> tuple[np.ndarray, np.ndarray]:
+        """Wait for a returning packet (timed: the ring time the overlap did not hide) and merge its
+        partial attention into (out, lse)."""
+        t = time.perf_counter()
+        pending.wait()
+        self.stats.wait_seconds += time.perf_counter() - t
+        return merge(out, lse, ret.out, ret.lse)
 
     # ---- liveness ------------------------------------------------------------------------------------
 

@@ -210,17 +210,22 @@ class RingBackend(RingSessions, Backend):
         if not isinstance(kv, RingKV) or kv.epoch == self._epoch and self._usable():
             return
         with self._lock:
-            for _ in range(MAX_FORMS):
-                home = self._ring()
-                try:
-                    self._place(home, kv)
-                    return
-                except PeerLost as e:
-                    self._lost(e)
-                except ShardRefused:
-                    if not self._regrow():
-                        raise
-            raise RingUnavailable(f"the ring kept losing peers ({MAX_FORMS} tries)")
+            self._on_ring(lambda home: self._place(home, kv), regrow=True)
+
+    def _on_ring(self, fn, regrow: bool = False):
+        """``fn(home)`` on the current ring (formed if need be).  A lost peer drops the ring, which is
+        formed again of the survivors, and ``fn`` runs again, up to MAX_FORMS times; with ``regrow``, a
+        session that does not fit re-forms the ring with the live peers it lacks."""
+        for _ in range(MAX_FORMS):
+            home = self._ring()
+            try:
+                return fn(home)
+            except PeerLost as e:
+                self._lost(e)
+            except ShardRefused:
+                if not (regrow and self._regrow()):
+                    raise
+        raise RingUnavailable(f"the ring kept losing peers ({MAX_FORMS} tries)")
 
     def pipeline_gather(self, kv: KVCache, tokens: list[int]) -> bool:
         """Prefill ``tokens`` (positions 0 .. of an empty standard session's cache ``kv``, its file)
@@ -263,15 +268,7 @@ class RingBackend(RingSessions, Backend):
                 raise ValueError(f"{len(c.tokens)} tokens exceed the session's capacity {kv.capacity}")
         t0 = time.perf_counter()
         with self._lock:
-            for _ in range(MAX_FORMS):
-                home = self._ring()
-                try:
-                    out = self._step(home, chunks)
-                    break
-                except PeerLost as e:
-                    self._lost(e)
-            else:
-                raise RingUnavailable(f"the ring kept losing peers ({MAX_FORMS} tries)")
+            out = self._on_ring(lambda home: self._step(home, chunks))
         st = self.stats
         n = [len(c.tokens) for c in chunks]
         st.steps += 1

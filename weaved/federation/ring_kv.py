@@ -34,10 +34,6 @@ class RingKV:
     def length(self) -> int:
         return len(self.tokens)
 
-    @property
-    def nbytes_used(self) -> int:
-        return 0  # on this node: the home's own shard is counted by its KV store
-
     def truncate(self, length: int) -> None:
         """Forget positions from ``length`` on, on the ring too when a ring holds the session."""
         if not 0 <= length <= self.length:

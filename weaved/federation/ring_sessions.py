@@ -21,6 +21,7 @@ import numpy as np
 from weaved.backends.base import Logits, SeqChunk
 from weaved.federation.handoff import Handoff
 from weaved.federation.node_group import HomeGroup
+from weaved.federation.node_report import measured_prefill_rate
 from weaved.federation.pipeline import split_layers
 from weaved.federation.qring import RingChunk, ShardRefused
 from weaved.federation.ring_kv import RingKV
@@ -28,7 +29,6 @@ from weaved.federation.shards import shard_length
 from weaved.kv.store import KVStoreError
 
 REPLAY_CHUNK = 512  # tokens per ring step when a transcript is prefilled through the ring
-MEASURED_AFTER = 256  # prefill tokens a CPU backend must have run before its own rate is trusted
 
 
 class RingSessions:
@@ -71,9 +71,7 @@ class RingSessions:
         n = home.group.world_size
         if n < 2 or n > self.config.n_layers:
             return None
-        own = self.cpu.stats
-        measured = own.prefill_tokens >= MEASURED_AFTER and own.seconds > 0
-        speeds = [own.tokens / own.seconds if measured else self.default_speed]
+        speeds = [measured_prefill_rate(self.cpu.stats) or self.default_speed]
         reports = {p["name"]: p for p in self.peers.list()}
         for p in self._members:
             sp = ((reports.get(p.name) or {}).get("speed") or {}).get("prefill_tokens_per_s")

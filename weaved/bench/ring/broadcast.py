@@ -18,13 +18,10 @@ in another order, so the logits agree with the ring's to float32 rounding.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from weaved.federation import protocol as P
 from weaved.federation.comm import wait_all
-from weaved.federation.partial import merge
 from weaved.federation.qring import RingMember
 from weaved.federation.ring_rows import Packet, StepRows
 from weaved.federation.ring_serve import HOME
@@ -67,10 +64,7 @@ class BroadcastMember(RingMember):
         for g, (h0, h1) in enumerate(groups):
             out, lse = rows.batch.attend(np.ascontiguousarray(q[:, h0 * G : h1 * G]), li, h0, h1, self.scale)
             for ret, pending in rets[g]:  # the N partials merged once, here
-                t = time.perf_counter()
-                pending.wait()
-                self.stats.wait_seconds += time.perf_counter() - t
-                out, lse = merge(out, lse, ret.out, ret.lse)
+                out, lse = self._merge_back(out, lse, ret, pending)
             att[:, h0 * G : h1 * G] = out
         wait_all(sends)
         self.runner.post_attention(li, x, att)
