@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from weaved.kernels.refine_rule import REFINE_MARGIN, REFINE_TOP
 from weaved.kernels.torch_rowwise import check_tensor, div_scalar
 
 QK = 32
@@ -108,13 +109,12 @@ def quantize_act(x: torch.Tensor) -> Q8Act:
     return Q8Act(q, d)
 
 
-def quantize_two_level(x: torch.Tensor) -> Q8Act:
-    """x float32 [T, K] -> 2T rows: the Q8_0 quantization of x, then that of its rounding error
-    x - d1*q1 (``residual.quantize_two_level``)."""
+def quantize_two_level(x: torch.Tensor) -> tuple[Q8Act, Q8Act]:
+    """x float32 [T, K] -> (first, second): the Q8_0 quantization of x, then that of its rounding
+    error x - d1*q1 (``residual.quantize_two_level``)."""
     a = quantize_act(x)
     x1 = (a.q.to(torch.float32) * a.d.unsqueeze(-1)).reshape(x.shape)  # exact: 8 x 11 bits
-    b = quantize_act(x - x1)
-    return Q8Act(torch.cat([a.q, b.q]), torch.cat([a.d, b.d]))
+    return a, quantize_act(x - x1)
 
 
 def weight_scales(raw: torch.Tensor) -> torch.Tensor:
@@ -327,10 +327,22 @@ class Products:
             raise ValueError("linear_act needs Q4_0 or Q8_0 weights")
         return self._linear_q(w, a)
 
-    def linear_residual(self, w: DeviceWeight, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T with two-level Q8_0 activations (``residual.linear_residual``): the logits."""
+    def linear_residual(self, w: DeviceWeight, x: torch.Tensor, margin: float = REFINE_MARGIN,
+                        top: int = REFINE_TOP) -> torch.Tensor:
+        """x @ W.T with the second activation level on each row's candidate logits
+        (``residual.linear_residual``, the same set and the same bits): the logits."""
         if not w.quantized:
             return linear_float(w, x)
         T = x.shape[0]
-        y = self._linear_q(w, quantize_two_level(x))  # [2T, n_out]
-        return y[:T] + y[T:]
+        a1, a2 = quantize_two_level(x)
+        y = self._linear_q(w, a1)  # [T, n_out]
+        if T == 0:
+            return y
+        # the threshold: max - margin (float32), raised to the k-th largest value
+        lo = y.max(dim=1).values - margin  # [T]
+        thr = torch.maximum(lo, torch.topk(y, min(int(top), w.n_out), dim=1).values[:, -1])
+        for t in range(T):
+            sel = torch.nonzero(y[t] >= thr[t]).flatten()  # [n]
+            rows = DeviceWeight(w.qtype, int(sel.numel()), w.n_in, w.data[sel])
+            y[t, sel] = y[t, sel] + self._linear_q(rows, Q8Act(a2.q[t:t + 1], a2.d[t:t + 1]))[0]
+        return y

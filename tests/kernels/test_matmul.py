@@ -113,6 +113,10 @@ def test_linear_q_and_out(path: str, qtype: GGMLType) -> None:
     out = np.full((5, 33), np.nan, np.float32)
     assert M.linear_q(w, qx, out=out) is out
     assert np.array_equal(out, y)
+    wide = np.full((5, 33 + 7), np.nan, np.float32)  # a row-padded output: the padding is left alone
+    assert M.linear(w, x, out=wide) is wide
+    assert np.array_equal(wide[:, :33], y) and np.isnan(wide[:, 33:]).all()
+    assert M.padded_out(5, 1024).shape == (5, 1024 + M.ROW_PAD) and M.padded_out(5, 1000).shape == (5, 1000)
     assert M.linear(w, np.zeros((0, 64), np.float32)).shape == (0, 33)
 
 
@@ -197,8 +201,8 @@ def test_errors() -> None:
     for x in bad_x:
         with pytest.raises(ValueError, match=r"linear: x must be a C-contiguous float32 \[T, 64\]"):
             M.linear(w, x)
-    with pytest.raises(ValueError, match=r"out must be a writeable C-contiguous float32 \[2, 32\]"):
-        M.linear(w, np.zeros((2, 64), np.float32), out=np.zeros((2, 33), np.float32))
+    with pytest.raises(ValueError, match=r"out must be a writeable C-contiguous float32 \[2, >= 32\]"):
+        M.linear(w, np.zeros((2, 64), np.float32), out=np.zeros((2, 31), np.float32))
     with pytest.raises(ValueError, match="n_in = 64"):
         M.linear_q(w, Q.quantize_activations(np.zeros((2, 96), np.float32)))
     with pytest.raises(ValueError, match="1-D integer"):

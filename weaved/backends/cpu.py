@@ -94,9 +94,10 @@ class CPUBackend(Backend):
         self._emb_raw, self._emb_type = emb.raw, emb.type_id
         # the output matrix runs with two-level activations: quantizing the final hidden state to
         # Q8_0 once was the largest single error in the next-token distribution (kernels.residual)
-        self.wout = packed(["token_embd.weight" if cfg.tied_output else "output.weight"])
-        if self.wout.qtype in (2, 8):  # Q4_0, Q8_0
-            self._logits = lambda h: linear_residual(self.wout, h)
+        out = t["token_embd.weight" if cfg.tied_output else "output.weight"]
+        self.wout = packed([out.name])
+        if self.wout.qtype in (2, 8):  # Q4_0, Q8_0: the refinement reads the file's rows
+            self._logits = lambda h: linear_residual(self.wout, out.raw, h)
         else:
             self._logits = lambda h: matmul.linear(self.wout, h)
         self._scale = 1.0 / float(np.sqrt(cfg.head_dim))
