@@ -24,7 +24,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._llvm import F32, HALF, I8, I32, I64, c64, fn, ptr
+from ._llvm import F32, HALF, I8, I32, I64, c64, fn, ptr, splat
 
 _OPTS = dict(cache=True, nogil=True, error_model="numpy", boundscheck=False)
 _V32I32 = ir.VectorType(I32, 32)
@@ -143,8 +143,7 @@ def _ge_masks(typingctx, y, t, n16, lo, masks):
         base = _row_base(context, builder, signature.args[0], args[0], args[1])
         mk = context.make_array(signature.args[4])(context, builder, args[4]).data
         lov = context.cast(builder, args[3], signature.args[3], types.float32)
-        splat_lo = builder.shuffle_vector(builder.insert_element(ir.Constant(_V16F, ir.Undefined), lov, ir.Constant(I32, 0)),
-                                          ir.Constant(_V16F, ir.Undefined), ir.Constant(ir.VectorType(I32, 16), [0] * 16))
+        splat_lo = splat(builder, lov, _V16F)
         pop = fn(builder, "llvm.ctpop.i32", I32, [I32])
         cnt = builder.alloca(I64)
         builder.store(c64(0), cnt)

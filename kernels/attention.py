@@ -85,7 +85,13 @@ def _check_index_arrays(layer, seq_starts, pos0) -> None:
         raise ValueError("pos0 must be an int64 [S] array")
 
 
-def _raise_batch_error(code: int, s: int) -> None:
+def attention_params(n_heads: int, head_dim: int) -> tuple[int, int]:
+    """(n_slices, max_items): how ``attend`` cuts its work (for callers of the compiled kernel)."""
+    return _SLICES, _max_items(n_heads, head_dim)
+
+
+def raise_batch_error(code: int, s: int) -> None:
+    """Raise the ValueError of a batch kernel's (error code, sequence); nothing for code 0."""
     if code:
         raise ValueError(_BATCH_ERRORS[code] + (f" (sequence {s})" if s >= 0 else ""))
 
@@ -98,7 +104,7 @@ def kv_store(kvs, layer: int, seq_starts: np.ndarray, pos0: np.ndarray, k: np.nd
     _check_3d("k", k)
     _check_array("v", v, np.float32, k.shape)
     _check_index_arrays(layer, seq_starts, pos0)
-    _raise_batch_error(*kv_store_batch(kvs, layer, seq_starts, pos0, k, v))
+    raise_batch_error(*kv_store_batch(kvs, layer, seq_starts, pos0, k, v))
 
 
 def attend(q: np.ndarray, kvs, layer: int, seq_starts: np.ndarray, pos0: np.ndarray, scale: float,
@@ -117,7 +123,7 @@ def attend(q: np.ndarray, kvs, layer: int, seq_starts: np.ndarray, pos0: np.ndar
     if T == 0:
         return
     scale32, max_items = np.float32(scale), _max_items(H, D)
-    _raise_batch_error(*attend_batch(q, kvs, layer, seq_starts, pos0, scale32, out, lse, _SLICES, max_items))
+    raise_batch_error(*attend_batch(q, kvs, layer, seq_starts, pos0, scale32, out, lse, _SLICES, max_items))
 
 
 def attend_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float

@@ -50,7 +50,8 @@ def test_two_level_reconstructs_x():
 @pytest.mark.parametrize("margin,top", [(12.0, 128), (2.0, 128), (40.0, 16), (float("inf"), 1 << 30)])
 def test_refines_exactly_the_rule(qt, quant, dequant, margin, top):
     raw, w = _weight(qt, quant, 1000, 96, 5)
-    x = (np.random.default_rng(6).standard_normal((6, 96)) * np.array([[1], [3], [6], [0.1], [2], [8]])).astype(np.float32)
+    spread = np.array([[1], [3], [6], [0.1], [2], [8]])  # row 3 is flat: the cap decides
+    x = (np.random.default_rng(6).standard_normal((6, 96)) * spread).astype(np.float32)
     one, two = _both_levels(w, x)
     counts = np.empty(6, np.int64)
     got = linear_residual(w, raw, x, margin, top, counts)

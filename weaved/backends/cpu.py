@@ -17,8 +17,9 @@ import numpy as np
 from weaved.backends.base import Backend, BackendStats, Logits, SeqChunk
 from weaved.kernels import attention as ka
 from weaved.kernels import elementwise as ke
-from weaved.kernels import matmul
+from weaved.kernels import layer_loop, matmul
 from weaved.kernels import threads as kthreads
+from weaved.kernels._rope import _rope_params
 from weaved.kernels.residual import linear_residual
 from weaved.kv.cache import KVCache
 from weaved.model.config import ModelConfig
@@ -40,6 +41,8 @@ class _Layer:
 
 
 class CPUBackend(Backend):
+    fused_layers = True  # one compiled call for all layers where the model allows (``layer_loop``)
+
     def __init__(self, gguf: GGUFFile, config: ModelConfig, threads: int | None = None):
         if threads:
             kthreads.set_threads(threads)
@@ -89,6 +92,8 @@ class CPUBackend(Backend):
                 )
             )
         self.layers = layers
+        self._loop = layer_loop.LayerWeights.build(layers, cfg)  # None: the Python loop runs them
+        self._rope = _rope_params(cfg.n_rot, cfg.head_dim, cfg.rope_base, cfg.rope_scale, cfg.rope_style.value)
         self.out_norm = f32("output_norm.weight")
         emb = t["token_embd.weight"]
         self._emb_raw, self._emb_type = emb.raw, emb.type_id
@@ -152,6 +157,19 @@ class CPUBackend(Backend):
         h = ke.rmsnorm(x, L.ffn_norm, cfg.rms_eps)
         x += self._linear(L.wdown, ke.swiglu(self._linear(L.wgu, h)))
 
+    def _layers_python(self, x: np.ndarray, positions: np.ndarray, kvs, seq_starts: np.ndarray,
+                       pos0: np.ndarray) -> None:
+        """The layers one kernel call at a time (models ``layer_loop`` does not take)."""
+        cfg = self.config
+        T = x.shape[0]
+        att = np.empty((T, cfg.n_heads, cfg.head_dim), dtype=np.float32)
+        lse = np.empty((T, cfg.n_heads), dtype=np.float32)
+        for li in range(len(self.layers)):
+            q, k, v = self.pre_attention(li, x, positions)
+            ka.kv_store(kvs, li, seq_starts, pos0, k, v)
+            ka.attend(q, kvs, li, seq_starts, pos0, self._scale, att, lse)
+            self.post_attention(li, x, att)
+
     def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
         if not chunks:
             return []
@@ -174,13 +192,14 @@ class CPUBackend(Backend):
         kvs = ka.kv_list([c.kv.data for c in chunks])
 
         x = matmul.embed_rows(self._emb_raw, self._emb_type, ids)  # [T, d_model]
-        att = np.empty((T, cfg.n_heads, cfg.head_dim), dtype=np.float32)
-        lse = np.empty((T, cfg.n_heads), dtype=np.float32)
-        for li in range(len(self.layers)):
-            q, k, v = self.pre_attention(li, x, positions)
-            ka.kv_store(kvs, li, seq_starts, pos0, k, v)
-            ka.attend(q, kvs, li, seq_starts, pos0, self._scale, att, lse)
-            self.post_attention(li, x, att)
+        if self._loop is not None and self.fused_layers:
+            code, bad = layer_loop.run_layers(
+                self._loop, x, positions, kvs, seq_starts, pos0, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
+                cfg.rms_eps, self._rope, self._scale, ka.attention_params(cfg.n_heads, cfg.head_dim),
+                kthreads.get_threads())
+            ka.raise_batch_error(code, bad)
+        else:
+            self._layers_python(x, positions, kvs, seq_starts, pos0)
 
         # logits only for the rows that were asked for
         rows, counts = [], []

@@ -1,0 +1,197 @@
+"""Every transformer layer of one step in a single compiled call.
+
+A step of the CPU backend runs ~11 kernels per layer; called one by one from Python, each pays its
+argument checks and numba's dispatch (a few microseconds), which is a quarter of a single-stream
+decode step on SmolLM2 (30 layers, ~330 calls).  ``run_layers`` runs the same kernels, in the same
+order and on the same arrays, from one numba function: RMSNorm, the fused q|k|v product (+ biases,
+q/k norms), RoPE, KV stores, attention, the output product and residual, RMSNorm, the fused
+gate|up product, SwiGLU, the down product and residual.  The results are the Python loop's bits
+(``CPUBackend.forward`` keeps that loop for layers this one does not take, and tests compare the
+two).
+
+The gemm (VNNI or portable, ``matmul.kernel_path``) is chosen by the dtype of a zero-size marker
+array, so each path compiles - and is cached - as its own specialization, and the VNNI one is never
+compiled on a CPU without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+from numba.typed import List as TypedList
+
+from . import _gemm_portable
+from ._attention_rows import attend_batch, kv_store_batch
+from ._rope import _rope_parallel, _rope_serial
+from ._rowwise import _OPTS, _PAR_MIN_ELEMS
+from .elementwise import _rmsnorm_parallel, _rmsnorm_serial, _swiglu_parallel, _swiglu_serial
+from .matmul import PAR_MIN_US, US_PER_BYTE, US_PER_TBLOCK, PackedWeight, kernel_path
+
+VNNI_MARKER = np.empty(0, np.int8)  # selects _gemm_vnni
+PORTABLE_MARKER = np.empty(0, np.uint8)  # selects _gemm_portable
+
+
+def _gemm(marker, P, qk, n_out, X, xq, xd, xs, Y, nch):
+    raise NotImplementedError  # compiled code only (the overload below)
+
+
+@overload(_gemm)
+def _gemm_impl(marker, P, qk, n_out, X, xq, xd, xs, Y, nch):
+    if marker.dtype == types.int8:
+        from . import _gemm_vnni as mod  # typed only when a caller passes the VNNI marker
+    else:
+        mod = _gemm_portable
+    run_serial, run_par = mod.run_serial, mod.run_par
+
+    def impl(marker, P, qk, n_out, X, xq, xd, xs, Y, nch):
+        if nch == 1:
+            run_serial(P, qk, n_out, X, xq, xd, xs, Y)
+        else:
+            run_par(P, qk, n_out, X, xq, xd, xs, Y, nch)
+
+    return impl
+
+
+@dataclass(frozen=True, eq=False)
+class LayerWeights:
+    """The layers' matrices and vectors in the shapes ``run_layers`` takes (built once at load)."""
+
+    mats: TypedList  # 4 per layer: q|k|v, o, gate|up, down packed data (uint8 [nbytes])
+    qk: np.ndarray  # int64 [L, 4]: 4 (Q4_0) or 8 (Q8_0) per matrix
+    n_out: np.ndarray  # int64 [4]: rows of each matrix kind
+    est: np.ndarray  # float64 [L, 4, 3]: us per product (bytes term, per-token term), row tiles
+    attn_norm: np.ndarray  # float32 [L, d_model]
+    ffn_norm: np.ndarray  # float32 [L, d_model]
+    bias: np.ndarray  # float32 [L, q_dim + 2 kv_dim] or [0, 0]
+    q_norm: np.ndarray  # float32 [L, head_dim] or [0, 0]
+    k_norm: np.ndarray  # float32 [L, head_dim] or [0, 0]
+
+    @classmethod
+    def build(cls, layers: list, cfg) -> LayerWeights | None:
+        """From the CPU backend's ``_Layer`` list; None when a layer has a matrix this loop does not
+        run (split products of mixed types, float weights) - the Python loop runs those models."""
+        mats = TypedList()
+        qk, est = [], []
+        for L in layers:
+            ws = (L.wqkv, L.wo, L.wgu, L.wdown)
+            if not all(isinstance(w, PackedWeight) and w._qk for w in ws):
+                return None
+            for w in ws:
+                mats.append(w._data)
+            qk.append([w._qk for w in ws])
+            est.append([[w._data.nbytes * US_PER_BYTE, w._tblocks * US_PER_TBLOCK, w._nt] for w in ws])
+        L0 = layers[0]
+
+        def stack(name):
+            v = getattr(L0, name)
+            if v is None:
+                return np.zeros((0, 0), np.float32)
+            return np.ascontiguousarray(np.stack([getattr(L, name) for L in layers]), np.float32)
+
+        return cls(mats, np.array(qk, np.int64), np.array([w.n_out for w in (L0.wqkv, L0.wo, L0.wgu, L0.wdown)],
+                                                          np.int64),
+                   np.array(est, np.float64), stack("attn_norm"), stack("ffn_norm"), stack("bqkv"),
+                   stack("q_norm"), stack("k_norm"))
+
+
+def marker() -> np.ndarray:
+    """The marker array for the gemm in use."""
+    return VNNI_MARKER if kernel_path() == "vnni" else PORTABLE_MARKER
+
+
+@njit(**_OPTS)
+def _threads_for(est, li, m, T, nthreads):
+    """``matmul._plan`` inside the loop: small products stay on the calling thread."""
+    us = max(est[li, m, 0], est[li, m, 1] * T)
+    return 1 if nthreads == 1 or us < PAR_MIN_US else min(nthreads, np.int64(est[li, m, 2]))
+
+
+@njit(**_OPTS)
+def _rmsnorm(x, w, eps, y):
+    if x.size >= _PAR_MIN_ELEMS:
+        _rmsnorm_parallel(x, w, eps, y)
+    else:
+        _rmsnorm_serial(x, w, eps, y)
+
+
+@njit(**_OPTS)
+def _rope(x, positions, n_rot, theta_scale, freq_scale, neox):
+    if x.size >= _PAR_MIN_ELEMS:
+        _rope_parallel(x, positions, n_rot, theta_scale, freq_scale, neox)
+    else:
+        _rope_serial(x, positions, n_rot, theta_scale, freq_scale, neox)
+
+
+@njit(**_OPTS)
+def _product(mk, mats, qk, n_out, est, li, m, X, nthreads, Y, noq, nod, nos):
+    """Y = X @ W.T for matrix m (0 q|k|v, 1 o, 2 gate|up, 3 down) of layer li; X is quantized inside."""
+    nch = _threads_for(est, li, m, X.shape[0], nthreads)
+    _gemm(mk, mats[4 * li + m], qk[li, m], n_out[m], X, noq, nod, nos, Y, nch)
+
+
+@njit(**_OPTS)
+def _layers(mk, mats, qk, n_out, est, attn_norm, ffn_norm, bias, q_norm, k_norm, x, positions, kvs,
+            seq_starts, pos0, n_heads, n_kv, head_dim, eps, n_rot, theta_scale, freq_scale, neox, scale,
+            n_slices, max_items, nthreads):
+    """Layers 0..L-1 in place on x float32 [T, d_model]; returns (error code, sequence) of the first
+    KV check that failed (``_attention_rows._check_batch``), (0, -1) when all ran."""
+    T = x.shape[0]
+    qd, kd = n_heads * head_dim, n_kv * head_dim
+    noq, nod, nos = np.empty((0, 0, 32), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0), np.int32)
+    h = np.empty_like(x)  # [T, d_model]
+    qkv = np.empty((T, n_out[0]), np.float32)
+    y = np.empty_like(x)
+    gu = np.empty((T, n_out[2]), np.float32)
+    act = np.empty((T, n_out[2] // 2), np.float32)
+    att = np.empty((T, n_heads, head_dim), np.float32)
+    lse = np.empty((T, n_heads), np.float32)
+    for li in range(attn_norm.shape[0]):
+        _rmsnorm(x, attn_norm[li], eps, h)
+        _product(mk, mats, qk, n_out, est, li, 0, h, nthreads, qkv, noq, nod, nos)
+        if bias.shape[0]:
+            qkv += bias[li]
+        q = qkv[:, :qd].copy().reshape(T, n_heads, head_dim)
+        k = qkv[:, qd:qd + kd].copy().reshape(T, n_kv, head_dim)
+        v = qkv[:, qd + kd:].copy().reshape(T, n_kv, head_dim)
+        if q_norm.shape[0]:
+            qr, kr = q.reshape(T * n_heads, head_dim), k.reshape(T * n_kv, head_dim)
+            _rmsnorm(qr, q_norm[li], eps, qr)
+            _rmsnorm(kr, k_norm[li], eps, kr)
+        _rope(q, positions, n_rot, theta_scale, freq_scale, neox)
+        _rope(k, positions, n_rot, theta_scale, freq_scale, neox)
+        code, bad = kv_store_batch(kvs, li, seq_starts, pos0, k, v)
+        if code:
+            return code, bad
+        code, bad = attend_batch(q, kvs, li, seq_starts, pos0, scale, att, lse, n_slices, max_items)
+        if code:
+            return code, bad
+        _product(mk, mats, qk, n_out, est, li, 1, att.reshape(T, qd), nthreads, y, noq, nod, nos)
+        x += y
+        _rmsnorm(x, ffn_norm[li], eps, h)
+        _product(mk, mats, qk, n_out, est, li, 2, h, nthreads, gu, noq, nod, nos)
+        if gu.size >= _PAR_MIN_ELEMS:
+            _swiglu_parallel(gu, act)
+        else:
+            _swiglu_serial(gu, act)
+        _product(mk, mats, qk, n_out, est, li, 3, act, nthreads, y, noq, nod, nos)
+        x += y
+    return 0, -1
+
+
+def run_layers(w: LayerWeights, x: np.ndarray, positions: np.ndarray, kvs: TypedList, seq_starts: np.ndarray,
+               pos0: np.ndarray, shape: tuple[int, int, int], eps: float, rope: tuple, scale: float,
+               attention: tuple[int, int], threads: int) -> tuple[int, int]:
+    """Every layer in place on x float32 [T, d_model] (C-contiguous) at ``positions`` int64 [T].
+
+    kvs, seq_starts, pos0: as ``attention.attend``; shape: (n_heads, n_kv_heads, head_dim); rope:
+    ``_rope._rope_params``' (n_rot, theta_scale, freq_scale, neox); attention: (n_slices,
+    max_items) as ``attention.attend`` computes them.  Returns (error code, sequence) of a failed KV
+    check ((0, -1) when all ran) for the caller to raise."""
+    H, Hkv, D = shape
+    n_rot, theta_scale, freq_scale, neox = rope
+    return _layers(marker(), w.mats, w.qk, w.n_out, w.est, w.attn_norm, w.ffn_norm, w.bias, w.q_norm,
+                   w.k_norm, x, positions, kvs, seq_starts, pos0, H, Hkv, D, np.float32(eps), n_rot,
+                   theta_scale, freq_scale, neox, np.float32(scale), attention[0], attention[1], threads)
