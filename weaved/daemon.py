@@ -131,9 +131,28 @@ class Daemon(PoolMoves):
                 messages.append({"role": "assistant", "content": partial[0]})
                 self.journal.finish_message(rec.id, "assistant", partial[0], partial[1])
             self.sessions[rec.id] = Session(rec.id, sla, rec.max_context, rec.system, placement, kv,
-                                            list(rec.tokens), messages, created=rec.created)
+                                            list(rec.tokens), messages, created=rec.created,
+                                            tail=self._unfed_tail(rec) if partial is None else [])
         if self.sessions:
             self._log(f"recovered {len(self.sessions)} session(s) from {self.data_dir}")
+
+    @staticmethod
+    def _unfed_tail(rec) -> list[int]:
+        """The answer's last token(s), sampled but not fed when its turn ended (``Session.tail``).
+
+        A finished turn records its input tokens with its last input message and every generated id
+        with the answer; the answer's ids beyond what was committed after the input are the tail.
+        The next turn feeds them first - for a prompt-only session nothing else would."""
+        if len(rec.messages) < 2 or rec.messages[-1]["role"] != "assistant":
+            return []
+        ans, inp = rec.messages[-1], rec.messages[-2]
+        if ans["token_ids"] is None or inp["token_ids"] is None or ans["kv_at"] != rec.kv_length:
+            return []
+        start = inp["kv_at"] + len(inp["token_ids"])
+        gen, n = ans["token_ids"], rec.kv_length - start  # n: the answer's committed ids
+        if not 0 <= n <= len(gen) or rec.tokens[start:] != gen[:n]:
+            return []
+        return list(gen[n:])
 
     def _unfinished_answer(self, rec) -> tuple[str, list[int]] | None:
         """Text and ids of the answer a turn had committed when the daemon stopped, if any.
