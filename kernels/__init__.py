@@ -16,12 +16,15 @@ Modules
                 same kernel: one query row at a time), returning the output and the
                 log-sum-exp of every head; the merge of partial results; KV row stores.
 ``elementwise`` RMSNorm, RoPE (norm and neox styles), SwiGLU, softmax.
-``residual``    products with two-level Q8_0 activations (the logits matrix: near-float accuracy).
+``residual``    the logits product: one-level Q8_0 activations for every logit, the second level
+                (the first one's rounding error) for each row's candidates (``refine_rule``,
+                ``_refine``): near-float accuracy where it matters.
+``layer_loop``  every layer of a step in one compiled call (the same kernels, order and bits).
 ``threads``     the thread budget shared by every parallel kernel.
 
 The torch backend's kernels (torch tensors on any device; they do not touch numba):
 ``torch_q4``        Q8_0 activation quantization, Q4_0 / Q8_0 products with integer block dot
-                    products, the two-level logits product and embedding rows - the same operations
+                    products, the refined logits product and embedding rows - the same operations
                     in the same order as the CPU kernels, so the bits match on torch's CPU device.
 ``torch_rowwise``   RMSNorm, RoPE and SwiGLU in the CPU kernels' operation order.
 ``torch_attention`` per-row causal attention with the CPU kernel's chunking and summation order.
