@@ -59,7 +59,8 @@ class LayerRunner:
         if len(x_rows) == 0:
             return np.empty((0, self.config.vocab_size), np.float32)
         hs = ke.rmsnorm(np.ascontiguousarray(x_rows), self.backend.out_norm, self.config.rms_eps)
-        return self.backend._logits(hs)
+        # the product's rows may be padded apart (kernels.matmul.padded_out); messages are contiguous
+        return np.ascontiguousarray(self.backend._logits(hs))
 
     # ---- one layer, in the two dense halves around attention ------------------------------------------
 
