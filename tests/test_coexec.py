@@ -136,6 +136,9 @@ def test_promotion_mid_generation_moves_bytes_and_recomputes_nothing(daemon_fact
     n_gen = 36
     t = start(d, sid, prompt, SamplingParams(max_tokens=n_gen, temperature=0, ignore_eos=True))
     s = d.sessions[sid]
+    moves: list[dict] = []
+    publish = d.mover._publish
+    d.mover._publish = lambda kind, data: (moves.append(data) if kind == "migration" else None, publish(kind, data))
     t.wait_tokens(8)
     d.promote(sid)
     deadline = time.monotonic() + 60
@@ -157,7 +160,11 @@ def test_promotion_mid_generation_moves_bytes_and_recomputes_nothing(daemon_fact
     assert s.kv.length == len(prompt) + n_gen - 1 == len(s.committed)
     mig = d.status()["migrations"]
     assert mig["count"] == 2 and mig["by_reason"] == {"promotion": 1, "demotion": 1}
-    assert mig["bytes"] >= n_moved * d.config.kv_bytes_per_token
+    # the promotion copied every row the session had when it moved (the GPU may decode more before we look)
+    promoted = next(m for m in moves if m["reason"] == "promotion")
+    assert promoted["to_backend"] == gpu.name and promoted["kv_tokens"] <= n_moved
+    assert promoted["bytes"] >= promoted["kv_tokens"] * d.config.kv_bytes_per_token
+    assert promoted["kv_tokens"] >= len(prompt) + 8 - 1
     # the same greedy continuation as a CPU-only run, except at near-ties
     ref = CPUBackend.from_file(tiny_llama, threads=1)
     kv = ref.new_kv(256)

@@ -49,7 +49,7 @@ class Mover:
         migration and is not counted."""
         if src is not None and dst is not None and src.backend is dst.backend:
             return 0
-        nbytes, dt = 0, 0.0
+        nbytes, dt, n_tokens = 0, 0.0, kv.length
         for pool, op in ((src, "release"), (dst, "adopt")):
             if pool is None:
                 continue
@@ -57,12 +57,13 @@ class Mover:
                 t0 = time.perf_counter()
                 nbytes += getattr(pool.backend, op)(kv)
                 dt += time.perf_counter() - t0
+                n_tokens = kv.length  # the rows this copy moved (a step may append more once unlocked)
         if src is not None or nbytes:
-            self._record(session_id, kv, src, dst, nbytes, reason, dt)
+            self._record(session_id, src, dst, nbytes, n_tokens, reason, dt)
         return nbytes
 
-    def _record(self, session_id: str, kv: KVCache, src: Pool | None, dst: Pool | None, nbytes: int, reason: str,
-                dt: float) -> None:
+    def _record(self, session_id: str, src: Pool | None, dst: Pool | None, nbytes: int, n_tokens: int,
+                reason: str, dt: float) -> None:
         with self._lock:
             c = self.counters
             c.count += 1
@@ -73,5 +74,5 @@ class Mover:
                                     "to": dst.name if dst else "file",
                                     "from_backend": src.backend.name if src else "file",
                                     "to_backend": dst.backend.name if dst else "file",
-                                    "bytes": nbytes, "seconds": round(dt, 6), "kv_tokens": kv.length,
+                                    "bytes": nbytes, "seconds": round(dt, 6), "kv_tokens": n_tokens,
                                     "reason": reason})
