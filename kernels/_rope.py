@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 from numba import njit, prange
-from weaved.kernels._rowwise import _OPTS, _PAR_MIN_ELEMS, _check_f32
+from weaved.kernels._rowwise import _OPTS, _PAR_MIN_ROPE, _check_f32
 
 
 @njit(**_OPTS)
@@ -80,7 +80,7 @@ def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, scale: f
         desc = f"{p.dtype} {p.shape}" if isinstance(p, np.ndarray) else type(p).__name__
         raise ValueError(f"positions must be int64 [{x.shape[0]}], got {desc}")
     params = _rope_params(n_rot, x.shape[2], base, scale, style)
-    drive = _rope_parallel if x.size >= _PAR_MIN_ELEMS else _rope_serial
+    drive = _rope_parallel if x.size >= _PAR_MIN_ROPE else _rope_serial
     drive(x, positions, *params)
     return x
 

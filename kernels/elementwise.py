@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 from weaved.kernels._rope import rope, rope_ref, rope_ref64
-from weaved.kernels._rowwise import _F1, _INF32, _OPTS, _PAR_MIN_ELEMS, _check_f32, exp_f32
+from weaved.kernels._rowwise import _F1, _INF32, _OPTS, _PAR_MIN_NORM, _PAR_MIN_SWIGLU, _check_f32, exp_f32
 
 # ---------------------------------------------------------------- RMSNorm
 
@@ -67,7 +67,7 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = N
         _check_f32("out", out, 2)
         if out.shape != x.shape:
             raise ValueError(f"out shape {out.shape} != x shape {x.shape}")
-    drive = _rmsnorm_parallel if x.size >= _PAR_MIN_ELEMS else _rmsnorm_serial
+    drive = _rmsnorm_parallel if x.size >= _PAR_MIN_NORM else _rmsnorm_serial
     drive(x, w, np.float32(eps), out)
     return out
 
@@ -79,7 +79,7 @@ def rmsnorm_heads(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     if w.shape[0] != x.shape[2]:
         raise ValueError(f"weight length {w.shape[0]} != head dim {x.shape[2]}")
     rows = x.reshape(-1, x.shape[2])  # a view: x is C-contiguous
-    drive = _rmsnorm_parallel if x.size >= _PAR_MIN_ELEMS else _rmsnorm_serial
+    drive = _rmsnorm_parallel if x.size >= _PAR_MIN_NORM else _rmsnorm_serial
     drive(rows, w, np.float32(eps), rows)
     return x
 
@@ -125,7 +125,7 @@ def swiglu(gate_up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         _check_f32("out", out, 2)
         if out.shape != shape:
             raise ValueError(f"out shape {out.shape} != {shape}")
-    drive = _swiglu_parallel if gate_up.size >= _PAR_MIN_ELEMS else _swiglu_serial
+    drive = _swiglu_parallel if gate_up.size >= _PAR_MIN_SWIGLU else _swiglu_serial
     drive(gate_up, out)
     return out
 

@@ -26,7 +26,7 @@ from numba.typed import List as TypedList
 from . import _gemm_portable
 from ._attention_rows import attend_batch, kv_store_batch
 from ._rope import _rope_parallel, _rope_serial
-from ._rowwise import _OPTS, _PAR_MIN_ELEMS
+from ._rowwise import _OPTS, _PAR_MIN_NORM, _PAR_MIN_ROPE, _PAR_MIN_SWIGLU
 from .elementwise import _rmsnorm_parallel, _rmsnorm_serial, _swiglu_parallel, _swiglu_serial
 from .matmul import PAR_MIN_US, US_PER_BYTE, US_PER_TBLOCK, PackedWeight, kernel_path
 
@@ -111,7 +111,7 @@ def _threads_for(est, li, m, T, nthreads):
 
 @njit(**_OPTS)
 def _rmsnorm(x, w, eps, y):
-    if x.size >= _PAR_MIN_ELEMS:
+    if x.size >= _PAR_MIN_NORM:
         _rmsnorm_parallel(x, w, eps, y)
     else:
         _rmsnorm_serial(x, w, eps, y)
@@ -119,7 +119,7 @@ def _rmsnorm(x, w, eps, y):
 
 @njit(**_OPTS)
 def _rope(x, positions, n_rot, theta_scale, freq_scale, neox):
-    if x.size >= _PAR_MIN_ELEMS:
+    if x.size >= _PAR_MIN_ROPE:
         _rope_parallel(x, positions, n_rot, theta_scale, freq_scale, neox)
     else:
         _rope_serial(x, positions, n_rot, theta_scale, freq_scale, neox)
@@ -172,7 +172,7 @@ def _layers(mk, mats, qk, n_out, est, attn_norm, ffn_norm, bias, q_norm, k_norm,
         x += y
         _rmsnorm(x, ffn_norm[li], eps, h)
         _product(mk, mats, qk, n_out, est, li, 2, h, nthreads, gu, noq, nod, nos)
-        if gu.size >= _PAR_MIN_ELEMS:
+        if gu.size >= _PAR_MIN_SWIGLU:
             _swiglu_parallel(gu, act)
         else:
             _swiglu_serial(gu, act)
