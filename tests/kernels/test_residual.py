@@ -48,8 +48,9 @@ def test_two_level_reconstructs_x():
 
 @pytest.mark.parametrize("qt,quant,dequant", CASES)
 @pytest.mark.parametrize("margin,top", [(12.0, 128), (2.0, 128), (40.0, 16), (float("inf"), 1 << 30)])
-def test_refines_exactly_the_rule(qt, quant, dequant, margin, top):
-    raw, w = _weight(qt, quant, 1000, 96, 5)
+@pytest.mark.parametrize("n_out", [1000, 1001])  # vocabularies need not be a multiple of the vector width
+def test_refines_exactly_the_rule(qt, quant, dequant, margin, top, n_out):
+    raw, w = _weight(qt, quant, n_out, 96, 5)
     spread = np.array([[1], [3], [6], [0.1], [2], [8]])  # row 3 is flat: the cap decides
     x = (np.random.default_rng(6).standard_normal((6, 96)) * spread).astype(np.float32)
     one, two = _both_levels(w, x)
@@ -57,12 +58,12 @@ def test_refines_exactly_the_rule(qt, quant, dequant, margin, top):
     got = linear_residual(w, raw, x, margin, top, counts)
     for t in range(6):
         lo = np.float32(one[t].max() - np.float32(margin))
-        kth = np.sort(one[t])[::-1][min(top, 1000) - 1]
+        kth = np.sort(one[t])[::-1][min(top, n_out) - 1]
         sel = one[t] >= max(lo, kth)
         assert counts[t] == sel.sum() <= max(top, 1)  # no ties in random data
         assert np.array_equal(got[t][sel], two[t][sel])  # refined: the full product's bits
         assert np.array_equal(got[t][~sel], one[t][~sel])  # the rest: one level
-    assert (counts >= 1).all() and (counts <= min(top, 1000)).all()
+    assert (counts >= 1).all() and (counts <= min(top, n_out)).all()
 
 
 def test_ties_at_the_cap_are_all_refined():

@@ -118,15 +118,16 @@ def test_float_weights_are_the_cpu_kernels_bits(qtype):
 
 @pytest.mark.parametrize("qtype", [tq.Q4_0, tq.Q8_0])
 @pytest.mark.parametrize("margin,top", [(12.0, 128), (3.0, 128), (40.0, 8)])
-def test_residual_logits_are_the_cpu_kernels_bits(qtype, margin, top):
+@pytest.mark.parametrize("n_out", [1000, 1001])
+def test_residual_logits_are_the_cpu_kernels_bits(qtype, margin, top, n_out):
     """The refined set (a function of each row's values) and every logit's bits match the CPU's."""
     rng = np.random.default_rng(7)
-    raw, w = _weight(rng, qtype, 1000, 128)
+    raw, w = _weight(rng, qtype, n_out, 128)
     x = _acts(rng, 5, 128)
     x[1] *= 0.05  # a flat row: many logits within the margin, the cap decides
     ours = tq.Products("torch").linear_residual(w, torch.from_numpy(x), margin, top).numpy()
     counts = np.empty(5, np.int64)
-    cpu = linear_residual(matmul.pack_weight(raw, GGMLType(qtype), 1000, 128), raw, x, margin, top, counts)
+    cpu = linear_residual(matmul.pack_weight(raw, GGMLType(qtype), n_out, 128), raw, x, margin, top, counts)
     assert np.array_equal(ours, cpu)
     assert counts.min() >= 1 and (top > 8 or counts.max() == 8)
     a1, a2 = tq.quantize_two_level(torch.from_numpy(x))
