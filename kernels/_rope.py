@@ -56,6 +56,15 @@ def _rope_parallel(x, positions, n_rot, theta_scale, freq_scale, neox):
         _rope_row(x[t], positions[t], n_rot, theta_scale, freq_scale, neox, cache)
 
 
+@njit(**_OPTS)
+def _rope_drive(x, positions, n_rot, theta_scale, freq_scale, neox):
+    """The serial or the parallel driver, by size (the same bits either way)."""
+    if x.size >= _PAR_MIN_ROPE:
+        _rope_parallel(x, positions, n_rot, theta_scale, freq_scale, neox)
+    else:
+        _rope_serial(x, positions, n_rot, theta_scale, freq_scale, neox)
+
+
 @functools.lru_cache(maxsize=64)  # the same few argument sets every layer of every step
 def _rope_params(n_rot: int, head_dim: int, base: float, scale: float, style: str) -> tuple:
     if style not in ("norm", "neox"):
@@ -80,8 +89,7 @@ def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, scale: f
         desc = f"{p.dtype} {p.shape}" if isinstance(p, np.ndarray) else type(p).__name__
         raise ValueError(f"positions must be int64 [{x.shape[0]}], got {desc}")
     params = _rope_params(n_rot, x.shape[2], base, scale, style)
-    drive = _rope_parallel if x.size >= _PAR_MIN_ROPE else _rope_serial
-    drive(x, positions, *params)
+    _rope_drive(x, positions, *params)
     return x
 
 

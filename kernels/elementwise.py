@@ -55,6 +55,15 @@ def _rmsnorm_parallel(x, w, eps, y):
         _rmsnorm_row(x[t], w, eps, y[t])
 
 
+@njit(**_OPTS)
+def _rmsnorm_drive(x, w, eps, y):
+    """The serial or the parallel driver, by size (the same bits either way)."""
+    if x.size >= _PAR_MIN_NORM:
+        _rmsnorm_parallel(x, w, eps, y)
+    else:
+        _rmsnorm_serial(x, w, eps, y)
+
+
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
     """RMSNorm of every row: x float32 [T, D], w float32 [D] -> out float32 [T, D] (may be x)."""
     _check_f32("x", x, 2)
@@ -67,8 +76,7 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = N
         _check_f32("out", out, 2)
         if out.shape != x.shape:
             raise ValueError(f"out shape {out.shape} != x shape {x.shape}")
-    drive = _rmsnorm_parallel if x.size >= _PAR_MIN_NORM else _rmsnorm_serial
-    drive(x, w, np.float32(eps), out)
+    _rmsnorm_drive(x, w, np.float32(eps), out)
     return out
 
 
@@ -79,8 +87,7 @@ def rmsnorm_heads(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     if w.shape[0] != x.shape[2]:
         raise ValueError(f"weight length {w.shape[0]} != head dim {x.shape[2]}")
     rows = x.reshape(-1, x.shape[2])  # a view: x is C-contiguous
-    drive = _rmsnorm_parallel if x.size >= _PAR_MIN_NORM else _rmsnorm_serial
-    drive(rows, w, np.float32(eps), rows)
+    _rmsnorm_drive(rows, w, np.float32(eps), rows)
     return x
 
 
@@ -113,6 +120,15 @@ def _swiglu_parallel(gu, y):
         _swiglu_row(gu[t], y[t])
 
 
+@njit(**_OPTS)
+def _swiglu_drive(gu, y):
+    """The serial or the parallel driver, by size (the same bits either way)."""
+    if gu.size >= _PAR_MIN_SWIGLU:
+        _swiglu_parallel(gu, y)
+    else:
+        _swiglu_serial(gu, y)
+
+
 def swiglu(gate_up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """silu(gate) * up: gate_up float32 [T, 2F] (gate = [:, :F], up = [:, F:]) -> float32 [T, F]."""
     _check_f32("gate_up", gate_up, 2)
@@ -125,8 +141,7 @@ def swiglu(gate_up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         _check_f32("out", out, 2)
         if out.shape != shape:
             raise ValueError(f"out shape {out.shape} != {shape}")
-    drive = _swiglu_parallel if gate_up.size >= _PAR_MIN_SWIGLU else _swiglu_serial
-    drive(gate_up, out)
+    _swiglu_drive(gate_up, out)
     return out
 
 

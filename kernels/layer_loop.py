@@ -25,9 +25,9 @@ from numba.typed import List as TypedList
 
 from . import _gemm_portable
 from ._attention_rows import attend_batch, kv_store_batch
-from ._rope import _rope_parallel, _rope_serial
-from ._rowwise import _OPTS, _PAR_MIN_NORM, _PAR_MIN_ROPE, _PAR_MIN_SWIGLU
-from .elementwise import _rmsnorm_parallel, _rmsnorm_serial, _swiglu_parallel, _swiglu_serial
+from ._rope import _rope_drive
+from ._rowwise import _OPTS
+from .elementwise import _rmsnorm_drive, _swiglu_drive
 from .matmul import PAR_MIN_US, US_PER_BYTE, US_PER_TBLOCK, PackedWeight, kernel_path
 
 VNNI_MARKER = np.empty(0, np.int8)  # selects _gemm_vnni
@@ -110,22 +110,6 @@ def _threads_for(est, li, m, T, nthreads):
 
 
 @njit(**_OPTS)
-def _rmsnorm(x, w, eps, y):
-    if x.size >= _PAR_MIN_NORM:
-        _rmsnorm_parallel(x, w, eps, y)
-    else:
-        _rmsnorm_serial(x, w, eps, y)
-
-
-@njit(**_OPTS)
-def _rope(x, positions, n_rot, theta_scale, freq_scale, neox):
-    if x.size >= _PAR_MIN_ROPE:
-        _rope_parallel(x, positions, n_rot, theta_scale, freq_scale, neox)
-    else:
-        _rope_serial(x, positions, n_rot, theta_scale, freq_scale, neox)
-
-
-@njit(**_OPTS)
 def _product(mk, mats, qk, n_out, est, li, m, X, nthreads, Y, noq, nod, nos):
     """Y = X @ W.T for matrix m (0 q|k|v, 1 o, 2 gate|up, 3 down) of layer li; X is quantized inside."""
     nch = _threads_for(est, li, m, X.shape[0], nthreads)
@@ -149,7 +133,7 @@ def _layers(mk, mats, qk, n_out, est, attn_norm, ffn_norm, bias, q_norm, k_norm,
     att = np.empty((T, n_heads, head_dim), np.float32)
     lse = np.empty((T, n_heads), np.float32)
     for li in range(attn_norm.shape[0]):
-        _rmsnorm(x, attn_norm[li], eps, h)
+        _rmsnorm_drive(x, attn_norm[li], eps, h)
         _product(mk, mats, qk, n_out, est, li, 0, h, nthreads, qkv, noq, nod, nos)
         if bias.shape[0]:
             qkv += bias[li]
@@ -158,10 +142,10 @@ def _layers(mk, mats, qk, n_out, est, attn_norm, ffn_norm, bias, q_norm, k_norm,
         v = qkv[:, qd + kd:].copy().reshape(T, n_kv, head_dim)
         if q_norm.shape[0]:
             qr, kr = q.reshape(T * n_heads, head_dim), k.reshape(T * n_kv, head_dim)
-            _rmsnorm(qr, q_norm[li], eps, qr)
-            _rmsnorm(kr, k_norm[li], eps, kr)
-        _rope(q, positions, n_rot, theta_scale, freq_scale, neox)
-        _rope(k, positions, n_rot, theta_scale, freq_scale, neox)
+            _rmsnorm_drive(qr, q_norm[li], eps, qr)
+            _rmsnorm_drive(kr, k_norm[li], eps, kr)
+        _rope_drive(q, positions, n_rot, theta_scale, freq_scale, neox)
+        _rope_drive(k, positions, n_rot, theta_scale, freq_scale, neox)
         code, bad = kv_store_batch(kvs, li, seq_starts, pos0, k, v)
         if code:
             return code, bad
@@ -170,12 +154,9 @@ def _layers(mk, mats, qk, n_out, est, attn_norm, ffn_norm, bias, q_norm, k_norm,
             return code, bad
         _product(mk, mats, qk, n_out, est, li, 1, att.reshape(T, qd), nthreads, y, noq, nod, nos)
         x += y
-        _rmsnorm(x, ffn_norm[li], eps, h)
+        _rmsnorm_drive(x, ffn_norm[li], eps, h)
         _product(mk, mats, qk, n_out, est, li, 2, h, nthreads, gu, noq, nod, nos)
-        if gu.size >= _PAR_MIN_SWIGLU:
-            _swiglu_parallel(gu, act)
-        else:
-            _swiglu_serial(gu, act)
+        _swiglu_drive(gu, act)
         _product(mk, mats, qk, n_out, est, li, 3, act, nthreads, y, noq, nod, nos)
         x += y
     return 0, -1
