@@ -136,9 +136,15 @@ def test_promotion_mid_generation_moves_bytes_and_recomputes_nothing(daemon_fact
     n_gen = 36
     t = start(d, sid, prompt, SamplingParams(max_tokens=n_gen, temperature=0, ignore_eos=True))
     s = d.sessions[sid]
-    moves: list[dict] = []
+    moves: list[dict] = []  # the migration events, as published
     publish = d.mover._publish
-    d.mover._publish = lambda kind, data: (moves.append(data) if kind == "migration" else None, publish(kind, data))
+
+    def record(kind: str, data: dict) -> None:
+        if kind == "migration":
+            moves.append(data)
+        publish(kind, data)
+
+    d.mover._publish = record
     t.wait_tokens(8)
     d.promote(sid)
     deadline = time.monotonic() + 60
