@@ -18,7 +18,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._llvm import F32, I8, I32, I64, V16F, V16I32, c32, c64, fn, ptr, splat
+from ._llvm import F32, I8, I32, I64, V16F, V16I32, c32, c64, fn, ptr, splat, store_tile_cols
 from ._pack import RT, TB_Q4, TB_Q8
 from .quants import PAR_QUANT_MIN_ROWS, quantize_act_cols
 
@@ -139,7 +139,6 @@ def _rows(P, qk, t0, t1, nb, n_out, xq, xd, xs, Y):
     T = Y.shape[0]
     cb = min(T, CB)
     A = np.empty(cb * RT + 16, np.float32)
-    Ab = (-(A.ctypes.data // 4)) % 16  # first 64-byte aligned element (the kernel aligns the same way)
     tb = TB_Q4 if qk == 4 else TB_Q8
     for t in range(t0, t1):
         nr = min(RT, n_out - t * RT)
@@ -149,10 +148,7 @@ def _rows(P, qk, t0, t1, nb, n_out, xq, xd, xs, Y):
                 _tile_q4(P, t * nb * tb, nb, xq, xd, xs, A, c0, c1)
             else:
                 _tile_q8(P, t * nb * tb, nb, xq, xd, xs, A, c0, c1)
-            for c in range(c0, c1):
-                a0 = Ab + (c - c0) * RT
-                for r in range(nr):
-                    Y[c, t * RT + r] = A[a0 + r]
+            store_tile_cols(A, Y, c0, c1, t * RT, nr)
 
 
 @njit(**_OPTS)
