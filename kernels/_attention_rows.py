@@ -61,7 +61,10 @@ def _chunk(q, t, h0, kaddr, vaddr, j0, j1, scale, acc, ml, kf, s, lanes):
     for b0 in range(j0, j1, BLOCK):
         nb = min(BLOCK, j1 - b0)
         cvt_rows(kaddr, b0 * D, nb * D, kf)
-        for g in range(G):  # scores (rows of kf past nb give unused values), then probabilities
+        for r in range(nb, min(BLOCK, nb + 7)):  # rows scores8 reads past nb: unused scores, from zeros
+            for d in range(D):
+                kf[r, d] = 0.0
+        for g in range(G):  # scores, then probabilities
             for r0 in range(0, nb, 8):
                 scores8(q, (t * H + h0 + g) * D, kf, r0 * D, D, scale, s, g * BLOCK + r0)
             _softmax_block(s[g], nb, g, ml, acc, lanes)
@@ -165,7 +168,7 @@ def _merge_chunks(part_acc, part_ml, it0, n, g, out, lse, t, h0):
 def _works(q, kaddr, vaddr, row_nkeys, scale, item_row, item_c, part_acc, part_ml, w0, w1):
     """Chunk partials of works w0 .. w1-1 (work w: item w // n_kv, kv head w % n_kv) on one thread."""
     n_items, n_kv, G, D = part_acc.shape
-    kf = np.zeros((BLOCK, D), np.float32)
+    kf = np.empty((BLOCK, D), np.float32)  # np.zeros here was a 16 KiB memset per call
     s = np.empty((G, BLOCK), np.float32)
     lanes = np.empty(16, np.float32)
     for w in range(w0, w1):

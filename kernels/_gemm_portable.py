@@ -72,11 +72,9 @@ def _make_tile(qk: int):
             def aptr(ci, g_):
                 return ptr(builder, abase, builder.add(builder.mul(ci, c64(4 * RT)), c64(64 * g_)), V16F)
 
-            with cgutils.for_range(builder, ncols, intp=I64) as lc:
-                for g_ in range(2):
-                    builder.store(zero, aptr(lc.index, g_), align=64)
-            with cgutils.for_range(builder, nbv, intp=I64) as lb:
-                b = lb.index
+            def block(b, first):
+                """One 32-weight block of the tile, every column; block 0 (first) starts the
+                accumulators at +0.0 (as _gemm_vnni)."""
                 base = builder.gep(P8, [builder.add(off0v, builder.mul(b, c64(tb)))])
                 DW, WF = [], []
                 for g_ in range(2):
@@ -115,7 +113,12 @@ def _make_tile(qk: int):
                                             builder.fadd(chains[2], chains[3]))
                         s_ = builder.fmul(DW[g_], dxs)  # IEEE, no fast-math flags
                         ap = aptr(ci, g_)
-                        builder.store(builder.call(fma, [isum, s_, builder.load(ap, align=64)]), ap, align=64)
+                        old = zero if first else builder.load(ap, align=64)
+                        builder.store(builder.call(fma, [isum, s_, old]), ap, align=64)
+
+            block(c64(0), True)
+            with cgutils.for_range(builder, nbv, start=c64(1), intp=I64) as lb:
+                block(lb.index, False)
             return context.get_dummy_value()
 
         return sig, codegen
