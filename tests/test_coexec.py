@@ -23,7 +23,7 @@ from weaved.daemon import Daemon
 from weaved.engine.sampling import SamplingParams
 from weaved.journal import Journal
 from weaved.profile import PoolConfig, Profile, load_profile
-from weaved.router import SLA, SLAClass
+from weaved.routing.types import SLA, SLAClass
 
 pytest.importorskip("torch")
 
@@ -243,7 +243,7 @@ CHILD = textwrap.dedent("""
     from tests.test_coexec import coexec_profile
     from weaved.daemon import Daemon
     from weaved.engine.sampling import SamplingParams
-    from weaved.router import SLA, SLAClass
+    from weaved.routing.types import SLA, SLAClass
     d = Daemon(coexec_profile(), Path(sys.argv[1]), data_dir=Path(sys.argv[2]), log_fn=lambda m: None)
     d.load()
     sid = d.create_session(SLA(SLAClass.INTERACTIVE, 500.0))["id"]

@@ -18,7 +18,7 @@ from weaved.engine.sampling import SamplingParams
 from weaved.errors import ContextTooLong, InvalidRequest, NotFound
 from weaved.journal import Journal
 from weaved.profile import load_profile
-from weaved.router import SLA, SLAClass
+from weaved.routing.types import SLA, SLAClass
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
@@ -159,7 +159,7 @@ CHILD = textwrap.dedent("""
     from weaved.daemon import Daemon
     from weaved.engine.sampling import SamplingParams
     from weaved.profile import load_profile
-    from weaved.router import SLA, SLAClass
+    from weaved.routing.types import SLA, SLAClass
     d = Daemon(load_profile("cpu-only"), Path(sys.argv[1]), data_dir=Path(sys.argv[2]), log_fn=lambda m: None)
     d.load()
     sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]

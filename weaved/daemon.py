@@ -24,15 +24,8 @@ from weaved.engine.stops import StopChecker
 from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound, Overloaded, WeaveError
 from weaved.kv.cache import KVCache
 from weaved.profile import Profile
-from weaved.router import (
-    SLA,
-    Placement,
-    RoutingError,
-    SessionRequest,
-    SLAClass,
-    SystemState,
-    place,
-)
+from weaved.routing.tree import place
+from weaved.routing.types import SLA, Placement, RoutingError, SessionRequest, SLAClass, SystemState
 from weaved.session import Session, chat_turn_tokens
 
 log = logging.getLogger("weave.daemon")

@@ -19,7 +19,8 @@ import threading
 import time
 
 from weaved.engine.sequence import Sequence
-from weaved.router import SLA, Placement, SessionRequest, SLAClass, _of, _with_room, promote
+from weaved.routing.tree import promote
+from weaved.routing.types import SLA, Placement, SessionRequest, SLAClass, pools_of, with_room
 from weaved.session import Session
 
 log = logging.getLogger("weave.daemon")
@@ -42,7 +43,7 @@ class PoolMoves:
         if (th.policy != "sla" or n_new < th.long_prompt_tokens or self.pools[here].device_kind == "gpu"
                 or s.placement.decode_strategy == "qring"):  # a ring session's KV lives on the ring's nodes
             return here, None
-        g = _with_room(_of(self._system_state(), "gpu"), s.context_tokens + n_new, plain_first=True)
+        g = with_room(pools_of(self._system_state(), "gpu"), s.context_tokens + n_new, plain_first=True)
         if g is None:
             return here, None
         return g.name, (f"turn prompt of {n_new} tokens >= {th.long_prompt_tokens}: prefill on GPU pool {g.name!r}, "

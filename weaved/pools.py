@@ -30,7 +30,7 @@ from weaved.engine.sequence import SeqStatus, Sequence
 from weaved.model.config import ModelConfig
 from weaved.model.gguf_file import GGUFFile
 from weaved.profile import PoolConfig, Profile
-from weaved.router import PoolState, pool_state
+from weaved.routing.types import PoolState, pool_state
 
 log = logging.getLogger("weave.pools")
 

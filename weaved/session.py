@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from weaved.engine.sequence import Sequence, SLARank
 from weaved.kv.cache import KVCache
 from weaved.model.tokenizer import Tokenizer
-from weaved.router import SLA, TOP_PRIORITY, Placement
+from weaved.routing.types import SLA, TOP_PRIORITY, Placement
 
 
 @dataclass(eq=False)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound, Overloaded
-from weaved.router import SLA, SLAClass
+from weaved.routing.types import SLA, SLAClass
 
 EOT = 256
 

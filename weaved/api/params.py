@@ -14,7 +14,7 @@ from starlette.datastructures import Headers
 from weaved.api.models import ChatRequest, CompletionRequest, Sampling, SLABody
 from weaved.engine.sampling import SamplingParams
 from weaved.errors import InvalidRequest
-from weaved.router import SLA, SLAClass
+from weaved.routing.types import SLA, SLAClass
 
 # Without max_tokens a chat turn may write this many tokens (a completion: OpenAI's default of 16).
 DEFAULT_CHAT_MAX_TOKENS = 512

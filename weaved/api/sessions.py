@@ -14,7 +14,7 @@ from weaved.api.models import ChatRequest, SessionCreate
 from weaved.api.params import sla_from
 from weaved.api.state import state_of
 from weaved.errors import InvalidRequest, Overloaded
-from weaved.router import SLA, SLAClass
+from weaved.routing.types import SLA, SLAClass
 
 router = APIRouter(prefix="/v1/sessions")
 

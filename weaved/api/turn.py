@@ -24,7 +24,7 @@ from weaved.api.params import sla_from
 from weaved.api.state import ApiState
 from weaved.engine.sampling import SamplingParams
 from weaved.errors import NotFound, Overloaded, WeaveError
-from weaved.router import SLA, SLAClass
+from weaved.routing.types import SLA, SLAClass
 
 _draining: set[asyncio.Task] = set()
 

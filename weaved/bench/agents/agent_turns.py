@@ -19,7 +19,7 @@ from weaved.bench.agents.records import TurnKind, TurnRecord
 from weaved.bench.agents.tokens import TokenPool
 from weaved.bench.agents.workload import AgentWorkload, BatchJob, CheckIn, Exchange, HeartbeatTurn, compaction_needed
 from weaved.engine.sampling import SamplingParams
-from weaved.router import SLA, SLAClass
+from weaved.routing.types import SLA, SLAClass
 
 if TYPE_CHECKING:
     from weaved.bench.agents.replay import AgentState

@@ -13,7 +13,7 @@ import threading
 
 from weaved.bench.agents.agent_turns import greedy
 from weaved.bench.agents.tokens import TokenPool
-from weaved.router import SLA, SLAClass
+from weaved.routing.types import SLA, SLAClass
 
 WARMUP_SLAS = (SLA(SLAClass.BACKGROUND), SLA(SLAClass.INTERACTIVE, 500.0), SLA(SLAClass.BATCH))
 

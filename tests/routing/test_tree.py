@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from weaved.profile import PoolConfig, RoutingThresholds, load_profile
-from weaved.router import (
+from weaved.routing.tree import place, predict_cpu_ttft_s, promote
+from weaved.routing.types import (
     PRIORITY,
     SLA,
     TOP_PRIORITY,
@@ -20,10 +21,7 @@ from weaved.router import (
     SessionRequest,
     SLAClass,
     SystemState,
-    place,
     pool_state,
-    predict_cpu_ttft_s,
-    promote,
 )
 
 IA, BG, BA = SLAClass.INTERACTIVE, SLAClass.BACKGROUND, SLAClass.BATCH

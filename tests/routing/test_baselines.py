@@ -8,13 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_router import BA, BG, HOST, IA, TH, cpu, req, state
+from tests.routing.test_tree import BA, BG, HOST, IA, TH, cpu, req, state
 from weaved.engine.sampling import SamplingParams
 from weaved.engine.scheduler import SchedulerConfig, schedule
 from weaved.engine.sequence import Sequence, SLARank
 from weaved.kv.cache import KVCache
 from weaved.profile import ProfileError, RoutingThresholds, load_profile
-from weaved.router import PRIORITY, place, promote
+from weaved.routing.tree import place, promote
+from weaved.routing.types import PRIORITY
 
 ISO = dataclasses.replace(TH, policy="isolation")
 FIFO = dataclasses.replace(TH, policy="fifo")

@@ -6,13 +6,13 @@
 - ``fifo``: every session in one continuous-batching pool (the profile's first standard pool), one
   priority, served first come first served (the engine orders by arrival).
 
-Both are pure functions like ``weaved.router.place`` and are reached through it (``policy`` in the
+Both are pure functions like ``weaved.routing.tree.place`` and are reached through it (``policy`` in the
 profile's ``[routing]`` table).
 """
 
 from __future__ import annotations
 
-from weaved.router import (
+from weaved.routing.types import (
     PRIORITY,
     Placement,
     PoolState,
@@ -20,9 +20,9 @@ from weaved.router import (
     SessionRequest,
     SLAClass,
     SystemState,
-    _least_loaded,
-    _of,
-    _with_room,
+    least_loaded,
+    pools_of,
+    with_room,
 )
 
 FIFO_PRIORITY = 0  # one priority for everyone: the engine falls back to arrival order
@@ -44,9 +44,9 @@ def place_fifo(req: SessionRequest, state: SystemState) -> Placement:
 def place_isolated(req: SessionRequest, state: SystemState) -> Placement:
     need = max(1, req.prompt_tokens)
     cls = req.sla.cls
-    kind = "gpu" if cls is SLAClass.INTERACTIVE and _of(state, "gpu") else "cpu"
-    pools = _of(state, kind) or _standard(state)
-    pool = _with_room(pools, need, plain_first=kind == "cpu") or _least_loaded(pools)
+    kind = "gpu" if cls is SLAClass.INTERACTIVE and pools_of(state, "gpu") else "cpu"
+    pools = pools_of(state, kind) or _standard(state)
+    pool = with_room(pools, need, plain_first=kind == "cpu") or least_loaded(pools)
     assert pool is not None
     why = f"policy isolation: {cls.value} sessions are bound to the {kind.upper()} pool {pool.name!r}"
     return Placement("standard", "standard", pool.name, pool.name, PRIORITY[cls], (why,))
