@@ -95,8 +95,9 @@ def register(app: typer.Typer) -> None:
         from weaved.cli.socket_path import default_socket_path
 
         from weaved.api.server import Server, ServerError, check_socket_free, parse_listen
+        from weaved.config.load import load_profile
+        from weaved.config.tables import ProfileError
         from weaved.federation.service import FederationError, federation_listen
-        from weaved.profile import ProfileError, load_profile
 
         path = (socket or default_socket_path()).expanduser().absolute()
         try:  # everything that can be refused is refused before the model loads

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 
 from weaved.backends.cpu import CPUBackend
+from weaved.config.load import load_profile
+from weaved.config.profile import PoolConfig, Profile
 from weaved.daemon import Daemon
 from weaved.engine.sampling import SamplingParams
 from weaved.journal import Journal
-from weaved.profile import PoolConfig, Profile, load_profile
 from weaved.routing.types import SLA, SLAClass
 
 pytest.importorskip("torch")

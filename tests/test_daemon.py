@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from weaved.config.load import load_profile
 from weaved.daemon import Daemon
 from weaved.engine.sampling import SamplingParams
 from weaved.errors import ContextTooLong, InvalidRequest, NotFound
 from weaved.journal import Journal
-from weaved.profile import load_profile
 from weaved.routing.types import SLA, SLAClass
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -158,7 +158,7 @@ CHILD = textwrap.dedent("""
     from pathlib import Path
     from weaved.daemon import Daemon
     from weaved.engine.sampling import SamplingParams
-    from weaved.profile import load_profile
+    from weaved.config.load import load_profile
     from weaved.routing.types import SLA, SLAClass
     d = Daemon(load_profile("cpu-only"), Path(sys.argv[1]), data_dir=Path(sys.argv[2]), log_fn=lambda m: None)
     d.load()
@@ -206,7 +206,7 @@ def test_cpu_only_daemon_never_imports_torch(tiny_llama, tmp_path):
         import sys
         from pathlib import Path
         from weaved.daemon import Daemon
-        from weaved.profile import load_profile
+        from weaved.config.load import load_profile
         d = Daemon(load_profile("cpu-only"), Path(sys.argv[1]), data_dir=Path(sys.argv[2]), log_fn=lambda m: None)
         d.load()
         d.shutdown()

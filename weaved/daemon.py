@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from weaved.config.profile import Profile
 from weaved.daemon_moves import PoolMoves
 from weaved.engine.engine import BatchEngine
 from weaved.engine.sampling import SamplingParams
@@ -23,7 +24,6 @@ from weaved.engine.sequence import Sequence
 from weaved.engine.stops import StopChecker
 from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound, Overloaded, WeaveError
 from weaved.kv.cache import KVCache
-from weaved.profile import Profile
 from weaved.routing.tree import place
 from weaved.routing.types import SLA, Placement, RoutingError, SessionRequest, SLAClass, SystemState
 from weaved.session import Session, chat_turn_tokens

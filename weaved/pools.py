@@ -24,12 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from weaved.backends.base import Backend
+from weaved.config.profile import PoolConfig, Profile
 from weaved.engine.engine import BatchEngine
 from weaved.engine.scheduler import SchedulerConfig
 from weaved.engine.sequence import SeqStatus, Sequence
 from weaved.model.config import ModelConfig
 from weaved.model.gguf_file import GGUFFile
-from weaved.profile import PoolConfig, Profile
 from weaved.routing.types import PoolState, pool_state
 
 log = logging.getLogger("weave.pools")

@@ -8,8 +8,8 @@ from fastapi.testclient import TestClient
 from tests.api.fake_daemon import FakeDaemon
 from tests.federation.control_servers import FINGERPRINT, N_LAYERS, peer_node
 from weaved.api.app import create_app
+from weaved.config.profile import PeerConfig
 from weaved.federation.peers import LocalModel, PeerRegistry
-from weaved.profile import PeerConfig
 
 pytestmark = pytest.mark.federation
 

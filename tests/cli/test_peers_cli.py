@@ -14,8 +14,8 @@ from tests.api.conftest import serving
 from tests.api.fake_daemon import FakeDaemon
 from tests.cli.fake_server import short_socket_dir
 from tests.federation.control_servers import FINGERPRINT, N_LAYERS, peer_node
+from weaved.config.profile import PeerConfig
 from weaved.federation.peers import LocalModel, PeerRegistry
-from weaved.profile import PeerConfig
 
 pytestmark = pytest.mark.federation
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_profile import CPU_BOX, MINIMAL, rejects, write
+from tests.config.test_profile import CPU_BOX, MINIMAL, rejects, write
+from weaved.config.load import load_profile
+from weaved.config.profile import DEFAULT_FEDERATION_PORT, FederationConfig
 from weaved.federation.service import FederationError, FederationListen, federation_listen
-from weaved.profile import DEFAULT_FEDERATION_PORT, FederationConfig, load_profile
 
 PEER = '[[peers]]\nname = "b"\nurl = "http://10.0.0.2:7411"\ntoken = "tok-b"\n'
 

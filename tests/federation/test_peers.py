@@ -12,11 +12,11 @@ import httpx
 import pytest
 
 from tests.federation.control_servers import FINGERPRINT, N_LAYERS, peer_node, serve_app
+from weaved.config.profile import PeerConfig
 from weaved.errors import Conflict, InvalidRequest, NotFound
 from weaved.federation.control import create_federation_app
 from weaved.federation.peer_store import load_peers
 from weaved.federation.peers import LocalModel, PeerRegistry
-from weaved.profile import PeerConfig
 
 pytestmark = pytest.mark.federation
 

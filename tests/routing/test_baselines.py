@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 
 from tests.routing.test_tree import BA, BG, HOST, IA, TH, cpu, req, state
+from weaved.config.load import load_profile
+from weaved.config.profile import RoutingThresholds
+from weaved.config.tables import ProfileError
 from weaved.engine.sampling import SamplingParams
 from weaved.engine.scheduler import SchedulerConfig, schedule
 from weaved.engine.sequence import Sequence, SLARank
 from weaved.kv.cache import KVCache
-from weaved.profile import ProfileError, RoutingThresholds, load_profile
 from weaved.routing.tree import place, promote
 from weaved.routing.types import PRIORITY
 

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from weaved.profile import PoolConfig, RoutingThresholds, load_profile
+from weaved.config.load import load_profile
+from weaved.config.profile import PoolConfig, RoutingThresholds
 from weaved.routing.tree import place, predict_cpu_ttft_s, promote
 from weaved.routing.types import (
     PRIORITY,

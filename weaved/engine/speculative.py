@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from weaved.config.profile import PoolConfig
     from weaved.engine.scheduler import Work
     from weaved.engine.sequence import Sequence
-    from weaved.profile import PoolConfig
 
 _MASK = (1 << 64) - 1
 _MULT = 0x9E3779B97F4A7C15  # odd 64-bit multiplier of the n-gram hash (golden ratio, a good bit mixer)

@@ -16,7 +16,7 @@ REPORT_VERSION = 1
 
 @functools.cache
 def _hardware() -> dict:
-    from weaved.hardware import detect
+    from weaved.config.hardware import detect
 
     hw = detect()
     return {"physical_cores": hw.physical_cores, "logical_cpus": hw.logical_cpus, "memory_bytes": hw.memory_bytes,

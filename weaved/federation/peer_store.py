@@ -13,8 +13,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from weaved.profile import PeerConfig
-from weaved.profile_toml import _Invalid
+from weaved.config.profile import PeerConfig
+from weaved.config.tables import Invalid
 
 FILE_NAME = "peers.json"
 VERSION = 1
@@ -39,7 +39,7 @@ def load_peers(path: Path, log: Callable[[str], None] = print) -> list[PeerConfi
             if not isinstance(entry, dict):
                 raise TypeError("not an object")
             peers.append(PeerConfig(str(entry["name"]), str(entry["url"]), str(entry["token"])))
-        except (KeyError, TypeError, _Invalid) as e:
+        except (KeyError, TypeError, Invalid) as e:
             log(f"run-time peer #{i} in {path} skipped: {e}")
     return peers
 

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import httpx
 
+from weaved.config.profile import PeerConfig
+from weaved.config.tables import Invalid
 from weaved.errors import Conflict, InvalidRequest, NotFound
 from weaved.federation.peer_store import load_peers, save_peers
 from weaved.federation.probe import ALIVE, DEAD, UNKNOWN, Probe, probe
-from weaved.profile import PeerConfig
-from weaved.profile_toml import _Invalid
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # run-time names travel in URL paths
 MAX_TOKEN_CHARS = 4096
@@ -158,7 +158,7 @@ class PeerRegistry:
             raise InvalidRequest(f"the token is longer than {MAX_TOKEN_CHARS} characters", param="token")
         try:
             cfg = PeerConfig(name, url, token)
-        except _Invalid as e:
+        except Invalid as e:
             raise InvalidRequest(f"{e.field}: {e.reason}", param=e.field) from None
         with self._lock:
             if name in self._peers:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from weaved.profile import PeerConfig
+from weaved.config.profile import PeerConfig
 
 HEALTH_PATH = "/federation/v1/health"
 INFO_PATH = "/federation/v1/info"

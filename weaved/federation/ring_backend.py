@@ -32,6 +32,7 @@ import numpy as np
 
 from weaved.backends.base import Backend, BackendStats, Logits, SeqChunk
 from weaved.backends.cpu import CPUBackend
+from weaved.config.profile import PeerConfig
 from weaved.federation.comm import PeerLost, host_store
 from weaved.federation.handoff import Handoff
 from weaved.federation.node_group import HomeGroup
@@ -42,7 +43,6 @@ from weaved.federation.ring_sessions import RingSessions
 from weaved.federation.shard_files import delete_group_files, group_prefix, shard_files
 from weaved.kv.cache import KVCache
 from weaved.kv.store import KVStore
-from weaved.profile import PeerConfig
 
 log = logging.getLogger("weave.federation")
 MAX_FORMS = 3  # ring formations one step may try before its turn fails

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass
 import httpx
 from torch.distributed import TCPStore
 
+from weaved.config.profile import PeerConfig
 from weaved.federation.comm import GroupSpec, PeerGroup
 from weaved.federation.member_groups import JoinRequest
-from weaved.profile import PeerConfig
 
 GROUPS_PATH = "/federation/v1/groups"
 

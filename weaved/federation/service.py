@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from weaved.profile import DEFAULT_FEDERATION_PORT, Profile
+from weaved.config.profile import DEFAULT_FEDERATION_PORT, Profile
 
 PEERS_FILE = "peers.json"
 

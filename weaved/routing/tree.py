@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from weaved.profile import RoutingThresholds
+from weaved.config.profile import RoutingThresholds
 from weaved.routing.baselines import keep_isolated, place_fifo, place_isolated
 from weaved.routing.types import (
     PRIORITY,

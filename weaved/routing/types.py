@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from weaved.profile import PoolConfig
+from weaved.config.profile import PoolConfig
 
 
 class SLAClass(StrEnum):

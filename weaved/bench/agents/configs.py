@@ -22,7 +22,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from weaved.profile import PoolConfig, Profile, load_profile
+from weaved.config.load import load_profile
+from weaved.config.profile import PoolConfig, Profile
 
 CONFIG_NAMES = ("weave", "isolation", "fifo", "gpu-only")
 BASE_PROFILE = "cpu-only"

@@ -8,17 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from weaved import hardware
-from weaved.hardware import GPUInfo, Hardware
-from weaved.profile import (
-    ProfileError,
-    default_data_dir,
-    detect_profile,
-    load_profile,
-    parse_size,
-    pick_profile_name,
-    shipped_profiles,
-)
+from weaved.config import hardware
+from weaved.config.hardware import GPUInfo, Hardware
+from weaved.config.load import default_data_dir, detect_profile, load_profile, pick_profile_name, shipped_profiles
+from weaved.config.tables import ProfileError, parse_size
 
 CPU_BOX = Hardware(physical_cores=8, logical_cpus=16, memory_bytes=32 * 2**30, cpu_model="AMD EPYC 7B13")
 L40S = GPUInfo(index=0, name="NVIDIA L40S", memory_bytes=48 * 10**9, uuid="GPU-1234")
@@ -420,7 +413,7 @@ def test_an_nvml_failure_while_listing_means_no_gpu(monkeypatch):
 
 
 def test_the_documented_example_loads(tmp_path, monkeypatch):
-    doc = (Path(__file__).parents[1] / "docs" / "profiles.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "profiles.md").read_text()
     example = doc.split("## Example", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
     monkeypatch.setenv("WEAVE_PEER_TOKEN", "t0k")
     prof = load_profile(write(tmp_path, example), hardware=L40S_EPYC)

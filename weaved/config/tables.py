@@ -19,7 +19,7 @@ class ProfileError(ValueError):
         self.file, self.key, self.reason = str(file), key, reason
 
 
-class _Invalid(ValueError):
+class Invalid(ValueError):
     """A field's value is out of range; the loader turns it into a ProfileError naming the key."""
 
     def __init__(self, field_name: str, reason: str):
@@ -42,7 +42,7 @@ def parse_size(v: int | str) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
-class _Table:
+class Table:
     """One TOML table: typed getters that remember which keys were read, so ``done`` can reject the rest."""
 
     def __init__(self, file: str, where: str, data: Any):
@@ -85,21 +85,21 @@ class _Table:
     def flag(self, k: str, default: Any = _MISSING) -> Any:
         return self.get(k, lambda v: isinstance(v, bool), "true or false", default)
 
-    def sub(self, k: str) -> _Table:
+    def sub(self, k: str) -> Table:
         self.seen.add(k)
-        return _Table(self.file, self.key(k), self.data.get(k, {}))
+        return Table(self.file, self.key(k), self.data.get(k, {}))
 
-    def array(self, k: str) -> list[_Table]:
+    def array(self, k: str) -> list[Table]:
         self.seen.add(k)
         v = self.data.get(k, [])
         if not isinstance(v, list):
             raise self.err(k, f"must be an array of tables ([[{k}]]), got {type(v).__name__}")
-        return [_Table(self.file, f"{self.key(k)}[{i}]", t) for i, t in enumerate(v)]
+        return [Table(self.file, f"{self.key(k)}[{i}]", t) for i, t in enumerate(v)]
 
     def build(self, cls: type, **kw: Any) -> Any:
         try:
             return cls(**kw)
-        except _Invalid as e:
+        except Invalid as e:
             raise self.err(e.field, e.reason) from None
 
     def done(self) -> None:

@@ -1,0 +1,2 @@
+"""Configuration: deployment profiles (``profile`` dataclasses, ``load`` from TOML through ``tables``)
+and the hardware they are resolved against (``hardware``)."""

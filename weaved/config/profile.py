@@ -1,0 +1,211 @@
+"""A deployment profile as frozen dataclasses: the host, its thread budget, pools, routing thresholds,
+peers and federation settings.
+
+Each dataclass checks its own values when built (``Invalid`` names the field); ``weaved.config.load``
+reads a TOML file into them and turns those into ``ProfileError``s naming the file and key.  The keys
+are documented in docs/profiles.md.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from weaved.config.tables import Invalid
+
+BACKENDS = ("cpu", "torch")
+STRATEGIES = ("standard", "qring")
+CPU_RATE_UNITS = ("pool", "thread")
+POLICIES = ("sla", "isolation", "fifo")  # Weave's router, and the two baselines the agents benchmark compares
+
+
+def _check(ok: bool, field_name: str, reason: str) -> None:
+    if not ok:
+        raise Invalid(field_name, reason)
+
+
+def _positive(obj: object, *names: str, zero_ok: bool = False) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        ok = v >= 0 if zero_ok else v > 0
+        _check(ok and math.isfinite(v), n, f"must be {'>= 0' if zero_ok else '> 0'}, got {v}")
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    name: str
+    data_dir: Path  # session KV files and the journal live here
+    kv_cap_bytes: int  # the most KV this node keeps (file-backed: disk + page cache)
+    max_sessions: int
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "name", "must not be empty")
+        _positive(self, "kv_cap_bytes", "max_sessions")
+
+
+@dataclass(frozen=True)
+class ThreadBudget:
+    kernels: int  # threads of the CPU pools' numba kernels (one process-wide pool)
+    gpu_driver: int  # cores left for the Python threads that launch GPU work (one per CUDA device)
+    api: int  # cores left for the HTTP API and the engines' scheduling loops
+
+    def __post_init__(self) -> None:
+        _positive(self, "kernels")
+        _positive(self, "gpu_driver", "api", zero_ok=True)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One batch engine: a backend on a device running one decode strategy with one variant."""
+
+    name: str
+    backend: str  # "cpu" (numba kernels) | "torch"
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    strategy: str = "standard"  # decode strategy: "standard" | "qring"
+    speculative: bool = False
+    spec_max_concurrency: int = 0  # speculative variant: used while the pool runs fewer sessions
+    # speculative variant's prompt-lookup drafts (weaved.engine.speculative): the most draft tokens a
+    # sequence verifies per step, and the context suffix lengths (n-grams) looked up, longest first
+    spec_draft_tokens: int = 8
+    spec_ngram_min: int = 2
+    spec_ngram_max: int = 3
+    max_batch: int = 16  # sequences decoding together
+    prefill_chunk: int = 512  # prompt tokens one sequence may prefill per step
+    token_budget: int = 528  # tokens per engine step, prefill chunks and decode tokens together
+    idle_demote_s: float | None = None  # GPU pools: demote a session idle this long (None: never)
+    # tokens per step while an interactive turn decodes in this pool (None: token_budget): bounds the
+    # inter-token gap of an interactive turn that shares the pool with prefilling background turns
+    interactive_token_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", self.name) is not None, "name",
+               f"{self.name!r} is not a pool name (lower-case letters, digits, '-', '_', '.')")
+        _check(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
+        ok_dev = self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device) is not None
+        _check(ok_dev, "device", f"must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        _check(self.backend == "torch" or self.device == "cpu", "device",
+               "the cpu backend runs on device 'cpu' only")
+        _check(self.strategy in STRATEGIES, "strategy", f"must be one of {STRATEGIES}, got {self.strategy!r}")
+        _check(self.strategy != "qring" or self.backend == "cpu", "backend",
+               "a qring pool runs on the cpu backend (the ring's home runs the dense layers with the CPU kernels)")
+        _check(not (self.speculative and self.strategy != "standard"), "speculative",
+               "speculative decoding runs in standard decode pools only")
+        if self.speculative:
+            _positive(self, "spec_max_concurrency")
+        else:
+            _check(self.spec_max_concurrency == 0, "spec_max_concurrency", "set only with speculative = true")
+        _positive(self, "spec_draft_tokens", "spec_ngram_min")
+        _check(self.spec_ngram_max >= self.spec_ngram_min, "spec_ngram_max",
+               f"must be >= spec_ngram_min ({self.spec_ngram_min}), got {self.spec_ngram_max}")
+        _positive(self, "max_batch", "prefill_chunk", "token_budget")
+        _check(self.token_budget >= self.prefill_chunk, "token_budget",
+               f"must hold one prefill chunk ({self.prefill_chunk} tokens), got {self.token_budget}")
+        _check(self.token_budget >= self.max_batch, "token_budget",
+               f"must hold one decode token per sequence of a full batch ({self.max_batch}), "
+               f"got {self.token_budget}")
+        if self.interactive_token_budget is not None:
+            _positive(self, "interactive_token_budget")
+            _check(self.interactive_token_budget <= self.token_budget, "interactive_token_budget",
+                   f"must not exceed token_budget ({self.token_budget}), got {self.interactive_token_budget}")
+        if self.idle_demote_s is not None:
+            _check(self.backend == "torch", "idle_demote_s", "only GPU (torch) pools demote idle sessions")
+            _positive(self, "idle_demote_s", zero_ok=True)
+
+    @property
+    def cuda_device(self) -> int | None:
+        """CUDA device index, or None for a pool on the CPU."""
+        return None if self.device == "cpu" else int(self.device.partition(":")[2] or 0)
+
+
+@dataclass(frozen=True)
+class RoutingThresholds:
+    """Every number the router decides with (calibration measures them per host)."""
+
+    cpu_prefill_tokens_per_s: float  # the CPU pool's prefill rate (whole pool)
+    cpu_decode_tokens_per_s: float  # the CPU pool's aggregate decode rate over its batch
+    long_prompt_tokens: int = 2048  # background/batch prompts this long prefill on a GPU or a pipeline
+    ttft_margin: float = 0.8  # the CPU meets a TTFT target if its prediction is within this share of it
+    ring_batch_depth: int = 16  # Q-Ring decode pays off once this many sessions share the ring
+    node_kv_tokens: int | None = None  # most context one node holds; None: the daemon's KV-cap figure
+    pipeline_min_prompt_tokens: int = 8192  # shortest prompt that keeps a prefill pipeline full
+    # "sla": the decision tree.  The baselines of the agents benchmark (docs/benchmarks.md):
+    # "isolation" binds a session to a pool by its class at creation and never moves it or changes
+    # its priority; "fifo" puts every session in the first standard pool, first come first served.
+    policy: str = "sla"
+
+    def __post_init__(self) -> None:
+        _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
+        _positive(self, "cpu_prefill_tokens_per_s", "cpu_decode_tokens_per_s", "long_prompt_tokens",
+                  "ttft_margin", "ring_batch_depth", "pipeline_min_prompt_tokens")
+        _check(self.ttft_margin <= 1.0, "ttft_margin", f"must be in (0, 1], got {self.ttft_margin}")
+        if self.node_kv_tokens is not None:
+            _positive(self, "node_kv_tokens")
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    name: str
+    url: str  # the peer daemon's control-plane address, e.g. http://10.0.0.12:7411
+    token: str = field(repr=False)  # shared secret sent with every request (kept out of reprs)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "name", "must not be empty")
+        m = re.fullmatch(r"https?://(\[[0-9a-fA-F:.]+\]|[^/\s:\[\]]+)(:\d+)?/?", self.url)
+        _check(m is not None, "url", f"must be http(s)://host[:port], got {self.url!r}")
+        _check(bool(self.token), "token", "must not be empty")
+        _check(self.token.isprintable() and not any(c.isspace() for c in self.token), "token",
+               "must be printable and without spaces (it travels in an HTTP header)")
+
+
+DEFAULT_FEDERATION_PORT = 7411  # the control plane's TCP port when the profile names peers but no port
+
+
+@dataclass(frozen=True)
+class FederationConfig:
+    """This node's side of the control plane: where it listens for its peers and the shared token
+    every request must carry (the token its peers send; see docs/federation.md, control plane)."""
+
+    port: int | None = None  # TCP port of the control plane (0: any free port); None: not listening
+    bind: str = "127.0.0.1"  # loopback unless the operator opens it to the network on purpose
+    token: str | None = field(default=None, repr=False)  # kept out of reprs and logs
+    health_interval_s: float = 5.0  # how often every peer is checked
+    health_timeout_s: float = 2.0  # bound on one check's connect and read
+    ring_timeout_s: float = 30.0  # every data-plane wait of a ring or pipeline (longer than a layer's work)
+    ring_idle_timeout_s: float = 60.0  # a member waiting for the home's next command (the home pings at 1/3)
+    ring_heads_per_group: int = 1  # kv heads per travelling Q-Ring packet (must divide the model's)
+
+    def __post_init__(self) -> None:
+        if self.port is not None:
+            _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
+        _check(bool(self.bind) and not any(c.isspace() for c in self.bind), "bind",
+               f"must be a host address, got {self.bind!r}")
+        if self.token is not None:
+            _check(bool(self.token), "token", "must not be empty")
+            _check(self.token.isprintable() and not any(c.isspace() for c in self.token), "token",
+                   "must be printable and without spaces (it travels in an HTTP header)")
+        _positive(self, "health_interval_s", "health_timeout_s", "ring_timeout_s", "ring_idle_timeout_s",
+                  "ring_heads_per_group")
+        _check(self.health_timeout_s <= self.health_interval_s, "health_timeout_s",
+               f"must not exceed health_interval_s ({self.health_interval_s}), got {self.health_timeout_s}")
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    source: str  # the file it was read from
+    host: HostConfig
+    threads: ThreadBudget
+    pools: tuple[PoolConfig, ...]
+    routing: RoutingThresholds
+    peers: tuple[PeerConfig, ...] = ()
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    description: str = ""
+    notes: tuple[str, ...] = ()  # what load-time detection decided (e.g. a GPU pool left out)
+
+    def pool(self, name: str) -> PoolConfig:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(f"profile {self.name!r} has no pool {name!r}")
