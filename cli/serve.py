@@ -114,7 +114,7 @@ def register(app: typer.Typer) -> None:
             _say(note)
         model_path = _model_path(model)
 
-        from weaved.daemon import Daemon
+        from weaved.daemon.core import Daemon
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
         started = time.monotonic()

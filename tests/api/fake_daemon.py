@@ -1,4 +1,4 @@
-"""A test double of ``weaved.daemon.Daemon`` for the API's tests: same interface, canned token streams.
+"""A test double of ``weaved.daemon.core.Daemon`` for the API's tests: same interface, canned token streams.
 
 Tokens are bytes (token id = byte value, 256 = end of turn), so text and ids map trivially.  Each turn
 streams ``reply`` one byte per token from its own thread, as the real engine does, and honours

@@ -209,7 +209,7 @@ def test_sigterm_leaves_no_socket_and_a_consistent_journal(tmp_path: Path, smoll
     db = sqlite3.connect(journal)
     assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     db.close()
-    from weaved.journal import Journal
+    from weaved.daemon.journal import Journal
 
     j = Journal(journal)
     rec = j.get(sid)

@@ -1,7 +1,7 @@
 """A test double of the daemon's HTTP API on a Unix socket, for the client commands and ``weave top``.
 
 It speaks the same shapes as ``weaved.api`` (OpenAI-style chat answers and SSE chunks, the session
-API, ``/v1/status`` as ``weaved.daemon_status.status_dict`` builds it, ``/v1/events``) but holds its
+API, ``/v1/status`` as ``weaved.daemon.core.Daemon.status`` builds it, ``/v1/events``) but holds its
 sessions in a dict and answers every turn with a fixed text derived from the user's message, so tests
 can assert exactly what the commands print.  It records every request it gets.
 """

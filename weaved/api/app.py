@@ -37,7 +37,7 @@ class RequestMetrics:
 
 
 def create_app(daemon, *, metrics: Metrics | None = None) -> FastAPI:
-    """The app serving ``daemon`` (a loaded ``weaved.daemon.Daemon`` or anything with its interface)."""
+    """The app serving ``daemon`` (a loaded ``weaved.daemon.core.Daemon`` or anything with its interface)."""
     app = FastAPI(title="Weave", docs_url=None, redoc_url=None, openapi_url=None)
     state = ApiState(daemon, metrics or Metrics())
     app.state.weave = state

@@ -13,7 +13,7 @@ from weaved.metrics import Metrics
 
 @dataclass
 class ApiState:
-    daemon: Any  # weaved.daemon.Daemon, or anything with its interface
+    daemon: Any  # weaved.daemon.core.Daemon, or anything with its interface
     metrics: Metrics = field(default_factory=Metrics)
     # Set when the server begins to shut down: endless streams (/v1/events) end, new turns get 503.
     closing: asyncio.Event = field(default_factory=asyncio.Event)

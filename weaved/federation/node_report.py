@@ -28,7 +28,7 @@ def hardware_report() -> dict:
 
 
 def node_report(daemon: Any) -> dict:
-    """The report of a loaded ``weaved.daemon.Daemon`` (or anything with its attributes)."""
+    """The report of a loaded ``weaved.daemon.core.Daemon`` (or anything with its attributes)."""
     from weaved.kv.store import model_fingerprint
 
     cfg, prof = daemon.config, daemon.profile

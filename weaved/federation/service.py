@@ -53,7 +53,7 @@ def peer_registry(daemon: Any):
     fed, cfg = daemon.profile.federation, daemon.config
     local = LocalModel(daemon.model_name, model_fingerprint(cfg), cfg.n_layers)
     return PeerRegistry(daemon.profile.peers, store_path=daemon.data_dir / PEERS_FILE, local=local,
-                        interval_s=fed.health_interval_s, timeout_s=fed.health_timeout_s, log=daemon._log)
+                        interval_s=fed.health_interval_s, timeout_s=fed.health_timeout_s, log=daemon.log)
 
 
 def federation_app(daemon: Any, listen: FederationListen):

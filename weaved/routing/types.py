@@ -57,6 +57,15 @@ class SLA:
         _finite_positive(self.ttft_ms, "ttft_ms")
         _finite_positive(self.ttlt_s, "ttlt_s")
 
+    def to_dict(self) -> dict[str, Any]:
+        """The API's and the journal's shape: ``{"class", "ttft_ms", "ttlt_s"}``."""
+        return {"class": self.cls.value, "ttft_ms": self.ttft_ms, "ttlt_s": self.ttlt_s}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SLA:
+        """The inverse of ``to_dict`` (missing targets are None)."""
+        return cls(SLAClass(d["class"]), d.get("ttft_ms"), d.get("ttlt_s"))
+
 
 @dataclass(frozen=True)
 class SessionRequest:
@@ -161,6 +170,11 @@ class Placement:
     decode_pool: str
     priority: int  # higher runs first (PRIORITY)
     reasons: tuple[str, ...]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Placement:
+        """The inverse of ``to_dict``."""
+        return cls(**{**d, "reasons": tuple(d.get("reasons", ()))})
 
     def to_dict(self) -> dict[str, Any]:
         return {"prefill_strategy": self.prefill_strategy, "decode_strategy": self.decode_strategy,

@@ -75,7 +75,7 @@ def run_once(opts: ScenarioOptions, cfg: ResolvedConfig, workload: AgentWorkload
     from weaved.bench.agents.replay import Replay
     from weaved.bench.agents.tokens import TokenPool
     from weaved.bench.agents.warmup import warm_up
-    from weaved.daemon import Daemon
+    from weaved.daemon.core import Daemon
 
     with tempfile.TemporaryDirectory(prefix="weave-agents-", dir=opts.data_root) as tmp:
         profile = build_profile(cfg, Path(tmp), gpu, opts.threads)

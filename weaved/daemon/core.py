@@ -3,6 +3,10 @@
 The API calls only this class.  Methods other than ``load`` and ``shutdown`` do no heavy work and
 are called from the API's event loop; the engines call back from their own threads (``_commit``,
 ``_on_turn_event``), so session state shared between the two is guarded by ``self._lock``.
+
+Collaborators: ``SessionMoves`` (where a turn runs and how a session moves between pools),
+``EventBus`` (``/v1/events``), ``Mover`` (KV copies between backends), the ``Journal`` and the
+``KVStore``; ``status`` describes pools and sessions for ``/v1/status``.
 """
 
 from __future__ import annotations
@@ -13,37 +17,29 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from weaved.config.profile import Profile
-from weaved.daemon_moves import PoolMoves
+from weaved.daemon.events import EventBus
+from weaved.daemon.housekeeping import Housekeeper
+from weaved.daemon.moves import SessionMoves
+from weaved.daemon.recovery import unfed_tail, unfinished_answer
+from weaved.daemon.session import Session
+from weaved.daemon.status import device_kv_bytes, hardware_status, pool_status, session_status
+from weaved.daemon.turns import TurnHandle, chat_turn_tokens, check_fits, prompt_turn_tokens, turn_sequence
 from weaved.engine.engine import BatchEngine
 from weaved.engine.sampling import SamplingParams
 from weaved.engine.sequence import Sequence
-from weaved.engine.stops import StopChecker
 from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound, Overloaded, WeaveError
 from weaved.kv.cache import KVCache
 from weaved.routing.tree import place
 from weaved.routing.types import SLA, Placement, RoutingError, SessionRequest, SLAClass, SystemState
-from weaved.session import Session, chat_turn_tokens
 
 log = logging.getLogger("weave.daemon")
 KV_ALIGN = 32  # capacities are multiples of this: keeps the file's per-head runs page-aligned
 
 
-@dataclass
-class TurnHandle:
-    session_id: str
-    prompt_tokens: int  # the context the turn starts from (cached + new), for usage
-    cached_tokens: int
-    _daemon: Daemon
-
-    def cancel(self) -> None:
-        self._daemon.cancel_turn(self.session_id)
-
-
-class Daemon(PoolMoves):
+class Daemon:
     def __init__(self, profile: Profile, model_path: Path, *, data_dir: Path | None = None,
                  log_fn: Callable[[str], None] = print, federation=None):
         self.profile = profile
@@ -53,25 +49,25 @@ class Daemon(PoolMoves):
         self.member_groups = None
         self.model_path = Path(model_path)
         self.data_dir = Path(data_dir or profile.host.data_dir)
-        self._log = log_fn
+        self.log = log_fn  # one line at a time, for the operator (weave serve prints them)
         self._lock = threading.RLock()
         self.sessions: dict[str, Session] = {}
         self.engines: dict[str, BatchEngine] = {}
-        self.pools: dict = {}  # name -> weaved.pools.Pool
+        self.pools: dict = {}  # name -> weaved.daemon.pools.Pool
         self.pool_notes: list[str] = []
-        self._housekeeping_stop: threading.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._subscribers: set[asyncio.Queue] = set()
+        self.events = EventBus()
+        self.moves: SessionMoves | None = None
+        self.housekeeper: Housekeeper | None = None
         self.started = time.time()
 
     # ---- life cycle ------------------------------------------------------------------------------
     def load(self, progress: Callable[[str], None] | None = None) -> None:
-        from weaved.journal import Journal
+        from weaved.daemon.journal import Journal
+        from weaved.daemon.migration import Mover
+        from weaved.daemon.pools import build_pools
         from weaved.kv.store import KVStore
-        from weaved.migration import Mover
         from weaved.model.loader import open_model
         from weaved.model.tokenizer import Tokenizer
-        from weaved.pools import build_pools
 
         say = progress or (lambda m: None)
         say(f"opening {self.model_path.name}")
@@ -97,74 +93,48 @@ class Daemon(PoolMoves):
         if self.federation is not None:
             self.member_groups = fed.member_groups(self, self.federation)
         self.mover = Mover(self.publish)
+        self.moves = SessionMoves(pools=self.pools, routing=self.profile.routing, journal=self.journal,
+                                  store=self.store, peers=self.peers, mover=self.mover, publish=self.publish,
+                                  system_state=self._system_state, lock=self._lock)
         say("recovering sessions")
         self._recover()
         self.peers.start()
         for e in self.engines.values():
             e.start()
-        self._start_housekeeping()
+        limits = [p.config.idle_demote_s for p in self.pools.values() if p.config.idle_demote_s is not None]
+        self.housekeeper = Housekeeper.for_idle_demotion(limits, self.demote_idle)
         say("ready")
 
     def _recover(self) -> None:
         for rec in self.journal.list():
-            sla = SLA(SLAClass(rec.sla["class"]), rec.sla.get("ttft_ms"), rec.sla.get("ttlt_s"))
-            pl = rec.placement or {}
-            placement = Placement(**{**pl, "reasons": tuple(pl.get("reasons", ()))}) if pl else None
+            sla = SLA.from_dict(rec.sla)
+            placement = Placement.from_dict(rec.placement) if rec.placement else None
             try:
                 if placement is None or placement.decode_pool not in self.engines:
                     placement = self._place(sla, rec.kv_length, rec.max_context)
                 cap = -(-rec.max_context // KV_ALIGN) * KV_ALIGN
                 kv = self._new_kv(rec.id, placement, cap, list(rec.tokens[: rec.kv_length]))
             except Exception as exc:  # a KV file made for another model, or lost; no ring: keep the rest serving
-                self._log(f"session {rec.id} not recovered: {exc}")
+                self.log(f"session {rec.id} not recovered: {exc}")
                 continue
             messages = [{"role": m["role"], "content": m["content"]} for m in rec.messages]
-            partial = self._unfinished_answer(rec)
+            partial = unfinished_answer(rec, self.tokenizer.decode)
             if partial is not None:  # the daemon stopped mid-turn: keep what was committed of the answer
                 messages.append({"role": "assistant", "content": partial[0]})
                 self.journal.finish_message(rec.id, "assistant", partial[0], partial[1])
             self.sessions[rec.id] = Session(rec.id, sla, rec.max_context, rec.system, placement, kv,
                                             list(rec.tokens), messages, created=rec.created,
-                                            tail=self._unfed_tail(rec) if partial is None else [])
+                                            tail=unfed_tail(rec) if partial is None else [])
         if self.sessions:
-            self._log(f"recovered {len(self.sessions)} session(s) from {self.data_dir}")
-
-    @staticmethod
-    def _unfed_tail(rec) -> list[int]:
-        """The answer's last token(s), sampled but not fed when its turn ended (``Session.tail``).
-
-        A finished turn records its input tokens with its last input message and every generated id
-        with the answer; the answer's ids beyond what was committed after the input are the tail.
-        The next turn feeds them first - for a prompt-only session nothing else would."""
-        if len(rec.messages) < 2 or rec.messages[-1]["role"] != "assistant":
-            return []
-        ans, inp = rec.messages[-1], rec.messages[-2]
-        if ans["token_ids"] is None or inp["token_ids"] is None or ans["kv_at"] != rec.kv_length:
-            return []
-        start = inp["kv_at"] + len(inp["token_ids"])
-        gen, n = ans["token_ids"], rec.kv_length - start  # n: the answer's committed ids
-        if not 0 <= n <= len(gen) or rec.tokens[start:] != gen[:n]:
-            return []
-        return list(gen[n:])
-
-    def _unfinished_answer(self, rec) -> tuple[str, list[int]] | None:
-        """Text and ids of the answer a turn had committed when the daemon stopped, if any.
-
-        A turn records its prompt tokens with its last input message; what was committed after them
-        is the answer so far."""
-        if not rec.messages or rec.messages[-1]["role"] != "user":
-            return None
-        last = rec.messages[-1]
-        start = (last["kv_at"] or 0) + len(last["token_ids"] or [])
-        ids = rec.tokens[start:]
-        return (self.tokenizer.decode(ids), ids) if ids else None
+            self.log(f"recovered {len(self.sessions)} session(s) from {self.data_dir}")
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        """The API's event loop: where ``/v1/events`` subscribers read."""
+        self.events.attach_loop(loop)
 
     def shutdown(self) -> None:
-        if self._housekeeping_stop is not None:
-            self._housekeeping_stop.set()
+        if self.housekeeper is not None:
+            self.housekeeper.stop()
         if getattr(self, "peers", None) is not None:
             self.peers.stop()
         for e in self.engines.values():
@@ -210,10 +180,10 @@ class Daemon(PoolMoves):
             s = Session(sid, sla, max_context or limit, system, placement, kv, [], [], ephemeral=ephemeral)
             self.sessions[sid] = s
             if not ephemeral:
-                self.journal.create_session(sid, _sla_dict(sla), s.max_context, system, _pl_dict(placement))
-        self.publish("placement", {"session": sid, "placement": _pl_dict(placement)})
+                self.journal.create_session(sid, sla.to_dict(), s.max_context, system, placement.to_dict())
+        self.publish("placement", {"session": sid, "placement": placement.to_dict()})
         if not ephemeral:
-            self._log(f"session {sid}: {sla.cls.value} -> {placement.decode_pool} ({'; '.join(placement.reasons)})")
+            self.log(f"session {sid}: {sla.cls.value} -> {placement.decode_pool} ({'; '.join(placement.reasons)})")
         return self.get_session(sid)
 
     def _new_kv(self, sid: str, placement, capacity: int, tokens: list[int] | None = None):
@@ -235,8 +205,8 @@ class Daemon(PoolMoves):
         with self._lock:
             s = self._get(sid)
             return {
-                "id": s.id, "sla": _sla_dict(s.sla), "max_context": s.max_context, "system": s.system,
-                "placement": _pl_dict(s.placement), "status": "busy" if s.busy else "idle",
+                "id": s.id, "sla": s.sla.to_dict(), "max_context": s.max_context, "system": s.system,
+                "placement": s.placement.to_dict(), "status": "busy" if s.busy else "idle",
                 "context_tokens": s.context_tokens, "messages": list(s.messages), "created": s.created,
                 "pool": s.pool, "backend": self.engines[s.pool].backend.name if s.pool in self.engines else None,
             }
@@ -274,11 +244,9 @@ class Daemon(PoolMoves):
             if messages is not None:
                 new, keep = chat_turn_tokens(self.tokenizer, s, messages)
             else:
-                ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_bos=None if
-                                                                                    not s.committed else False)
-                new, keep = s.tail + list(ids), len(s.committed)
+                new, keep = prompt_turn_tokens(self.tokenizer, s, prompt)
             try:
-                self._check_fits(s, keep, new, params)
+                check_fits(s, keep, new, params.max_tokens)
             except WeaveError:
                 if s.ephemeral:
                     self._drop_ephemeral(s)
@@ -292,9 +260,9 @@ class Daemon(PoolMoves):
             resla = sla is not None and sla.cls != s.sla.cls
             if sla is not None and sla != s.sla:
                 s.sla = sla
-            if resla or self._misplaced(s):  # a check-in: the router re-places the session first
-                new_pl = self._replace(s, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion")
-                self.publish("placement", {"session": s.id, "placement": _pl_dict(new_pl)})
+            if resla or self.moves.misplaced(s):  # a check-in: the router re-places the session first
+                new_pl = self.moves.replace(s, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion")
+                self.publish("placement", {"session": s.id, "placement": new_pl.to_dict()})
             if messages is not None:
                 for i, m in enumerate(messages):
                     s.messages.append({"role": m["role"], "content": m["content"]})
@@ -303,33 +271,15 @@ class Daemon(PoolMoves):
                         self.journal.add_message(s.id, m["role"], m["content"], ids)
             elif not s.ephemeral:
                 self.journal.add_message(s.id, "prompt", prompt if isinstance(prompt, str) else "", list(new))
-            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eog_ids))
-            seq = Sequence(
-                session_id=s.id, kv=s.kv, pending=list(new), params=params, rank=s.rank,
-                ttft_s=s.sla.ttft_ms / 1000 if s.sla.ttft_ms else None, ttlt_s=s.sla.ttlt_s,
-                history=list(s.committed), decoder=self.tokenizer.stream_decoder(),
-                stops=StopChecker(params.stop, stop_ids), prompt_logprobs=echo,
-            )
+            seq = turn_sequence(s, new, params, self.tokenizer, echo=echo)
             n_prompt = len(s.committed) + len(new)
             seq.emit = lambda ev, s=s, seq=seq: self._on_turn_event(s, seq, ev, emit, n_prompt)
             s.turn = seq
             s.last_active = time.time()
-            run_in = self._prepare_turn(s, seq, len(new))
-        handle = TurnHandle(s.id, n_prompt, keep, self)
+            run_in = self.moves.prepare_turn(s, seq, len(new))
+        handle = TurnHandle(s.id, n_prompt, keep, cancel=lambda sid=s.id: self.cancel_turn(sid))
         self.engines[run_in].submit(seq)
         return handle
-
-    def _check_fits(self, s: Session, keep: int, new: list[int], params: SamplingParams) -> None:
-        if not new:
-            raise InvalidRequest("the turn adds no tokens", param="messages")
-        total = keep + len(new)
-        cap = s.kv.capacity
-        if total >= cap:
-            raise ContextTooLong(f"the prompt needs {total} tokens of context but the session holds {cap}")
-        if total + params.max_tokens > cap:
-            raise ContextTooLong(
-                f"max_tokens {params.max_tokens} with a {total}-token context exceeds the session's context of "
-                f"{cap} tokens", param="max_tokens")
 
     def _drop_ephemeral(self, s: Session) -> None:
         with self._lock:
@@ -388,33 +338,61 @@ class Daemon(PoolMoves):
             return
         emit(ev)
 
+    # ---- SLA changes ---------------------------------------------------------------------------------
+    def promote(self, sid: str) -> dict:
+        return self._change_sla(sid, SLA(SLAClass.INTERACTIVE, 500.0, None), "promotion")
+
+    def demote(self, sid: str, reason: str = "demotion") -> dict:
+        return self._change_sla(sid, SLA(SLAClass.BACKGROUND, None, None), reason)
+
+    def _change_sla(self, sid: str, sla: SLA, kind: str) -> dict:
+        with self._lock:
+            s = self._get(sid)
+            s.sla = sla
+            new = self.moves.replace(s, kind)
+        event = "promotion" if sla.cls is SLAClass.INTERACTIVE else "demotion"
+        self.publish(event, {"session": sid, "placement": new.to_dict(), "reason": kind})
+        return self.get_session(sid)
+
+    # ---- idle demotion -------------------------------------------------------------------------------
+    def demote_idle(self, now: float) -> list[str]:
+        """Demote sessions whose KV sat idle on a GPU pool with ``idle_demote_s`` for longer than that:
+        they leave the GPU pool if a CPU pool has room, and their device copy is freed either way."""
+        with self._lock:
+            due = self.moves.idle_on_gpu(self.sessions.values(), now)
+        for sid in due:
+            try:
+                self.demote(sid, reason="idle demotion")
+            except Exception:
+                log.exception("idle demotion of %s failed", sid)
+        return due
+
     # ---- status and events -----------------------------------------------------------------------
     def publish(self, kind: str, data: dict) -> None:
         """Send an event to every ``/v1/events`` subscriber (any thread)."""
-        ev = {"type": kind, "time": time.time(), **data}
-        loop = self._loop
-        if loop is None:
-            return
-        for q in list(self._subscribers):
-            loop.call_soon_threadsafe(q.put_nowait, ev)
+        self.events.publish(kind, data)
 
     def subscribe(self) -> asyncio.Queue:
-        q: asyncio.Queue = asyncio.Queue(maxsize=10000)
-        self._subscribers.add(q)
-        return q
+        return self.events.subscribe()
 
     def unsubscribe(self, q: asyncio.Queue) -> None:
-        self._subscribers.discard(q)
+        self.events.unsubscribe(q)
 
     def status(self) -> dict:
-        from weaved.daemon_status import status_dict
-
-        return status_dict(self)
-
-
-def _sla_dict(sla: SLA) -> dict:
-    return {"class": sla.cls.value, "ttft_ms": sla.ttft_ms, "ttlt_s": sla.ttlt_s}
-
-
-def _pl_dict(p) -> dict:
-    return p.to_dict()
+        """``/v1/status``: everything ``weave top`` shows."""
+        pools = list(self.pools.values())
+        now = time.monotonic()
+        with self._lock:
+            sessions = [session_status(s, self.pools, now) for s in self.sessions.values()]
+        return {
+            "model": {"name": self.model_name, "path": str(self.model_path), "arch": self.config.arch,
+                      "context_length": self.config.context_length},
+            "profile": self.profile.name, "uptime_s": round(time.time() - self.started, 1),
+            "pools": [pool_status(p) for p in pools], "pool_notes": self.pool_notes, "sessions": sessions,
+            "kv": {**self.store.tiers(), "device_bytes": device_kv_bytes(pools)},
+            "hardware": hardware_status(pools),
+            "peers": self.peers.list() if getattr(self, "peers", None) is not None else [],
+            "migrations": self.mover.counters.to_dict() if hasattr(self, "mover") else None,
+            # the groups this daemon serves for its peers' rings (it is their home's member)
+            "groups": self.member_groups.status() if self.member_groups is not None else [],
+        }

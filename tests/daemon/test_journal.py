@@ -17,7 +17,7 @@ import pytest
 
 import weaved
 from tests.kv.test_store import CFG
-from weaved.journal import Journal, JournalError
+from weaved.daemon.journal import Journal, JournalError
 from weaved.kv.store import KVStore
 
 SLA = {"class": "interactive", "ttft_ms": 500, "ttlt_s": 30}
@@ -157,7 +157,7 @@ def test_concurrent_reads_during_writes(tmp_path):
 WRITER = """
 import sys
 from pathlib import Path
-from weaved.journal import Journal
+from weaved.daemon.journal import Journal
 
 journal = Journal(Path(sys.argv[1]))
 sessions = [f"s{i}" for i in range(3)]
@@ -223,7 +223,7 @@ def test_kill_9_recovers_every_session(tmp_path):
 KV_WRITER = """
 import sys
 from pathlib import Path
-from weaved.journal import Journal
+from weaved.daemon.journal import Journal
 from weaved.kv.store import KVStore
 from weaved.model.config import ModelConfig, RopeStyle
 

@@ -1,5 +1,5 @@
-"""The daemon's half that moves sessions between pools: SLA changes, long-prompt prefill on a GPU, idle
-demotion.  Mixed into ``Daemon`` (it uses the daemon's sessions, pools, lock, journal and router).
+"""Moving sessions between pools: where a turn runs (a long prompt may prefill on a GPU pool, or as a
+pipeline across peers), re-placement when a session's SLA changes, and bringing its KV along.
 
 Where a session is:
 - ``placement.decode_pool``: where the router wants its turns decoded;
@@ -14,19 +14,31 @@ device copy at once, since that frees device memory and copies nothing (rows wer
 
 from __future__ import annotations
 
-import logging
 import threading
-import time
+from collections.abc import Callable, Iterable
 
+from weaved.config.profile import RoutingThresholds
+from weaved.daemon.migration import Mover
+from weaved.daemon.pools import Pool
+from weaved.daemon.session import Session
 from weaved.engine.sequence import Sequence
 from weaved.routing.tree import promote
-from weaved.routing.types import SLA, Placement, SessionRequest, SLAClass, pools_of, with_room
-from weaved.session import Session
-
-log = logging.getLogger("weave.daemon")
+from weaved.routing.types import Placement, SessionRequest, SLAClass, SystemState, pools_of, with_room
 
 
-class PoolMoves:
+class SessionMoves:
+    """The daemon's collaborator for moves.  It sees the daemon through a narrow interface: the pools,
+    the routing thresholds, the journal and KV store, the peer registry, the mover, the event
+    publisher, the router's view of the node now (``system_state``) and the daemon's session lock,
+    which the callers of ``prepare_turn``, ``replace`` and ``misplaced`` hold."""
+
+    def __init__(self, *, pools: dict[str, Pool], routing: RoutingThresholds, journal, store, peers, mover: Mover,
+                 publish: Callable[[str, dict], None], system_state: Callable[[], SystemState],
+                 lock: threading.RLock):
+        self.pools, self.routing, self.journal, self.store = pools, routing, journal, store
+        self.peers, self.mover, self.publish = peers, mover, publish
+        self.system_state, self.lock = system_state, lock
+
     # ---- bringing KV where the turn runs ---------------------------------------------------------
     def _bring_kv(self, s: Session, to: str, reason: str) -> None:
         """Make pool ``to``'s backend hold the session's KV (engine thread of ``to``, or any thread when
@@ -39,11 +51,11 @@ class PoolMoves:
         """(pool to run this turn in, why it is not the decode pool).  A throughput-tolerant session whose
         turn brings a long prompt prefills it on a GPU pool with room, then decodes where it lives."""
         here = s.placement.decode_pool
-        th = self.profile.routing
+        th = self.routing
         if (th.policy != "sla" or n_new < th.long_prompt_tokens or self.pools[here].device_kind == "gpu"
                 or s.placement.decode_strategy == "qring"):  # a ring session's KV lives on the ring's nodes
             return here, None
-        g = with_room(pools_of(self._system_state(), "gpu"), s.context_tokens + n_new, plain_first=True)
+        g = with_room(pools_of(self.system_state(), "gpu"), s.context_tokens + n_new, plain_first=True)
         if g is None:
             return here, None
         return g.name, (f"turn prompt of {n_new} tokens >= {th.long_prompt_tokens}: prefill on GPU pool {g.name!r}, "
@@ -53,7 +65,7 @@ class PoolMoves:
         """The ring backend whose group prefills this turn's prompt as a pipeline across the peers, or
         None: a throughput-tolerant standard session's first turn (the pipeline starts at position 0)
         with a prompt of at least ``pipeline_min_prompt_tokens``, while a ring pool has live peers."""
-        th = self.profile.routing
+        th = self.routing
         if (th.policy != "sla" or s.sla.cls is SLAClass.INTERACTIVE or s.placement.decode_strategy != "standard"
                 or s.committed or n_new < th.pipeline_min_prompt_tokens or seq.prompt_logprobs
                 or self.peers.peers_alive() == 0):
@@ -67,12 +79,12 @@ class PoolMoves:
         self.store.reserve(seq.kv, len(ids))  # the cap is checked before anything is written
         return len(ids) if ring.pipeline_gather(seq.kv, ids) else 0
 
-    def _prepare_turn(self, s: Session, seq: Sequence, n_new: int) -> str:
-        """Route the turn (caller holds ``self._lock``); returns the pool to submit it to."""
+    def prepare_turn(self, s: Session, seq: Sequence, n_new: int) -> str:
+        """Route the turn (caller holds ``self.lock``); returns the pool to submit it to."""
         ring = self._pipeline_ring(s, seq, n_new)
         if ring is not None:
             self.publish("placement", {"session": s.id, "turn_prefill": "pipeline", "reason": (
-                f"first prompt of {n_new} tokens >= {self.profile.routing.pipeline_min_prompt_tokens}: pipeline "
+                f"first prompt of {n_new} tokens >= {self.routing.pipeline_min_prompt_tokens}: pipeline "
                 f"prefill across the ring's peers, decode on {s.placement.decode_pool!r}")})
             seq.prefill_outside = lambda seq, s=s, ring=ring: self._pipeline_prefill(s, seq, ring)
             run_in, why = s.placement.decode_pool, None
@@ -89,56 +101,40 @@ class PoolMoves:
     def _handoff(self, s: Session, seq: Sequence) -> None:
         """A long prompt was prefilled on a GPU pool: continue decoding in the session's decode pool
         (engine thread of the prefill pool)."""
-        with self._lock:
+        with self.lock:
             to = s.placement.decode_pool
         self._bring_kv(s, to, "prefill handoff")
         s.where = to
         self.pools[to].engine.submit(seq)
 
-    # ---- SLA changes -----------------------------------------------------------------------------
-    def promote(self, sid: str) -> dict:
-        return self._change_sla(sid, SLA(SLAClass.INTERACTIVE, 500.0, None), "promotion")
-
-    def demote(self, sid: str, reason: str = "demotion") -> dict:
-        return self._change_sla(sid, SLA(SLAClass.BACKGROUND, None, None), reason)
-
-    def _change_sla(self, sid: str, sla: SLA, kind: str) -> dict:
-        with self._lock:
-            s = self._get(sid)
-            s.sla = sla
-            new = self._replace(s, kind)
-        event = "promotion" if sla.cls is SLAClass.INTERACTIVE else "demotion"
-        self.publish(event, {"session": sid, "placement": new.to_dict(), "reason": kind})
-        return self.get_session(sid)
-
-    def _replace(self, s: Session, reason: str) -> Placement:
+    def replace(self, s: Session, reason: str) -> Placement:
         """Let the router place the session again for its (new) SLA, record it and send the session
-        where it says (caller holds ``self._lock``)."""
-        new = promote(s.placement, SessionRequest(s.sla, s.context_tokens, s.max_context), self._system_state(),
-                      self.profile.routing)
+        where it says (caller holds ``self.lock``)."""
+        new = promote(s.placement, SessionRequest(s.sla, s.context_tokens, s.max_context), self.system_state(),
+                      self.routing)
         s.placement = new
         if not s.ephemeral:
-            self.journal.set_sla(s.id, _sla(s.sla))
+            self.journal.set_sla(s.id, s.sla.to_dict())
             self.journal.set_placement(s.id, new.to_dict())
         self._move_to(s, new.decode_pool, reason)
         return new
 
-    def _misplaced(self, s: Session) -> bool:
+    def misplaced(self, s: Session) -> bool:
         """A latency-sensitive session sitting on a CPU pool while the host has GPU pools (e.g. it was
         demoted when idle): its next turn should make the router look again."""
-        return (s.sla.cls is SLAClass.INTERACTIVE and self.profile.routing.policy == "sla"
+        return (s.sla.cls is SLAClass.INTERACTIVE and self.routing.policy == "sla"
                 and self.pools[s.pool].device_kind == "cpu"
                 and any(p.device_kind == "gpu" for p in self.pools.values()))
 
     def _move_to(self, s: Session, to: str, reason: str) -> None:
-        """Send the session to pool ``to`` (caller holds ``self._lock``)."""
+        """Send the session to pool ``to`` (caller holds ``self.lock``)."""
         if s.busy:
             if s.turn.handoff is not None:  # mid long-prompt prefill: the handoff goes to the new pool
                 return
             if s.pool == to:
-                self.engines[to].set_rank(s.id, s.rank)
+                self.pools[to].engine.set_rank(s.id, s.rank)
                 return
-            self.engines[s.pool].detach(s.id, lambda seq, s=s, to=to: self._detached(s, seq, to, reason))
+            self.pools[s.pool].engine.detach(s.id, lambda seq, s=s, to=to: self._detached(s, seq, to, reason))
             return
         s.where = to
         s.move_reason = reason
@@ -151,49 +147,21 @@ class PoolMoves:
     def _detached(self, s: Session, seq: Sequence | None, to: str, reason: str) -> None:
         """The source engine let go of the running turn (its engine thread).  The session goes where its
         placement says *now*: an SLA change that came while the move was pending wins over ``to``."""
-        with self._lock:
+        with self.lock:
             to = s.placement.decode_pool if s.placement.decode_pool in self.pools else to
         self._bring_kv(s, to, reason)
         s.where = to
         if seq is not None:
             seq.rank = s.rank
-            self.engines[to].submit(seq)
+            self.pools[to].engine.submit(seq)
 
-    # ---- idle demotion ---------------------------------------------------------------------------
-    def _start_housekeeping(self) -> None:
-        limits = [p.config.idle_demote_s for p in self.pools.values() if p.config.idle_demote_s is not None]
-        if not limits:
-            return
-        self._housekeeping_stop = threading.Event()
-        tick = min(5.0, max(0.05, min(limits) / 4))
-        t = threading.Thread(target=self._housekeep, args=(tick,), name="weave-housekeeping", daemon=True)
-        t.start()
-        self._housekeeper = t
-
-    def _housekeep(self, tick: float) -> None:
-        while not self._housekeeping_stop.wait(tick):
-            try:
-                self.demote_idle(time.time())
-            except Exception:  # housekeeping must never die; the next tick tries again
-                log.exception("idle demotion failed")
-
-    def demote_idle(self, now: float) -> list[str]:
-        """Demote sessions whose KV sat idle on a GPU pool with ``idle_demote_s`` for longer than that:
-        they leave the GPU pool if a CPU pool has room, and their device copy is freed either way."""
-        with self._lock:
-            due = []
-            for s in self.sessions.values():
-                held = self.pools.get(s.kv_at) if s.kv_at else None
-                limit = held.config.idle_demote_s if held is not None and held.device_kind == "gpu" else None
-                if limit is not None and not s.busy and now - s.last_active >= limit:
-                    due.append(s.id)
-        for sid in due:
-            try:
-                self.demote(sid, reason="idle demotion")
-            except Exception:
-                log.exception("idle demotion of %s failed", sid)
+    def idle_on_gpu(self, sessions: Iterable[Session], now: float) -> list[str]:
+        """Ids of the sessions whose KV has sat idle on a GPU pool with ``idle_demote_s`` for longer than
+        that (caller holds ``self.lock``)."""
+        due = []
+        for s in sessions:
+            held = self.pools.get(s.kv_at) if s.kv_at else None
+            limit = held.config.idle_demote_s if held is not None and held.device_kind == "gpu" else None
+            if limit is not None and not s.busy and now - s.last_active >= limit:
+                due.append(s.id)
         return due
-
-
-def _sla(sla: SLA) -> dict:
-    return {"class": sla.cls.value, "ttft_ms": sla.ttft_ms, "ttlt_s": sla.ttlt_s}

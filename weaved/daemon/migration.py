@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from weaved.daemon.pools import Pool
 from weaved.kv.cache import KVCache
-from weaved.pools import Pool
 
 
 @dataclass

@@ -21,9 +21,9 @@ import pytest
 from weaved.backends.cpu import CPUBackend
 from weaved.config.load import load_profile
 from weaved.config.profile import PoolConfig, Profile
-from weaved.daemon import Daemon
+from weaved.daemon.core import Daemon
+from weaved.daemon.journal import Journal
 from weaved.engine.sampling import SamplingParams
-from weaved.journal import Journal
 from weaved.routing.types import SLA, SLAClass
 
 pytest.importorskip("torch")
@@ -241,8 +241,8 @@ def test_idle_sessions_leave_the_gpu(daemon_factory):
 CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from tests.test_coexec import coexec_profile
-    from weaved.daemon import Daemon
+    from tests.daemon.test_coexec import coexec_profile
+    from weaved.daemon.core import Daemon
     from weaved.engine.sampling import SamplingParams
     from weaved.routing.types import SLA, SLAClass
     d = Daemon(coexec_profile(), Path(sys.argv[1]), data_dir=Path(sys.argv[2]), log_fn=lambda m: None)
@@ -258,7 +258,7 @@ CHILD = textwrap.dedent("""
 @pytest.mark.slow
 def test_kill_9_while_on_the_device_loses_nothing_committed(tiny_llama, tmp_path):
     data = tmp_path / "data"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tiny_llama), str(data)], stdout=subprocess.PIPE,
                              text=True, env=env)
     try:

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from weaved.config.load import load_profile
-from weaved.daemon import Daemon
+from weaved.daemon.core import Daemon
+from weaved.daemon.journal import Journal
 from weaved.engine.sampling import SamplingParams
 from weaved.errors import ContextTooLong, InvalidRequest, NotFound
-from weaved.journal import Journal
 from weaved.routing.types import SLA, SLAClass
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -156,7 +156,7 @@ def test_promote_and_demote_change_placement(daemon):
 CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from weaved.daemon import Daemon
+    from weaved.daemon.core import Daemon
     from weaved.engine.sampling import SamplingParams
     from weaved.config.load import load_profile
     from weaved.routing.types import SLA, SLAClass
@@ -205,7 +205,7 @@ def test_cpu_only_daemon_never_imports_torch(tiny_llama, tmp_path):
     code = textwrap.dedent("""
         import sys
         from pathlib import Path
-        from weaved.daemon import Daemon
+        from weaved.daemon.core import Daemon
         from weaved.config.load import load_profile
         d = Daemon(load_profile("cpu-only"), Path(sys.argv[1]), data_dir=Path(sys.argv[2]), log_fn=lambda m: None)
         d.load()

@@ -1,0 +1,41 @@
+"""What a restart derives from a session's journal record beyond its committed tokens.
+
+A finished turn records its input tokens with its last input message and every generated id with the
+answer; the committed tokens (``rec.tokens``, ``rec.kv_length`` of them) are the KV that exists.
+From those two, a restart tells apart a turn that finished (the answer's last sampled token was never
+fed: ``unfed_tail``) from one the daemon stopped in the middle of (``unfinished_answer``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def unfed_tail(rec) -> list[int]:
+    """The answer's last token(s), sampled but not fed when its turn ended (``Session.tail``).
+
+    The answer's ids beyond what was committed after the input are the tail.  The next turn feeds
+    them first - for a prompt-only session nothing else would."""
+    if len(rec.messages) < 2 or rec.messages[-1]["role"] != "assistant":
+        return []
+    ans, inp = rec.messages[-1], rec.messages[-2]
+    if ans["token_ids"] is None or inp["token_ids"] is None or ans["kv_at"] != rec.kv_length:
+        return []
+    start = inp["kv_at"] + len(inp["token_ids"])
+    gen, n = ans["token_ids"], rec.kv_length - start  # n: the answer's committed ids
+    if not 0 <= n <= len(gen) or rec.tokens[start:] != gen[:n]:
+        return []
+    return list(gen[n:])
+
+
+def unfinished_answer(rec, decode: Callable[[list[int]], str]) -> tuple[str, list[int]] | None:
+    """Text and ids of the answer a turn had committed when the daemon stopped, if any.
+
+    A turn records its prompt tokens with its last input message; what was committed after them is
+    the answer so far."""
+    if not rec.messages or rec.messages[-1]["role"] != "user":
+        return None
+    last = rec.messages[-1]
+    start = (last["kv_at"] or 0) + len(last["token_ids"] or [])
+    ids = rec.tokens[start:]
+    return (decode(ids), ids) if ids else None

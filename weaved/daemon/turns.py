@@ -1,0 +1,87 @@
+"""A turn's pieces the daemon puts together: the tokens it feeds, the check that they fit, and the
+sequence an engine runs.
+
+The transcript's tokens are the truth for what is already in a session's KV: a turn derives only
+what it adds (``chat_turn_tokens``, ``prompt_turn_tokens``) and never recomputes the stored context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from weaved.daemon.session import Session
+from weaved.engine.sampling import SamplingParams
+from weaved.engine.sequence import Sequence
+from weaved.engine.stops import StopChecker
+from weaved.errors import ContextTooLong, InvalidRequest
+from weaved.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class TurnHandle:
+    """What the API keeps of a started turn: usage counts and a way to cancel it."""
+
+    session_id: str
+    prompt_tokens: int  # the context the turn starts from (cached + new), for usage
+    cached_tokens: int
+    cancel: Callable[[], None]
+
+
+def chat_turn_tokens(tok: Tokenizer, s: Session, new_messages: list[dict]) -> tuple[list[int], int]:
+    """Tokens this turn must feed, and how many committed tokens to keep.
+
+    The transcript's tokens are the truth for what is already in the KV.  The chat template renders
+    the whole conversation; when that text extends what the session's tokens decode to, only the
+    extension is tokenized and fed - the stored context is never recomputed.  Otherwise (a template
+    that rewrites earlier text) the longest common token prefix is kept and the rest re-fed.
+    """
+    messages = list(s.messages) + list(new_messages)
+    if s.system and not any(m.get("role") == "system" for m in messages):
+        messages = [{"role": "system", "content": s.system}, *messages]
+    text = tok.render_chat(messages, add_generation_prompt=True)
+    have = s.committed + s.tail
+    if not have:
+        return tok.encode(text), 0
+    have_text = tok.decode(have)
+    if text.startswith(have_text):
+        return s.tail + tok.encode(text[len(have_text) :], add_bos=False), len(s.committed)
+    full = tok.encode(text)
+    keep = 0
+    for a, b in zip(full, s.committed, strict=False):
+        if a != b:
+            break
+        keep += 1
+    return full[keep:], keep
+
+
+def prompt_turn_tokens(tok: Tokenizer, s: Session, prompt: str | list[int]) -> tuple[list[int], int]:
+    """Tokens a raw-prompt turn feeds (the session's unfed tail first) and the committed tokens it keeps
+    (all of them).  A text prompt gets BOS only when it starts the session."""
+    ids = prompt if isinstance(prompt, list) else tok.encode(prompt, add_bos=None if not s.committed else False)
+    return s.tail + list(ids), len(s.committed)
+
+
+def check_fits(s: Session, keep: int, new: list[int], max_tokens: int) -> None:
+    """Refuse (400) a turn that adds nothing, or whose prompt and ``max_tokens`` exceed the session's KV."""
+    if not new:
+        raise InvalidRequest("the turn adds no tokens", param="messages")
+    total = keep + len(new)
+    cap = s.kv.capacity
+    if total >= cap:
+        raise ContextTooLong(f"the prompt needs {total} tokens of context but the session holds {cap}")
+    if total + max_tokens > cap:
+        raise ContextTooLong(
+            f"max_tokens {max_tokens} with a {total}-token context exceeds the session's context of "
+            f"{cap} tokens", param="max_tokens")
+
+
+def turn_sequence(s: Session, new: list[int], params: SamplingParams, tok: Tokenizer, *, echo: bool) -> Sequence:
+    """The engine's sequence for a turn of ``s`` feeding ``new``: its sampler, stops and SLA deadlines."""
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tok.eog_ids))
+    return Sequence(
+        session_id=s.id, kv=s.kv, pending=list(new), params=params, rank=s.rank,
+        ttft_s=s.sla.ttft_ms / 1000 if s.sla.ttft_ms else None, ttlt_s=s.sla.ttlt_s,
+        history=list(s.committed), decoder=tok.stream_decoder(),
+        stops=StopChecker(params.stop, stop_ids), prompt_logprobs=echo,
+    )
