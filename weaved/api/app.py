@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from weaved.api import errors, openai, peers, sessions, system
+from weaved import http_errors
+from weaved.api import openai, peers, sessions, system
 from weaved.api.state import ApiState
 from weaved.metrics import Metrics
 
@@ -41,7 +42,7 @@ def create_app(daemon, *, metrics: Metrics | None = None) -> FastAPI:
     app = FastAPI(title="Weave", docs_url=None, redoc_url=None, openapi_url=None)
     state = ApiState(daemon, metrics or Metrics())
     app.state.weave = state
-    errors.install(app)
+    http_errors.install(app)
     for module in (openai, sessions, system, peers):
         app.include_router(module.router)
     app.add_middleware(RequestMetrics, metrics=state.metrics)

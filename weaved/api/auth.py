@@ -11,7 +11,7 @@ import hmac
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from weaved.api.errors import error_body
+from weaved.http_errors import error_body
 
 
 class BearerAuth:

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from weaved.errors import InvalidRequest
+from weaved.http_errors import validation_error
 
 M = TypeVar("M", bound=BaseModel)
 MAX_BODY_BYTES = 32 * 2**20  # far above any prompt that fits a context; a bound on what one request costs
@@ -47,25 +48,6 @@ def validate(model: type[M], data: object) -> M:
         return model.model_validate(data, strict=True)
     except ValidationError as e:
         raise validation_error(e.errors()) from None
-
-
-def validation_error(errors: list) -> InvalidRequest:
-    """An InvalidRequest from pydantic's (or FastAPI's) error list: the first error, its field as param."""
-    if not errors:
-        return InvalidRequest("invalid request")
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
-    # unions report one error per member ("prompt.str", "prompt.list[int]"): name the field only
-    loc = [p for p in loc if not _is_type_tag(p)]
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid value")
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    return InvalidRequest(f"{param}: {msg}{more}" if param else f"{msg}{more}", param=param)
-
-
-def _is_type_tag(part: str) -> bool:
-    return part in ("str", "int", "float", "bool") or part.startswith(("list[", "function-", "literal[",
-                                                                       "constrained-"))
 
 
 async def _raw(request: Request) -> bytes:

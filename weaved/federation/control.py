@@ -23,9 +23,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from weaved.api import errors
-from weaved.api.errors import error_body
+from weaved import http_errors
 from weaved.federation.probe import HEALTH_PATH, INFO_PATH
+from weaved.http_errors import error_body
 
 UNAUTHORIZED = "missing or wrong federation token: send 'Authorization: Bearer <token>'"
 
@@ -84,7 +84,7 @@ def create_federation_app(report: Callable[[], dict], token: str, node: str,
     from weaved.federation.ring_form import GROUPS_PATH
 
     app = FastAPI(title="Weave federation", docs_url=None, redoc_url=None, openapi_url=None)
-    errors.install(app)
+    http_errors.install(app)
 
     @app.post(GROUPS_PATH, status_code=202)
     async def join_group(body: JoinBody):

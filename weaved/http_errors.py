@@ -1,4 +1,9 @@
-"""Every error leaves the API in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Every error leaves an HTTP app of the daemon in OpenAI's shape:
+``{"error": {"message", "type", "param", "code"}}``.
+
+Shared by the Weave API (``weaved.api``) and the federation's control plane
+(``weaved.federation.control``), which are separate apps on separate listeners.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from weaved.api.body import validation_error
-from weaved.errors import WeaveError
+from weaved.errors import InvalidRequest, WeaveError
 
-log = logging.getLogger("weave.api")
+log = logging.getLogger("weave.http")
 
 _HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
@@ -33,6 +37,25 @@ def error_response(status: int, message: str, **kw: str | None) -> JSONResponse:
 def weave_error_response(exc: WeaveError) -> JSONResponse:
     headers = {"Retry-After": "1"} if exc.status == 503 else None
     return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
+
+
+def validation_error(errors: list) -> InvalidRequest:
+    """An InvalidRequest from pydantic's (or FastAPI's) error list: the first error, its field as param."""
+    if not errors:
+        return InvalidRequest("invalid request")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
+    # unions report one error per member ("prompt.str", "prompt.list[int]"): name the field only
+    loc = [p for p in loc if not _is_type_tag(p)]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return InvalidRequest(f"{param}: {msg}{more}" if param else f"{msg}{more}", param=param)
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool") or part.startswith(("list[", "function-", "literal[",
+                                                                       "constrained-"))
 
 
 def install(app: FastAPI) -> None:
