@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from weaved.subprocs import run_processes
+from weaved.bench.subprocs import run_processes
 
 
 def test_exit_codes_logs_and_the_deadline(tmp_path):

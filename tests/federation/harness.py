@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from weaved.subprocs import run_processes
+from weaved.bench.subprocs import run_processes
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 180.0  # a busy 2-core host starting 3 interpreters with torch and numba

@@ -12,8 +12,9 @@ samples greedily with ``ignore_eos`` so it generates exactly ``max_tokens``.  Se
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from weaved.bench.agents.records import TurnKind, TurnRecord
 from weaved.bench.agents.tokens import TokenPool
@@ -21,10 +22,25 @@ from weaved.bench.agents.workload import AgentWorkload, BatchJob, CheckIn, Excha
 from weaved.engine.sampling import SamplingParams
 from weaved.routing.types import SLA, SLAClass
 
-if TYPE_CHECKING:
-    from weaved.bench.agents.replay import AgentState
-
 Submit = Callable[[TurnRecord, Callable[[Callable[[dict], None]], None]], bool]
+
+
+@dataclass
+class AgentState:
+    """One agent as the replay drives it: its session, context, heartbeat and check-in."""
+
+
+    index: int
+    session: str | None = None
+    context: int = 0  # the session's context tokens (committed + the unfed last token)
+    next_heartbeat: int = 0
+    heartbeat_due: float | None = None
+    busy: TurnRecord | None = None
+    checkin: CheckIn | None = None
+    exchange: int = 0  # next exchange of the active check-in
+    asked_at: float | None = None  # the person has asked the next question (not yet submitted)
+    promoted: bool = False
+    queued: deque[CheckIn] = field(default_factory=deque)
 
 
 def greedy(n: int) -> SamplingParams:

@@ -20,28 +20,12 @@ import itertools
 import queue
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from weaved.bench.agents.agent_turns import AgentTurns
+from weaved.bench.agents.agent_turns import AgentState, AgentTurns
 from weaved.bench.agents.records import TurnKind, TurnRecord, TurnStatus
 from weaved.bench.agents.tokens import TokenPool
 from weaved.bench.agents.workload import CheckIn, Plan
-
-
-@dataclass
-class AgentState:
-    index: int
-    session: str | None = None
-    context: int = 0  # the session's context tokens (committed + the unfed last token)
-    next_heartbeat: int = 0
-    heartbeat_due: float | None = None
-    busy: TurnRecord | None = None
-    checkin: CheckIn | None = None
-    exchange: int = 0  # next exchange of the active check-in
-    asked_at: float | None = None  # the person has asked the next question (not yet submitted)
-    promoted: bool = False
-    queued: deque[CheckIn] = field(default_factory=deque)
 
 
 @dataclass

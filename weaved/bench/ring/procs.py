@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from weaved.subprocs import run_processes
+from weaved.bench.subprocs import run_processes
 
 Say = Callable[[str], None]
 
