@@ -19,7 +19,7 @@ from weaved.kernels import attention as ka
 from weaved.kernels import elementwise as ke
 from weaved.kernels import layer_loop, matmul
 from weaved.kernels import threads as kthreads
-from weaved.kernels._rope import _rope_params
+from weaved.kernels.elementwise import rope_params
 from weaved.kernels.residual import linear_residual
 from weaved.kv.cache import KVCache
 from weaved.model.config import ModelConfig
@@ -93,7 +93,7 @@ class CPUBackend(Backend):
             )
         self.layers = layers
         self._loop = layer_loop.LayerWeights.build(layers, cfg)  # None: the Python loop runs them
-        self._rope = _rope_params(cfg.n_rot, cfg.head_dim, cfg.rope_base, cfg.rope_scale, cfg.rope_style.value)
+        self._rope = rope_params(cfg.n_rot, cfg.head_dim, cfg.rope_base, cfg.rope_scale, cfg.rope_style.value)
         self.out_norm = f32("output_norm.weight")
         emb = t["token_embd.weight"]
         self._emb_raw, self._emb_type = emb.raw, emb.type_id
@@ -105,7 +105,7 @@ class CPUBackend(Backend):
             self._logits = lambda h: linear_residual(self.wout, out.raw, h)
         else:
             self._logits = lambda h: matmul.linear(self.wout, h)
-        self._scale = 1.0 / float(np.sqrt(cfg.head_dim))
+        self.attn_scale = 1.0 / float(np.sqrt(cfg.head_dim))  # the scores' scale, one float for every path
         gguf.release_pages()  # repacked: the file's pages need not stay in our resident set
 
     @classmethod
@@ -119,6 +119,16 @@ class CPUBackend(Backend):
 
     def new_kv(self, capacity: int) -> KVCache:
         return KVCache.allocate(self.config, capacity)
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """Token embeddings of ``ids`` int32 [T] (checked against the vocabulary by the caller): float32
+        [T, d_model]."""
+        return matmul.embed_rows(self._emb_raw, self._emb_type, ids)
+
+    def output(self, hs: np.ndarray) -> np.ndarray:
+        """Logits of final-normed hidden rows hs float32 [n, d_model]: float32 [n, vocab], whose rows may
+        be padded apart (``kernels.matmul.padded_out``)."""
+        return self._logits(hs)
 
     def _linear(self, w, x: np.ndarray) -> np.ndarray:
         if isinstance(w, list):
@@ -167,7 +177,7 @@ class CPUBackend(Backend):
         for li in range(len(self.layers)):
             q, k, v = self.pre_attention(li, x, positions)
             ka.kv_store(kvs, li, seq_starts, pos0, k, v)
-            ka.attend(q, kvs, li, seq_starts, pos0, self._scale, att, lse)
+            ka.attend(q, kvs, li, seq_starts, pos0, self.attn_scale, att, lse)
             self.post_attention(li, x, att)
 
     def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
@@ -191,11 +201,11 @@ class CPUBackend(Backend):
         positions = np.concatenate([np.arange(p, p + n, dtype=np.int64) for p, n in zip(pos0, lens, strict=True)])
         kvs = ka.kv_list([c.kv.data for c in chunks])
 
-        x = matmul.embed_rows(self._emb_raw, self._emb_type, ids)  # [T, d_model]
+        x = self.embed(ids)  # [T, d_model]
         if self._loop is not None and self.fused_layers:
             code, bad = layer_loop.run_layers(
                 self._loop, x, positions, kvs, seq_starts, pos0, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
-                cfg.rms_eps, self._rope, self._scale, ka.attention_params(cfg.n_heads, cfg.head_dim),
+                cfg.rms_eps, self._rope, self.attn_scale, ka.attention_params(cfg.n_heads, cfg.head_dim),
                 kthreads.get_threads())
             ka.raise_batch_error(code, bad)
         else:
@@ -212,7 +222,7 @@ class CPUBackend(Backend):
         out: list[np.ndarray] = []
         if rows:
             hs = ke.rmsnorm(np.ascontiguousarray(x[rows]), self.out_norm, cfg.rms_eps)
-            logits = self._logits(hs)  # [n_rows, vocab]
+            logits = self.output(hs)  # [n_rows, vocab]
         else:
             logits = np.empty((0, cfg.vocab_size), dtype=np.float32)
         o = 0

@@ -96,8 +96,7 @@ class Pending:
         try:
             self._work.wait(dt.timedelta(seconds=t))
         except RuntimeError as e:  # gloo: "Connection closed by peer", "Timed out waiting ...", closed pair
-            g._broken = _cause(e)
-            raise PeerLost(g.name, self._peer, self._op, g._broken) from None
+            raise PeerLost(g.name, self._peer, self._op, g.mark_broken(_cause(e))) from None
         finally:
             self._work = None
 
@@ -111,6 +110,12 @@ class PeerGroup:
         self._store = store  # rank 0's store must live as long as the group (peers may still read it)
         self._broken: str | None = None
         self._lock = threading.Lock()
+
+    def mark_broken(self, cause: str) -> str:
+        """Record that an operation of the group failed (every later one raises ``PeerLost``); returns
+        ``cause``."""
+        self._broken = cause
+        return cause
 
     @classmethod
     def form(cls, spec: GroupSpec, store: TCPStore | None = None) -> PeerGroup:

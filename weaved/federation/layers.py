@@ -19,7 +19,6 @@ from weaved.backends.base import Logits
 from weaved.backends.cpu import CPUBackend
 from weaved.kernels import attention as ka
 from weaved.kernels import elementwise as ke
-from weaved.kernels import matmul
 from weaved.kv.cache import KVCache
 
 
@@ -34,7 +33,7 @@ class LayerRunner:
         self.backend = backend
         self.config = cfg
         self.first, self.last = first, last
-        self.scale = backend._scale  # 1/sqrt(head_dim), the backend's own float
+        self.scale = backend.attn_scale  # 1/sqrt(head_dim), the backend's own float
 
     @property
     def n_layers(self) -> int:
@@ -52,7 +51,7 @@ class LayerRunner:
         ids = np.asarray(ids, dtype=np.int32)
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
             raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
-        return matmul.embed_rows(self.backend._emb_raw, self.backend._emb_type, ids)
+        return self.backend.embed(ids)
 
     def logits(self, x_rows: np.ndarray) -> np.ndarray:
         """Final norm and output matrix for the given hidden rows: float32 [n, vocab] (the last stage)."""
@@ -60,7 +59,7 @@ class LayerRunner:
             return np.empty((0, self.config.vocab_size), np.float32)
         hs = ke.rmsnorm(np.ascontiguousarray(x_rows), self.backend.out_norm, self.config.rms_eps)
         # the product's rows may be padded apart (kernels.matmul.padded_out); messages are contiguous
-        return np.ascontiguousarray(self.backend._logits(hs))
+        return np.ascontiguousarray(self.backend.output(hs))
 
     # ---- one layer, in the two dense halves around attention ------------------------------------------
 

@@ -55,7 +55,7 @@ class HomeGroup:
                                heads_per_group=heads_per_group, on_close=on_close)
         self.targets: dict[int, KVCache] = {}  # sid -> the cache a GATHER hand-off fills (not a shard)
         self.pipe = PipelineMember(group, backend, kv_factory=reuse_open(self.ring, kv_factory, self.targets),
-                                   on_kv=self._landed, lock=self.ring._lock)
+                                   on_kv=self._landed, lock=self.ring.lock)
 
     def _landed(self, sid: int, kv: KVCache, length: int) -> None:
         if sid not in self.targets:  # a SCATTER's shard: the ring's now
@@ -77,7 +77,7 @@ def serve_member(group: PeerGroup, backend: CPUBackend, kv_factory: KVFactory, o
         raise ValueError("rank 0 is the home; members serve")
     ring = RingMember(group, backend.config, kv_factory=kv_factory, on_close=on_close)
     pipe = PipelineMember(group, backend, kv_factory=reuse_open(ring, kv_factory), on_kv=ring.shards.adopt,
-                          lock=ring._lock)
+                          lock=ring.lock)
     try:
         while True:
             cmd, args, body = P.recv_cmd(group, 0, group.spec.idle_timeout_s)

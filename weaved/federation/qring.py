@@ -89,7 +89,8 @@ class RingMember(RingServe):
         self.heads_per_group = heads_per_group
         self.scale = 1.0 / float(np.sqrt(config.head_dim))  # the CPU backend's float
         self.stats = RingStats()
-        self._lock = threading.Lock()  # one home operation at a time (step, ping, open ...)
+        # one home operation at a time (step, ping, open ...); a pipeline member on the same rank shares it
+        self.lock = threading.Lock()
 
     def _home(self, what: str) -> None:
         if self.group.rank != HOME:
@@ -118,7 +119,7 @@ class RingMember(RingServe):
         every rank (``held_length``: shards adopted from a pipeline prefill), or is empty."""
         self._home("open_session")
         cfg, n = self.config, self.n
-        with self._lock:
+        with self.lock:
             if sid in self.capacity:
                 raise ValueError(f"session {sid} is already open on this ring")
             if kv is not None:
@@ -159,7 +160,7 @@ class RingMember(RingServe):
 
     def close_session(self, sid: int) -> None:
         self._home("close_session")
-        with self._lock:
+        with self.lock:
             self._guard(lambda: wait_all(P.broadcast_cmd(self.group, P.Cmd.CLOSE, sid)))
             self.shards.close(sid)
             self.capacity.pop(sid, None)
@@ -167,7 +168,7 @@ class RingMember(RingServe):
     def truncate(self, sid: int, length: int) -> None:
         """Forget positions from ``length`` on (a cancelled turn); every shard drops its part."""
         self._home("truncate")
-        with self._lock:
+        with self.lock:
             if not 0 <= length <= self.shards.lengths[sid]:
                 raise ValueError(f"cannot truncate session {sid} of length {self.shards.lengths[sid]} to {length}")
             self._guard(lambda: wait_all(P.broadcast_cmd(self.group, P.Cmd.TRUNCATE, sid, length)))
@@ -176,13 +177,13 @@ class RingMember(RingServe):
     def ping(self) -> None:
         """Round trip to every member (they treat a long silence from the home as its loss)."""
         self._home("ping")
-        with self._lock:
+        with self.lock:
             self._guard(lambda: (wait_all(P.broadcast_cmd(self.group, P.Cmd.PING)), P.recv_acks(self.group, "ping")))
 
     def stop(self) -> None:
         """Release the members' serve loops and leave the ring."""
         self._home("stop")
-        with self._lock:
+        with self.lock:
             try:
                 wait_all(P.broadcast_cmd(self.group, P.Cmd.STOP))
             except PeerLost:
@@ -200,7 +201,7 @@ class RingMember(RingServe):
         if not chunks:
             return []
         cfg = self.config
-        with self._lock:
+        with self.lock:
             sids = np.array([c.sid for c in chunks], np.int64)
             ns = np.array([len(c.tokens) for c in chunks], np.int64)
             if len(set(sids.tolist())) != len(sids):
