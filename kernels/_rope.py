@@ -12,10 +12,10 @@ import functools
 
 import numpy as np
 from numba import njit, prange
-from weaved.kernels._rowwise import _OPTS, _PAR_MIN_ROPE, _check_f32
+from weaved.kernels._rowwise import OPTS, PAR_MIN_ROPE, check_f32
 
 
-@njit(**_OPTS)
+@njit(**OPTS)
 def _rope_row(x, pos, n_rot, theta_scale, freq_scale, neox, cache):
     """Rotate every head of one token in place (x float32 [H, Dh]); ggml's rope_f32 with
     ext_factor 0, no frequency factors, attn_factor 1.  cache: float32 scratch [n_rot]."""
@@ -42,31 +42,31 @@ def _rope_row(x, pos, n_rot, theta_scale, freq_scale, neox, cache):
             x[h, i1] = x0 * s + x1 * c
 
 
-@njit(**_OPTS)
+@njit(**OPTS)
 def _rope_serial(x, positions, n_rot, theta_scale, freq_scale, neox):
     cache = np.empty(n_rot, np.float32)
     for t in range(x.shape[0]):
         _rope_row(x[t], positions[t], n_rot, theta_scale, freq_scale, neox, cache)
 
 
-@njit(parallel=True, **_OPTS)
+@njit(parallel=True, **OPTS)
 def _rope_parallel(x, positions, n_rot, theta_scale, freq_scale, neox):
     for t in prange(x.shape[0]):
         cache = np.empty(n_rot, np.float32)
         _rope_row(x[t], positions[t], n_rot, theta_scale, freq_scale, neox, cache)
 
 
-@njit(**_OPTS)
-def _rope_drive(x, positions, n_rot, theta_scale, freq_scale, neox):
+@njit(**OPTS)
+def rope_drive(x, positions, n_rot, theta_scale, freq_scale, neox):
     """The serial or the parallel driver, by size (the same bits either way)."""
-    if x.size >= _PAR_MIN_ROPE:
+    if x.size >= PAR_MIN_ROPE:
         _rope_parallel(x, positions, n_rot, theta_scale, freq_scale, neox)
     else:
         _rope_serial(x, positions, n_rot, theta_scale, freq_scale, neox)
 
 
 @functools.lru_cache(maxsize=64)  # the same few argument sets every layer of every step
-def _rope_params(n_rot: int, head_dim: int, base: float, scale: float, style: str) -> tuple:
+def rope_params(n_rot: int, head_dim: int, base: float, scale: float, style: str) -> tuple:
     if style not in ("norm", "neox"):
         raise ValueError(f"rope style must be 'norm' or 'neox', got {style!r}")
     if not (isinstance(n_rot, int | np.integer) and 0 < n_rot <= head_dim and n_rot % 2 == 0):
@@ -83,13 +83,13 @@ def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, scale: f
     """Rotary embedding in place.  x float32 [T, H, Dh]; positions int64 [T]; the first ``n_rot``
     dims of every head rotate by theta_i = (pos / scale) * base**(-2i / n_rot).  style "norm":
     pairs (x[2i], x[2i+1]) (llama); "neox": pairs (x[i], x[i + n_rot/2]) (qwen2/3)."""
-    _check_f32("x", x, 3)
+    check_f32("x", x, 3)
     p = positions
     if not isinstance(p, np.ndarray) or p.dtype != np.int64 or p.shape != x.shape[:1]:
         desc = f"{p.dtype} {p.shape}" if isinstance(p, np.ndarray) else type(p).__name__
         raise ValueError(f"positions must be int64 [{x.shape[0]}], got {desc}")
-    params = _rope_params(n_rot, x.shape[2], base, scale, style)
-    _rope_drive(x, positions, *params)
+    params = rope_params(n_rot, x.shape[2], base, scale, style)
+    rope_drive(x, positions, *params)
     return x
 
 
@@ -105,7 +105,7 @@ def rope_ref(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, scal
              ) -> np.ndarray:
     """numpy model of the float32 recipe (angles by repeated float32 products, cos/sin rounded to
     float32); returns a new float32 array.  Matches ``rope`` to about 1 ulp of the rotated values."""
-    n_rot, theta_scale, freq_scale, neox = _rope_params(n_rot, x.shape[2], base, scale, style)
+    n_rot, theta_scale, freq_scale, neox = rope_params(n_rot, x.shape[2], base, scale, style)
     half = n_rot // 2
     theta = positions.astype(np.float32)  # [T]
     angles = np.empty((x.shape[0], half), np.float32)
@@ -125,7 +125,7 @@ def rope_ref(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, scal
 def rope_ref64(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, scale: float, style: str
                ) -> np.ndarray:
     """Exact-math RoPE in float64 (the truth oracle's): returns a new float64 array."""
-    n_rot, _, _, neox = _rope_params(n_rot, x.shape[2], base, scale, style)
+    n_rot, _, _, neox = rope_params(n_rot, x.shape[2], base, scale, style)
     half = n_rot // 2
     inv_freq = float(base) ** (-2.0 * np.arange(half, dtype=np.float64) / n_rot)  # [half]
     angles = (positions.astype(np.float64) / float(scale))[:, None] * inv_freq[None, :]  # [T, half]

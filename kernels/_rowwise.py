@@ -13,23 +13,23 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 # error_model "numpy": x / 0 gives inf; the "python" model checks every division, which blocks vectorizing
-_OPTS = dict(cache=True, nogil=True, error_model="numpy")
+OPTS = dict(cache=True, nogil=True, error_model="numpy")
 # Below these many elements a kernel's serial driver beats its parallel one (a launch costs ~1 us and
 # the second thread's share must outweigh it).  Measured on 2 Zen 4 cores, SmolLM2 shapes: SwiGLU
 # (an exp and a division per element) wins from ~24k elements (8 tokens), RMSNorm and RoPE from ~16k
 # (RMSNorm at 16 tokens: 3.8 us serial, 5.1 us parallel; SwiGLU: 14.2 and 9.9 us).
-_PAR_MIN_NORM = 1 << 14
-_PAR_MIN_ROPE = 1 << 14
-_PAR_MIN_SWIGLU = 24576
+PAR_MIN_NORM = 1 << 14
+PAR_MIN_ROPE = 1 << 14
+PAR_MIN_SWIGLU = 24576
 
-_F0, _F1, _F_HALF = np.float32(0.0), np.float32(1.0), np.float32(0.5)
+_F0, F1, _F_HALF = np.float32(0.0), np.float32(1.0), np.float32(0.5)
 _LOG2E = np.float32(1.44269504088896341)
 _LN2_HI = np.float32(0.693359375)  # few mantissa bits: n * _LN2_HI is exact for |n| < 2^9
 _LN2_LO = np.float32(-2.12194440e-4)
 _EXP_LO, _EXP_HI = np.float32(-87.33654), np.float32(88.37626)  # expf underflows / overflows beyond
 _P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3)
 _P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
-_INF32 = np.float32(np.inf)
+INF32 = np.float32(np.inf)
 
 
 @intrinsic
@@ -45,7 +45,7 @@ def _i32_bits_as_f32(typingctx, i):
     return types.float32(i), codegen
 
 
-@njit(**_OPTS)
+@njit(**OPTS)
 def exp_f32(x):
     """e**x for a float32 ``x``, in float32, within 1 ulp of the exact value (measured 0.97 ulp);
     0 below -87.34 (no subnormal results), inf above 88.38.  Branch-free IEEE arithmetic, so a loop
@@ -59,13 +59,13 @@ def exp_f32(x):
     p = p * r + _P3
     p = p * r + _P4
     p = p * r + _P5
-    p = p * (r * r) + r + _F1
+    p = p * (r * r) + r + F1
     y = p * _i32_bits_as_f32((np.int64(n) + 127) << 23)  # * 2**n, n in [-126, 127]
     y = _F0 if x < _EXP_LO else y
-    return _INF32 if x > _EXP_HI else y
+    return INF32 if x > _EXP_HI else y
 
 
-def _check_f32(name: str, a: np.ndarray, ndim: int) -> None:
+def check_f32(name: str, a: np.ndarray, ndim: int) -> None:
     if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != ndim or not a.flags.c_contiguous:
         desc = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
         raise ValueError(f"{name} must be a C-contiguous float32 array with {ndim} dims, got {desc}")

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
-from weaved.kernels._rope import rope, rope_ref, rope_ref64
-from weaved.kernels._rowwise import _F1, _INF32, _OPTS, _PAR_MIN_NORM, _PAR_MIN_SWIGLU, _check_f32, exp_f32
+from weaved.kernels._rope import rope, rope_params, rope_ref, rope_ref64
+from weaved.kernels._rowwise import F1, INF32, OPTS, PAR_MIN_NORM, PAR_MIN_SWIGLU, check_f32, exp_f32
 
 # ---------------------------------------------------------------- RMSNorm
 
 
-@njit(**_OPTS)
+@njit(**OPTS)
 def _rmsnorm_row(x, w, eps, y):
     """y = x / sqrt(mean(x^2) + eps) * w, the way ggml computes it (x, w, y: float32 [D]): float32
     squares summed in float64 (here in 16 interleaved lanes, then the lanes in order), the mean
@@ -38,27 +38,27 @@ def _rmsnorm_row(x, w, eps, y):
     for i in range(16):
         s += lanes[i]
     mean = np.float32(s / n)
-    scale = _F1 / np.sqrt(mean + eps)
+    scale = F1 / np.sqrt(mean + eps)
     for i in range(x.shape[0]):
         y[i] = (x[i] * scale) * w[i]  # ggml: rms_norm, then the mul by the weight
 
 
-@njit(**_OPTS)
+@njit(**OPTS)
 def _rmsnorm_serial(x, w, eps, y):
     for t in range(x.shape[0]):
         _rmsnorm_row(x[t], w, eps, y[t])
 
 
-@njit(parallel=True, **_OPTS)
+@njit(parallel=True, **OPTS)
 def _rmsnorm_parallel(x, w, eps, y):
     for t in prange(x.shape[0]):
         _rmsnorm_row(x[t], w, eps, y[t])
 
 
-@njit(**_OPTS)
-def _rmsnorm_drive(x, w, eps, y):
+@njit(**OPTS)
+def rmsnorm_drive(x, w, eps, y):
     """The serial or the parallel driver, by size (the same bits either way)."""
-    if x.size >= _PAR_MIN_NORM:
+    if x.size >= PAR_MIN_NORM:
         _rmsnorm_parallel(x, w, eps, y)
     else:
         _rmsnorm_serial(x, w, eps, y)
@@ -66,28 +66,28 @@ def _rmsnorm_drive(x, w, eps, y):
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
     """RMSNorm of every row: x float32 [T, D], w float32 [D] -> out float32 [T, D] (may be x)."""
-    _check_f32("x", x, 2)
-    _check_f32("w", w, 1)
+    check_f32("x", x, 2)
+    check_f32("w", w, 1)
     if w.shape[0] != x.shape[1]:
         raise ValueError(f"weight length {w.shape[0]} != row length {x.shape[1]}")
     if out is None:
         out = np.empty_like(x)
     else:
-        _check_f32("out", out, 2)
+        check_f32("out", out, 2)
         if out.shape != x.shape:
             raise ValueError(f"out shape {out.shape} != x shape {x.shape}")
-    _rmsnorm_drive(x, w, np.float32(eps), out)
+    rmsnorm_drive(x, w, np.float32(eps), out)
     return out
 
 
 def rmsnorm_heads(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """In-place RMSNorm of every head vector: x float32 [T, H, Dh], w float32 [Dh] (qwen3's q/k norm)."""
-    _check_f32("x", x, 3)
-    _check_f32("w", w, 1)
+    check_f32("x", x, 3)
+    check_f32("w", w, 1)
     if w.shape[0] != x.shape[2]:
         raise ValueError(f"weight length {w.shape[0]} != head dim {x.shape[2]}")
     rows = x.reshape(-1, x.shape[2])  # a view: x is C-contiguous
-    _rmsnorm_drive(rows, w, np.float32(eps), rows)
+    rmsnorm_drive(rows, w, np.float32(eps), rows)
     return x
 
 
@@ -100,30 +100,30 @@ def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 # ---------------------------------------------------------------- SwiGLU, softmax, add
 
 
-@njit(**_OPTS)
+@njit(**OPTS)
 def _swiglu_row(gu, y):
     f = y.shape[0]
     for i in range(f):
         g = gu[i]
-        y[i] = g / (_F1 + exp_f32(-g)) * gu[f + i]  # silu(gate) * up
+        y[i] = g / (F1 + exp_f32(-g)) * gu[f + i]  # silu(gate) * up
 
 
-@njit(**_OPTS)
+@njit(**OPTS)
 def _swiglu_serial(gu, y):
     for t in range(gu.shape[0]):
         _swiglu_row(gu[t], y[t])
 
 
-@njit(parallel=True, **_OPTS)
+@njit(parallel=True, **OPTS)
 def _swiglu_parallel(gu, y):
     for t in prange(gu.shape[0]):
         _swiglu_row(gu[t], y[t])
 
 
-@njit(**_OPTS)
-def _swiglu_drive(gu, y):
+@njit(**OPTS)
+def swiglu_drive(gu, y):
     """The serial or the parallel driver, by size (the same bits either way)."""
-    if gu.size >= _PAR_MIN_SWIGLU:
+    if gu.size >= PAR_MIN_SWIGLU:
         _swiglu_parallel(gu, y)
     else:
         _swiglu_serial(gu, y)
@@ -131,17 +131,17 @@ def _swiglu_drive(gu, y):
 
 def swiglu(gate_up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """silu(gate) * up: gate_up float32 [T, 2F] (gate = [:, :F], up = [:, F:]) -> float32 [T, F]."""
-    _check_f32("gate_up", gate_up, 2)
+    check_f32("gate_up", gate_up, 2)
     if gate_up.shape[1] % 2:
         raise ValueError(f"gate_up width must be even (gate and up halves), got {gate_up.shape[1]}")
     shape = (gate_up.shape[0], gate_up.shape[1] // 2)
     if out is None:
         out = np.empty(shape, np.float32)
     else:
-        _check_f32("out", out, 2)
+        check_f32("out", out, 2)
         if out.shape != shape:
             raise ValueError(f"out shape {out.shape} != {shape}")
-    _swiglu_drive(gate_up, out)
+    swiglu_drive(gate_up, out)
     return out
 
 
@@ -153,13 +153,13 @@ def swiglu_ref(gate_up: np.ndarray) -> np.ndarray:
     return g / (1.0 + np.exp(-g)) * u
 
 
-@njit(**_OPTS)
+@njit(**OPTS)
 def _softmax_row(x, y):
     # max and float64 sum in 16 interleaved lanes, then the lanes in a fixed order: vectorizes
     # without reassociation, so the bits depend on the row alone
     n = x.shape[0]
     n16 = n - n % 16
-    top = np.full(16, -_INF32, np.float32)
+    top = np.full(16, -INF32, np.float32)
     for b in range(0, n16, 16):
         for k in range(16):
             top[k] = max(top[k], x[b + k])
@@ -182,7 +182,7 @@ def _softmax_row(x, y):
         y[i] = y[i] * inv
 
 
-@njit(**_OPTS)
+@njit(**OPTS)
 def _softmax_rows(x, y):
     for t in range(x.shape[0]):
         _softmax_row(x[t], y[t])
@@ -192,7 +192,7 @@ def softmax(x: np.ndarray) -> np.ndarray:
     """Softmax of each row (max-subtracted, float32): x float32 [N] or [T, N] -> a new array."""
     if not isinstance(x, np.ndarray) or x.ndim not in (1, 2):
         raise ValueError(f"softmax takes a float32 [N] or [T, N] array, got {getattr(x, 'shape', type(x))}")
-    _check_f32("x", x, x.ndim)
+    check_f32("x", x, x.ndim)
     if x.shape[-1] == 0:
         raise ValueError("softmax of an empty row")
     rows = x.reshape(-1, x.shape[-1])
@@ -220,6 +220,6 @@ def add_(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 __all__ = [
-    "exp_f32", "rmsnorm", "rmsnorm_heads", "rmsnorm_ref", "rope", "rope_ref", "rope_ref64", "swiglu",
+    "exp_f32", "rmsnorm", "rmsnorm_heads", "rmsnorm_ref", "rope", "rope_params", "rope_ref", "rope_ref64", "swiglu",
     "swiglu_ref", "softmax", "softmax_ref", "add_",
 ]

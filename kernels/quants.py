@@ -90,7 +90,7 @@ def _quantize_q8_0_rows(x, out, d32, r0, r1):
 
 
 @njit(**_OPTS)
-def _dequantize_rows(raw, qk, out, r0, r1):
+def dequantize_rows(raw, qk, out, r0, r1):
     """raw uint8 [N, nb*(2+QK*qk/8)] (qk = 4: Q4_0, 8: Q8_0) -> out float32 [N, nb*32], rows r0..r1."""
     bsz = 18 if qk == 4 else 34
     nb = raw.shape[1] // bsz
@@ -128,7 +128,7 @@ def _quantize_par(x, out, qk, nch):
 def _dequantize_par(raw, qk, out, nch):
     for k in prange(nch):
         r0, r1 = _chunk(raw.shape[0], nch, k)
-        _dequantize_rows(raw, qk, out, r0, r1)
+        dequantize_rows(raw, qk, out, r0, r1)
 
 
 @njit(**_OPTS)

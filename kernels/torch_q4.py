@@ -14,19 +14,17 @@ operands, exact in any summation order since every partial sum stays below 2**24
 the same integers either way.  So row t of a product depends only on row t of x, whatever the
 batch (batch invariance), on every path.
 
-On CUDA the Q4_0 / Q8_0 product is ``triton_q4.linear_q`` (the same arithmetic); ``kernel_path``
-says which one a device gets.
+On CUDA the Q4_0 / Q8_0 product is ``triton_q4.linear_q`` (the same arithmetic);
+``torch_products.kernel_path`` says which one a device gets.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from weaved.kernels.refine_rule import REFINE_MARGIN, REFINE_TOP
 from weaved.kernels.torch_rowwise import check_tensor, div_scalar
 
 QK = 32
@@ -274,75 +272,3 @@ def embed_rows(w: DeviceWeight, ids: torch.Tensor) -> torch.Tensor:
         return rows.to(torch.float32)
     q = _unpack(rows, w.qtype)  # [T, nb, 32]
     return (q * weight_scales(rows).unsqueeze(-1)).reshape(ids.shape[0], w.n_in)
-
-
-# ---------------------------------------------------------------------------------------------
-# which kernels a device gets
-# ---------------------------------------------------------------------------------------------
-def kernel_path(device: torch.device | str) -> str:
-    """"triton" on CUDA when triton imports, else "torch".  ``WEAVE_TORCH_KERNELS=torch`` forces
-    torch ops; ``=triton`` forces Triton (on a CPU device only with TRITON_INTERPRET=1, for tests)."""
-    env = os.environ.get("WEAVE_TORCH_KERNELS", "").strip().lower()
-    if env not in ("", "auto", "torch", "triton"):
-        raise ValueError(f"WEAVE_TORCH_KERNELS must be 'auto', 'torch' or 'triton', got {env!r}")
-    if env == "torch":
-        return "torch"
-    cuda = torch.device(device).type == "cuda"
-    if env == "triton":
-        if not (cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-            raise ValueError("WEAVE_TORCH_KERNELS=triton needs a CUDA device (or TRITON_INTERPRET=1)")
-        return "triton"
-    if not cuda:
-        return "torch"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "torch"
-    return "triton"
-
-
-class Products:
-    """The Q4_0 / Q8_0 products of one kernel path: ``linear(w, x)`` and ``linear_residual(w, x)``."""
-
-    def __init__(self, path: str):
-        if path not in ("torch", "triton"):
-            raise ValueError(f"kernel path must be 'torch' or 'triton', got {path!r}")
-        self.path = path
-        if path == "triton":
-            from weaved.kernels import triton_q4
-
-            self._linear_q = triton_q4.linear_q
-        else:
-            self._linear_q = linear_q
-
-    def linear(self, w: DeviceWeight, x: torch.Tensor) -> torch.Tensor:
-        """x float32 [T, n_in] @ W.T -> float32 [T, n_out] (Q8_0 activations for quantized W)."""
-        if not w.quantized:
-            return linear_float(w, x)
-        return self._linear_q(w, quantize_act(x))
-
-    def linear_act(self, w: DeviceWeight, a: Q8Act) -> torch.Tensor:
-        """``linear`` with activations already quantized (shared by several weights)."""
-        if not w.quantized:
-            raise ValueError("linear_act needs Q4_0 or Q8_0 weights")
-        return self._linear_q(w, a)
-
-    def linear_residual(self, w: DeviceWeight, x: torch.Tensor, margin: float = REFINE_MARGIN,
-                        top: int = REFINE_TOP) -> torch.Tensor:
-        """x @ W.T with the second activation level on each row's candidate logits
-        (``residual.linear_residual``, the same set and the same bits): the logits."""
-        if not w.quantized:
-            return linear_float(w, x)
-        T = x.shape[0]
-        a1, a2 = quantize_two_level(x)
-        y = self._linear_q(w, a1)  # [T, n_out]
-        if T == 0:
-            return y
-        # the threshold: max - margin (float32), raised to the k-th largest value
-        lo = y.max(dim=1).values - margin  # [T]
-        thr = torch.maximum(lo, torch.topk(y, min(int(top), w.n_out), dim=1).values[:, -1])
-        for t in range(T):
-            sel = torch.nonzero(y[t] >= thr[t]).flatten()  # [n]
-            rows = DeviceWeight(w.qtype, int(sel.numel()), w.n_in, w.data[sel])
-            y[t, sel] = y[t, sel] + self._linear_q(rows, Q8Act(a2.q[t:t + 1], a2.d[t:t + 1]))[0]
-        return y

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from weaved.kernels import matmul, quants
+from weaved.kernels import torch_products as tp
 from weaved.kernels import torch_q4 as tq
 from weaved.kernels.ggml import GGMLType
 from weaved.kernels.residual import linear_residual
@@ -70,7 +71,7 @@ def test_linear_q_is_the_cpu_kernels_bits(qtype, shape):
     rng = np.random.default_rng(2)
     raw, w = _weight(rng, qtype, n_out, n_in)
     x = _acts(rng, T, n_in)
-    ours = tq.Products("torch").linear(w, torch.from_numpy(x)).numpy()
+    ours = tp.Products("torch").linear(w, torch.from_numpy(x)).numpy()
     cpu = matmul.linear(matmul.pack_weight(raw, GGMLType(qtype), n_out, n_in), x)
     assert np.array_equal(ours, cpu)
 
@@ -100,7 +101,7 @@ def test_rows_do_not_depend_on_the_batch(qtype):
     rng = np.random.default_rng(5)
     _, w = _weight(rng, qtype, 130, 96)
     x = torch.from_numpy(_acts(rng, 11, 96))
-    prod = tq.Products("torch")
+    prod = tp.Products("torch")
     batched = prod.linear(w, x)
     for i in (0, 1, 5, 10):
         assert torch.equal(prod.linear(w, x[i:i + 1].clone()), batched[i:i + 1])
@@ -125,7 +126,7 @@ def test_residual_logits_are_the_cpu_kernels_bits(qtype, margin, top, n_out):
     raw, w = _weight(rng, qtype, n_out, 128)
     x = _acts(rng, 5, 128)
     x[1] *= 0.05  # a flat row: many logits within the margin, the cap decides
-    ours = tq.Products("torch").linear_residual(w, torch.from_numpy(x), margin, top).numpy()
+    ours = tp.Products("torch").linear_residual(w, torch.from_numpy(x), margin, top).numpy()
     counts = np.empty(5, np.int64)
     cpu = linear_residual(matmul.pack_weight(raw, GGMLType(qtype), n_out, 128), raw, x, margin, top, counts)
     assert np.array_equal(ours, cpu)
@@ -169,20 +170,20 @@ def test_argument_checks():
         tq.linear_q(tq.DeviceWeight.upload(np.zeros((2, 64), np.float32), tq.F32, 2, 64, "cpu"),
                     tq.quantize_act(torch.zeros((1, 64))))
     with pytest.raises(ValueError, match="kernel path"):
-        tq.Products("cuda")
+        tp.Products("cuda")
 
 
 def test_kernel_path_choice(monkeypatch):
     monkeypatch.delenv("WEAVE_TORCH_KERNELS", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert tq.kernel_path("cpu") == "torch"
+    assert tp.kernel_path("cpu") == "torch"
     monkeypatch.setenv("WEAVE_TORCH_KERNELS", "torch")
-    assert tq.kernel_path("cuda") == "torch"
+    assert tp.kernel_path("cuda") == "torch"
     monkeypatch.setenv("WEAVE_TORCH_KERNELS", "triton")
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        tq.kernel_path("cpu")
+        tp.kernel_path("cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert tq.kernel_path("cpu") == "triton"
+    assert tp.kernel_path("cpu") == "triton"
     monkeypatch.setenv("WEAVE_TORCH_KERNELS", "fast")
     with pytest.raises(ValueError, match="WEAVE_TORCH_KERNELS"):
-        tq.kernel_path("cpu")
+        tp.kernel_path("cpu")

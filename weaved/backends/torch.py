@@ -31,7 +31,8 @@ from weaved.backends.base import Backend, BackendStats, Logits, SeqChunk
 from weaved.backends.torch_kv import KVMirrors
 from weaved.backends.torch_weights import upload_model
 from weaved.kernels.torch_attention import attend
-from weaved.kernels.torch_q4 import DeviceWeight, Products, embed_rows, kernel_path, linear_float, quantize_act
+from weaved.kernels.torch_products import Products, kernel_path
+from weaved.kernels.torch_q4 import DeviceWeight, embed_rows, linear_float, quantize_act
 from weaved.kernels.torch_rowwise import RopeTable, rmsnorm, rope, swiglu
 from weaved.kv.cache import KVCache
 from weaved.model.config import ModelConfig, RopeStyle
