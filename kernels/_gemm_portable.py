@@ -1,4 +1,5 @@
-"""Q4_0 / Q8_0 x Q8_0 gemm for CPUs without AVX-512 VNNI: target-independent LLVM vector IR.
+"""The Q4_0 / Q8_0 x Q8_0 gemm's tile kernel for CPUs without AVX-512 VNNI: target-independent LLVM
+vector IR; ``_gemm_driver`` walks the tiles and calls it.
 
 Same packed layout, tiles and recipe as ``_gemm_vnni``, with no instruction-set-specific intrinsic
 (LLVM lowers the <16 x float> operations to AVX-512, AVX2, SSE or NEON as the CPU allows).  The
@@ -12,18 +13,14 @@ they ran ~50x slower than VNNI.)
 
 from __future__ import annotations
 
-import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._llvm import F32, I8, I32, I64, V16F, V16I32, c32, c64, fn, ptr, splat, store_tile_cols
+from ._llvm import F32, I8, I32, I64, V16F, V16I32, c32, c64, fn, ptr, splat
 from ._pack import RT, TB_Q4, TB_Q8
-from .quants import PAR_QUANT_MIN_ROWS, quantize_act_cols
 
-_OPTS = dict(cache=True, nogil=True, error_model="numpy", boundscheck=False)
-CB = 64  # columns per pass over a tile: accumulators CB * RT * 4 = 8 KiB stay in L1
 V16I16 = ir.VectorType(ir.IntType(16), 16)
 V32F, V32I8, V32I32 = ir.VectorType(F32, 32), ir.VectorType(I8, 32), ir.VectorType(I32, 32)
 
@@ -127,69 +124,5 @@ def _make_tile(qk: int):
     return intrinsic(typer)
 
 
-_tile_q4 = _make_tile(4)
-_tile_q8 = _make_tile(8)
-
-
-@njit(**_OPTS)
-def _chunk(n, nch, k):
-    return n * k // nch, n * (k + 1) // nch
-
-
-@njit(**_OPTS)
-def _rows(P, qk, t0, t1, nb, n_out, xq, xd, xs, Y):
-    """Row tiles t0..t1 of the packed matrix, every column of Y (float32 [T, n_out])."""
-    T = Y.shape[0]
-    cb = min(T, CB)
-    A = np.empty(cb * RT + 16, np.float32)
-    tb = TB_Q4 if qk == 4 else TB_Q8
-    for t in range(t0, t1):
-        nr = min(RT, n_out - t * RT)
-        for c0 in range(0, T, CB):
-            c1 = min(T, c0 + CB)
-            if qk == 4:
-                _tile_q4(P, t * nb * tb, nb, xq, xd, xs, A, c0, c1)
-            else:
-                _tile_q8(P, t * nb * tb, nb, xq, xd, xs, A, c0, c1)
-            store_tile_cols(A, Y, c0, c1, t * RT, nr)
-
-
-@njit(**_OPTS)
-def _quantized(X, xq, xd, xs):
-    """(xq, xd, xs) as given when X has no rows, else fresh arrays holding X quantized (serially)."""
-    T = X.shape[0]
-    if T == 0:
-        return xq, xd, xs
-    nb = X.shape[1] // 32
-    return np.empty((nb, T, 32), np.int8), np.empty((nb, T), np.float32), np.empty((nb, T), np.int32)
-
-
-@njit(**_OPTS)
-def run_serial(P, qk, n_out, X, xq, xd, xs, Y):
-    """Y [T, n_out] = X @ W.T on one thread, W packed in P.  X float32 [T, n_in] is quantized to Q8_0
-    first; with no rows in X, xq [nb, T, 32], xd [nb, T], xs [nb, T] hold the activations."""
-    nt = (n_out + RT - 1) // RT
-    nb = X.shape[1] // 32
-    xq, xd, xs = _quantized(X, xq, xd, xs)
-    if X.shape[0] > 0:
-        quantize_act_cols(X, xq, xd, xs, 0, X.shape[0])
-    _rows(P, qk, 0, nt, nb, n_out, xq, xd, xs, Y)
-
-
-@njit(parallel=True, **_OPTS)
-def run_par(P, qk, n_out, X, xq, xd, xs, Y, nch):
-    """run_serial with the row tiles split into nch static chunks (and the quantization into nch
-    row chunks when X has enough rows)."""
-    nt = (n_out + RT - 1) // RT
-    nb = X.shape[1] // 32
-    T = X.shape[0]
-    xq, xd, xs = _quantized(X, xq, xd, xs)
-    if T >= PAR_QUANT_MIN_ROWS:
-        for k in prange(nch):
-            c0, c1 = _chunk(T, nch, k)
-            quantize_act_cols(X, xq, xd, xs, c0, c1)
-    elif T > 0:
-        quantize_act_cols(X, xq, xd, xs, 0, T)
-    for k in prange(nch):
-        t0, t1 = _chunk(nt, nch, k)
-        _rows(P, qk, t0, t1, nb, n_out, xq, xd, xs, Y)
+tile_q4 = _make_tile(4)
+tile_q8 = _make_tile(8)

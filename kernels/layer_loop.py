@@ -9,9 +9,9 @@ gate|up product, SwiGLU, the down product and residual.  The results are the Pyt
 (``CPUBackend.forward`` keeps that loop for layers this one does not take, and tests compare the
 two).
 
-The gemm (VNNI or portable, ``matmul.kernel_path``) is chosen by the dtype of a zero-size marker
-array, so each path compiles - and is cached - as its own specialization, and the VNNI one is never
-compiled on a CPU without it.
+The gemm (VNNI or portable, ``matmul.kernel_path``) is ``_gemm_driver``'s, its tile kernel chosen by
+the dtype of a zero-size marker array (``matmul.gemm_marker``), so each path compiles - and is
+cached - as its own specialization, and the VNNI one is never compiled on a CPU without it.
 """
 
 from __future__ import annotations
@@ -19,40 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit, types
-from numba.extending import overload
+from numba import njit
 from numba.typed import List as TypedList
 
-from . import _gemm_portable
+from . import _gemm_driver
 from ._attention_rows import attend_batch, kv_store_batch
-from ._rope import _rope_drive
-from ._rowwise import _OPTS
-from .elementwise import _rmsnorm_drive, _swiglu_drive
-from .matmul import PAR_MIN_US, US_PER_BYTE, US_PER_TBLOCK, PackedWeight, kernel_path
-
-VNNI_MARKER = np.empty(0, np.int8)  # selects _gemm_vnni
-PORTABLE_MARKER = np.empty(0, np.uint8)  # selects _gemm_portable
-
-
-def _gemm(marker, P, qk, n_out, X, xq, xd, xs, Y, nch):
-    raise NotImplementedError  # compiled code only (the overload below)
-
-
-@overload(_gemm)
-def _gemm_impl(marker, P, qk, n_out, X, xq, xd, xs, Y, nch):
-    if marker.dtype == types.int8:
-        from . import _gemm_vnni as mod  # typed only when a caller passes the VNNI marker
-    else:
-        mod = _gemm_portable
-    run_serial, run_par = mod.run_serial, mod.run_par
-
-    def impl(marker, P, qk, n_out, X, xq, xd, xs, Y, nch):
-        if nch == 1:
-            run_serial(P, qk, n_out, X, xq, xd, xs, Y)
-        else:
-            run_par(P, qk, n_out, X, xq, xd, xs, Y, nch)
-
-    return impl
+from ._rope import rope_drive
+from ._rowwise import OPTS
+from .elementwise import rmsnorm_drive, swiglu_drive
+from .matmul import PAR_MIN_US, US_PER_BYTE, US_PER_TBLOCK, PackedWeight, gemm_marker
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,12 +52,12 @@ class LayerWeights:
         qk, est = [], []
         for L in layers:
             ws = (L.wqkv, L.wo, L.wgu, L.wdown)
-            if not all(isinstance(w, PackedWeight) and w._qk for w in ws):
+            if not all(isinstance(w, PackedWeight) and w.qk for w in ws):
                 return None
             for w in ws:
-                mats.append(w._data)
-            qk.append([w._qk for w in ws])
-            est.append([[w._data.nbytes * US_PER_BYTE, w._tblocks * US_PER_TBLOCK, w._nt] for w in ws])
+                mats.append(w.data)
+            qk.append([w.qk for w in ws])
+            est.append([[w.data.nbytes * US_PER_BYTE, w.tblocks * US_PER_TBLOCK, w.nt] for w in ws])
         L0 = layers[0]
 
         def stack(name):
@@ -97,26 +72,24 @@ class LayerWeights:
                    stack("q_norm"), stack("k_norm"))
 
 
-def marker() -> np.ndarray:
-    """The marker array for the gemm in use."""
-    return VNNI_MARKER if kernel_path() == "vnni" else PORTABLE_MARKER
-
-
-@njit(**_OPTS)
+@njit(**OPTS)
 def _threads_for(est, li, m, T, nthreads):
     """``matmul._plan`` inside the loop: small products stay on the calling thread."""
     us = max(est[li, m, 0], est[li, m, 1] * T)
     return 1 if nthreads == 1 or us < PAR_MIN_US else min(nthreads, np.int64(est[li, m, 2]))
 
 
-@njit(**_OPTS)
+@njit(**OPTS)
 def _product(mk, mats, qk, n_out, est, li, m, X, nthreads, Y, noq, nod, nos):
     """Y = X @ W.T for matrix m (0 q|k|v, 1 o, 2 gate|up, 3 down) of layer li; X is quantized inside."""
     nch = _threads_for(est, li, m, X.shape[0], nthreads)
-    _gemm(mk, mats[4 * li + m], qk[li, m], n_out[m], X, noq, nod, nos, Y, nch)
+    if nch == 1:
+        _gemm_driver.run_serial(mk, mats[4 * li + m], qk[li, m], n_out[m], X, noq, nod, nos, Y)
+    else:
+        _gemm_driver.run_par(mk, mats[4 * li + m], qk[li, m], n_out[m], X, noq, nod, nos, Y, nch)
 
 
-@njit(**_OPTS)
+@njit(**OPTS)
 def _layers(mk, mats, qk, n_out, est, attn_norm, ffn_norm, bias, q_norm, k_norm, x, positions, kvs,
             seq_starts, pos0, n_heads, n_kv, head_dim, eps, n_rot, theta_scale, freq_scale, neox, scale,
             n_slices, max_items, nthreads):
@@ -133,7 +106,7 @@ def _layers(mk, mats, qk, n_out, est, attn_norm, ffn_norm, bias, q_norm, k_norm,
     att = np.empty((T, n_heads, head_dim), np.float32)
     lse = np.empty((T, n_heads), np.float32)
     for li in range(attn_norm.shape[0]):
-        _rmsnorm_drive(x, attn_norm[li], eps, h)
+        rmsnorm_drive(x, attn_norm[li], eps, h)
         _product(mk, mats, qk, n_out, est, li, 0, h, nthreads, qkv, noq, nod, nos)
         if bias.shape[0]:
             qkv += bias[li]
@@ -142,10 +115,10 @@ def _layers(mk, mats, qk, n_out, est, attn_norm, ffn_norm, bias, q_norm, k_norm,
         v = qkv[:, qd + kd:].copy().reshape(T, n_kv, head_dim)
         if q_norm.shape[0]:
             qr, kr = q.reshape(T * n_heads, head_dim), k.reshape(T * n_kv, head_dim)
-            _rmsnorm_drive(qr, q_norm[li], eps, qr)
-            _rmsnorm_drive(kr, k_norm[li], eps, kr)
-        _rope_drive(q, positions, n_rot, theta_scale, freq_scale, neox)
-        _rope_drive(k, positions, n_rot, theta_scale, freq_scale, neox)
+            rmsnorm_drive(qr, q_norm[li], eps, qr)
+            rmsnorm_drive(kr, k_norm[li], eps, kr)
+        rope_drive(q, positions, n_rot, theta_scale, freq_scale, neox)
+        rope_drive(k, positions, n_rot, theta_scale, freq_scale, neox)
         code, bad = kv_store_batch(kvs, li, seq_starts, pos0, k, v)
         if code:
             return code, bad
@@ -154,9 +127,9 @@ def _layers(mk, mats, qk, n_out, est, attn_norm, ffn_norm, bias, q_norm, k_norm,
             return code, bad
         _product(mk, mats, qk, n_out, est, li, 1, att.reshape(T, qd), nthreads, y, noq, nod, nos)
         x += y
-        _rmsnorm_drive(x, ffn_norm[li], eps, h)
+        rmsnorm_drive(x, ffn_norm[li], eps, h)
         _product(mk, mats, qk, n_out, est, li, 2, h, nthreads, gu, noq, nod, nos)
-        _swiglu_drive(gu, act)
+        swiglu_drive(gu, act)
         _product(mk, mats, qk, n_out, est, li, 3, act, nthreads, y, noq, nod, nos)
         x += y
     return 0, -1
@@ -168,11 +141,11 @@ def run_layers(w: LayerWeights, x: np.ndarray, positions: np.ndarray, kvs: Typed
     """Every layer in place on x float32 [T, d_model] (C-contiguous) at ``positions`` int64 [T].
 
     kvs, seq_starts, pos0: as ``attention.attend``; shape: (n_heads, n_kv_heads, head_dim); rope:
-    ``_rope._rope_params``' (n_rot, theta_scale, freq_scale, neox); attention: (n_slices,
+    ``_rope.rope_params``' (n_rot, theta_scale, freq_scale, neox); attention: (n_slices,
     max_items) as ``attention.attend`` computes them.  Returns (error code, sequence) of a failed KV
     check ((0, -1) when all ran) for the caller to raise."""
     H, Hkv, D = shape
     n_rot, theta_scale, freq_scale, neox = rope
-    return _layers(marker(), w.mats, w.qk, w.n_out, w.est, w.attn_norm, w.ffn_norm, w.bias, w.q_norm,
+    return _layers(gemm_marker(), w.mats, w.qk, w.n_out, w.est, w.attn_norm, w.ffn_norm, w.bias, w.q_norm,
                    w.k_norm, x, positions, kvs, seq_starts, pos0, H, Hkv, D, np.float32(eps), n_rot,
                    theta_scale, freq_scale, neox, np.float32(scale), attention[0], attention[1], threads)

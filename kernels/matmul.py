@@ -6,22 +6,22 @@ int32 dot of every 32-block, scaled and summed in block order b = 0..nb-1 as
 input in order.  Either way row t of the result depends only on row t of x: bit-identical whatever
 the other rows, their number, or the thread split (batch invariance).
 
-Kernels are picked at run time: AVX-512 VNNI (``_gemm_vnni``) where the CPU has it, else plain
-numba (``_gemm_portable``, the same bits).  ``WEAVE_KERNELS=portable`` forces the portable path.
+Kernels are picked at run time: AVX-512 VNNI tiles (``_gemm_vnni``) where the CPU has it, else
+target-independent vector IR (``_gemm_portable``, the same bits), both driven by ``_gemm_driver``.
+``WEAVE_KERNELS=portable`` forces the portable path.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from types import ModuleType
 
 import numpy as np
 
-from . import _gemm_float, _gemm_portable, _pack
+from . import _gemm_driver, _gemm_float, _pack
 from ._pack import RT
 from .ggml import BLOCK_BYTES, BLOCK_ELEMS, GGMLType, as_ggml_type, row_bytes
-from .quants import Q8Activations, _dequantize_rows
+from .quants import Q8Activations, dequantize_rows
 from .threads import cpu_features, get_threads
 
 __all__ = ["PackedWeight", "pack_weight", "concat_rows", "linear", "linear_q", "padded_out", "embed_rows",
@@ -39,15 +39,15 @@ class PackedWeight:
     n_out: int
     n_in: int
     # Q4_0/Q8_0: uint8 [nt * nb * TB], 64-byte aligned; F16/F32: float32 [nt, n_in, RT]
-    _data: np.ndarray = field(repr=False)
-    _qk: int = field(repr=False, default=0)  # 4: Q4_0, 8: Q8_0, 0: float weights
-    _nt: int = field(repr=False, default=0)  # row tiles
-    _tblocks: int = field(repr=False, default=0)  # tiles x blocks: 32x32 dot products per token
+    data: np.ndarray = field(repr=False)
+    qk: int = field(repr=False, default=0)  # 4: Q4_0, 8: Q8_0, 0: float weights
+    nt: int = field(repr=False, default=0)  # row tiles
+    tblocks: int = field(repr=False, default=0)  # tiles x blocks: 32x32 dot products per token
 
     @property
     def nbytes(self) -> int:
         """Bytes of the packed matrix (what one product streams from memory)."""
-        return int(self._data.nbytes)
+        return int(self.data.nbytes)
 
 
 def vnni_supported() -> bool:
@@ -60,18 +60,18 @@ def vnni_supported() -> bool:
 
 
 _forced: str | None = None  # set_kernel_path's choice
-_module: ModuleType | None = None  # the gemm module in use, resolved on first use
+_marker: np.ndarray | None = None  # the gemm driver's marker for the path in use, resolved on first use
 
 
 def set_kernel_path(name: str | None) -> None:
     """Force "vnni" or "portable" kernels; None goes back to WEAVE_KERNELS and CPU detection (and
     re-reads WEAVE_KERNELS)."""
-    global _forced, _module
+    global _forced, _marker
     if name not in (None, "vnni", "portable"):
         raise ValueError(f"kernel path must be 'vnni', 'portable' or None, got {name!r}")
     if name == "vnni" and not vnni_supported():
         raise ValueError("this CPU lacks AVX-512 VNNI (avx512f, avx512bw, avx512_vnni)")
-    _forced, _module = name, None
+    _forced, _marker = name, None
 
 
 def kernel_path() -> str:
@@ -85,16 +85,14 @@ def kernel_path() -> str:
     return "vnni" if env != "portable" and vnni_supported() else "portable"
 
 
-def _gemm_module() -> ModuleType:
-    global _module
-    if _module is None:
-        if kernel_path() == "vnni":
-            from . import _gemm_vnni  # imported (and compiled) only where the CPU has the instructions
-
-            _module = _gemm_vnni
-        else:
-            _module = _gemm_portable
-    return _module
+def gemm_marker() -> np.ndarray:
+    """The zero-size array that selects the tile kernel of the path in use in ``_gemm_driver`` (and in
+    the compiled layer loop)."""
+    global _marker
+    if _marker is None:
+        vnni = kernel_path() == "vnni"
+        _marker = _gemm_driver.VNNI_MARKER if vnni else _gemm_driver.PORTABLE_MARKER
+    return _marker
 
 
 def _nch(n_tiles: int) -> int:
@@ -185,8 +183,8 @@ def linear(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.
     out = np.empty((T, w.n_out), _F32) if out is None else _check_out(out, T, w.n_out)
     if T == 0:
         return out
-    data = w._data
-    if w._qk:
+    data = w.data
+    if w.qk:
         _run(w, x, _NO_Q, _NO_D, _NO_S, out)
     else:
         nch = _nch(data.shape[0])
@@ -200,7 +198,7 @@ def linear(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.
 def linear_q(w: PackedWeight, qx: Q8Activations, out: np.ndarray | None = None) -> np.ndarray:
     """``linear`` with activations already quantized (one quantization shared by several weights
     that read the same input).  Q4_0 / Q8_0 weights only."""
-    if not w._qk:
+    if not w.qk:
         raise ValueError(f"linear_q: needs Q4_0 or Q8_0 weights, got {w.qtype.name} (use linear)")
     if not isinstance(qx, Q8Activations) or qx.n_in != w.n_in:
         raise ValueError(f"linear_q: qx must be Q8Activations with n_in = {w.n_in}, got "
@@ -234,11 +232,11 @@ def _run(w: PackedWeight, x: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.
          out: np.ndarray) -> None:
     """out = x @ W.T through the Q8_0 gemm (x's rows, if any, quantized first)."""
     nch = _plan(w, out.shape[0])
-    k = _module or _gemm_module()
+    mk = _marker if _marker is not None else gemm_marker()
     if nch == 1:
-        k.run_serial(w._data, w._qk, w.n_out, x, xq, xd, xs, out)
+        _gemm_driver.run_serial(mk, w.data, w.qk, w.n_out, x, xq, xd, xs, out)
     else:
-        k.run_par(w._data, w._qk, w.n_out, x, xq, xd, xs, out, nch)
+        _gemm_driver.run_par(mk, w.data, w.qk, w.n_out, x, xq, xd, xs, out, nch)
 
 
 def _plan(w: PackedWeight, T: int) -> int:
@@ -247,8 +245,8 @@ def _plan(w: PackedWeight, T: int) -> int:
     n = get_threads()
     if n == 1:
         return 1
-    est_us = max(w._data.nbytes * US_PER_BYTE, w._tblocks * T * US_PER_TBLOCK)
-    return 1 if est_us < PAR_MIN_US else min(n, w._nt)
+    est_us = max(w.data.nbytes * US_PER_BYTE, w.tblocks * T * US_PER_TBLOCK)
+    return 1 if est_us < PAR_MIN_US else min(n, w.nt)
 
 
 # cost model of _plan (measured on a Zen 4 core: ~25 GB/s from DRAM, ~7 ns per 32x32 block dot)
@@ -276,7 +274,7 @@ def embed_rows(raw: np.ndarray, qtype: GGMLType | int, ids: np.ndarray) -> np.nd
         rows = np.ascontiguousarray(raw[ids])  # [len(ids), row_bytes]
         out = np.empty((ids.size, raw.shape[1] // bsz * BLOCK_ELEMS), np.float32)
         if ids.size:
-            _dequantize_rows(rows, _QK[qt], out, 0, ids.size)
+            dequantize_rows(rows, _QK[qt], out, 0, ids.size)
         return out
     want = np.float32 if qt == GGMLType.F32 else np.float16
     if raw.dtype != want:
