@@ -203,3 +203,10 @@ def test_no_private_attributes_of_other_objects(mod):
             continue  # a subclass overriding its base's hook
         bad.append(f"{mod}:{node.lineno} {ast.unparse(node)}")
     assert bad == []
+
+
+def test_every_package_is_listed_for_installation():
+    # a package missing from [tool.setuptools] packages would be left out of a wheel
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {m.name for m in MODULES.values() if m.is_package}
+    assert packages - listed == set()
