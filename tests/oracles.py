@@ -1,5 +1,5 @@
 """llama.cpp (through llama-cpp-python) as the practical oracle, distribution metrics, and the
-closeness bars every backend is held to (DESIGN.md §11).
+closeness bars every backend is held to (docs/architecture.md, "Correctness").
 
 The bars: teacher-forced over natural text, a backend's mean KL from the float64 reference is no
 larger than llama.cpp's and its top-1 agreement with it no lower than llama.cpp's minus one point;

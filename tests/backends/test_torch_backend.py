@@ -279,7 +279,7 @@ def test_architectures_match_the_cpu_backend(model, request):
         assert np.array_equal(a.data, b.data)
 
 
-# ---- accuracy bars (DESIGN.md §11), as the CPU backend's in tests/model/test_accuracy.py -----------
+# ---- accuracy bars (docs/architecture.md, "Correctness"), as the CPU backend's in test_accuracy.py -----
 @pytest.mark.llama
 @pytest.mark.slow
 def test_smollm2_close_to_truth_and_llama(smollm2_q4_0):

@@ -13,10 +13,10 @@ pytestmark = pytest.mark.federation
 
 PROMPTS = [[1, 504, 3458, 282, 4649, 314, 253, 1345, 28], [1, 19556, 905, 30, 1073], [1, 1812, 2116, 3458, 17, 23, 4563,
                                                                                      7, 1241, 982, 7543, 21, 339]]
-KL_MAX = 0.0005  # mean KL to the single node from the same inputs (token and KV), DESIGN §11
+KL_MAX = 0.0005  # mean KL to the single node from the same inputs (token and KV) (docs/architecture.md, "Correctness")
 # Free running (each side appends its own K/V), one flipped rounding in a Q8_0 activation block
 # propagates through later positions: on SmolLM2 even exact float64 attention drifts to a mean KL of
-# ~1e-3 from the CPU backend over 24 steps (measured), the ring alike.  Bounded by the bar §11 sets
+# ~1e-3 from the CPU backend over 24 steps (measured), the ring alike.  Bounded by the bar the tests set
 # for the CPU backend against llama.cpp; greedy continuations carry the real check.
 KL_FREE = 0.005
 TIE = 0.3  # greedy continuations may part only where the single node's top two are this close

@@ -1,5 +1,5 @@
 """Closeness of the CPU backend to the truth (float64 forward of the dequantized weights) and to
-llama.cpp; the bars are in ``tests.oracles`` (DESIGN.md §11)."""
+llama.cpp; the bars are in ``tests.oracles`` (docs/architecture.md, "Correctness")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Device mirrors of KV caches for the torch backend (the device tier of DESIGN.md §6).
+"""Device mirrors of KV caches for the torch backend (the device tier of docs/architecture.md, "KV cache").
 
 A session's ``KVCache`` (its array over the session's file) is the source of truth.  A mirror is
 its copy in device memory, in the same layout and bytes: float16 [n_layers, 2, n_kv_heads,

@@ -4,7 +4,7 @@ What it holds: each session's SLA tags, max context, system prompt, placement (w
 status and times; the transcript (messages with the token ids they were rendered to); and the
 session's committed tokens, whose count is the committed KV length.
 
-The invariant the daemon relies on (DESIGN.md section 6): a token is committed - its id appended and
+The invariant the daemon relies on (docs/architecture.md, "KV cache"): a token is committed - its id appended and
 ``kv_length`` advanced - in one transaction, and only after the caller has written its KV rows.  So
 after a crash every session resumes from ``kv_length`` with ``kv_length == len(tokens)`` and the KV
 file holding valid rows for all of them.

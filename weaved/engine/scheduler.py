@@ -1,6 +1,6 @@
 """Which sequences run in the next step, under a token budget, by SLA.
 
-Order (DESIGN.md §8): interactive first; then earliest deadline (the TTFT deadline for a waiting
+Order (docs/architecture.md, "Scheduling"): interactive first; then earliest deadline (the TTFT deadline for a waiting
 prefill; the TTLT budget spread over the remaining tokens for a decode); batch class last.  A
 sequence not picked this step is paused; since its KV stays in its file, that costs nothing.
 """
@@ -17,7 +17,7 @@ class SchedulerConfig:
     token_budget: int = 512  # tokens per step over all sequences
     max_batch: int = 64  # sequences per step
     prefill_chunk: int = 256  # the most prompt tokens one sequence feeds in a step
-    order: str = "sla"  # "sla" (DESIGN.md §8) or "fifo": arrival order only (the benchmark's baseline)
+    order: str = "sla"  # "sla" (the order above) or "fifo": arrival order only (the benchmark's baseline)
     # tokens per step while an interactive turn is decoding: a step's time is that turn's inter-token
     # gap, so prefill chunks of other turns shrink to keep it short (None: token_budget always)
     interactive_budget: int | None = None

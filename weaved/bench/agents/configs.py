@@ -6,7 +6,8 @@
   is created and never moves; a check-in changes neither its pool nor its priority);
 - ``fifo``: one pool, policy "fifo" (one priority, the engine orders by arrival) - the GPU pool when
   the host has one, as a plain OpenAI-compatible server would use, else the CPU pool;
-- ``gpu-only``: Weave's router over the GPU pool alone - against ``weave``, the seed's co-execution claim.
+- ``gpu-only``: Weave's router over the GPU pool alone - against ``weave``, the co-execution claim
+  (nearly +50 % capacity).
 
 A GPU pool is a torch pool; on a host without CUDA it runs on torch's CPU device, standing in for a
 GPU (a functional check, not a performance claim).  Without the torch backend in this build, the

@@ -1,4 +1,4 @@
-"""The reference agent workload (docs/workloads.md in the shared design notes): its parameters and the
+"""The reference agent workload (docs/benchmarks.md, "The agent workload"): its parameters and the
 seeded plan of what every run asks.
 
 Everything here is pure: no model, no clock.  ``AgentWorkload`` holds every parameter with the

@@ -6,13 +6,13 @@ Three measurements, each in its own process (``procs``), and a projection:
    each over its own session's KV shard - at several shard lengths, against the transfer time of
    the message that carries that head group around the ring (queries, the new K/V and the
    accumulator, ``sizes``) at 10 Gbps and at the loopback rate measured in the same run.  The ratio
-   is the margin the whitepaper puts at 5-6x on server CPUs: how much compute there is to hide the
-   next head group's transfer behind.
+   is the margin Q-Ring's design assumes to be 5-6x on server CPUs (docs/ring-cost-model.md): how
+   much compute there is to hide the next head group's transfer behind.
 2. Loopback decode (``decode``): real Q-Ring steps (``RingMember``, 2-3 processes, the model's
    dense layers on the home) against the alternative of broadcasting every head group's queries to
    all nodes and merging the partials once at home (``broadcast``).
 3. The cost model (``cost_model``, docs/ring-cost-model.md): the measured rates projected to N
-   nodes at 10 Gbps for the seed's hundred agents at 32K context.
+   nodes at 10 Gbps for a hundred agents at 32K context (Q-Ring's design scenario).
 """
 
 from __future__ import annotations
