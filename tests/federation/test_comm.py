@@ -100,7 +100,8 @@ def test_closed_peer_fails_pending_receive(store):
     a, b = _form("closed", 2, store)
     pending = a.irecv(np.empty(3, np.float32), 1, 1)
     b.close()
-    with pytest.raises(PeerLost, match="Connection closed"):
+    # gloo says "closed" or, when the peer's socket goes first under load, "reset by peer"
+    with pytest.raises(PeerLost, match="Connection (closed|reset)"):
         pending.wait(timeout_s=30)
     a.close()
 
