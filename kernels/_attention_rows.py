@@ -291,9 +291,11 @@ def kv_store_batch(kvs, layer, seq_starts, pos0, k, v):
 
 
 @njit(**_OPTS)
-def attend_batch(q, kvs, layer, seq_starts, pos0, scale, out, lse, n_slices, max_items):
-    """Check the batch, then causal attention: row seq_starts[s] + i sees keys 0..pos0[s] + i of
-    kvs[s][layer]; returns (error code, sequence) as ``_check_batch`` (6: heads not a multiple)."""
+def attend_batch(q, kvs, layer, seq_starts, pos0, scale, window, out, lse, n_slices, max_items):
+    """Check the batch, then causal attention: row seq_starts[s] + i at position p = pos0[s] + i sees
+    keys 0..p of kvs[s][layer], or with ``window`` > 0 the last ``window`` of them (p - window < j <=
+    p); returns (error code, sequence) as ``_check_batch`` (6: heads not a multiple).  A windowed row
+    addresses its keys from its first one, so its chunks start there: still a function of the row."""
     T, H, D = q.shape
     if len(kvs) == 0:
         return 1, -1
@@ -315,6 +317,11 @@ def attend_batch(q, kvs, layer, seq_starts, pos0, scale, out, lse, n_slices, max
                 kaddr[t, g] = ka
                 vaddr[t, g] = va
         for t in range(seq_starts[s], seq_starts[s + 1]):
-            row_nkeys[t] = pos0[s] + (t - seq_starts[s]) + 1
+            n = pos0[s] + (t - seq_starts[s]) + 1
+            lo = n - window if 0 < window < n else 0  # the row's first key
+            row_nkeys[t] = n - lo
+            for g in range(n_kv):
+                kaddr[t, g] += lo * D * 2  # float16 rows of D values
+                vaddr[t, g] += lo * D * 2
     attend_rows(q, kaddr, vaddr, row_nkeys, scale, out, lse, n_slices, max_items)
     return 0, -1

@@ -108,10 +108,11 @@ def kv_store(kvs, layer: int, seq_starts: np.ndarray, pos0: np.ndarray, k: np.nd
 
 
 def attend(q: np.ndarray, kvs, layer: int, seq_starts: np.ndarray, pos0: np.ndarray, scale: float,
-           out: np.ndarray, lse: np.ndarray) -> None:
+           out: np.ndarray, lse: np.ndarray, window: int = 0) -> None:
     """Causal attention of a ragged batch.  q float32 [T, n_heads, head_dim]; row i of sequence s
-    (row seq_starts[s] + i) sits at position pos0[s] + i and attends keys 0..pos0[s] + i of kvs[s]
-    (already stored).  Head h reads kv head h // (n_heads // n_kv_heads).  Writes out float32
+    (row seq_starts[s] + i) sits at position p = pos0[s] + i and attends keys 0..p of kvs[s]
+    (already stored), or with ``window`` > 0 its last ``window`` keys (a sliding-window layer).
+    Head h reads kv head h // (n_heads // n_kv_heads).  Writes out float32
     [T, n_heads, head_dim] and lse float32 [T, n_heads] = log(sum_j exp(score_j)) with score_j =
     scale * q.k_j.  kvs: ``kv_list`` of the batch's kv arrays, one per sequence.  A row's results
     are bit-identical whatever else is in the batch."""
@@ -122,8 +123,11 @@ def attend(q: np.ndarray, kvs, layer: int, seq_starts: np.ndarray, pos0: np.ndar
     _check_index_arrays(layer, seq_starts, pos0)
     if T == 0:
         return
+    if not isinstance(window, int | np.integer) or window < 0:
+        raise ValueError(f"window must be an int >= 0, got {window!r}")
     scale32, max_items = np.float32(scale), _max_items(H, D)
-    raise_batch_error(*attend_batch(q, kvs, layer, seq_starts, pos0, scale32, out, lse, _SLICES, max_items))
+    raise_batch_error(*attend_batch(q, kvs, layer, seq_starts, pos0, scale32, np.int64(window), out, lse, _SLICES,
+                                    max_items))
 
 
 def attend_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float
@@ -213,7 +217,7 @@ def attend_partial_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float
 
 
 def attend_ref(q: np.ndarray, kvs: Sequence[np.ndarray], layer: int, seq_starts: np.ndarray, pos0: np.ndarray,
-               scale: float) -> tuple[np.ndarray, np.ndarray]:
+               scale: float, window: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """float64 causal attention with the semantics of ``attend`` (kvs: float16 kv arrays)."""
     T, H, D = q.shape
     out = np.zeros((T, H, D))
@@ -221,7 +225,8 @@ def attend_ref(q: np.ndarray, kvs: Sequence[np.ndarray], layer: int, seq_starts:
     for s in range(len(pos0)):
         for t in range(seq_starts[s], seq_starts[s + 1]):
             n = int(pos0[s] + t - seq_starts[s] + 1)
-            kv = kvs[s][layer, :, :, :n]  # [2, Hkv, n, D]
+            lo = n - window if 0 < window < n else 0
+            kv = kvs[s][layer, :, :, lo:n]  # [2, Hkv, n - lo, D]
             o, l_ = attend_partial_ref(q[t:t + 1], kv[0], kv[1], scale)
             out[t], lse[t] = o[0], l_[0]
     return out, lse

@@ -1,4 +1,4 @@
-"""Row-wise kernels of a transformer layer: RMSNorm, RoPE, SwiGLU, softmax, residual add.
+"""Row-wise kernels of a transformer layer: RMSNorm, RoPE, SwiGLU and GeGLU, softmax, residual add.
 
 Every row is computed by the same code whatever else is in the batch: the serial and the parallel
 drivers of a kernel call one per-row function, and nothing here carries fast-math flags, so IEEE
@@ -15,7 +15,17 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
-from weaved.kernels._rope import rope, rope_params, rope_ref, rope_ref64
+from weaved.kernels._geglu import geglu, geglu_ref, gelu_ref
+from weaved.kernels._rope import (
+    plain_rope,
+    rope,
+    rope_angles64,
+    rope_cos_sin,
+    rope_params,
+    rope_ref,
+    rope_ref64,
+    rotate64,
+)
 from weaved.kernels._rowwise import F1, INF32, OPTS, PAR_MIN_NORM, PAR_MIN_SWIGLU, check_f32, exp_f32
 
 # ---------------------------------------------------------------- RMSNorm
@@ -220,6 +230,7 @@ def add_(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 __all__ = [
-    "exp_f32", "rmsnorm", "rmsnorm_heads", "rmsnorm_ref", "rope", "rope_params", "rope_ref", "rope_ref64", "swiglu",
-    "swiglu_ref", "softmax", "softmax_ref", "add_",
+    "exp_f32", "rmsnorm", "rmsnorm_heads", "rmsnorm_ref", "plain_rope", "rope", "rope_cos_sin", "rope_params",
+    "rope_ref", "rope_ref64", "rope_angles64", "rotate64", "swiglu", "swiglu_ref", "geglu", "geglu_ref", "gelu_ref",
+    "softmax", "softmax_ref", "add_",
 ]

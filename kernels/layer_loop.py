@@ -4,8 +4,9 @@ A step of the CPU backend runs ~11 kernels per layer; called one by one from Pyt
 argument checks and numba's dispatch (a few microseconds), which is a quarter of a single-stream
 decode step on SmolLM2 (30 layers, ~330 calls).  ``run_layers`` runs the same kernels, in the same
 order and on the same arrays, from one numba function: RMSNorm, the fused q|k|v product (+ biases,
-q/k norms), RoPE, KV stores, attention, the output product and residual, RMSNorm, the fused
-gate|up product, SwiGLU, the down product and residual.  The results are the Python loop's bits
+q/k norms), RoPE (each layer's: global or sliding-window), KV stores, attention (over a window on
+sliding-window layers), the output product (+ its RMSNorm, gemma3) and residual, RMSNorm, the fused
+gate|up product, SwiGLU or GeGLU, the down product (+ its RMSNorm) and residual.  The results are the Python loop's bits
 (``CPUBackend.forward`` keeps that loop for layers this one does not take, and tests compare the
 two).
 
@@ -24,6 +25,7 @@ from numba.typed import List as TypedList
 
 from . import _gemm_driver
 from ._attention_rows import attend_batch, kv_store_batch
+from ._geglu import GELU_TABLE, geglu_drive
 from ._rope import rope_drive
 from ._rowwise import OPTS
 from .elementwise import rmsnorm_drive, swiglu_drive
@@ -43,6 +45,10 @@ class LayerWeights:
     bias: np.ndarray  # float32 [L, q_dim + 2 kv_dim] or [0, 0]
     q_norm: np.ndarray  # float32 [L, head_dim] or [0, 0]
     k_norm: np.ndarray  # float32 [L, head_dim] or [0, 0]
+    post_attn_norm: np.ndarray  # float32 [L, d_model] or [0, 0] (gemma3)
+    post_ffn_norm: np.ndarray  # float32 [L, d_model] or [0, 0]
+    window: np.ndarray  # int64 [L]: keys a query attends (0: all)
+    gelu: bool  # GeGLU (else SwiGLU)
 
     @classmethod
     def build(cls, layers: list, cfg) -> LayerWeights | None:
@@ -69,7 +75,8 @@ class LayerWeights:
         return cls(mats, np.array(qk, np.int64), np.array([w.n_out for w in (L0.wqkv, L0.wo, L0.wgu, L0.wdown)],
                                                           np.int64),
                    np.array(est, np.float64), stack("attn_norm"), stack("ffn_norm"), stack("bqkv"),
-                   stack("q_norm"), stack("k_norm"))
+                   stack("q_norm"), stack("k_norm"), stack("post_attn_norm"), stack("post_ffn_norm"),
+                   np.array([cfg.layer_window(i) for i in range(len(layers))], np.int64), cfg.act == "gelu")
 
 
 @njit(**OPTS)
@@ -90,11 +97,22 @@ def _product(mk, mats, qk, n_out, est, li, m, X, nthreads, Y, noq, nod, nos):
 
 
 @njit(**OPTS)
-def _layers(mk, mats, qk, n_out, est, attn_norm, ffn_norm, bias, q_norm, k_norm, x, positions, kvs,
-            seq_starts, pos0, n_heads, n_kv, head_dim, eps, n_rot, theta_scale, freq_scale, neox, scale,
-            n_slices, max_items, nthreads):
+def _residual(x, y, post_norm, li, eps, h):
+    """x += y, or x += rmsnorm(y) * post_norm[li] when the model has post norms (h: scratch)."""
+    if post_norm.shape[0]:
+        rmsnorm_drive(y, post_norm[li], eps, h)
+        x += h
+    else:
+        x += y
+
+
+@njit(**OPTS)
+def _layers(mk, w, x, positions, kvs, seq_starts, pos0, n_heads, n_kv, head_dim, eps, rope_g, rope_s, scale,
+            n_slices, max_items, nthreads, gelu_table):
     """Layers 0..L-1 in place on x float32 [T, d_model]; returns (error code, sequence) of the first
-    KV check that failed (``_attention_rows._check_batch``), (0, -1) when all ran."""
+    KV check that failed (``_attention_rows._check_batch``), (0, -1) when all ran.  w: the fields of
+    ``LayerWeights`` as a tuple; rope_g / rope_s: ``rope_params`` of global / sliding-window layers."""
+    mats, qk, n_out, est, attn_norm, ffn_norm, bias, q_norm, k_norm, post_attn, post_ffn, window, gelu = w
     T = x.shape[0]
     qd, kd = n_heads * head_dim, n_kv * head_dim
     noq, nod, nos = np.empty((0, 0, 32), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0), np.int32)
@@ -117,35 +135,43 @@ def _layers(mk, mats, qk, n_out, est, attn_norm, ffn_norm, bias, q_norm, k_norm,
             qr, kr = q.reshape(T * n_heads, head_dim), k.reshape(T * n_kv, head_dim)
             rmsnorm_drive(qr, q_norm[li], eps, qr)
             rmsnorm_drive(kr, k_norm[li], eps, kr)
-        rope_drive(q, positions, n_rot, theta_scale, freq_scale, neox)
-        rope_drive(k, positions, n_rot, theta_scale, freq_scale, neox)
+        if window[li]:
+            rope_drive(q, positions, rope_s)
+            rope_drive(k, positions, rope_s)
+        else:
+            rope_drive(q, positions, rope_g)
+            rope_drive(k, positions, rope_g)
         code, bad = kv_store_batch(kvs, li, seq_starts, pos0, k, v)
         if code:
             return code, bad
-        code, bad = attend_batch(q, kvs, li, seq_starts, pos0, scale, att, lse, n_slices, max_items)
+        code, bad = attend_batch(q, kvs, li, seq_starts, pos0, scale, window[li], att, lse, n_slices, max_items)
         if code:
             return code, bad
         _product(mk, mats, qk, n_out, est, li, 1, att.reshape(T, qd), nthreads, y, noq, nod, nos)
-        x += y
+        _residual(x, y, post_attn, li, eps, h)
         rmsnorm_drive(x, ffn_norm[li], eps, h)
         _product(mk, mats, qk, n_out, est, li, 2, h, nthreads, gu, noq, nod, nos)
-        swiglu_drive(gu, act)
+        if gelu:
+            geglu_drive(gu, act, gelu_table)
+        else:
+            swiglu_drive(gu, act)
         _product(mk, mats, qk, n_out, est, li, 3, act, nthreads, y, noq, nod, nos)
-        x += y
+        _residual(x, y, post_ffn, li, eps, h)
     return 0, -1
 
 
 def run_layers(w: LayerWeights, x: np.ndarray, positions: np.ndarray, kvs: TypedList, seq_starts: np.ndarray,
-               pos0: np.ndarray, shape: tuple[int, int, int], eps: float, rope: tuple, scale: float,
-               attention: tuple[int, int], threads: int) -> tuple[int, int]:
+               pos0: np.ndarray, shape: tuple[int, int, int], eps: float, rope: tuple, rope_swa: tuple,
+               scale: float, attention: tuple[int, int], threads: int) -> tuple[int, int]:
     """Every layer in place on x float32 [T, d_model] (C-contiguous) at ``positions`` int64 [T].
 
-    kvs, seq_starts, pos0: as ``attention.attend``; shape: (n_heads, n_kv_heads, head_dim); rope:
-    ``_rope.rope_params``' (n_rot, theta_scale, freq_scale, neox); attention: (n_slices,
-    max_items) as ``attention.attend`` computes them.  Returns (error code, sequence) of a failed KV
-    check ((0, -1) when all ran) for the caller to raise."""
+    kvs, seq_starts, pos0: as ``attention.attend``; shape: (n_heads, n_kv_heads, head_dim); rope /
+    rope_swa: ``_rope.rope_params`` of the global and the sliding-window layers (the same tuple when
+    the model has no windows); attention: (n_slices, max_items) as ``attention.attend`` computes
+    them.  Returns (error code, sequence) of a failed KV check ((0, -1) when all ran) for the caller
+    to raise."""
     H, Hkv, D = shape
-    n_rot, theta_scale, freq_scale, neox = rope
-    return _layers(gemm_marker(), w.mats, w.qk, w.n_out, w.est, w.attn_norm, w.ffn_norm, w.bias, w.q_norm,
-                   w.k_norm, x, positions, kvs, seq_starts, pos0, H, Hkv, D, np.float32(eps), n_rot,
-                   theta_scale, freq_scale, neox, np.float32(scale), attention[0], attention[1], threads)
+    fields = (w.mats, w.qk, w.n_out, w.est, w.attn_norm, w.ffn_norm, w.bias, w.q_norm, w.k_norm, w.post_attn_norm,
+              w.post_ffn_norm, w.window, w.gelu)
+    return _layers(gemm_marker(), fields, x, positions, kvs, seq_starts, pos0, H, Hkv, D, np.float32(eps), rope,
+                   rope_swa, np.float32(scale), attention[0], attention[1], threads, GELU_TABLE)

@@ -1,4 +1,4 @@
-"""Row-wise kernels of the torch backend: fixed-order sums, exp, RMSNorm, RoPE, SwiGLU.
+"""Row-wise kernels of the torch backend: fixed-order sums, exp, RMSNorm, RoPE, SwiGLU, GeGLU.
 
 Batch invariance in torch needs care, because torch picks code paths by tensor size: an elementwise
 op runs its vector loop over most elements and a scalar loop over the tail of each thread's range,
@@ -129,36 +129,50 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return g / (exp_f32(-g) + 1.0) * u
 
 
+def gelu_table(device: torch.device | str) -> torch.Tensor:
+    """The CPU kernel's GELU table (``_geglu.GELU_TABLE``, float32 [65536]) on ``device``, for ``geglu``."""
+    from weaved.kernels._geglu import GELU_TABLE
+
+    return torch.from_numpy(GELU_TABLE).to(device)
+
+
+def geglu(gate_up: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up as the CPU kernel (``_geglu``) computes it: 0 below -10, the gate above 10, else
+    the float16-table value of the gate rounded to float16; ``table``: ``_geglu.GELU_TABLE`` on the
+    device.  gate_up float32 [T, 2F] -> float32 [T, F]."""
+    check_tensor("gate_up", gate_up, torch.float32, 2)
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up width must be even (gate and up halves), got {gate_up.shape[1]}")
+    g, u = gate_up.chunk(2, dim=1)
+    idx = g.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF  # round to nearest even
+    a = table[idx]
+    a = torch.where(g <= -10.0, torch.zeros_like(g), torch.where(g >= 10.0, g, a))
+    return a * u
+
+
 class RopeTable:
     """cos/sin of the rotary angles per position, on the device, grown in fixed blocks of positions.
 
-    The values are the CPU kernel's own (``_rope``: ggml's float32 angles, float32 cos/sin): it
-    rotates unit pairs (1, 0) of a block of positions, which yields exactly (cos, sin), so both
-    backends rotate by the same bits.  A position's values never depend on when or with what it
-    was first needed."""
+    The values are the CPU kernel's own (``_rope.rope_cos_sin``: ggml's float32 angles with any
+    frequency factors and YaRN mix, float32 cos/sin times the magnitude scale), so both backends
+    rotate by the same bits.  A position's values never depend on when or with what it was first
+    needed."""
 
     BLOCK = 256
 
-    def __init__(self, n_rot: int, base: float, scale: float, device: torch.device | str):
-        if not (n_rot > 0 and n_rot % 2 == 0):
-            raise ValueError(f"n_rot must be a positive even number, got {n_rot}")
-        if not (base > 0 and scale > 0):
-            raise ValueError(f"rope base and scale must be positive, got {base}, {scale}")
-        self.n_rot, self.base, self.scale = n_rot, float(base), float(scale)
+    def __init__(self, params: tuple, device: torch.device | str):
+        """``params``: ``_rope.rope_params`` of the rope this table serves."""
+        self.params = params
+        self.n_rot = int(params[0])
         self.device = torch.device(device)
-        self.cos = torch.empty((0, n_rot // 2), dtype=torch.float32, device=self.device)  # [P, n_rot/2]
+        self.cos = torch.empty((0, self.n_rot // 2), dtype=torch.float32, device=self.device)  # [P, n_rot/2]
         self.sin = torch.empty_like(self.cos)
 
     def _blocks(self, b0: int, b1: int) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin float32 [(b1 - b0) * BLOCK, n_rot/2] of the positions of blocks b0..b1-1."""
-        from weaved.kernels._rope import rope as rope_cpu  # numba: imported when first needed
+        from weaved.kernels._rope import rope_cos_sin  # numba: imported when first needed
 
-        n = (b1 - b0) * self.BLOCK
-        unit = np.zeros((n, 1, self.n_rot), np.float32)
-        unit[:, :, 0::2] = 1.0  # pairs (x[2i], x[2i+1]) = (1, 0) rotate to (cos, sin)
-        rope_cpu(unit, np.arange(b0 * self.BLOCK, b1 * self.BLOCK, dtype=np.int64), self.n_rot, self.base,
-                 self.scale, "norm")
-        return np.ascontiguousarray(unit[:, 0, 0::2]), np.ascontiguousarray(unit[:, 0, 1::2])
+        return rope_cos_sin(np.arange(b0 * self.BLOCK, b1 * self.BLOCK, dtype=np.int64), self.params)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [T] (on the device) -> cos, sin float32 [T, n_rot/2]."""

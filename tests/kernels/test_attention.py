@@ -29,11 +29,11 @@ def batch(seqs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
     return starts, np.array([p for p, _ in seqs], np.int64)
 
 
-def run_attend(q, kvs, seqs, scale):
+def run_attend(q, kvs, seqs, scale, window=0):
     seq_starts, pos0 = batch(seqs)
     out = np.empty_like(q)
     lse = np.empty(q.shape[:2], np.float32)
-    A.attend(q, A.kv_list(kvs), LAYER, seq_starts, pos0, scale, out, lse)
+    A.attend(q, A.kv_list(kvs), LAYER, seq_starts, pos0, scale, out, lse, window)
     return out, lse
 
 
@@ -63,6 +63,38 @@ def test_attend_matches_float64_reference(n_heads, n_kv, head_dim, seqs):
     ref_out, ref_lse = A.attend_ref(q, kvs, LAYER, *batch(seqs), scale)
     np.testing.assert_allclose(out, ref_out, rtol=0, atol=2e-6)
     np.testing.assert_allclose(lse, ref_lse, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("window", [1, 5, 64, 100, 512, 700])
+def test_sliding_window_matches_float64_reference(window):
+    """A windowed row at position p attends keys p - window + 1 .. p: rows before, at and past the
+    window's first fill, crossing block and chunk boundaries of the window."""
+    rng = np.random.default_rng(window)
+    seqs = [(0, 9), (90, 20), (600, 3), (1030, 1), (3, 1)]
+    kvs = make_kvs(rng, [p + n for p, n in seqs], 2, 64)
+    q = rng.standard_normal((sum(n for _, n in seqs), 6, 64)).astype(np.float32)
+    out, lse = run_attend(q, kvs, seqs, 0.125, window)
+    ref_out, ref_lse = A.attend_ref(q, kvs, LAYER, *batch(seqs), 0.125, window)
+    np.testing.assert_allclose(out, ref_out, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=2e-6, atol=2e-6)
+    full, _ = run_attend(q, kvs, seqs, 0.125)
+    assert np.array_equal(out[:min(window, 9)], full[:min(window, 9)])  # fewer keys than the window: no change
+    if window < 90:
+        assert not np.allclose(out[9:], full[9:])  # the window hides keys
+
+
+def test_windowed_rows_are_bit_identical_alone_and_in_a_batch():
+    rng = np.random.default_rng(9)
+    seqs = [(40, 30), (700, 2), (2, 5)]
+    kvs = make_kvs(rng, [p + n for p, n in seqs], 1, 64)
+    q = rng.standard_normal((37, 4, 64)).astype(np.float32)
+    out, lse = run_attend(q, kvs, seqs, 0.0625, 48)
+    starts, _ = batch(seqs)
+    for s, (p, n) in enumerate(seqs):
+        for i in range(n):
+            t = starts[s] + i
+            o1, l1 = run_attend(q[t:t + 1].copy(), [kvs[s]], [(p + i, 1)], 0.0625, 48)
+            assert np.array_equal(o1[0], out[t]) and np.array_equal(l1[0], lse[t])
 
 
 def test_lse_is_log_sum_exp_of_scores():

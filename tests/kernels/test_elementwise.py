@@ -56,7 +56,7 @@ def test_rmsnorm_heads_normalises_every_head():
     np.testing.assert_allclose(x, ref, rtol=2e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("kernel", ["rmsnorm", "rope", "swiglu"])
+@pytest.mark.parametrize("kernel", ["rmsnorm", "rope", "swiglu", "geglu"])
 def test_rows_are_bit_identical_alone_and_in_a_large_batch(kernel):
     """The serial (small batch) and parallel (large batch) drivers give the same bits per row."""
     rng = np.random.default_rng(3)
@@ -67,11 +67,12 @@ def test_rows_are_bit_identical_alone_and_in_a_large_batch(kernel):
     elif kernel == "rope":
         x = rng.standard_normal((BIG_T, 9, 64)).astype(np.float32)
         pos = rng.integers(0, 5000, BIG_T)
-        big = E.rope(x.copy(), pos, 64, 10000.0, 1.0, "neox")
-        one = E.rope(x[7:8].copy(), pos[7:8], 64, 10000.0, 1.0, "neox")
+        big = E.rope(x.copy(), pos, E.plain_rope(64, 64, 10000.0, 1.0, "neox"))
+        one = E.rope(x[7:8].copy(), pos[7:8], E.plain_rope(64, 64, 10000.0, 1.0, "neox"))
     else:
         x = rng.standard_normal((BIG_T, 2 * 1536)).astype(np.float32)
-        big, one = E.swiglu(x), E.swiglu(x[7:8])
+        act = E.swiglu if kernel == "swiglu" else E.geglu
+        big, one = act(x), act(x[7:8])
     assert np.array_equal(big[7:8], one)
 
 
@@ -80,9 +81,9 @@ def test_rope_matches_float64_reference(style):
     rng = np.random.default_rng(4)
     x = rng.standard_normal((6, 3, 64)).astype(np.float32)
     pos = np.array([0, 1, 2, 7, 31, 100], np.int64)
-    y = E.rope(x.copy(), pos, 64, 10000.0, 1.0, style)
+    y = E.rope(x.copy(), pos, E.plain_rope(64, 64, 10000.0, 1.0, style))
     # the float32 angles (ggml's recipe) drift by ~1e-7 per pair and position from the exact ones
-    np.testing.assert_allclose(y, E.rope_ref64(x, pos, 64, 10000.0, 1.0, style), atol=5e-5)
+    np.testing.assert_allclose(y, E.rope_ref64(x, pos, 64, 10000.0, style), atol=5e-5)
 
 
 @pytest.mark.parametrize("style", ["norm", "neox"])
@@ -92,24 +93,24 @@ def test_rope_follows_the_float32_recipe_at_long_positions(style):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((4, 2, 128)).astype(np.float32)
     pos = np.array([1000, 4095, 20000, 131000], np.int64)
-    y = E.rope(x.copy(), pos, 128, 1e6, 1.0, style)
-    np.testing.assert_allclose(y, E.rope_ref(x, pos, 128, 1e6, 1.0, style), atol=3e-6)
-    np.testing.assert_allclose(y, E.rope_ref64(x, pos, 128, 1e6, 1.0, style), atol=5e-2)
+    y = E.rope(x.copy(), pos, E.plain_rope(128, 128, 1e6, 1.0, style))
+    np.testing.assert_allclose(y, E.rope_ref(x, pos, E.plain_rope(128, 128, 1e6, 1.0, style)), atol=3e-6)
+    np.testing.assert_allclose(y, E.rope_ref64(x, pos, 128, 1e6, style), atol=5e-2)
 
 
 @pytest.mark.parametrize("style", ["norm", "neox"])
 def test_rope_position_zero_is_identity_and_rotation_preserves_norms(style):
     rng = np.random.default_rng(6)
     x = rng.standard_normal((3, 4, 64)).astype(np.float32)
-    assert np.array_equal(E.rope(x.copy(), np.zeros(3, np.int64), 64, 10000.0, 1.0, style), x)
+    assert np.array_equal(E.rope(x.copy(), np.zeros(3, np.int64), E.plain_rope(64, 64, 10000.0, 1.0, style)), x)
     pos = np.array([3, 50, 9000], np.int64)
-    y = E.rope(x.copy(), pos, 64, 10000.0, 1.0, style)
+    y = E.rope(x.copy(), pos, E.plain_rope(64, 64, 10000.0, 1.0, style))
     pairs = {"neox": (np.arange(32), np.arange(32, 64)), "norm": (np.arange(0, 64, 2), np.arange(1, 64, 2))}
     i0, i1 = pairs[style]
     norm_x, norm_y = np.hypot(x[..., i0], x[..., i1]), np.hypot(y[..., i0], y[..., i1])
     np.testing.assert_allclose(norm_y, norm_x, rtol=1e-6)
     # rotating back by -pos (exact math) recovers the input, up to the float32 angle drift
-    back = E.rope_ref64(y[:2], -pos[:2], 64, 10000.0, 1.0, style)
+    back = E.rope_ref64(y[:2], -pos[:2], 64, 10000.0, style)
     np.testing.assert_allclose(back, x[:2], atol=5e-5)
 
 
@@ -118,13 +119,71 @@ def test_rope_partial_rotation_and_scaling(style):
     rng = np.random.default_rng(7)
     x = rng.standard_normal((5, 2, 64)).astype(np.float32)
     pos = np.array([0, 3, 17, 60, 250], np.int64)
-    y = E.rope(x.copy(), pos, 32, 10000.0, 4.0, style)
+    y = E.rope(x.copy(), pos, E.plain_rope(32, 64, 10000.0, 4.0, style))
     assert np.array_equal(y[..., 32:], x[..., 32:])  # dims past n_rot untouched
-    np.testing.assert_allclose(y, E.rope_ref64(x, pos, 32, 10000.0, 4.0, style), atol=5e-5)
+    np.testing.assert_allclose(y, E.rope_ref64(x, pos, 32, 10000.0, style, freq_scale=1 / 4.0), atol=5e-5)
     # linear scaling: position p with scale s is position p / s without it
-    same = E.rope_ref64(x, pos // 1, 32, 10000.0, 1.0, style)
-    quarter = E.rope_ref64(x, pos * 4, 32, 10000.0, 4.0, style)
+    same = E.rope_ref64(x, pos // 1, 32, 10000.0, style)
+    quarter = E.rope_ref64(x, pos * 4, 32, 10000.0, style, freq_scale=1 / 4.0)
     np.testing.assert_allclose(quarter, same, atol=1e-12)
+
+
+LLAMA3_FF = (1.0,) * 8 + (1.65, 3.29, 9.67) + (32.0,) * 5  # Llama 3's factors for 16 pairs
+
+
+@pytest.mark.parametrize("style", ["norm", "neox"])
+def test_rope_frequency_factors_divide_the_angles(style):
+    """Llama 3's rope_freqs: pair i's angle is divided by its factor, as ggml does (a factor of 1
+    changes no bit)."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((5, 3, 32)).astype(np.float32)
+    pos = np.array([0, 7, 300, 4000, 60000], np.int64)
+    params = E.rope_params(32, 32, 500000.0, 1.0, style, LLAMA3_FF)
+    y = E.rope(x.copy(), pos, params)
+    np.testing.assert_allclose(y, E.rope_ref(x, pos, params), atol=3e-6)
+    np.testing.assert_allclose(y, E.rope_ref64(x, pos, 32, 500000.0, style, freq_factors=LLAMA3_FF), atol=2e-3)
+    ones = E.rope_params(32, 32, 500000.0, 1.0, style, (1.0,) * 16)
+    assert np.array_equal(E.rope(x.copy(), pos, ones), E.rope(x.copy(), pos, E.plain_rope(32, 32, 500000.0, 1.0,
+                                                                                           style)))
+    assert not np.allclose(y, E.rope(x.copy(), pos, ones))
+
+
+@pytest.mark.parametrize("style", ["norm", "neox"])
+def test_rope_yarn_mixes_angles_and_scales_magnitude(style):
+    """YaRN (factor 4 over 32,768 positions): pairs below the fast correction dimension keep their
+    angle, pairs above the slow one are interpolated, the ramp mixes between; cos/sin carry
+    1 + 0.1 ln 4."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((4, 2, 64)).astype(np.float32)
+    pos = np.array([1, 100, 5000, 100000], np.int64)
+    params = E.rope_params(64, 64, 1e6, 0.25, style, ext_factor=1.0, orig_ctx=32768)
+    n_rot, _, _, _, _, ext, c0, c1, mscale = params
+    # 64 ln(32768 / (32 * 2 pi)) / (2 ln 1e6) = 11.8 -> 11; with beta 1: 19.8 -> 20
+    assert (c0, c1) == (np.float32(11.0), np.float32(20.0)) and ext == 1.0
+    assert mscale == np.float32(1.0) + np.float32(0.1) * np.log(np.float32(4.0))
+    y = E.rope(x.copy(), pos, params)
+    np.testing.assert_allclose(y, E.rope_ref(x, pos, params), atol=3e-6)
+    exact = E.rope_ref64(x, pos, 64, 1e6, style, freq_scale=0.25, ext_factor=1.0, corr=(11.0, 20.0),
+                         mscale=float(mscale))
+    np.testing.assert_allclose(y, exact, atol=2e-2)
+    norms = np.linalg.norm(y.reshape(4, -1), axis=1) / np.linalg.norm(x.reshape(4, -1), axis=1)
+    np.testing.assert_allclose(norms, float(mscale), rtol=1e-5)
+
+
+def test_geglu_follows_ggml_table_and_matches_reference():
+    rng = np.random.default_rng(10)
+    gu = (rng.standard_normal((6, 2 * 300)) * 4).astype(np.float32)
+    gu[0, :6] = [-12.0, -10.0, -9.99, 9.99, 10.0, 30.0]
+    y = E.geglu(gu)
+    g, u = gu[:, :300], gu[:, 300:]
+    # away from the edges: the float16 table is within its rounding of the exact GELU
+    np.testing.assert_allclose(y, E.geglu_ref(gu), rtol=2e-3, atol=2e-3)
+    assert y[0, 0] == 0 and y[0, 1] == 0 and y[0, 4] == np.float32(10.0) * u[0, 4] and y[0, 5] == g[0, 5] * u[0, 5]
+    # inside: the table's float16 value at the gate rounded to float16
+    h = g[1, 10].astype(np.float16).astype(np.float32)
+    want = np.float16(E.gelu_ref(np.float64(h)))
+    assert abs(y[1, 10] / u[1, 10] - np.float32(want)) <= abs(np.float32(want)) * 1e-3 + 1e-6
+    assert np.array_equal(E.geglu(gu[2:3]), y[2:3])  # a row alone: the same bits
 
 
 def test_swiglu_matches_reference():
@@ -167,11 +226,17 @@ def test_errors_name_the_problem():
         E.rmsnorm(np.zeros((8, 2), np.float32).T, np.ones(8, np.float32), 1e-5)
     q = np.zeros((2, 2, 8), np.float32)
     with pytest.raises(ValueError, match="style"):
-        E.rope(q, np.zeros(2, np.int64), 8, 10000.0, 1.0, "gptj")
+        E.plain_rope(8, 8, 10000.0, 1.0, "gptj")
     with pytest.raises(ValueError, match="n_rot"):
-        E.rope(q, np.zeros(2, np.int64), 7, 10000.0, 1.0, "norm")
+        E.plain_rope(7, 8, 10000.0, 1.0, "norm")
+    with pytest.raises(ValueError, match="frequency factors"):
+        E.rope_params(8, 8, 10000.0, 1.0, "norm", (1.0, 2.0))
+    with pytest.raises(ValueError, match="original context"):
+        E.rope_params(8, 8, 10000.0, 0.25, "neox", ext_factor=1.0)
     with pytest.raises(ValueError, match="positions must be int64"):
-        E.rope(q, np.zeros(2, np.int32), 8, 10000.0, 1.0, "norm")
+        E.rope(q, np.zeros(2, np.int32), E.plain_rope(8, 8, 10000.0, 1.0, "norm"))
+    with pytest.raises(ValueError, match="exceeds the head size"):
+        E.rope(q, np.zeros(2, np.int64), E.plain_rope(16, 16, 10000.0, 1.0, "norm"))
     with pytest.raises(ValueError, match="even"):
         E.swiglu(np.zeros((2, 5), np.float32))
     with pytest.raises(ValueError, match="out shape"):

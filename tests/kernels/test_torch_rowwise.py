@@ -80,21 +80,36 @@ def test_rope_is_the_cpu_kernels_bits(style, n_rot):
     rng = np.random.default_rng(4)
     x = rng.standard_normal((6, 4, 64)).astype(np.float32)
     pos = np.array([0, 1, 255, 256, 1000, 4097], np.int64)  # across the table's blocks
-    table = tr.RopeTable(n_rot, 10000.0, 2.0, "cpu")
+    params = ke.plain_rope(n_rot, 64, 10000.0, 2.0, style)
+    table = tr.RopeTable(params, "cpu")
     c, s = table.lookup(torch.from_numpy(pos))
     assert table.cos.shape[0] == 17 * tr.RopeTable.BLOCK
     got = tr.rope(torch.from_numpy(x), c, s, style == "neox").numpy()
-    assert np.array_equal(got, ke.rope(x.copy(), pos, n_rot, 10000.0, 2.0, style))
+    assert np.array_equal(got, ke.rope(x.copy(), pos, params))
     assert np.array_equal(got[..., n_rot:], x[..., n_rot:])  # dims past n_rot stay
-    c2, s2 = tr.RopeTable(n_rot, 10000.0, 2.0, "cpu").lookup(torch.from_numpy(pos[3:4].copy()))
+    c2, s2 = tr.RopeTable(params, "cpu").lookup(torch.from_numpy(pos[3:4].copy()))
     assert torch.equal(c2, c[3:4]) and torch.equal(s2, s[3:4])  # the same values however grown
 
 
+def test_geglu_is_the_cpu_kernels_bits():
+    g = (np.random.default_rng(5).standard_normal((7, 2 * 300)) * 6).astype(np.float32)
+    g[0, :4] = [-10.0, 10.0, -30.0, 1e-8]
+    got = tr.geglu(torch.from_numpy(g), tr.gelu_table("cpu")).numpy()
+    assert np.array_equal(got, ke.geglu(g))
+
+
+@pytest.mark.parametrize("style", ["norm", "neox"])
+def test_rope_table_with_factors_and_yarn_is_the_cpu_kernels_bits(style):
+    x = np.random.default_rng(6).standard_normal((5, 2, 64)).astype(np.float32)
+    pos = np.array([0, 3, 300, 9000, 70000], np.int64)
+    for params in (ke.rope_params(64, 64, 500000.0, 1.0, style, tuple(np.linspace(1, 32, 32).tolist())),
+                   ke.rope_params(64, 64, 1e6, 0.25, style, ext_factor=1.0, orig_ctx=32768)):
+        c, s = tr.RopeTable(params, "cpu").lookup(torch.from_numpy(pos))
+        got = tr.rope(torch.from_numpy(x), c, s, style == "neox").numpy()
+        assert np.array_equal(got, ke.rope(x.copy(), pos, params))
+
+
 def test_rope_table_checks():
-    with pytest.raises(ValueError, match="even"):
-        tr.RopeTable(63, 10000.0, 1.0, "cpu")
-    with pytest.raises(ValueError, match="positive"):
-        tr.RopeTable(64, 0.0, 1.0, "cpu")
-    c, s = tr.RopeTable(64, 10000.0, 1.0, "cpu").lookup(torch.tensor([3]))
+    c, s = tr.RopeTable(ke.plain_rope(64, 64, 10000.0, 1.0, "norm"), "cpu").lookup(torch.tensor([3]))
     with pytest.raises(ValueError, match="cos/sin"):
         tr.rope(torch.zeros((2, 4, 64)), c, s, False)
