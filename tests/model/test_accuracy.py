@@ -19,7 +19,7 @@ def test_smollm2_greedy_leaves_llama_only_at_near_ties(smollm2_q4_0):
     check_greedy_near_ties(CPUBackend.from_file(smollm2_q4_0, threads=2), smollm2_q4_0, GREEDY_PROMPTS, 64)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3", "qwen2_yarn", "gemma3"])
 def test_synthetic_architectures(arch, request):
     path = request.getfixturevalue(f"tiny_{arch}")
     # all 362 tokens of the text: random weights leave many near-ties, so top-1 needs more positions

@@ -32,8 +32,8 @@ def test_metadata_is_what_llama_cpp_reads(tmp_path, arch):
     assert meta[f"{arch}.rope.dimension_count"] == 16
     assert meta[f"{arch}.attention.layer_norm_rms_epsilon"] > 0
     assert meta[f"{arch}.vocab_size"] == 49152
-    if arch == "qwen3":
-        assert meta["qwen3.attention.key_length"] == meta["qwen3.attention.value_length"] == 16
+    if arch in ("qwen3", "gemma3"):
+        assert meta[f"{arch}.attention.key_length"] == meta[f"{arch}.attention.value_length"] == 16
     else:
         assert f"{arch}.attention.key_length" not in meta
 
@@ -68,9 +68,13 @@ def test_tensors_per_architecture(tmp_path, arch):
     if arch == "qwen2":
         assert shapes["blk.0.attn_q.bias"] == (64,) and shapes["blk.0.attn_k.bias"] == (32,)
         assert len(has_bias) == 6 and not has_qk_norm
-    elif arch == "qwen3":
-        assert shapes["blk.0.attn_q_norm.weight"] == shapes["blk.0.attn_k_norm.weight"] == (32,)
+    elif arch in ("qwen3", "gemma3"):
+        hd_ = 32 if arch == "qwen3" else 16
+        assert shapes["blk.0.attn_q_norm.weight"] == shapes["blk.0.attn_k_norm.weight"] == (hd_,)
         assert len(has_qk_norm) == 4 and not has_bias
+        post = {n for n in shapes if ".post_" in n}
+        assert post == ({"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight", "blk.1.post_attention_norm"
+                         ".weight", "blk.1.post_ffw_norm.weight"} if arch == "gemma3" else set())
     else:
         assert not has_bias and not has_qk_norm
 

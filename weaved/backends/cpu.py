@@ -3,23 +3,26 @@
 Weights stay in their GGUF quantization (Q4_0 for every layer matrix) and are repacked once at
 load into the kernel's layout; q|k|v and gate|up are fused into one matrix each so that a step
 quantizes each activation once per fused product.  Dense layers run as one product over all
-tokens of the step; attention runs per sequence over that sequence's KV array.
+tokens of the step; attention runs per sequence over that sequence's KV array (over the last
+``window`` positions on a sliding-window layer; the KV file keeps every position of every layer).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from weaved.backends.base import Backend, BackendStats, Logits, SeqChunk
+from weaved.backends.rope import kernel_rope
 from weaved.kernels import attention as ka
 from weaved.kernels import elementwise as ke
 from weaved.kernels import layer_loop, matmul
 from weaved.kernels import threads as kthreads
-from weaved.kernels.elementwise import rope_params
+from weaved.kernels.elementwise import geglu, swiglu
 from weaved.kernels.residual import linear_residual
 from weaved.kv.cache import KVCache
 from weaved.model.config import ModelConfig
@@ -38,12 +41,16 @@ class _Layer:
     ffn_norm: np.ndarray
     wgu: object  # PackedWeight [2*d_ff, d_model]
     wdown: object  # PackedWeight [d_model, d_ff]
+    post_attn_norm: np.ndarray | None = None  # [d_model] f32 (gemma3)
+    post_ffn_norm: np.ndarray | None = None
 
 
 class CPUBackend(Backend):
     fused_layers = True  # one compiled call for all layers where the model allows (``layer_loop``)
 
-    def __init__(self, gguf: GGUFFile, config: ModelConfig, threads: int | None = None):
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, threads: int | None = None,
+                 progress: Callable[[int, int], None] | None = None):
+        """``progress(done, total)`` hears the repacking of the layers."""
         if threads:
             kthreads.set_threads(threads)
         self.threads = kthreads.get_threads()
@@ -52,9 +59,9 @@ class CPUBackend(Backend):
         self.stats = BackendStats()
         # repacking runs parallel kernels: in a thread of its own, so that the thread which later
         # steps the model owns the only OpenMP team (kernels.threads.in_own_thread says why)
-        kthreads.in_own_thread(lambda: self._load(gguf, config))
+        kthreads.in_own_thread(lambda: self._load(gguf, config, progress or (lambda done, total: None)))
 
-    def _load(self, gguf: GGUFFile, config: ModelConfig) -> None:
+    def _load(self, gguf: GGUFFile, config: ModelConfig, progress: Callable[[int, int], None]) -> None:
         t = gguf.tensors
         cfg = config
 
@@ -77,6 +84,7 @@ class CPUBackend(Backend):
 
         layers = []
         for i in range(cfg.n_layers):
+            progress(i, cfg.n_layers + 1)
             p = f"blk.{i}."
             layers.append(
                 _Layer(
@@ -89,11 +97,16 @@ class CPUBackend(Backend):
                     ffn_norm=f32(p + "ffn_norm.weight"),
                     wgu=packed_or_split([p + "ffn_gate.weight", p + "ffn_up.weight"]),
                     wdown=packed([p + "ffn_down.weight"]),
+                    post_attn_norm=f32(p + "post_attention_norm.weight") if cfg.post_norms else None,
+                    post_ffn_norm=f32(p + "post_ffw_norm.weight") if cfg.post_norms else None,
                 )
             )
         self.layers = layers
         self._loop = layer_loop.LayerWeights.build(layers, cfg)  # None: the Python loop runs them
-        self._rope = rope_params(cfg.n_rot, cfg.head_dim, cfg.rope_base, cfg.rope_scale, cfg.rope_style.value)
+        self._rope = kernel_rope(cfg, cfg.rope)
+        self._rope_swa = kernel_rope(cfg, cfg.rope_swa) if cfg.rope_swa is not None else self._rope
+        self._ropes = [self._rope_swa if cfg.layer_window(i) and cfg.rope_swa is not None else self._rope
+                       for i in range(cfg.n_layers)]
         self.out_norm = f32("output_norm.weight")
         emb = t["token_embd.weight"]
         self._emb_raw, self._emb_type = emb.raw, emb.type_id
@@ -105,8 +118,9 @@ class CPUBackend(Backend):
             self._logits = lambda h: linear_residual(self.wout, out.raw, h)
         else:
             self._logits = lambda h: matmul.linear(self.wout, h)
-        self.attn_scale = 1.0 / float(np.sqrt(cfg.head_dim))  # the scores' scale, one float for every path
+        self.attn_scale = cfg.scores_scale  # the scores' scale, one float for every path
         gguf.release_pages()  # repacked: the file's pages need not stay in our resident set
+        progress(cfg.n_layers + 1, cfg.n_layers + 1)
 
     @classmethod
     def from_file(cls, path: str | Path, threads: int | None = None) -> CPUBackend:
@@ -121,9 +135,12 @@ class CPUBackend(Backend):
         return KVCache.allocate(self.config, capacity)
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
-        """Token embeddings of ``ids`` int32 [T] (checked against the vocabulary by the caller): float32
-        [T, d_model]."""
-        return matmul.embed_rows(self._emb_raw, self._emb_type, ids)
+        """Token embeddings of ``ids`` int32 [T] (checked against the vocabulary by the caller), times the
+        model's embedding scale (gemma3: float32 sqrt(d_model)): float32 [T, d_model]."""
+        x = matmul.embed_rows(self._emb_raw, self._emb_type, ids)
+        if self.config.embed_scale != 1.0:
+            x *= np.float32(self.config.embed_scale)
+        return x
 
     def output(self, hs: np.ndarray) -> np.ndarray:
         """Logits of final-normed hidden rows hs float32 [n, d_model]: float32 [n, vocab], whose rows may
@@ -155,17 +172,20 @@ class CPUBackend(Backend):
         if L.q_norm is not None:
             ke.rmsnorm_heads(q, L.q_norm, cfg.rms_eps)
             ke.rmsnorm_heads(k, L.k_norm, cfg.rms_eps)
-        ke.rope(q, positions, cfg.n_rot, cfg.rope_base, cfg.rope_scale, cfg.rope_style.value)
-        ke.rope(k, positions, cfg.n_rot, cfg.rope_base, cfg.rope_scale, cfg.rope_style.value)
+        ke.rope(q, positions, self._ropes[li])
+        ke.rope(k, positions, self._ropes[li])
         return q, k, v
 
     def post_attention(self, li: int, x: np.ndarray, att: np.ndarray) -> None:
         """Output product + residual, then the feed-forward block + residual, into x [T, d_model] in
         place; att float32 [T, n_heads, head_dim]."""
         cfg, L = self.config, self.layers[li]
-        x += self._linear(L.wo, att.reshape(x.shape[0], cfg.q_dim))
+        y = self._linear(L.wo, att.reshape(x.shape[0], cfg.q_dim))
+        x += ke.rmsnorm(y, L.post_attn_norm, cfg.rms_eps) if L.post_attn_norm is not None else y
         h = ke.rmsnorm(x, L.ffn_norm, cfg.rms_eps)
-        x += self._linear(L.wdown, ke.swiglu(self._linear(L.wgu, h)))
+        act = geglu if cfg.act == "gelu" else swiglu
+        y = self._linear(L.wdown, act(self._linear(L.wgu, h)))
+        x += ke.rmsnorm(y, L.post_ffn_norm, cfg.rms_eps) if L.post_ffn_norm is not None else y
 
     def _layers_python(self, x: np.ndarray, positions: np.ndarray, kvs, seq_starts: np.ndarray,
                        pos0: np.ndarray) -> None:
@@ -177,7 +197,7 @@ class CPUBackend(Backend):
         for li in range(len(self.layers)):
             q, k, v = self.pre_attention(li, x, positions)
             ka.kv_store(kvs, li, seq_starts, pos0, k, v)
-            ka.attend(q, kvs, li, seq_starts, pos0, self.attn_scale, att, lse)
+            ka.attend(q, kvs, li, seq_starts, pos0, self.attn_scale, att, lse, self.config.layer_window(li))
             self.post_attention(li, x, att)
 
     def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
@@ -205,7 +225,8 @@ class CPUBackend(Backend):
         if self._loop is not None and self.fused_layers:
             code, bad = layer_loop.run_layers(
                 self._loop, x, positions, kvs, seq_starts, pos0, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
-                cfg.rms_eps, self._rope, self.attn_scale, ka.attention_params(cfg.n_heads, cfg.head_dim),
+                cfg.rms_eps, self._rope, self._rope_swa, self.attn_scale,
+                ka.attention_params(cfg.n_heads, cfg.head_dim),
                 kthreads.get_threads())
             ka.raise_batch_error(code, bad)
         else:

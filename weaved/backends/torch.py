@@ -20,7 +20,6 @@ rows to the mirror and through to ``kv.data`` before returning.
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -28,12 +27,13 @@ import numpy as np
 import torch
 
 from weaved.backends.base import Backend, BackendStats, Logits, SeqChunk
+from weaved.backends.rope import kernel_rope
 from weaved.backends.torch_kv import KVMirrors
 from weaved.backends.torch_weights import upload_model
 from weaved.kernels.torch_attention import attend
 from weaved.kernels.torch_products import Products, kernel_path
 from weaved.kernels.torch_q4 import DeviceWeight, embed_rows, linear_float, quantize_act
-from weaved.kernels.torch_rowwise import RopeTable, rmsnorm, rope, swiglu
+from weaved.kernels.torch_rowwise import RopeTable, geglu, gelu_table, rmsnorm, rope, swiglu
 from weaved.kv.cache import KVCache
 from weaved.model.config import ModelConfig, RopeStyle
 from weaved.model.gguf_file import GGUFFile
@@ -58,9 +58,12 @@ class TorchBackend(Backend):
         self.kernels = kernel_path(self.device)  # "triton" or "torch"
         self._products = Products(self.kernels)
         self.weights = upload_model(gguf, config, self.device)
-        self._rope = RopeTable(config.n_rot, config.rope_base, config.rope_scale, self.device)
+        self._rope = RopeTable(kernel_rope(config, config.rope), self.device)
+        self._rope_swa = (RopeTable(kernel_rope(config, config.rope_swa), self.device) if config.rope_swa is not None
+                          else self._rope)
+        self._gelu = gelu_table(self.device) if config.act == "gelu" else None
         self._kv = KVMirrors(self.device)
-        self._scale = 1.0 / math.sqrt(config.head_dim)
+        self._scale = config.scores_scale
         gguf.release_pages()  # uploaded: the file's pages need not stay in our resident set
 
     @classmethod
@@ -143,7 +146,9 @@ class TorchBackend(Backend):
         T = starts[-1]
         positions = np.concatenate([np.arange(p, p + n) for p, n in zip(pos0, lens, strict=True)])  # [T]
         ids = torch.from_numpy(ids_np).to(dev)  # [T] int64
-        cos, sin = self._rope.lookup(torch.from_numpy(positions).to(dev))  # [T, n_rot/2]
+        pos_d = torch.from_numpy(positions).to(dev)
+        cos, sin = self._rope.lookup(pos_d)  # [T, n_rot/2]
+        cos_w, sin_w = self._rope_swa.lookup(pos_d) if self._rope_swa is not self._rope else (cos, sin)
         self._io_h2d += 2 * ids_np.nbytes
 
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -151,6 +156,8 @@ class TorchBackend(Backend):
         neox = cfg.rope_style == RopeStyle.NEOX
         new_kv = torch.empty((cfg.n_layers, 2, Hkv, T, D), dtype=torch.float16, device=dev)  # this step's rows
         x = embed_rows(W.embedding, ids)  # [T, d_model]
+        if cfg.embed_scale != 1.0:
+            x = x * float(np.float32(cfg.embed_scale))
         for li, L in enumerate(W.layers):
             h = rmsnorm(x, L.attn_norm, cfg.rms_eps)
             qkv = self._project(L.wqkv, h)  # [T, q_dim + 2*kv_dim]
@@ -162,13 +169,18 @@ class TorchBackend(Backend):
             if L.q_norm is not None:
                 q = rmsnorm(q, L.q_norm, cfg.rms_eps)
                 k = rmsnorm(k, L.k_norm, cfg.rms_eps)
-            q = rope(q, cos, sin, neox)
-            k = rope(k, cos, sin, neox)
+            window = cfg.layer_window(li)
+            c, s_ = (cos_w, sin_w) if window else (cos, sin)
+            q = rope(q, c, s_, neox)
+            k = rope(k, c, s_, neox)
             new_kv[li, 0] = k.transpose(0, 1)  # [Hkv, T, D], rounded to float16 (nearest even)
             new_kv[li, 1] = v.transpose(0, 1)
-            x = x + self._project((L.wo,), self._attention(li, q, new_kv, mirrors, starts, pos0))
+            y = self._project((L.wo,), self._attention(li, q, new_kv, mirrors, starts, pos0, window))
+            x = x + (rmsnorm(y, L.post_attn_norm, cfg.rms_eps) if L.post_attn_norm is not None else y)
             h = rmsnorm(x, L.ffn_norm, cfg.rms_eps)
-            x = x + self._project((L.wdown,), swiglu(self._project(L.wgu, h)))
+            gu = self._project(L.wgu, h)
+            y = self._project((L.wdown,), geglu(gu, self._gelu) if self._gelu is not None else swiglu(gu))
+            x = x + (rmsnorm(y, L.post_ffn_norm, cfg.rms_eps) if L.post_ffn_norm is not None else y)
 
         logits = self._logits(chunks, x, starts)
         host_kv = new_kv.cpu().numpy()  # one device-to-host copy of the step's rows, then through to the files
@@ -177,16 +189,25 @@ class TorchBackend(Backend):
             c.kv.length += lens[s]
         return logits
 
-    def _attention(self, li: int, q: torch.Tensor, new_kv: torch.Tensor, mirrors, starts, pos0) -> torch.Tensor:
+    def _attention(self, li: int, q: torch.Tensor, new_kv: torch.Tensor, mirrors, starts, pos0, window: int
+                   ) -> torch.Tensor:
         """Store layer li's new K/V rows in each sequence's mirror, then attend per sequence:
-        q float32 [T, H, D] -> float32 [T, q_dim]."""
+        q float32 [T, H, D] -> float32 [T, q_dim].  With a ``window``, a row at position p >= window
+        attends its last ``window`` keys addressed from the first of them, as the CPU kernel does
+        (its chunks start there), so such rows go one at a time."""
         T, H, D = q.shape
         att = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
         for s, m in enumerate(mirrors):
             a, b, p = starts[s], starts[s + 1], pos0[s]
             m.data[li, :, :, p:p + b - a] = new_kv[li, :, :, a:b]  # [2, Hkv, n, D]
             kv = m.data[li, :, :, :p + b - a]  # [2, Hkv, keys, D]
-            att[a:b] = attend(q[a:b], kv[0], kv[1], p, self._scale)[0]
+            full = b - a if not window else max(0, min(b - a, window - p))  # rows whose keys start at 0
+            if full:
+                att[a:a + full] = attend(q[a:a + full], kv[0], kv[1], p, self._scale)[0]
+            for r in range(a + full, b):
+                pos = p + r - a
+                lo = pos + 1 - window
+                att[r:r + 1] = attend(q[r:r + 1], kv[0, :, lo:pos + 1], kv[1, :, lo:pos + 1], pos - lo, self._scale)[0]
         return att.reshape(T, H * D)
 
     def _logits(self, chunks: list[SeqChunk], x: torch.Tensor, starts: list[int]) -> list[np.ndarray]:

@@ -29,6 +29,8 @@ class LayerWeights:
     ffn_norm: torch.Tensor  # [d_model] f32
     wgu: tuple[DeviceWeight, ...]  # fused [2*d_ff, d_model], or gate, up
     wdown: DeviceWeight  # [d_model, d_ff]
+    post_attn_norm: torch.Tensor | None = None  # [d_model] f32 (gemma3)
+    post_ffn_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,7 +47,8 @@ class ModelWeights:
         mats[id(self.embedding)] = self.embedding
         mats[id(self.output)] = self.output
         vecs = [self.output_norm] + [v for L in self.layers for v in (L.attn_norm, L.ffn_norm, L.bqkv, L.q_norm,
-                                                                       L.k_norm) if v is not None]
+                                                                       L.k_norm, L.post_attn_norm, L.post_ffn_norm)
+                                     if v is not None]
         return sum(w.nbytes for w in mats.values()) + sum(v.numel() * v.element_size() for v in vecs)
 
 
@@ -77,6 +80,8 @@ def upload_model(gguf: GGUFFile, cfg: ModelConfig, device: torch.device) -> Mode
             ffn_norm=vec(p + "ffn_norm.weight"),
             wgu=matrix([p + "ffn_gate.weight", p + "ffn_up.weight"]),
             wdown=matrix([p + "ffn_down.weight"])[0],
+            post_attn_norm=vec(p + "post_attention_norm.weight") if cfg.post_norms else None,
+            post_ffn_norm=vec(p + "post_ffw_norm.weight") if cfg.post_norms else None,
         ))
     embedding = matrix(["token_embd.weight"])[0]
     output = embedding if cfg.tied_output else matrix(["output.weight"])[0]

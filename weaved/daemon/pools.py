@@ -81,8 +81,8 @@ def _speculative(cfg: PoolConfig):
 class _Backends:
     """Backends by (kind, device), created on first use."""
 
-    def __init__(self, gguf: GGUFFile, config: ModelConfig, profile: Profile):
-        self.gguf, self.config, self.profile = gguf, config, profile
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, profile: Profile, progress: Callable[[str], None]):
+        self.gguf, self.config, self.profile, self.progress = gguf, config, profile, progress
         self.made: dict[tuple[str, str], tuple[Backend, threading.Lock]] = {}
 
     def get(self, cfg: PoolConfig) -> tuple[Backend, threading.Lock]:
@@ -91,7 +91,8 @@ class _Backends:
             if cfg.backend == "cpu":
                 from weaved.backends.cpu import CPUBackend
 
-                backend: Backend = CPUBackend(self.gguf, self.config, threads=self.profile.threads.kernels)
+                backend: Backend = CPUBackend(self.gguf, self.config, threads=self.profile.threads.kernels,
+                                              progress=_percent(self.progress, "repacking the weights"))
             else:
                 import torch
 
@@ -120,12 +121,27 @@ def cuda_missing(cfg: PoolConfig) -> str | None:
     return None
 
 
+def _percent(say: Callable[[str], None], what: str) -> Callable[[int, int], None]:
+    """A (done, total) callback that says ``what: N%`` at every quarter."""
+    shown = [-1]
+
+    def report(done: int, total: int) -> None:
+        quarter = done * 4 // max(total, 1)
+        if quarter > shown[0]:
+            shown[0] = quarter
+            say(f"{what}: {quarter * 25}%")
+
+    return report
+
+
 def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
                 commit: Callable, reserve: Callable, on_event: Callable,
-                ring: Callable[[PoolConfig, Backend], Backend] | None = None) -> tuple[dict[str, Pool], list[str]]:
+                ring: Callable[[PoolConfig, Backend], Backend] | None = None,
+                progress: Callable[[str], None] | None = None) -> tuple[dict[str, Pool], list[str]]:
     """One ``Pool`` per pool of the profile this daemon can run, and notes on those it cannot.
-    ``ring(cfg, cpu_backend)`` makes a ``qring`` pool's backend (None: this daemon does not federate)."""
-    backends = _Backends(gguf, config, profile)
+    ``ring(cfg, cpu_backend)`` makes a ``qring`` pool's backend (None: this daemon does not federate);
+    ``progress`` hears how loading the weights goes."""
+    backends = _Backends(gguf, config, profile, progress or (lambda m: None))
     pools: dict[str, Pool] = {}
     notes: list[str] = []
     expected: set[str] = set()  # notes on what a profile implies, not a problem: logged as info
@@ -134,6 +150,10 @@ def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
             notes.append(f"pool {cfg.name!r} (qring) left out: this daemon does not federate (name [[peers]] or "
                          f"set a [federation] port and token)")
             expected.add(notes[-1])
+            continue
+        if cfg.strategy == "qring" and config.window:  # a shard's attention has no sliding window
+            notes.append(f"pool {cfg.name!r} (qring) left out: {config.arch} has sliding-window layers, which "
+                         f"Q-Ring decode does not run")
             continue
         missing = cuda_missing(cfg)
         if missing is not None:

@@ -89,7 +89,7 @@ class LayerRunner:
         for li in range(self.first, self.last):
             q, k, v = self.pre_attention(li, x, positions)
             ka.kv_store(kvs, li - self.first, seq_starts, pos0, k, v)
-            ka.attend(q, kvs, li - self.first, seq_starts, pos0, self.scale, att, lse)
+            ka.attend(q, kvs, li - self.first, seq_starts, pos0, self.scale, att, lse, cfg.layer_window(li))
             self.post_attention(li, x, att)
         return x
 

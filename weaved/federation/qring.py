@@ -87,7 +87,7 @@ class RingMember(RingServe):
         self.shards = ShardTable(config, group.rank, group.world_size, kv_factory, on_close)
         self.capacity: dict[int, int] = {}  # home: each open session's capacity (all shards)
         self.heads_per_group = heads_per_group
-        self.scale = 1.0 / float(np.sqrt(config.head_dim))  # the CPU backend's float
+        self.scale = config.scores_scale  # the CPU backend's float
         self.stats = RingStats()
         # one home operation at a time (step, ping, open ...); a pipeline member on the same rank shares it
         self.lock = threading.Lock()

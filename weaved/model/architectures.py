@@ -1,33 +1,86 @@
 """Supported architectures: their hyper-parameters from GGUF metadata and their tensor names.
 
 llama, qwen2 and qwen3 share one decoder block (RMSNorm, GQA attention with RoPE, SwiGLU MLP); they
-differ in the rope style llama.cpp uses for them, qwen2's q/k/v biases and qwen3's per-head
-RMSNorm on q and k.
+differ in the rope style llama.cpp uses for them, qwen2's q/k/v biases and qwen3's per-head RMSNorm
+on q and k.  gemma3 adds what llama.cpp's gemma3 graph does: token embeddings scaled by
+sqrt(d_model), q/k norms, sliding-window layers with a rope of their own (every ``swa_pattern``-th
+layer is global), a query scale from the head size, RMSNorms of the attention and FFN outputs
+before their residuals, and a GELU-gated FFN.  (Its GGUF norm weights already hold 1 + w.)
+
+RoPE comes from the metadata as llama.cpp reads it: ``rope.freq_base``, ``rope.scaling.type``
+(none, linear or yarn, with ``factor``, ``original_context_length`` and ``attn_factor``) and, for
+Llama 3.x, the ``rope_freqs.weight`` tensor of per-pair frequency divisors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from weaved.model.config import ModelConfig, RopeStyle
+import numpy as np
+
+from weaved.model.config import ModelConfig, RopeSpec, RopeStyle
 from weaved.model.gguf_file import NATIVE_TYPE_IDS, GGUFFile
 
 
 @dataclass(frozen=True)
 class ArchSpec:
     rope_style: RopeStyle
-    attn_bias: bool
-    qk_norm: bool
+    attn_bias: bool = False
+    qk_norm: bool = False
+    gemma: bool = False  # gemma3's block (see the module docstring)
 
 
-# llama.cpp: LLM_ARCH_LLAMA uses LLAMA_ROPE_TYPE_NORM; QWEN2 and QWEN3 use LLAMA_ROPE_TYPE_NEOX.
+# llama.cpp: LLM_ARCH_LLAMA uses LLAMA_ROPE_TYPE_NORM; QWEN2, QWEN3 and GEMMA3 use LLAMA_ROPE_TYPE_NEOX.
 ARCHS: dict[str, ArchSpec] = {
-    "llama": ArchSpec(RopeStyle.NORM, attn_bias=False, qk_norm=False),
-    "qwen2": ArchSpec(RopeStyle.NEOX, attn_bias=True, qk_norm=False),
-    "qwen3": ArchSpec(RopeStyle.NEOX, attn_bias=False, qk_norm=True),
+    "llama": ArchSpec(RopeStyle.NORM),
+    "qwen2": ArchSpec(RopeStyle.NEOX, attn_bias=True),
+    "qwen3": ArchSpec(RopeStyle.NEOX, qk_norm=True),
+    "gemma3": ArchSpec(RopeStyle.NEOX, qk_norm=True, gemma=True),
 }
 
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+ROPE_SCALING = ("none", "linear", "yarn")
+GEMMA_SWA_PATTERN = 6  # llama.cpp's default: layers 5, 11, 17, ... attend globally
+GEMMA_SWA_ROPE_BASE = 10000.0
+
+
+def _f32(x: float) -> np.float32:
+    return np.float32(x)
+
+
+def _yarn_attn_factor(factor: float, gguf_attn_factor: float) -> float:
+    """llama.cpp's ``yarn_attn_factor`` for a YaRN model without a log multiplier, in float32:
+    ``get_mscale(factor) / (1 + 0.1 ln factor)`` (the kernel multiplies the second factor back in),
+    times the file's ``rope.scaling.attn_factor``."""
+    s = _f32(factor)
+    mscale = _f32(1.0) if s <= 1 else _f32(0.1) * np.log(s) + _f32(1.0)
+    v = mscale * (_f32(1.0) / (_f32(1.0) + _f32(0.1) * np.log(s)))
+    return float(np.float32(v * _f32(gguf_attn_factor)))
+
+
+def _rope(f: GGUFFile, arch: str, context_length: int) -> RopeSpec:
+    """The rope of the model's (global) layers from its metadata and ``rope_freqs.weight``."""
+    base = float(f.get(f"{arch}.rope.freq_base", 10000.0))
+    scaling = f.get(f"{arch}.rope.scaling.type", "none") or "none"
+    if scaling not in ROPE_SCALING:
+        raise ValueError(f"{f.path.name}: rope scaling '{scaling}' is not supported "
+                         f"(supported: {', '.join(ROPE_SCALING)})")
+    factor = float(f.get(f"{arch}.rope.scaling.factor", 0.0) or f.get(f"{arch}.rope.scale_linear", 0.0) or 0.0)
+    freq_scale = float(np.float32(1.0) / np.float32(factor)) if factor and scaling != "none" else 1.0
+    ff = None
+    if "rope_freqs.weight" in f.tensors:
+        t = f.tensors["rope_freqs.weight"]
+        if t.type_id != 0:
+            raise ValueError(f"{f.path.name}: rope_freqs.weight must be F32, got {t.type_name}")
+        ff = tuple(float(v) for v in np.asarray(t.raw, dtype=np.float32).reshape(-1))
+    if scaling != "yarn":
+        return RopeSpec(base=base, freq_scale=freq_scale, freq_factors=ff)
+    if not factor:
+        raise ValueError(f"{f.path.name}: YaRN rope scaling needs {arch}.rope.scaling.factor")
+    orig = int(f.get(f"{arch}.rope.scaling.original_context_length", context_length))
+    attn = _yarn_attn_factor(factor, float(f.get(f"{arch}.rope.scaling.attn_factor", 1.0)))
+    return RopeSpec(base=base, freq_scale=freq_scale, freq_factors=ff, ext_factor=1.0, attn_factor=attn,
+                    orig_ctx=orig)
 
 
 def read_config(f: GGUFFile) -> ModelConfig:
@@ -43,35 +96,37 @@ def read_config(f: GGUFFile) -> ModelConfig:
     head_dim = int(f.get(f"{arch}.attention.key_length", d_model // n_heads))
     vocab = f.get("tokenizer.ggml.tokens")
     vocab_size = len(vocab) if vocab is not None else f.tensors["token_embd.weight"].shape[0]
-
-    rope_scale = 1.0
-    scaling = f.get(f"{arch}.rope.scaling.type", "none")
-    if scaling == "linear":
-        rope_scale = float(f.require(f"{arch}.rope.scaling.factor"))
-    elif scaling not in ("none", None):
-        raise ValueError(f"{f.path.name}: rope scaling '{scaling}' is not supported (supported: none, linear)")
-    if f.get(f"{arch}.rope.scale_linear") is not None:  # older converters' key
-        rope_scale = float(f.get(f"{arch}.rope.scale_linear"))
-
+    context_length = int(f.get(f"{arch}.context_length", 2048))
+    n_layers = int(f.require(f"{arch}.block_count"))
+    gemma: dict = {}
+    if spec.gemma:
+        window = int(f.get(f"{arch}.attention.sliding_window", 0) or 0)
+        pattern = int(f.get(f"{arch}.attention.sliding_window_pattern", GEMMA_SWA_PATTERN)) if window else 0
+        swa_base = float(f.get(f"{arch}.rope.freq_base_swa", GEMMA_SWA_ROPE_BASE))
+        # llama.cpp: 1/sqrt(n_embd / n_head) for the 62-layer 27B, else 1/sqrt(head_dim), in float32
+        q_size = d_model // n_heads if n_layers == 62 else head_dim
+        gemma = dict(window=window, swa_pattern=pattern, rope_swa=RopeSpec(base=swa_base) if window else None,
+                     embed_scale=float(np.sqrt(np.float32(d_model))),
+                     attn_scale=float(_f32(1.0) / np.sqrt(_f32(q_size))), post_norms=True, act="gelu")
     return ModelConfig(
         arch=arch,
         name=str(f.get("general.name", f.path.stem)),
-        n_layers=int(f.require(f"{arch}.block_count")),
+        n_layers=n_layers,
         d_model=d_model,
         n_heads=n_heads,
         n_kv_heads=int(f.get(f"{arch}.attention.head_count_kv", n_heads)),
         head_dim=head_dim,
         d_ff=int(f.require(f"{arch}.feed_forward_length")),
         vocab_size=vocab_size,
-        context_length=int(f.get(f"{arch}.context_length", 2048)),
+        context_length=context_length,
         rms_eps=float(f.require(f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_style=spec.rope_style,
-        rope_base=float(f.get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scale=rope_scale,
+        rope=_rope(f, arch, context_length),
         rope_dims=int(f.get(f"{arch}.rope.dimension_count", 0)),
         attn_bias=spec.attn_bias,
         qk_norm=spec.qk_norm,
         tied_output="output.weight" not in f.tensors,
+        **gemma,
     )
 
 
@@ -86,6 +141,8 @@ def required_tensors(cfg: ModelConfig) -> list[str]:
             names += [f"blk.{i}.attn_{x}.bias" for x in "qkv"]
         if cfg.qk_norm:
             names += [f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"]
+        if cfg.post_norms:
+            names += [f"blk.{i}.post_attention_norm.weight", f"blk.{i}.post_ffw_norm.weight"]
     return names
 
 
@@ -95,9 +152,19 @@ def check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ValueError(f"{f.path.name}: tensors missing for {cfg.arch}: {', '.join(missing[:3])}{more}")
+    if cfg.rope.freq_factors is not None and len(cfg.rope.freq_factors) < cfg.n_rot // 2:
+        raise ValueError(f"{f.path.name}: rope_freqs.weight has {len(cfg.rope.freq_factors)} values, "
+                         f"the model rotates {cfg.n_rot // 2} pairs")
     bad = sorted({t.type_name for n in required_tensors(cfg) if (t := f.tensors[n]).type_id not in NATIVE_TYPE_IDS})
     if bad:
         raise ValueError(
             f"{f.path.name}: tensor types {', '.join(bad)} are not run natively "
             f"(native: {', '.join(NATIVE_TYPE_IDS.values())}); convert the file with `weave convert`"
         )
+
+
+def check_supported(f: GGUFFile) -> None:
+    """Raise ValueError when the file's architecture or rope cannot be run at all, whatever its tensor
+    types (checked before a conversion is started)."""
+    read_config(f)
+
