@@ -88,7 +88,7 @@ def measure(model: str | Path, threads: int, *, n_gen: int = 128, reps: int = 3,
     out: dict[str, Any] = {"model": str(model), "threads": threads, "n_gen": n_gen,
                            "spec": {"draft_tokens": spec.draft_tokens, "ngram_sizes": list(spec.ngram_sizes)}}
     for name in workloads:
-        prompt = tok.encode(tok.render_chat([{"role": "user", "content": WORKLOADS[name]}]))
+        prompt = tok.encode_chat(tok.render_chat([{"role": "user", "content": WORKLOADS[name]}]))
         plain_tps, spec_tps, identical = [], [], True
         for rep in range(reps + 1):
             a, b = _run(backend, prompt, None, n_gen), _run(backend, prompt, spec, n_gen)

@@ -42,11 +42,11 @@ def chat_turn_tokens(tok: Tokenizer, s: Session, new_messages: list[dict]) -> tu
     text = tok.render_chat(messages, add_generation_prompt=True)
     have = s.committed + s.tail
     if not have:
-        return tok.encode(text), 0
+        return tok.encode_chat(text), 0
     have_text = tok.decode(have)
     if text.startswith(have_text):
         return s.tail + tok.encode(text[len(have_text) :], add_bos=False), len(s.committed)
-    full = tok.encode(text)
+    full = tok.encode_chat(text)
     keep = 0
     for a, b in zip(full, s.committed, strict=False):
         if a != b:
@@ -58,7 +58,10 @@ def chat_turn_tokens(tok: Tokenizer, s: Session, new_messages: list[dict]) -> tu
 def prompt_turn_tokens(tok: Tokenizer, s: Session, prompt: str | list[int]) -> tuple[list[int], int]:
     """Tokens a raw-prompt turn feeds (the session's unfed tail first) and the committed tokens it keeps
     (all of them).  A text prompt gets BOS only when it starts the session."""
-    ids = prompt if isinstance(prompt, list) else tok.encode(prompt, add_bos=None if not s.committed else False)
+    if isinstance(prompt, list):
+        ids = prompt
+    else:
+        ids = tok.encode_prompt(prompt) if not s.committed else tok.encode(prompt, add_bos=False)
     return s.tail + list(ids), len(s.committed)
 
 

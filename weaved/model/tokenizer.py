@@ -2,6 +2,11 @@
 
 Using llama.cpp's own tokenizer makes our token ids exactly llama.cpp's for the same GGUF, which
 is what lets it serve as the reference for everything downstream.
+
+BOS follows llama.cpp's rule: the tokenizer adds it when the vocabulary says so (``add_bos``:
+``tokenizer.ggml.add_bos_token``, else the tokenizer type's default), and never a second one - a
+chat template that writes ``bos_token`` itself has that text stripped before tokenizing (as
+llama-server does), and a raw prompt that already starts with it gets none added.
 """
 
 from __future__ import annotations
@@ -14,29 +19,45 @@ from weaved.model.gguf_file import GGUFFile
 
 
 class Tokenizer:
-    def __init__(self, path: str | Path, gguf: GGUFFile | None = None):
+    def __init__(self, path: str | Path, gguf: GGUFFile | None = None, chat_template: str | None = None):
+        """``chat_template`` replaces the file's own (a base model ships none)."""
         import llama_cpp
 
-        _quiet_llama_logs(llama_cpp)
+        quiet_llama_logs(llama_cpp)
         self.path = Path(path)
         self._llama = llama_cpp.Llama(str(self.path), vocab_only=True, verbose=False)
         meta = gguf or GGUFFile(self.path)
         self.vocab_size = int(self._llama.n_vocab())
         self.bos_id = _opt_int(meta.get("tokenizer.ggml.bos_token_id"))
         self.eos_id = _opt_int(meta.get("tokenizer.ggml.eos_token_id"))
-        self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
-        self.chat_template: str | None = meta.get("tokenizer.chat_template")
-        # end-of-generation tokens: eos, eot, eom where the vocabulary names them
-        eog = {self.eos_id}
-        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            eog.add(_opt_int(meta.get(key)))
-        self.eog_ids: frozenset[int] = frozenset(i for i in eog if i is not None)
+        vocab = llama_cpp.llama_model_get_vocab(self._llama.model)
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(vocab))  # llama.cpp's own decision
+        self.chat_template: str | None = chat_template or meta.get("tokenizer.chat_template")
+        # end-of-generation tokens as llama.cpp decides them: eos, eot, eom, and the tokens it recognizes
+        # by their text (Gemma's <end_of_turn>, ChatML's <|im_end|>, ...); a set lookup per id
+        self.eog_ids: frozenset[int] = frozenset(i for i in range(self.vocab_size)
+                                                 if llama_cpp.llama_vocab_is_eog(vocab, i))
         self._formatter = None
+        self.bos_text = self.token_bytes(self.bos_id).decode("utf-8", "replace") if self.bos_id is not None else ""
 
     def encode(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
         """Token ids of ``text``; BOS is added when the model asks for it (``add_bos=None``)."""
         bos = self.add_bos if add_bos is None else add_bos
         return self._llama.tokenize(text.encode("utf-8"), add_bos=bos, special=special)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw prompt that starts a context: BOS added when the model asks for it,
+        unless the text already starts with the BOS token."""
+        bos = self.add_bos and not (self.bos_text and text.startswith(self.bos_text))
+        return self.encode(text, add_bos=bos)
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of a rendered chat prompt, as llama-server makes them: when the model adds BOS, a
+        BOS the template wrote is stripped first, so the prompt starts with exactly one (or none when
+        the model adds none and the template writes none)."""
+        if self.add_bos and self.bos_text and text.startswith(self.bos_text):
+            text = text[len(self.bos_text):]
+        return self.encode(text)
 
     def token_bytes(self, token: int) -> bytes:
         return self._llama.detokenize([token], special=True)
@@ -79,7 +100,7 @@ class StreamDecoder:
 _LOG_CALLBACK = None  # kept alive: llama.cpp holds a pointer to it
 
 
-def _quiet_llama_logs(llama_cpp) -> None:
+def quiet_llama_logs(llama_cpp) -> None:
     """Route llama.cpp's own log lines (context warnings of the vocabulary-only model) nowhere."""
     global _LOG_CALLBACK
     if _LOG_CALLBACK is None:
