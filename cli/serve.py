@@ -84,6 +84,9 @@ def register(app: typer.Typer) -> None:
         data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Where sessions' KV files and the "
                                                       "journal live (default: the profile's).",
                                                       show_default=False)] = None,
+        chat_template: Annotated[Path | None, typer.Option(
+            "--chat-template", show_default=False,
+            help="A Jinja chat template file to use instead of the model's own (a base model has none).")] = None,
         federation_port: Annotated[int | None, typer.Option(
             "--federation-port", min=0, max=65535, show_default=False,
             help="Serve the control plane for peers on this TCP port (0: any free port; default: the "
@@ -112,14 +115,25 @@ def register(app: typer.Typer) -> None:
             raise _fail(str(e)) from None
         for note in prof.notes:
             _say(note)
+        template = None
+        if chat_template is not None:
+            try:
+                template = chat_template.read_text()
+            except OSError as e:
+                raise _fail(f"cannot read the chat template {chat_template}: {e.strerror or e}") from None
         model_path = _model_path(model)
 
         from weaved.daemon.core import Daemon
+        from weaved.errors import WeaveError
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
         started = time.monotonic()
-        daemon = Daemon(prof, model_path, data_dir=data_dir, log_fn=_log_line, federation=federation)
-        daemon.load(progress=_say)
+        daemon = Daemon(prof, model_path, data_dir=data_dir, log_fn=_log_line, federation=federation,
+                        chat_template=template)
+        try:
+            daemon.load(progress=_say)
+        except WeaveError as e:
+            raise _fail(e.message) from None
         server = Server(daemon, path, listen=listen, api_key=api_key, log=_log_line, federation=federation)
 
         def ready(where: str) -> None:

@@ -144,7 +144,7 @@ def test_minimal_profile_defaults(tmp_path, monkeypatch):
     assert (pool.device, pool.strategy, pool.speculative, pool.max_batch) == ("cpu", "standard", False, 16)
     assert pool.token_budget == pool.prefill_chunk + pool.max_batch and pool.idle_demote_s is None
     assert prof.host.data_dir == tmp_path / "xdg" / "weave"
-    assert prof.host.name and prof.host.max_sessions == 256
+    assert prof.host.name and prof.host.max_sessions == 256 and prof.host.default_context == 32768
     assert prof.threads.kernels == 8 - 1 and prof.threads.api == 1  # no cuda pool: no driver thread
     assert prof.routing.node_kv_tokens is None and prof.peers == ()
 
@@ -273,6 +273,7 @@ ROUTING = "[routing]\ncpu_prefill_tokens_per_s = 100\ncpu_decode_tokens_per_s = 
     (MINIMAL + "ring_batch_depth = 0\n", "routing.ring_batch_depth", ["> 0"]),
     (MINIMAL + "node_kv_tokens = -1\n", "routing.node_kv_tokens", ["> 0"]),
     (MINIMAL + "[host]\nmax_sessions = 0\n", "host.max_sessions", ["> 0"]),
+    (MINIMAL + "[host]\ndefault_context = 0\n", "host.default_context", ["> 0"]),
     (MINIMAL + '[host]\ndata_dir = ""\n', "host.data_dir", ["path"]),
     (MINIMAL + "[threads]\nkernels = 0\n", "threads.kernels", ["> 0"]),
     (MINIMAL + "[threads]\napi = -1\n", "threads.api", [">= 0"]),

@@ -216,3 +216,25 @@ def test_cpu_only_daemon_never_imports_torch(tiny_llama, tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_default_context_is_the_profiles_capped_by_the_models(tmp_path):
+    """A session that names no max_context gets the profile's default_context, never more than the
+    model's context; one may still ask for up to the model's."""
+    import dataclasses
+
+    from tests.tiny_models import write_tiny_gguf
+
+    model = write_tiny_gguf(tmp_path / "long.gguf", "llama", context_length=131072)
+    prof = load_profile("cpu-only")
+    for default, want in ((4096, 4096), (1 << 20, 131072)):
+        p = dataclasses.replace(prof, host=dataclasses.replace(prof.host, default_context=default))
+        d = Daemon(p, model, data_dir=tmp_path / f"data{default}", log_fn=lambda m: None)
+        d.load()
+        try:
+            s = d.create_session(SLA(SLAClass.BACKGROUND))
+            assert s["max_context"] == want
+            assert d.sessions[s["id"]].kv.capacity == want
+            assert d.create_session(SLA(SLAClass.BACKGROUND), 131072)["max_context"] == 131072
+        finally:
+            d.shutdown()

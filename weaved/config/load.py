@@ -212,7 +212,8 @@ def _host(t: Table, source: str, hw: Callable[[], Hardware]) -> HostConfig:
         except ValueError as e:
             raise t.err("kv_cap_bytes", str(e)) from None
     host = t.build(HostConfig, name=socket.gethostname() if hname == AUTO else hname, data_dir=path,
-                   kv_cap_bytes=cap, max_sessions=t.integer("max_sessions", 256))
+                   kv_cap_bytes=cap, max_sessions=t.integer("max_sessions", 256),
+                   default_context=t.integer("default_context", 32768))
     t.done()
     return host
 

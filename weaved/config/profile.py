@@ -39,10 +39,11 @@ class HostConfig:
     data_dir: Path  # session KV files and the journal live here
     kv_cap_bytes: int  # the most KV this node keeps (file-backed: disk + page cache)
     max_sessions: int
+    default_context: int = 32768  # a session's context when it names none (capped by the model's)
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "name", "must not be empty")
-        _positive(self, "kv_cap_bytes", "max_sessions")
+        _positive(self, "kv_cap_bytes", "max_sessions", "default_context")
 
 
 @dataclass(frozen=True)

@@ -41,13 +41,14 @@ KV_ALIGN = 32  # capacities are multiples of this: keeps the file's per-head run
 
 class Daemon:
     def __init__(self, profile: Profile, model_path: Path, *, data_dir: Path | None = None,
-                 log_fn: Callable[[str], None] = print, federation=None):
+                 log_fn: Callable[[str], None] = print, federation=None, chat_template: str | None = None):
         self.profile = profile
         # where this daemon serves its control plane (weaved.federation.service.FederationListen), or
         # None: it then neither homes rings nor joins its peers' groups
         self.federation = federation
         self.member_groups = None
         self.model_path = Path(model_path)
+        self.chat_template = chat_template  # replaces the model's own when given
         self.data_dir = Path(data_dir or profile.host.data_dir)
         self.log = log_fn  # one line at a time, for the operator (weave serve prints them)
         self._lock = threading.RLock()
@@ -73,7 +74,7 @@ class Daemon:
         say(f"opening {self.model_path.name}")
         gguf, self.config = open_model(self.model_path)
         self.model_name = self.model_path.stem
-        self.tokenizer = Tokenizer(self.model_path, gguf)
+        self.tokenizer = Tokenizer(self.model_path, gguf, chat_template=self.chat_template)
         from weaved.federation import service as fed
         from weaved.federation.shard_files import delete_group_files
 
@@ -82,10 +83,13 @@ class Daemon:
         delete_group_files(self.store)  # ring shards never outlive their group: rebuilt from transcripts
         self.journal = Journal(self.data_dir / "journal.sqlite")
         self.peers = fed.peer_registry(self)  # profile and run-time peers, health-checked in the background
+        if any(p.backend == "cpu" for p in self.profile.pools):
+            self._check_memory()
         say("loading weights and kernels")
         ring = fed.ring_factory(self, self.federation) if self.federation is not None else None
         self.pools, self.pool_notes = build_pools(self.profile, gguf, self.config, commit=self._commit,
-                                                  reserve=self._reserve, on_event=self.publish, ring=ring)
+                                                  reserve=self._reserve, on_event=self.publish, ring=ring,
+                                                  progress=say)
         self.engines = {name: p.engine for name, p in self.pools.items()}
         if not any(p.config.strategy == "standard" for p in self.pools.values()):
             raise WeaveError("the profile has no pool this daemon can run: "
@@ -104,6 +108,17 @@ class Daemon:
         limits = [p.config.idle_demote_s for p in self.pools.values() if p.config.idle_demote_s is not None]
         self.housekeeper = Housekeeper.for_idle_demotion(limits, self.demote_idle)
         say("ready")
+
+    def _check_memory(self) -> None:
+        """Refuse a model the CPU pool cannot hold: it repacks every matrix into memory once, so its
+        weights take about the file's size in RAM."""
+        import psutil
+
+        size, total = self.model_path.stat().st_size, psutil.virtual_memory().total
+        if size > total:
+            raise WeaveError(f"{self.model_path.name} needs about {size / 2**30:.1f} GiB of memory for its weights "
+                             f"(the file's size: the CPU pool holds them repacked), but this host has "
+                             f"{total / 2**30:.1f} GiB of RAM")
 
     def _recover(self) -> None:
         for rec in self.journal.list():
@@ -175,9 +190,10 @@ class Daemon:
                 raise Overloaded(f"too many sessions ({self.profile.host.max_sessions}); delete some or retry later")
             placement = self._place(sla, prompt_tokens, max_context)
             sid = ("tmp-" if ephemeral else "s-") + secrets.token_hex(8)
-            cap = -(-(max_context or limit) // KV_ALIGN) * KV_ALIGN
+            context = max_context or min(self.profile.host.default_context, limit)
+            cap = -(-context // KV_ALIGN) * KV_ALIGN
             kv = self._new_kv(sid, placement, cap)
-            s = Session(sid, sla, max_context or limit, system, placement, kv, [], [], ephemeral=ephemeral)
+            s = Session(sid, sla, context, system, placement, kv, [], [], ephemeral=ephemeral)
             self.sessions[sid] = s
             if not ephemeral:
                 self.journal.create_session(sid, sla.to_dict(), s.max_context, system, placement.to_dict())
