@@ -19,7 +19,7 @@ HELP = (
     "they already are); norms and biases are float32. Metadata (tokenizer, chat template, "
     "hyper-parameters) is copied unchanged.\n\n"
     "Sources may be of any quantization gguf-py reads (Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, F16, BF16, F32 ...); "
-    "architectures: llama, qwen2, qwen3. `weave serve --model X` converts a model that needs it by "
+    "architectures: llama, qwen2, qwen3, gemma3. `weave serve --model X` converts a model that needs it by "
     "itself (once, into the cache); this command writes the converted file where you choose."
 )
 
@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        from weaved.model.convert import convert_gguf
+        from weaved.model.convert import ConversionStats, convert_gguf
 
         columns = (TextColumn("converting"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.description}"))
@@ -59,10 +59,11 @@ def register(app: typer.Typer) -> None:
             def progress(done: int, total: int, name: str) -> None:
                 bar.update(task, completed=done, total=total, description=name)
 
+            stats = ConversionStats()
             try:
-                out = convert_gguf(src, dst, force=force, progress=progress)
+                out = convert_gguf(src, dst, force=force, progress=progress, stats=stats)
             except FileExistsError:
                 raise _fail(f"{dst} already exists; pass --force to overwrite it") from None
             except (ValueError, OSError) as exc:
                 raise _fail(str(exc)) from None
-        typer.echo(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+        typer.echo(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB); {stats.describe()}")

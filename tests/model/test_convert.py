@@ -140,7 +140,7 @@ def test_unsupported_architecture(tmp_path):
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'.*llama, qwen2, qwen3"):
         convert_gguf(src, tmp_path / "out.gguf")
     assert not (tmp_path / "out.gguf").exists()
-    assert SUPPORTED_ARCHS == ("llama", "qwen2", "qwen3")
+    assert SUPPORTED_ARCHS == ("llama", "qwen2", "qwen3", "gemma3")
 
 
 def _write_minimal(path: Path, tensors: dict[str, np.ndarray], extra_meta: dict | None = None) -> Path:
@@ -269,3 +269,18 @@ def test_smollm2_same_bytes_as_llama_cpp_and_runs(smollm2_q4_0, tmp_path):
     llm = llama_model(smollm2_q4_0, n_ctx=256)
     logits = llama_logits(llm, llm.tokenize(b"The capital of France is", add_bos=False))
     assert np.isfinite(logits).all() and logits.shape[1] == 49152
+
+
+def test_conversion_reports_what_it_requantized_and_the_error_it_added(tmp_path):
+    from weaved.model.convert import ConversionStats
+
+    src = write_tiny_gguf(tmp_path / "f16.gguf", "llama", wtype=Q.F16, embd_type=Q.F16)
+    stats = ConversionStats()
+    convert_gguf(src, tmp_path / "out.gguf", stats=stats)
+    assert stats.requantized == {"F16": 7 * 2 + 1}  # every layer matrix, and the embedding (to Q8_0)
+    assert 0.05 < stats.relative_error("Q4_0") < 0.2  # Q4_0 of Gaussian weights: about a tenth of their RMS
+    assert 0.001 < stats.relative_error("Q8_0") < 0.02
+    assert "requantized 15 F16 tensor(s)" in stats.describe()
+    native = ConversionStats()
+    convert_gguf(write_tiny_gguf(tmp_path / "q4.gguf", "llama"), tmp_path / "out2.gguf", stats=native)
+    assert native.requantized == {} and native.relative_error() == 0.0

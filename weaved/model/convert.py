@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +30,12 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf import quants as gguf_quants
 
+from weaved.model.architectures import ARCHS
 from weaved.model.gguf_scan import GGUFHeader, scan_gguf, tensor_views
 
 Q = GGMLQuantizationType
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = tuple(ARCHS)
 NATIVE_TYPES = frozenset({Q.F32, Q.F16, Q.Q4_0, Q.Q8_0})
 # Matrices that may stay at 8 bits: the embedding lookup and the logits projection.
 EMBEDDING_TENSORS = ("token_embd.weight", "output.weight")
@@ -45,6 +46,33 @@ QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: the block layouts of Q4_0 / Q8_0 w
 _SLAB_ELEMENTS = 1 << 22
 
 ProgressFn = Callable[[int, int, str], None]
+
+
+@dataclass
+class ConversionStats:
+    """What a conversion changed: the tensors requantized (by source type), and per target type the
+    relative RMS error requantizing added to their weights, ||W_new - W_source|| / ||W_source||."""
+
+    requantized: dict[str, int] = field(default_factory=dict)  # source type name -> tensors
+    sums: dict[str, list[float]] = field(default_factory=dict)  # target type name -> [err^2, ref^2]
+
+    def add(self, dst: str, err_sq: float, ref_sq: float) -> None:
+        acc = self.sums.setdefault(dst, [0.0, 0.0])
+        acc[0] += err_sq
+        acc[1] += ref_sq
+
+    def relative_error(self, dst: str = "Q4_0") -> float:
+        err, ref = self.sums.get(dst, (0.0, 0.0))
+        return (err / ref) ** 0.5 if ref else 0.0
+
+    def describe(self) -> str:
+        if not self.requantized:
+            return "no tensor was requantized"
+        kinds = ", ".join(f"{n} {t}" for t, n in sorted(self.requantized.items()))
+        errors = ", ".join(f"{self.relative_error(d):.1%} to the {d} ones" for d in sorted(self.sums))
+        return (f"requantized {kinds} tensor(s) to the shared format, adding relative weight error {errors}: "
+                f"expect somewhat lower quality than the source file (the cost of one format for every "
+                f"backend; small models lose the most, see docs/benchmarks.md)")
 
 
 @dataclass(frozen=True)
@@ -114,12 +142,14 @@ def convert_gguf(
     *,
     force: bool = False,
     progress: ProgressFn | None = None,
+    stats: ConversionStats | None = None,
 ) -> Path:
     """Write the shared-format (Q4_0) version of the GGUF ``src`` to ``dst`` and return ``dst``.
 
     Everything is checked before anything is written. The file is written next to ``dst`` under a
     temporary name and renamed into place when complete, so ``dst`` is never a partial file.
-    ``progress(done, total, name)`` is called after each tensor is written.
+    ``progress(done, total, name)`` is called after each tensor is written; ``stats`` (if given) is
+    filled with what the conversion requantized and the weight error it added.
 
     Raises FileNotFoundError (no ``src``), FileExistsError (``dst`` exists and not ``force``),
     ValueError (not a GGUF file, unsupported architecture or tensor type, ``src`` is ``dst``).
@@ -141,7 +171,7 @@ def convert_gguf(
     # writer with the usual permissions, unlike mkstemp's 0600.
     tmp = dst_path.with_name(f".{dst_path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        _write(header, views, plans, tmp, progress)
+        _write(header, views, plans, tmp, progress, stats if stats is not None else ConversionStats())
         _publish(tmp, dst_path, force)
     finally:
         tmp.unlink(missing_ok=True)
@@ -179,7 +209,7 @@ class _Writer(GGUFWriter):
 
 
 def _write(header: GGUFHeader, views: dict[str, np.ndarray], plans: Sequence[TensorPlan], path: Path,
-           progress: ProgressFn | None) -> None:
+           progress: ProgressFn | None, stats: ConversionStats) -> None:
     writer = _Writer(path, _arch(header))  # it writes general.architecture first
     writer.data_alignment = header.alignment
     for key, item in header.metadata.items():
@@ -202,7 +232,7 @@ def _write(header: GGUFHeader, views: dict[str, np.ndarray], plans: Sequence[Ten
     writer.write_ti_data_to_file()
     try:
         for i, plan in enumerate(plans):
-            out = _convert_tensor(plan, views[plan.name])
+            out = _convert_tensor(plan, views[plan.name], stats)
             assert out.nbytes == plan.dst_nbytes, plan
             writer.write_tensor_data(out)
             if progress is not None:
@@ -215,8 +245,9 @@ def _write(header: GGUFHeader, views: dict[str, np.ndarray], plans: Sequence[Ten
         writer.close()
 
 
-def _convert_tensor(plan: TensorPlan, data: np.ndarray) -> np.ndarray:
-    """The tensor's bytes in the target type (uint8 rows for quantized types, float32 otherwise)."""
+def _convert_tensor(plan: TensorPlan, data: np.ndarray, stats: ConversionStats) -> np.ndarray:
+    """The tensor's bytes in the target type (uint8 rows for quantized types, float32 otherwise); a
+    requantized tensor's error goes to ``stats``."""
     if plan.src_type == plan.dst_type:
         return np.ascontiguousarray(data)
     if plan.dst_type == Q.F32:
@@ -228,7 +259,12 @@ def _convert_tensor(plan: TensorPlan, data: np.ndarray) -> np.ndarray:
     step = max(1, _SLAB_ELEMENTS // n_cols)
     for r0 in range(0, n_rows, step):
         slab = gguf_quants.dequantize(src_rows[r0 : r0 + step], plan.src_type)  # [step, n_cols] float32
-        out[r0 : r0 + step] = gguf_quants.quantize(slab, plan.dst_type)
+        q = gguf_quants.quantize(slab, plan.dst_type)
+        out[r0 : r0 + step] = q
+        diff = (gguf_quants.dequantize(q, plan.dst_type) - slab).ravel().astype(np.float64)
+        ref = slab.ravel().astype(np.float64)
+        stats.add(plan.dst_type.name, float(diff @ diff), float(ref @ ref))
+    stats.requantized[plan.src_type.name] = stats.requantized.get(plan.src_type.name, 0) + 1
     return out
 
 

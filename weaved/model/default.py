@@ -107,11 +107,14 @@ def _converted_copy(src: Path, progress: ProgressFn | None, log: Callable[[str],
     with _exclusive(target.with_name(target.name + ".lock")):
         if target.is_file():  # another process converted it while we waited for the lock
             return target
-        from weaved.model.convert import convert_gguf
+        from weaved.model.convert import ConversionStats, convert_gguf
 
         if log is not None:
             log(f"converting {src} to the shared Q4_0 format (once) -> {target}")
-        convert_gguf(src, target, progress=progress)
+        stats = ConversionStats()
+        convert_gguf(src, target, progress=progress, stats=stats)
+        if log is not None:
+            log(stats.describe())
     return target
 
 
