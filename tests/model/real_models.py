@@ -1,0 +1,77 @@
+"""Teacher-forced agreement with llama.cpp over long texts, measured without holding [T, vocab] arrays.
+
+At a few thousand positions a 128k-262k vocabulary's logits take gigabytes per engine, so each side
+reduces its logits to two numbers per position as they come: the log-probability of the actual next
+token and the top-1 token.  The yardstick is llama.cpp against itself - the same file with flash
+attention on and off - since exact equality is not the bar (its own paths disagree at near-ties).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+LONG_TEXT_PATH = Path(__file__).parents[1] / "data" / "long_text.txt"
+
+
+@dataclass(frozen=True)
+class TokenStats:
+    logprob: np.ndarray  # [T-1] float64: log p(token t+1 | tokens 0..t)
+    top1: np.ndarray  # [T-1] str: the argmax after tokens 0..t, as its text (how the API reports it)
+
+    def mean_abs_diff(self, other: TokenStats) -> float:
+        return float(np.mean(np.abs(self.logprob - other.logprob)))
+
+    def top1_agreement(self, other: TokenStats) -> float:
+        return float(np.mean(self.top1 == other.top1))
+
+
+def piece(tokenizer, token_id: int) -> str:
+    """A token's text as the API reports it (its bytes decoded leniently)."""
+    return tokenizer.token_bytes(int(token_id)).decode("utf-8", errors="replace")
+
+
+def stats_from_rows(rows, tokens: list[int], tokenizer, block: int = 256) -> TokenStats:
+    """TokenStats from ``rows`` ([>= T-1, vocab] logits, row t predicting token t+1), a block at a time."""
+    n = len(tokens) - 1
+    lp, top = np.empty(n), np.empty(n, object)
+    for a in range(0, n, block):
+        z = np.asarray(rows[a:min(n, a + block)], dtype=np.float64)
+        m = z.max(-1, keepdims=True)
+        lse = (m + np.log(np.exp(z - m).sum(-1, keepdims=True)))[:, 0]
+        nxt = np.asarray(tokens[a + 1:a + 1 + len(z)])
+        lp[a:a + len(z)] = z[np.arange(len(z)), nxt] - lse
+        top[a:a + len(z)] = [piece(tokenizer, i) for i in z.argmax(-1)]
+    return TokenStats(lp, top)
+
+
+def llama_stats(path: Path, tokens: list[int], tokenizer, flash_attn: bool) -> TokenStats:
+    """llama.cpp's teacher-forced TokenStats on the same file (one model at a time: its logits of every
+    position are the memory this costs)."""
+    from tests.oracles import llama_model
+
+    llm = llama_model(path, n_ctx=len(tokens) + 16, flash_attn=flash_attn)
+    try:
+        llm.reset()
+        llm.eval(tokens)
+        return stats_from_rows(llm.scores, tokens, tokenizer)
+    finally:
+        llm.close()
+
+
+def api_stats(http, text: str, tokens: list[int]) -> TokenStats:
+    """Weave's TokenStats through ``/v1/completions`` (echo with logprobs: the prompt's tokens come back
+    with their log-probabilities and their top alternative), the prompt given as text."""
+    r = http.post("/v1/completions", json={"prompt": text, "max_tokens": 1, "temperature": 0, "echo": True,
+                                           "logprobs": 1})
+    assert r.status_code == 200, r.text
+    lps = r.json()["choices"][0]["logprobs"]
+    n = len(tokens)
+    assert len(lps["tokens"]) == n + 1, (len(lps["tokens"]), n)  # the prompt, then the generated token
+    assert lps["token_logprobs"][0] is None
+    top = np.empty(n - 1, object)
+    for t in range(1, n):
+        (top[t - 1], _), = lps["top_logprobs"][t].items()
+    return TokenStats(np.array(lps["token_logprobs"][1:n], np.float64), top)
