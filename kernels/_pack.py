@@ -123,6 +123,34 @@ def pack_quant(raw, qk, n_out, P, nch):
         _pack_tiles(raw, qk, n_out, P, t0, t1)
 
 
+@njit(**_OPTS)
+def unpack_row(P, qk, nb, row, out):
+    """out uint8 [nb * block bytes] <- the GGUF bytes of weight row ``row`` of packed Q4_0 / Q8_0
+    data P (``_pack_tiles`` undone for one row: its fp16 scales and quants, read from the tiles)."""
+    bsz = 18 if qk == 4 else 34
+    tb = TB_Q4 if qk == 4 else TB_Q8
+    ndw = 4 if qk == 4 else 8
+    gstride = 64 * ndw
+    flip = 0 if qk == 4 else 0x80
+    t, r = row // RT, row % RT
+    g, i = r // 16, r % 16
+    for b in range(nb):
+        off = (t * nb + b) * tb
+        dst = b * bsz
+        out[dst] = P[off + 2 * r]
+        out[dst + 1] = P[off + 2 * r + 1]
+        for d in range(ndw):
+            for k in range(4):
+                out[dst + 2 + 4 * d + k] = P[off + 64 + gstride * g + 64 * d + 4 * i + k] ^ flip
+
+
+@njit(**_OPTS)
+def unpack_rows(P, qk, nb, rows, out):
+    """out uint8 [len(rows), nb * block bytes] <- the GGUF bytes of those rows of packed data P."""
+    for j in range(rows.shape[0]):
+        unpack_row(P, qk, nb, rows[j], out[j])
+
+
 @njit(parallel=True, **_OPTS)
 def pack_float(w, out, nch):
     """w float32 [n_out, n_in] -> out float32 [nt, n_in, RT] (rows in lanes; out pre-zeroed)."""

@@ -25,6 +25,7 @@ from .quants import Q8Activations, dequantize_rows
 from .threads import cpu_features, get_threads
 
 __all__ = ["PackedWeight", "pack_weight", "concat_rows", "linear", "linear_q", "padded_out", "embed_rows",
+           "packed_rows",
            "kernel_path", "set_kernel_path", "vnni_supported"]
 
 _VNNI_FEATURES = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
@@ -253,6 +254,20 @@ def _plan(w: PackedWeight, T: int) -> int:
 US_PER_BYTE = 1 / 25e3
 US_PER_TBLOCK = 7e-3
 PAR_MIN_US = 16.0
+
+
+def packed_rows(w: PackedWeight, ids: np.ndarray) -> np.ndarray:
+    """Rows ``ids`` of a packed Q4_0 / Q8_0 matrix as the GGUF stores them: uint8 [len(ids), row_bytes]
+    (the packing undone; ``embed_rows`` takes them)."""
+    if not w.qk:
+        raise ValueError(f"packed_rows: needs Q4_0 or Q8_0 weights, got {w.qtype.name}")
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= w.n_out)):
+        raise ValueError(f"packed_rows: ids must be a 1-D array of rows in [0, {w.n_out})")
+    out = np.empty((ids.size, row_bytes(w.qtype, w.n_in)), np.uint8)
+    if ids.size:
+        _pack.unpack_rows(w.data, w.qk, w.n_in // BLOCK_ELEMS, ids, out)
+    return out
 
 
 def embed_rows(raw: np.ndarray, qtype: GGMLType | int, ids: np.ndarray) -> np.ndarray:

@@ -101,3 +101,17 @@ def test_errors():
     f16 = pack_weight(np.ones((32, 64), np.float16), GGMLType.F16, 32, 64)
     with pytest.raises(ValueError, match="Q4_0 or Q8_0"):
         linear_residual(f16, raw, np.ones((2, 64), np.float32))
+
+
+@pytest.mark.parametrize("qt,quant", [(GGMLType.Q4_0, quantize_q4_0), (GGMLType.Q8_0, quantize_q8_0)])
+def test_packed_rows_are_the_gguf_rows(qt, quant):
+    """A tied embedding is looked up in the output matrix's packed copy: its rows are the GGUF bytes."""
+    from weaved.kernels.matmul import packed_rows
+
+    raw, w = _weight(qt, quant, 77, 96, 9)  # a last tile of 13 rows
+    ids = np.array([0, 31, 32, 63, 76, 5, 5], np.int64)
+    assert np.array_equal(packed_rows(w, ids), raw[ids])
+    assert packed_rows(w, np.array([], np.int64)).shape == (0, raw.shape[1])
+    with pytest.raises(ValueError, match="rows in"):
+        packed_rows(w, np.array([77]))
+

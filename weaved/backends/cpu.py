@@ -118,6 +118,8 @@ class CPUBackend(Backend):
             self._logits = lambda h: linear_residual(self.wout, out.raw, h)
         else:
             self._logits = lambda h: matmul.linear(self.wout, h)
+        # a tied embedding is looked up in the output's packed copy: the matrix is resident once
+        self._emb_packed = cfg.tied_output and self.wout.qk != 0
         self.attn_scale = cfg.scores_scale  # the scores' scale, one float for every path
         gguf.release_pages()  # repacked: the file's pages need not stay in our resident set
         progress(cfg.n_layers + 1, cfg.n_layers + 1)
@@ -134,10 +136,20 @@ class CPUBackend(Backend):
     def new_kv(self, capacity: int) -> KVCache:
         return KVCache.allocate(self.config, capacity)
 
+    @property
+    def decode_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every layer matrix and the output matrix."""
+        mats = [w for L in self.layers for m in (L.wqkv, L.wo, L.wgu, L.wdown) for w in (m if isinstance(m, list)
+                                                                                      else [m])]
+        return sum(w.nbytes for w in mats) + self.wout.nbytes
+
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """Token embeddings of ``ids`` int32 [T] (checked against the vocabulary by the caller), times the
         model's embedding scale (gemma3: float32 sqrt(d_model)): float32 [T, d_model]."""
-        x = matmul.embed_rows(self._emb_raw, self._emb_type, ids)
+        if self._emb_packed:
+            x = matmul.embed_rows(matmul.packed_rows(self.wout, ids), self._emb_type, np.arange(len(ids)))
+        else:
+            x = matmul.embed_rows(self._emb_raw, self._emb_type, ids)
         if self.config.embed_scale != 1.0:
             x *= np.float32(self.config.embed_scale)
         return x
