@@ -69,6 +69,14 @@ def register(app: typer.Typer, run: Runner | None = None,
                 "--model", exists=True, dir_okay=False, help="GGUF file (default: the default model)."
             ),
         ] = None,
+        shape: Annotated[
+            str | None,
+            typer.Option("--shape", metavar="NAME[:LAYERS]",
+                         help="Instead of --model: a model in the exact shape of a real one with random weights, "
+                              "quantized to Q4_0 by llama.cpp and cached (llama-3.2-1b, llama-3.2-3b, qwen2.5-0.5b, "
+                              "qwen2.5-1.5b, qwen2.5-0.5b-yarn, qwen3-0.6b, qwen3-1.7b); ':LAYERS' cuts it to "
+                              "that many layers."),
+        ] = None,
         threads: Annotated[
             int | None, typer.Option("--threads", min=1, help="Threads for both sides (default: CPU count).")
         ] = None,
@@ -79,7 +87,7 @@ def register(app: typer.Typer, run: Runner | None = None,
         only: Annotated[
             str | None,
             typer.Option(
-                "--only", help="Comma list of measurements: prefill, decode, decode_2k, batch16, batch64."
+                "--only", help="Comma list of measurements: prefill, decode, decode_2k, decode_8k, batch16, batch64."
             ),
         ] = None,
         scenario: Annotated[
@@ -106,6 +114,10 @@ def register(app: typer.Typer, run: Runner | None = None,
         if scenario not in ("llama", "agents", "ring"):
             raise typer.BadParameter(f"unknown scenario {scenario!r}; choose llama, agents or ring",
                                      param_hint="--scenario")
+        if shape is not None:
+            if model is not None:
+                raise typer.BadParameter("give --model or --shape, not both", param_hint="--shape")
+            model = _shape_model(shape)
         agent_opts = (agents, duration, seed, configs, capacity)
         if scenario == "agents":
             _agents(model, threads, quick, json_out, only, agent_opts, run_agents)
@@ -134,6 +146,21 @@ def register(app: typer.Typer, run: Runner | None = None,
             typer.echo(format_table(report, reps=cfg.rounds * cfg.reps))
         if any("error" in report[side] for side in ("weave", "llama_cpp")):
             raise typer.Exit(1)
+
+
+def _shape_model(spec: str) -> Path:
+    """The cached GGUF of ``NAME[:LAYERS]`` (built on first use, with its progress on stderr)."""
+    from weaved.bench.shapes import SHAPES, shape_gguf
+
+    name, _, layers = spec.partition(":")
+    if name not in SHAPES:
+        raise typer.BadParameter(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}", param_hint="--shape")
+    if layers and not layers.isdigit():
+        raise typer.BadParameter(f"LAYERS must be a number, got {layers!r}", param_hint="--shape")
+    try:
+        return shape_gguf(name, int(layers) if layers else None, progress=lambda m: typer.echo(m, err=True))
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--shape") from None
 
 
 def _agents(model: Path | None, threads: int | None, quick: bool, json_out: bool, only: str | None,

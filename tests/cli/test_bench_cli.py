@@ -13,7 +13,7 @@ from weaved.bench.harness import filler_text, measure
 from weaved.bench.report import build_report, format_table, ratios
 from weaved.bench.runner import run_bench
 
-TOKENS = list(range(100, 2200))
+TOKENS = list(range(100, 8200))
 
 
 class FakeMeasure:
@@ -30,7 +30,8 @@ class FakeMeasure:
         base = {"weave": 30.0, "llama_cpp": 60.0}[side]
         out = {k: base * (i + 1) for i, k in enumerate(KEYS) if k in cfg.keys}
         if side == "weave":
-            out.update(load_s=1.5, rss_mb=250.0)
+            out.update(load_s=1.5, file_mb=100.0, rss_mb=250.0, rss_end_mb=260.0, weights_mb=90.0, decode_gbs=3.0,
+                       stream_gbs=20.0)
         return out
 
 
@@ -89,7 +90,8 @@ def test_table_output(model):
     row = next(line for line in text.splitlines() if line.startswith("decode @2000"))
     assert row.split()[-3:] == ["90.0", "180.0", "0.50"]
     assert "load until ready (s)" in text and "1.50" in text
-    assert "resident memory (MB)" in text and "250.0" in text
+    assert "resident after load (MB)" in text and "250" in text and "model file (MB)" in text
+    assert "decode streams (GB/s)" in text and "of what the machine streams: 15%" in text
 
 
 def test_only_and_quick(model):
@@ -190,11 +192,11 @@ def test_harness_runs_warmup_plus_reps_with_rewinds():
     out = measure(eng, cfg, TOKENS, msgs.append)
     assert list(out) == list(KEYS)
     assert all(v > 0 for v in out.values())
-    # decode and decode_2k: (1 warm-up + 2 reps) x 5 tokens; batches: 3 runs x 3 steps
-    assert eng.steps == 2 * 3 * 5 + 2 * 3 * 3
-    assert eng.step_tokens == 2 * 3 * 5 + (16 + 64) * 3 * 3
-    # prefill 512 three times, 16 + 2000 once each, 16 tokens per batch sequence once
-    assert eng.prefill_tokens == 3 * 512 + 16 + 2000 + 16 * (16 + 64)
+    # decode, decode_2k and decode_8k: (1 warm-up + 2 reps) x 5 tokens; batches: 3 runs x 3 steps
+    assert eng.steps == 3 * 3 * 5 + 2 * 3 * 3
+    assert eng.step_tokens == 3 * 3 * 5 + (16 + 64) * 3 * 3
+    # prefill 512 three times, 16 + 2000 + 8000 once each, 16 tokens per batch sequence once
+    assert eng.prefill_tokens == 3 * 512 + 16 + 2000 + 8000 + 16 * (16 + 64)
     assert sum("rep" in m for m in msgs) == 2 * len(KEYS)
 
 
@@ -231,7 +233,8 @@ def real_model():
 
 def _tiny(model) -> BenchConfig:
     # n_long > n_batch so the long context is prefilled in two pieces, as the real 2,000 is
-    return BenchConfig(model=model, threads=1, reps=1, n_prefill=32, n_long=600, n_gen=4, batch_steps=2)
+    return BenchConfig(model=model, threads=1, reps=1, n_prefill=32, n_long=600, n_longer=700, n_gen=4,
+                       batch_steps=2)
 
 
 def _rewind_is_exact(engine, tokens) -> None:

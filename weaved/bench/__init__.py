@@ -12,9 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Measurements, in report order.  Every value is tokens per second (median over repetitions).
-KEYS: tuple[str, ...] = ("prefill_tps", "decode_tps", "decode_2k_tps", "batch16_tps", "batch64_tps")
-# Informational figures reported for Weave only (no llama.cpp counterpart, no ratio).
-INFO_KEYS: tuple[str, ...] = ("load_s", "rss_mb")
+KEYS: tuple[str, ...] = ("prefill_tps", "decode_tps", "decode_2k_tps", "decode_8k_tps", "batch16_tps",
+                         "batch64_tps")
+# Informational figures reported for Weave only (no llama.cpp counterpart, no ratio): load time, the
+# file's size and the resident memory after loading and after the measurements, the bytes a decode
+# token reads (weights), the rate single-stream decode streams them at and what this machine streams.
+INFO_KEYS: tuple[str, ...] = ("load_s", "file_mb", "rss_mb", "rss_end_mb", "weights_mb", "decode_gbs",
+                              "stream_gbs")
 
 SIDES: tuple[str, ...] = ("weave", "llama_cpp")
 
@@ -32,6 +36,7 @@ class BenchConfig:
     n_prefill: int = 512  # prefill_tps: one prompt of this many tokens as a single batch
     n_short: int = 16  # decode_tps: prompt length before decoding
     n_long: int = 2000  # decode_2k_tps: context length before decoding
+    n_longer: int = 8000  # decode_8k_tps: context length before decoding
     n_gen: int = 128  # tokens decoded per single-stream repetition
     n_batch_prompt: int = 16  # batchB_tps: prompt length of each sequence
     batch_steps: int = 32  # batchB_tps: decode steps per repetition (B tokens each)
@@ -52,6 +57,7 @@ class BenchConfig:
             "n_prefill",
             "n_short",
             "n_long",
+            "n_longer",
             "n_gen",
             "n_batch_prompt",
             "batch_steps",
@@ -69,7 +75,8 @@ class BenchConfig:
     @property
     def tokens_needed(self) -> int:
         """Filler tokens the workload reads (the longest prompt, or 64 distinct batch prompts)."""
-        return max(self.n_prefill, self.n_long, self.n_short, 64 * self.n_batch_prompt) + 1
+        longest = self.n_longer if "decode_8k_tps" in self.keys else self.n_long
+        return max(self.n_prefill, longest, self.n_short, 64 * self.n_batch_prompt) + 1
 
 
 def batch_size(key: str) -> int | None:

@@ -43,7 +43,7 @@ class Engine(Protocol):
         """Forget positions ``length ...`` of ``seq``."""
 
 
-def filler_text(n_words: int = 6000) -> str:
+def filler_text(n_words: int = 12000) -> str:
     """Deterministic, varied English-like text (content does not matter for speed)."""
     rng = np.random.default_rng(1234)
     words = (
@@ -163,6 +163,8 @@ def measure(engine: Engine, cfg: BenchConfig, tokens: Sequence[int], progress: P
             out[key] = _single_stream_tps(engine, cfg, tokens, progress, key, cfg.n_short)
         elif key == "decode_2k_tps":
             out[key] = _single_stream_tps(engine, cfg, tokens, progress, key, cfg.n_long)
+        elif key == "decode_8k_tps":
+            out[key] = _single_stream_tps(engine, cfg, tokens, progress, key, cfg.n_longer)
         else:
             out[key] = _batch_tps(engine, cfg, tokens, progress, key)
     return out

@@ -16,11 +16,18 @@ _LABELS = {
     "prefill_tps": "prefill 512 tokens (tok/s)",
     "decode_tps": "decode @16 (tok/s)",
     "decode_2k_tps": "decode @2000 (tok/s)",
+    "decode_8k_tps": "decode @8000 (tok/s)",
     "batch16_tps": "batch 16 decode (agg tok/s)",
     "batch64_tps": "batch 64 decode (agg tok/s)",
     "load_s": "load until ready (s)",
-    "rss_mb": "resident memory (MB)",
+    "file_mb": "model file (MB)",
+    "rss_mb": "resident after load (MB)",
+    "rss_end_mb": "resident at the end (MB)",
+    "weights_mb": "read per decode token (MB)",
+    "decode_gbs": "decode streams (GB/s)",
+    "stream_gbs": "machine streams (GB/s)",
 }
+_DIGITS = {"load_s": 2, "decode_gbs": 1, "stream_gbs": 1}
 
 
 def ratios(weave: dict[str, Any], llama: dict[str, Any]) -> dict[str, float]:
@@ -62,7 +69,11 @@ def format_table(report: dict[str, Any], reps: int | None = None) -> str:
             )
     for k in INFO_KEYS:
         if k in w:
-            lines.append(f"{_LABELS[k]:30s} {_num(w[k], 1 if k == 'rss_mb' else 2):>10s}")
+            lines.append(f"{_LABELS[k]:30s} {_num(w[k], _DIGITS.get(k, 0)):>10s}")
+    if isinstance(w.get("decode_gbs"), int | float) and w.get("stream_gbs"):
+        share = w["decode_gbs"] / w["stream_gbs"]
+        lines.append(f"decode @16 reads its weights at {w['decode_gbs']:.1f} GB/s, "
+                     f"of what the machine streams: {share:.0%}")
     for side, d in (("weave", w), ("llama.cpp", b)):
         if "error" in d:
             lines.append(f"{side} failed: {d['error']}")

@@ -258,7 +258,7 @@ def _values(shape: ModelShape, name: str, dims: tuple[int, ...], kind: str, rng:
 
 def write_f16(shape: ModelShape, path: Path, n_layers: int, seed: int = 0) -> None:
     """Write the shape as an F16 GGUF (norms, biases and rope factors F32), tensor by tensor."""
-    from gguf import GGUFWriter
+    from gguf import GGUFWriter, RopeScalingType
 
     arch = shape.arch
     w = GGUFWriter(path, arch)
@@ -277,7 +277,7 @@ def write_f16(shape: ModelShape, path: Path, n_layers: int, seed: int = 0) -> No
     w.add_layer_norm_rms_eps(shape.rms_eps)
     w.add_vocab_size(shape.vocab)
     if shape.yarn is not None:
-        w.add_rope_scaling_type("yarn")
+        w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(shape.yarn[0])
         w.add_rope_scaling_orig_ctx_len(shape.yarn[1])
     for key, value, vtype, sub in _tokenizer_metadata(shape):

@@ -62,12 +62,28 @@ def load_backend(cfg: BenchConfig):
 
 
 def measure_weave(cfg: BenchConfig, tokens: Sequence[int], progress: Progress) -> dict[str, float]:
-    """``load_s``, ``rss_mb`` and every selected measurement on Weave's CPU backend."""
+    """Every selected measurement on Weave's CPU backend, and its informational figures (``INFO_KEYS``):
+    load time, file size, resident memory after loading and after the measurements (the sequences'
+    KV freed: in the daemon it lives in files), the weights a decode token reads, the rate
+    single-stream decode reads them at and the rate this machine streams memory at."""
+    import gc
+
     import psutil
+
+    from weaved.bench.stream import stream_gbs
 
     progress("loading the model (repacking weights, compiling kernels)")
     be, load_s = load_backend(cfg)
     rss_mb = psutil.Process().memory_info().rss / 2**20
     progress(f"ready in {load_s:.1f} s, {rss_mb:.0f} MB resident")
-    out = measure(WeaveEngine(be), cfg, tokens, progress)
-    return {**out, "load_s": load_s, "rss_mb": rss_mb}
+    engine = WeaveEngine(be)
+    out = measure(engine, cfg, tokens, progress)
+    engine.open(0, 1)
+    gc.collect()
+    info = {"load_s": load_s, "file_mb": cfg.model.stat().st_size / 2**20, "rss_mb": rss_mb,
+            "rss_end_mb": psutil.Process().memory_info().rss / 2**20, "weights_mb": be.decode_bytes / 2**20}
+    if "decode_tps" in out:
+        info["decode_gbs"] = be.decode_bytes * out["decode_tps"] / 1e9
+        progress("measuring the memory streaming rate")
+        info["stream_gbs"] = stream_gbs(cfg.threads)
+    return {**out, **info}
