@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 from weaved.kernels._attention_ir import f2h
-from weaved.kernels._rowwise import OPTS, PAR_MIN_SWIGLU, check_f32
+from weaved.kernels._rowwise import OPTS, PAR_MIN_SWIGLU, gated_out
 
 GELU_COEF_A = np.float32(0.044715)
 SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)
@@ -68,16 +68,7 @@ def geglu_drive(gu, y, table):
 
 def geglu(gate_up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """gelu(gate) * up: gate_up float32 [T, 2F] (gate = [:, :F], up = [:, F:]) -> float32 [T, F]."""
-    check_f32("gate_up", gate_up, 2)
-    if gate_up.shape[1] % 2:
-        raise ValueError(f"gate_up width must be even (gate and up halves), got {gate_up.shape[1]}")
-    shape = (gate_up.shape[0], gate_up.shape[1] // 2)
-    if out is None:
-        out = np.empty(shape, np.float32)
-    else:
-        check_f32("out", out, 2)
-        if out.shape != shape:
-            raise ValueError(f"out shape {out.shape} != {shape}")
+    out = gated_out(gate_up, out)
     geglu_drive(gate_up, out, GELU_TABLE)
     return out
 

@@ -69,3 +69,19 @@ def check_f32(name: str, a: np.ndarray, ndim: int) -> None:
     if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != ndim or not a.flags.c_contiguous:
         desc = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
         raise ValueError(f"{name} must be a C-contiguous float32 array with {ndim} dims, got {desc}")
+
+
+def gated_out(gate_up: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """Check a gated FFN's input (float32 [T, 2F]: gate, then up) and return its output array
+    (``out`` checked, or a new float32 [T, F])."""
+    check_f32("gate_up", gate_up, 2)
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up width must be even (gate and up halves), got {gate_up.shape[1]}")
+    shape = (gate_up.shape[0], gate_up.shape[1] // 2)
+    if out is None:
+        return np.empty(shape, np.float32)
+    check_f32("out", out, 2)
+    if out.shape != shape:
+        raise ValueError(f"out shape {out.shape} != {shape}")
+    return out
+

@@ -26,7 +26,7 @@ from weaved.kernels._rope import (
     rope_ref64,
     rotate64,
 )
-from weaved.kernels._rowwise import F1, INF32, OPTS, PAR_MIN_NORM, PAR_MIN_SWIGLU, check_f32, exp_f32
+from weaved.kernels._rowwise import F1, INF32, OPTS, PAR_MIN_NORM, PAR_MIN_SWIGLU, check_f32, exp_f32, gated_out
 
 # ---------------------------------------------------------------- RMSNorm
 
@@ -141,16 +141,7 @@ def swiglu_drive(gu, y):
 
 def swiglu(gate_up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """silu(gate) * up: gate_up float32 [T, 2F] (gate = [:, :F], up = [:, F:]) -> float32 [T, F]."""
-    check_f32("gate_up", gate_up, 2)
-    if gate_up.shape[1] % 2:
-        raise ValueError(f"gate_up width must be even (gate and up halves), got {gate_up.shape[1]}")
-    shape = (gate_up.shape[0], gate_up.shape[1] // 2)
-    if out is None:
-        out = np.empty(shape, np.float32)
-    else:
-        check_f32("out", out, 2)
-        if out.shape != shape:
-            raise ValueError(f"out shape {out.shape} != {shape}")
+    out = gated_out(gate_up, out)
     swiglu_drive(gate_up, out)
     return out
 
