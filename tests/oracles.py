@@ -139,20 +139,26 @@ def check_against_truth_and_llama(be, path: Path, n_tokens: int) -> dict:
     return stats
 
 
-def check_greedy_near_ties(be, path: Path, prompts: list[str], n: int) -> list:
-    """Greedy continuations of backend ``be`` leave llama.cpp's only at near-ties."""
+def check_greedy_near_ties(be, path: Path, prompts: list[str], n: int, truth: bool = False) -> list:
+    """Greedy continuations of backend ``be`` leave llama.cpp's only at near-ties (llama.cpp's margin
+    between the two tokens < 0.3) - or, with ``truth``, where the float64 reference prefers ours."""
+    from tests.reference import ReferenceModel
     from weaved.model.tokenizer import Tokenizer
 
     tok = Tokenizer(path, be.gguf)
     llm = llama_model(path, n_ctx=512)
     report = []
     for text in prompts:
-        prompt = tok.encode(text)
+        prompt = tok.encode_prompt(text)
         ours = greedy(be, prompt, n)
         theirs, their_logits = llama_greedy(llm, prompt, n)
         d = first_divergence(ours, theirs, their_logits)
         report.append((text[:30], d))
-        if d is not None:
-            assert d.margin < 0.3, f"{text!r}: diverged at token {d.index} with llama.cpp margin {d.margin:.3f}"
+        if d is None or d.margin < 0.3:
+            continue
+        assert truth, f"{text!r}: diverged at token {d.index} with llama.cpp margin {d.margin:.3f}"
+        ref = ReferenceModel(be.gguf, be.config).logits(prompt + ours[:d.index])[-1]
+        assert ref[d.ours] >= ref[d.theirs], (f"{text!r}: diverged at token {d.index} (llama.cpp margin "
+                                              f"{d.margin:.3f}) and the truth prefers llama.cpp's token")
     print(be.name, "greedy divergences:", report)
     return report

@@ -148,23 +148,11 @@ def write_tiny_gguf(
     return path
 
 
-def llama3_rope_freqs(n_rot: int, base: float, factor: float = 32.0, low: float = 1.0, high: float = 4.0,
-                      orig_ctx: int = 8192) -> np.ndarray:
-    """Llama 3.x's ``rope_freqs.weight``: per rotated pair, 1 for short wavelengths, ``factor`` for
-    long ones, a smooth blend between (the llama3 rope scaling of the HF config, as llama.cpp's
-    converter writes it; Llama 3.2 uses factor 32)."""
-    freqs = 1.0 / base ** (np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
-    out = []
-    for f in freqs:
-        wavelen = 2 * np.pi / f
-        if wavelen < orig_ctx / high:
-            out.append(1.0)
-        elif wavelen > orig_ctx / low:
-            out.append(factor)
-        else:
-            smooth = (orig_ctx / wavelen - low) / (high - low)
-            out.append(1.0 / ((1 - smooth) / factor + smooth))
-    return np.array(out, np.float32)
+def llama3_rope_freqs(n_rot: int, base: float) -> np.ndarray:
+    """Llama 3.2's ``rope_freqs.weight`` for ``n_rot`` rotated dims (factor 32 over 8,192 positions)."""
+    from weaved.bench.shapes import llama3_rope_freqs as freqs
+
+    return freqs(n_rot, base, 32.0, 1.0, 4.0, 8192)
 
 
 def _file_type(wtype: GGMLQuantizationType) -> int:

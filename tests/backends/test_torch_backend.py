@@ -261,23 +261,29 @@ def tiny_untied_f16(tmp_path_factory):
     return write_tiny_gguf(path, "llama", wtype=Q.F16, embd_type=Q.F32, tied=False, output_norm_scale=4.0)
 
 
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_untied_f16", "tiny_llama3",
-                                   "tiny_qwen2_yarn", "tiny_gemma3"])
-def test_architectures_match_the_cpu_backend(model, request):
-    """llama, qwen2 (qkv biases), qwen3 (q/k norms, head_dim != d_model / n_heads), F16 layers with a
-    separate F32 output: the CPU backend's logits and KV, in a ragged batch with decode steps."""
-    path = request.getfixturevalue(model)
-    results = []
-    for be in (TorchBackend.from_file(path, threads=1), CPUBackend.from_file(path, threads=2)):
-        kvs = [be.new_kv(32) for _ in PROMPTS]
-        out = be.forward([SeqChunk(kv, np.array(p, np.int32), Logits.ALL) for kv, p in zip(kvs, PROMPTS, strict=True)])
-        out += be.forward([SeqChunk(kv, np.array([9 + i], np.int32)) for i, kv in enumerate(kvs)])
-        results.append((out, kvs))
-    (ours, kvs_t), (theirs, kvs_c) = results
+def _both_backends_agree(path, steps) -> None:
+    """``steps(backend)`` -> (logits list, kv caches) on the torch and the CPU backend: the same bits."""
+    (ours, kvs_t), (theirs, kvs_c) = (steps(be) for be in (TorchBackend.from_file(path, threads=1),
+                                                            CPUBackend.from_file(path, threads=2)))
     for a, b in zip(ours, theirs, strict=True):
         assert np.array_equal(a, b)
     for a, b in zip(kvs_t, kvs_c, strict=True):
         assert np.array_equal(a.data, b.data)
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_untied_f16", "tiny_llama3",
+                                   "tiny_qwen2_yarn", "tiny_gemma3"])
+def test_architectures_match_the_cpu_backend(model, request):
+    """llama, qwen2 (qkv biases), qwen3 (q/k norms, head_dim != d_model / n_heads), F16 layers with a
+    separate F32 output, rope factors, YaRN, gemma3: the CPU backend's logits and KV, in a ragged batch
+    with decode steps."""
+    def steps(be):
+        kvs = [be.new_kv(32) for _ in PROMPTS]
+        out = be.forward([SeqChunk(kv, np.array(p, np.int32), Logits.ALL) for kv, p in zip(kvs, PROMPTS, strict=True)])
+        out += be.forward([SeqChunk(kv, np.array([9 + i], np.int32)) for i, kv in enumerate(kvs)])
+        return out, kvs
+
+    _both_backends_agree(request.getfixturevalue(model), steps)
 
 
 def test_sliding_windows_match_the_cpu_backend(tiny_gemma3):
@@ -285,8 +291,8 @@ def test_sliding_windows_match_the_cpu_backend(tiny_gemma3):
     prefill split mid-window, then decode steps - the CPU backend's logits and KV."""
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 40000, n).tolist() for n in (30, 57, 9)]
-    results = []
-    for be in (TorchBackend.from_file(tiny_gemma3, threads=1), CPUBackend.from_file(tiny_gemma3, threads=2)):
+
+    def steps(be):
         kvs = [be.new_kv(96) for _ in prompts]
         out = be.forward([SeqChunk(kv, np.array(p[:20], np.int32), Logits.ALL)
                           for kv, p in zip(kvs, prompts, strict=True)])
@@ -294,12 +300,9 @@ def test_sliding_windows_match_the_cpu_backend(tiny_gemma3):
                            for kv, p in zip(kvs, prompts, strict=True)])
         for i in range(3):
             out += be.forward([SeqChunk(kv, np.array([100 + i], np.int32)) for kv in kvs])
-        results.append((out, kvs))
-    (ours, kvs_t), (theirs, kvs_c) = results
-    for a, b in zip(ours, theirs, strict=True):
-        assert np.array_equal(a, b)
-    for a, b in zip(kvs_t, kvs_c, strict=True):
-        assert np.array_equal(a.data, b.data)
+        return out, kvs
+
+    _both_backends_agree(tiny_gemma3, steps)
 
 
 # ---- accuracy bars (docs/architecture.md, "Correctness"), as the CPU backend's in test_accuracy.py -----

@@ -238,3 +238,17 @@ def test_default_context_is_the_profiles_capped_by_the_models(tmp_path):
             assert d.create_session(SLA(SLAClass.BACKGROUND), 131072)["max_context"] == 131072
         finally:
             d.shutdown()
+
+
+def test_a_model_larger_than_ram_is_refused_with_the_numbers(tiny_llama, tmp_path, monkeypatch):
+    import psutil
+
+    from weaved.errors import WeaveError
+
+    real = psutil.virtual_memory()
+    fake = real._replace(total=tiny_llama.stat().st_size // 2)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: fake)
+    d = Daemon(load_profile("cpu-only"), tiny_llama, data_dir=tmp_path, log_fn=lambda m: None)
+    with pytest.raises(WeaveError, match=r"needs about .* GiB of memory .* this host has .* GiB of RAM"):
+        d.load()
+    d.shutdown()

@@ -60,19 +60,21 @@ def test_ensure_native_converts_once(cache, tmp_path):
     first = ensure_native(src, progress=lambda *a: calls.append(a), log=logs.append)
     assert first.parent == cache / "models"
     assert first.name.startswith("tiny-q4_1-") and first.name.endswith("-q4_0.gguf")
-    assert len(logs) == 1 and str(src) in logs[0] and str(first) in logs[0]
+    # what it does, then what it cost: the requantized tensors and the weight error added
+    assert len(logs) == 2 and str(src) in logs[0] and str(first) in logs[0]
+    assert "requantized" in logs[1] and "Q4_1" in logs[1] and "relative weight error" in logs[1]
     assert calls and calls[-1][0] == calls[-1][1]
     check_shared_format(src, first)
     mtime = first.stat().st_mtime_ns
 
     again = ensure_native(src, log=logs.append)
-    assert again == first and first.stat().st_mtime_ns == mtime and len(logs) == 1
+    assert again == first and first.stat().st_mtime_ns == mtime and len(logs) == 2
 
     # a changed source (new modification time) is converted again, under a new name
     st = src.stat()
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     changed = ensure_native(src, log=logs.append)
-    assert changed != first and changed.name == converted_name(src) and len(logs) == 2
+    assert changed != first and changed.name == converted_name(src) and len(logs) == 4
 
 
 def _convert_in_child(src: str, cache: str, log_file: str, barrier, results) -> None:
