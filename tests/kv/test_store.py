@@ -201,6 +201,40 @@ def test_delete_removes_files(tmp_path):
     store.create("gone", 16)  # the id can be reused
 
 
+def held_by_process(path: Path) -> list[str]:
+    """What in this process still holds ``path`` (unlinked or not): mappings and open descriptors."""
+    held = [line for line in Path("/proc/self/maps").read_text().splitlines() if str(path) in line]
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(str(path)):
+                held.append(f"fd {fd}")
+        except OSError:  # closed between listdir and readlink
+            pass
+    return held
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+def test_delete_lets_go_of_the_file_while_its_cache_is_still_held(tmp_path):
+    store = KVStore(tmp_path, CFG, chunk=CHUNK)
+    kv = store.create("held", 1024)
+    store.reserve(kv, 1024)
+    fill(kv, 0, 1024, seed=3)
+    path = tmp_path / "held.kv"
+    assert held_by_process(path)  # mapped while the session lives
+    before_fds = len(os.listdir("/proc/self/fd"))
+    store.delete("held")  # an engine's step still holds kv (kept alive here)
+    assert held_by_process(path) == []  # neither mapped (the disk blocks go now) nor open
+    assert len(os.listdir("/proc/self/fd")) <= before_fds
+    kv.data[:, :, :, :4] = 1.0  # a step in flight may still write: memory, no crash, no file
+    assert float(kv.data[0, 0, 0, 0, 0]) == 1.0
+    for i in range(20):  # deleting many sessions leaves nothing behind
+        k = store.create(f"s{i}", 256)
+        store.reserve(k, 256)
+        store.delete(f"s{i}")
+    assert not any("(deleted)" in line and str(tmp_path) in line
+                   for line in Path("/proc/self/maps").read_text().splitlines())
+
+
 def test_tiers_numbers(tmp_path):
     store = KVStore(tmp_path, CFG, chunk=CHUNK)
     kv = store.create("a", capacity=8192)

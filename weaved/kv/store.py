@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from weaved.kv.cache import KVCache
+from weaved.kv.mapping import FileMapping
 from weaved.kv.tiers import allocated_bytes, file_resident_bytes, punch_hole, resident_bytes
 from weaved.model.config import ModelConfig
 
@@ -69,7 +70,7 @@ def model_fingerprint(config: ModelConfig) -> str:
 class _Session:
     capacity: int
     reserved: int  # positions [0, reserved) are backed by allocated blocks
-    mm: mmap.mmap
+    mm: FileMapping
     data: np.ndarray  # [n_layers, 2, n_kv_heads, capacity, head_dim] float16 over mm
 
 
@@ -182,7 +183,7 @@ class KVStore:
     def _map(self, session_id: str, capacity: int, length: int) -> KVCache:
         fd = os.open(self._kv_path(session_id), os.O_RDWR)
         try:
-            mm = mmap.mmap(fd, capacity * self.config.kv_bytes_per_token, flags=mmap.MAP_SHARED)
+            mm = FileMapping(fd, capacity * self.config.kv_bytes_per_token)
         finally:
             os.close(fd)  # the mapping keeps its own reference to the file
         # Without this, the first write fault in a run makes the kernel read ahead up to megabytes
@@ -191,9 +192,8 @@ class KVStore:
         mm.madvise(mmap.MADV_RANDOM)
         if length:
             for off, n in self._runs(capacity, 0, length):
-                aligned = off - off % mmap.ALLOCATIONGRANULARITY
-                mm.madvise(mmap.MADV_WILLNEED, aligned, off + n - aligned)
-        data = np.ndarray(self._shape(capacity), dtype=np.float16, buffer=mm)
+                mm.madvise(mmap.MADV_WILLNEED, off, n)
+        data = mm.array(self._shape(capacity), np.float16)
         kv = KVCache(data, length)
         # Committed rows were written, so their blocks exist; reserve() allocates from there on.
         self._open[session_id] = _Session(capacity, reserved=length, mm=mm, data=data)
@@ -201,14 +201,17 @@ class KVStore:
         return kv
 
     def delete(self, session_id: str) -> None:
-        """Remove the session's files and free its reservation (an engine still holding its
-        KVCache keeps a mapping of the unlinked file until it drops it)."""
+        """Remove the session's files and free its reservation, its file's mapping and its disk blocks
+        now.  A KVCache still held (an engine's step in flight) stays readable and writable, over
+        anonymous memory that is freed with it (``FileMapping.release``)."""
         self._check_id(session_id)
         with self._lock:
-            self._open.pop(session_id, None)
+            s = self._open.pop(session_id, None)
             self._unopened.pop(session_id, None)
             self._kv_path(session_id).unlink(missing_ok=True)
             self._meta_path(session_id).unlink(missing_ok=True)
+            if s is not None:
+                s.mm.release()
 
     def session_ids(self) -> list[str]:
         return sorted(p.stem for p in self.dir.glob("*.kv") if _ID_RE.match(p.stem))

@@ -11,27 +11,19 @@ process touched them or not.  ``mincore`` is reached through ctypes; where libc 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 from pathlib import Path
 
 import numpy as np
 
+from weaved.kv.libc import libc_function
+
 PAGE = mmap.PAGESIZE
 
 
-def _libc_function(name: str, argtypes: list, restype=ctypes.c_int):
-    try:
-        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = argtypes, restype
-    return fn
-
-
-_mincore = _libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
-_fallocate = _libc_function("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
+_mincore = libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
+_fallocate = libc_function("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 

@@ -1,0 +1,79 @@
+"""A shared mapping of a session's KV file that lets go of the file while arrays over it still live.
+
+Python's ``mmap`` object keeps a duplicate of the file's descriptor for its whole life, and the mapping
+itself holds the file: a deleted session's descriptor and disk blocks stayed until the last array over
+its mapping was garbage-collected - an engine thread may still hold the session's cache, and reference
+cycles make that "whenever".  Here the file is mapped with libc's ``mmap`` (no descriptor is kept), the
+arrays are numpy views of a ctypes buffer at the mapping's address (unmapped when the last of them
+goes), and ``release`` swaps the file's pages for anonymous ones at the same addresses, so the file is
+let go at once and the arrays stay valid.  Where libc's calls are unavailable it falls back to Python's
+``mmap`` and ``release`` does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import weakref
+
+import numpy as np
+
+from weaved.kv.libc import libc_function
+
+_mmap = libc_function("mmap", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_int64], restype=ctypes.c_void_p)
+_munmap = libc_function("munmap", [ctypes.c_void_p, ctypes.c_size_t])
+_madvise = libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+_MAP_FIXED = 0x10  # Linux's value on every architecture; Python's mmap module does not export it
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_RW = mmap.PROT_READ | mmap.PROT_WRITE
+_NATIVE = None not in (_mmap, _munmap, _madvise)
+
+
+class FileMapping:
+    """``length`` bytes of the file open as ``fd``, mapped shared and writable (the caller may close
+    ``fd`` right after: the mapping does not need it)."""
+
+    def __init__(self, fd: int, length: int):
+        if length < 1:
+            raise ValueError(f"cannot map {length} bytes")
+        self.length = length
+        self.released = False
+        if not _NATIVE:
+            self._mm: mmap.mmap | None = mmap.mmap(fd, length, flags=mmap.MAP_SHARED)
+            self._buf = self._mm
+            return
+        self._mm = None
+        addr = _mmap(None, length, _RW, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        self.addr = addr
+        self._buf = (ctypes.c_char * length).from_address(addr)
+        # unmapped when the buffer goes: after this object and every array over it
+        weakref.finalize(self._buf, _munmap, addr, length)
+
+    def array(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """A writable array of ``shape`` over the mapping's first bytes (it keeps the mapping alive)."""
+        return np.frombuffer(self._buf, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+
+    def madvise(self, advice: int, start: int = 0, length: int | None = None) -> None:
+        """``madvise(2)`` over bytes [start, start + length) (start rounded down to a page)."""
+        length = self.length - start if length is None else length
+        first = start - start % mmap.PAGESIZE
+        if self._mm is not None:
+            self._mm.madvise(advice, first, start + length - first)
+        elif not self.released:
+            _madvise(self.addr + first, start + length - first, advice)
+
+    def release(self) -> bool:
+        """Let go of the file now: its pages are replaced, at the same addresses, by anonymous zero pages
+        (one ``mmap(MAP_FIXED)``, atomic for a thread reading or writing them meanwhile; a step still in
+        flight writes into memory nobody reads).  The arrays stay valid; the anonymous pages are unmapped
+        with them.  False where unsupported (the file is then held until the arrays go)."""
+        if self._mm is not None or self.released:
+            return self.released
+        got = _mmap(self.addr, self.length, _RW, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
+        self.released = got == self.addr
+        return self.released
