@@ -252,3 +252,77 @@ def test_a_model_larger_than_ram_is_refused_with_the_numbers(tiny_llama, tmp_pat
     with pytest.raises(WeaveError, match=r"needs about .* GiB of memory .* this host has .* GiB of RAM"):
         d.load()
     d.shutdown()
+
+
+LONG = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+
+
+class Stream:
+    """A turn's events as a client reads them, with a wait for its first token and for its end."""
+
+    def __init__(self, hold: bool = False) -> None:
+        self.events: list[dict] = []
+        self.first = threading.Event()
+        self.done = threading.Event()
+        self.go = threading.Event()  # with hold: the engine thread waits in the first token for this
+        if not hold:
+            self.go.set()
+
+    def __call__(self, ev: dict) -> None:  # the engine thread
+        self.events.append(ev)
+        if ev["type"] == "token" and not self.first.is_set():
+            self.first.set()
+            self.go.wait(30)
+        if ev["type"] in ("done", "error"):
+            self.done.set()
+
+
+def test_deleting_a_session_mid_turn_ends_its_stream_and_its_file(daemon):
+    for round_ in range(4):  # the race was intermittent: several times, each ending cleanly
+        sid = daemon.create_session(SLA(SLAClass.BACKGROUND))["id"]
+        stream = Stream(hold=True)
+        daemon.start_turn(session_id=sid, messages=[{"role": "user", "content": "Count to a thousand"}],
+                          params=LONG, emit=stream)
+        assert stream.first.wait(60)
+        # the engine thread waits in the stream's next token until the session and its journal record
+        # are gone, so the cancel lands after them (the order that used to leave streams open)
+        daemon.delete_session(sid)
+        stream.go.set()
+        assert stream.done.wait(60), f"round {round_}: the stream never ended"
+        end = stream.events[-1]
+        assert end["type"] == "done" and end["finish_reason"] == "cancelled"
+        assert sum(ev["type"] in ("done", "error") for ev in stream.events) == 1
+        with pytest.raises(NotFound):
+            daemon.get_session(sid)
+        assert sid not in [r.id for r in daemon.journal.list(with_tokens=False)]
+        maps = Path("/proc/self/maps").read_text()
+        assert f"{sid}.kv" not in maps  # the file's mapping went with the session, not at collection
+
+
+def test_a_turn_right_after_a_cancel_waits_for_it_instead_of_conflict(daemon):
+    sid = daemon.create_session(SLA(SLAClass.INTERACTIVE, 500, None))["id"]
+    stream = Stream()
+    daemon.start_turn(session_id=sid, messages=[{"role": "user", "content": "Count to a thousand"}],
+                      params=LONG, emit=stream)
+    assert stream.first.wait(60)
+    daemon.cancel_turn(sid)  # the client hung up ...
+    events, _ = run_turn(daemon, sid, "Just say hi")  # ... and came straight back: accepted
+    assert stream.events[-1]["finish_reason"] == "cancelled"
+    assert events[-1]["type"] == "done" and events[-1]["finish_reason"] != "cancelled"
+    roles = [m["role"] for m in daemon.get_session(sid)["messages"]]
+    assert roles == ["user", "assistant", "user", "assistant"]  # the cut answer, then the new turn's
+
+
+def test_a_turn_still_generating_is_not_interrupted_by_a_second(daemon):
+    from weaved.errors import Conflict
+
+    sid = daemon.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    stream = Stream()
+    daemon.start_turn(session_id=sid, messages=[{"role": "user", "content": "Count to a thousand"}],
+                      params=LONG, emit=stream)
+    assert stream.first.wait(60)
+    with pytest.raises(Conflict):
+        daemon.start_turn(session_id=sid, messages=[{"role": "user", "content": "hi"}], params=GREEDY,
+                          emit=lambda ev: None)
+    daemon.cancel_turn(sid)
+    assert stream.done.wait(60)

@@ -37,6 +37,7 @@ from weaved.routing.types import SLA, Placement, RoutingError, SessionRequest, S
 
 log = logging.getLogger("weave.daemon")
 KV_ALIGN = 32  # capacities are multiples of this: keeps the file's per-head runs page-aligned
+CANCEL_WAIT_S = 30.0  # how long a new turn waits for its session's cancelled turn to end (one engine step)
 
 
 class Daemon:
@@ -235,7 +236,8 @@ class Daemon:
     def delete_session(self, sid: str) -> None:
         with self._lock:
             s = self._get(sid)
-            if s.busy:
+            if s.busy:  # its stream ends with finish_reason "cancelled" (_on_turn_event)
+                s.turn.cancel_requested = True
                 self.engines[s.pool].cancel(sid)
             del self.sessions[sid]
         self._free_kv(s)
@@ -253,9 +255,10 @@ class Daemon:
         if session_id is None:
             info = self.create_session(sla or SLA(SLAClass.INTERACTIVE), ephemeral=True)
             session_id = info["id"]
+        self._await_previous_turn(session_id)
         with self._lock:
             s = self._get(session_id)
-            if s.busy:
+            if s.turn is not None and not s.turn.ended.is_set():
                 raise Conflict(f"session {session_id} is already generating a turn", param="session")
             if messages is not None:
                 new, keep = chat_turn_tokens(self.tokenizer, s, messages)
@@ -297,6 +300,16 @@ class Daemon:
         self.engines[run_in].submit(seq)
         return handle
 
+    def _await_previous_turn(self, sid: str) -> None:
+        """Wait (bounded) for the session's last turn to be over when it is only ending: cancelled by a
+        client that hung up and came back, or finished but not yet recorded.  A turn still generating
+        is left alone (start_turn refuses the new one)."""
+        with self._lock:
+            s = self.sessions.get(sid)
+            turn = s.turn if s is not None else None
+        if turn is not None and (turn.cancel_requested or turn.status.done):
+            turn.ended.wait(CANCEL_WAIT_S)
+
     def _drop_ephemeral(self, s: Session) -> None:
         with self._lock:
             self.sessions.pop(s.id, None)
@@ -318,8 +331,10 @@ class Daemon:
     def cancel_turn(self, sid: str) -> None:
         with self._lock:
             s = self.sessions.get(sid)
-        if s is not None and s.busy:
-            self.engines[s.pool].cancel(sid)
+            if s is None or not s.busy:
+                return
+            s.turn.cancel_requested = True
+        self.engines[s.pool].cancel(sid)
 
     # engine-thread callbacks
     def _reserve(self, seq: Sequence, new_length: int) -> None:
@@ -338,21 +353,33 @@ class Daemon:
     def _on_turn_event(self, s: Session, seq: Sequence, ev: dict, emit: Callable[[dict], None],
                        n_prompt: int) -> None:
         kind = ev["type"]
-        if kind in ("done", "error"):
-            with self._lock:
-                s.tail = list(seq.pending) if kind == "done" else []
-                text = "".join(seq.text)
-                if seq.generated and kind == "done":
-                    s.messages.append({"role": "assistant", "content": text})
-                    if not s.ephemeral:
-                        self.journal.finish_message(s.id, "assistant", text, list(seq.generated))
-                s.last_active = time.time()
+        if kind not in ("done", "error"):
+            emit(ev)
+            return
+        try:
+            self._record_turn_end(s, seq, kind)
+        except Exception:  # the stream must end whatever recording did
+            log.exception("session %s: recording the end of its turn failed", s.id)
+        try:
             emit({**ev, "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(seq.generated),
                                   "cached_tokens": n_prompt - seq.prefilled}})
+        finally:
             if s.ephemeral:
                 self._drop_ephemeral(s)
-            return
-        emit(ev)
+            seq.ended.set()
+
+    def _record_turn_end(self, s: Session, seq: Sequence, kind: str) -> None:
+        """The answer into the transcript and the journal - unless the session was deleted meanwhile."""
+        with self._lock:
+            if self.sessions.get(s.id) is not s:
+                return
+            s.tail = list(seq.pending) if kind == "done" else []
+            text = "".join(seq.text)
+            if seq.generated and kind == "done":
+                s.messages.append({"role": "assistant", "content": text})
+                if not s.ephemeral:
+                    self.journal.finish_message(s.id, "assistant", text, list(seq.generated))
+            s.last_active = time.time()
 
     # ---- SLA changes ---------------------------------------------------------------------------------
     def promote(self, sid: str) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -78,6 +79,9 @@ class Sequence:
     # elsewhere (a pipeline prefill across peers) and returns n, which the engine then counts as fed;
     # n < len(pending), so the engine still feeds the last token and samples the first from its logits
     prefill_outside: Callable[[Sequence], int] | None = None
+    cancel_requested: bool = False  # a cancel is on its way to the engine (it lands at the next step)
+    # set by the daemon once the turn is over for good: its end recorded and its last event emitted
+    ended: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.sampler = Sampler(self.params)
