@@ -48,7 +48,7 @@ def validation_error(errors: list) -> InvalidRequest:
     # unions report one error per member ("prompt.str", "prompt.list[int]"): name the field only
     loc = [p for p in loc if not _is_type_tag(p)]
     param = ".".join(loc) or None
-    msg = first.get("msg", "invalid value")
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")  # a validator's own message
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
     return InvalidRequest(f"{param}: {msg}{more}" if param else f"{msg}{more}", param=param)
 

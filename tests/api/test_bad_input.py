@@ -41,6 +41,10 @@ RAW_BODIES = [
     pytest.param(b"[1, 2]", "JSON object", id="not-an-object"),
     pytest.param(b"", "empty", id="empty-body"),
     pytest.param(b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "NaN", id="nan"),
+    pytest.param(b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", "levels deep", id="nested-5000"),
+    pytest.param(b'{"messages": ' + b"[" * 70 + b"]" * 70 + b"}", "levels deep", id="nested-70"),
+    pytest.param(b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "surrogate", id="lone-surrogate"),
+    pytest.param(b'{"messages": [{"role": "user", "\\udc00": "hi"}]}', "surrogate", id="surrogate-key"),
 ]
 
 
@@ -104,11 +108,20 @@ def test_invalid_sla_headers(client, bystander, headers: dict, param: str):
 @pytest.mark.parametrize("body", [
     {"prompt": 5}, {"prompt": ""}, {"prompt": []}, {"prompt": ["a", "b"]}, {"prompt": [1, -2]},
     {"prompt": [1, 999999]}, {"prompt": "x", "logprobs": 21}, {"prompt": "x", "echo": 1},
-    {"prompt": "x", "best_of": 3}, {"prompt": "x", "max_tokens": 0},
+    {"prompt": "x", "best_of": 3}, {"prompt": "x", "max_tokens": 0}, {"prompt": [1.5]}, {"prompt": [True]},
+    {"prompt": [[1, -1]]}, {"prompt": {"text": "x"}}, {"prompt": [1, "a"]},
 ], ids=["int", "empty", "empty-list", "batch", "negative-id", "id-beyond-vocab", "logprobs-21", "echo-int",
-        "best-of", "max-tokens-zero"])
+        "best-of", "max-tokens-zero", "float-id", "bool-id", "nested-negative-id", "object", "mixed"])
 def test_bad_completions(client, bystander, body: dict):
-    assert_error(client.post("/v1/completions", json=body), 400, type_="invalid_request_error")
+    err = assert_error(client.post("/v1/completions", json=body), 400, type_="invalid_request_error")
+    if err["param"] == "prompt":  # a message that says what was wanted, not a union's "Input should be"
+        assert "Input should be" not in err["message"]
+
+
+def test_token_id_prompts(client, bystander):
+    for prompt in ([1, 2, 3], [[1, 2, 3]]):
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
 
 
 def test_bad_session_bodies(client, bystander):

@@ -188,3 +188,30 @@ def test_shutdown_ends_streams_and_turns(sock_path):
             results["events"] = list(events.iter_lines())  # ends instead of waiting forever
     assert results["turn"][-1]["choices"][0]["finish_reason"] == "shutdown"
     assert not sock_path.exists()
+
+
+def test_keep_alive_survives_bad_requests(fake: FakeDaemon, sock_path):
+    """Every malformed body is answered 400 on a connection that stays usable: one raw socket, several
+    requests in a row on it."""
+    bad = [b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+           b'{"messages": [{"role": "user", "content": "\\ud800"}]}', b'{"prompt": [-1]}', b"{"]
+    good = json.dumps({"messages": USER, "max_tokens": 2}).encode()
+    with serving(fake, sock_path), socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(WAIT_S)
+        s.connect(str(sock_path))
+        reader = s.makefile("rb")
+        for body in [*bad, good]:
+            path = b"/v1/completions" if b"prompt" in body else b"/v1/chat/completions"
+            s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: weave\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            status = reader.readline().split()[1]
+            headers = {}
+            while (line := reader.readline().strip()):
+                k, v = line.decode().split(":", 1)
+                headers[k.lower()] = v.strip()
+            payload = json.loads(reader.read(int(headers["content-length"])))
+            assert headers.get("connection") != "close"
+            if body is good:
+                assert status == b"200" and payload["choices"][0]["message"]["content"] == "He"
+            else:
+                assert status == b"400" and payload["error"]["type"] == "invalid_request_error", payload

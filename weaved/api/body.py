@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -13,6 +14,8 @@ from weaved.http_errors import validation_error
 
 M = TypeVar("M", bound=BaseModel)
 MAX_BODY_BYTES = 32 * 2**20  # far above any prompt that fits a context; a bound on what one request costs
+MAX_DEPTH = 64  # JSON nesting: a JSON schema or tool definition needs a dozen levels, never this many
+_SURROGATE = re.compile("[\ud800-\udfff]")  # "\ud800" escapes JSON allows but UTF-8 cannot encode
 
 
 class TooLarge(InvalidRequest):
@@ -32,12 +35,35 @@ def parse_json(raw: bytes) -> object:
     except UnicodeDecodeError as e:
         raise InvalidRequest(f"the request body is not valid UTF-8 (byte {e.start})") from None
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        value = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e.msg} at line {e.lineno} "
                              f"column {e.colno}") from None
     except ValueError as e:  # NaN, Infinity
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequest(f"the request body nests JSON more than {MAX_DEPTH} levels deep") from None
+    _check_value(value)
+    return value
+
+
+def _check_value(value: object) -> None:
+    """Refuse nesting deeper than MAX_DEPTH and strings holding lone surrogates (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            m = _SURROGATE.search(v)
+            if m:
+                raise InvalidRequest(f"the request body holds a lone surrogate (\\u{ord(m.group()):04x}), "
+                                     "which is not a Unicode character; send valid UTF-16 pairs or UTF-8")
+        elif isinstance(v, dict | list):
+            if depth > MAX_DEPTH:
+                raise InvalidRequest(f"the request body nests JSON more than {MAX_DEPTH} levels deep")
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in items:
+                stack.append((k, depth))  # keys are strings too
+                stack.append((x, depth + 1))
 
 
 def validate(model: type[M], data: object) -> M:

@@ -116,15 +116,38 @@ class ChatRequest(Sampling):
     detach: bool = False  # Weave extension: answer 202 at once, the turn runs on (a session's turn only)
 
 
-TokenIds = list[Annotated[int, Field(ge=0)]]
+def _check_token_ids(ids: list) -> None:
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise ValueError(f"token ids must be integers (item {i} is {type(t).__name__})")
+        if t < 0:
+            raise ValueError(f"token ids must be >= 0 (item {i} is {t})")
 
 
 class CompletionRequest(Sampling):
     """``POST /v1/completions``: one prompt (text or token ids)."""
 
-    prompt: str | TokenIds | list[str] | list[TokenIds]
+    prompt: Any
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, p: Any) -> Any:
+        """OpenAI's four shapes, each checked with a message that says which was meant (a union's
+        error list says only that nothing matched)."""
+        if isinstance(p, str):
+            return p
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            return p
+        if isinstance(p, list) and p and all(isinstance(x, list) for x in p):
+            for x in p:
+                _check_token_ids(x)
+            return p
+        if isinstance(p, list) and not any(isinstance(x, str | list) for x in p):
+            _check_token_ids(p)
+            return p
+        raise ValueError("must be a string, a list of token ids (integers >= 0), or a list of those")
 
     def single_prompt(self) -> str | list[int]:
         """The prompt as text or token ids; a list holding one prompt is unwrapped."""
