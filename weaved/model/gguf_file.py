@@ -73,12 +73,32 @@ class GGUFFile:
         """Drop the file's pages from this process's resident set (they stay in the page cache and
         come back on the next read): after the weights were repacked, only embedding rows are read."""
         for t in self.tensors.values():  # every view shares the file's one mapping
-            base = t.raw
-            while base is not None and not isinstance(base, mmap.mmap):
-                base = base.base
-            if base is not None:
-                base.madvise(mmap.MADV_DONTNEED)
+            mm = _mapping_of(t.raw)
+            if mm is not None:
+                mm.madvise(mmap.MADV_DONTNEED)
             return
+
+
+def release_view(view: np.ndarray) -> None:
+    """Drop the pages under ``view`` (a tensor's memory-mapped data) from this process's resident set.
+
+    The pages stay in the page cache, so the next read maps them again without I/O.  Reading a few
+    scattered rows of a mapped file maps whole page-cache folios (hundreds of KB per row on kernels
+    with large folios), so a reader of scattered rows that runs forever - the logits' refinement -
+    would otherwise make the whole tensor resident twice, beside its packed copy."""
+    mm = _mapping_of(view)
+    if mm is None or view.nbytes == 0:
+        return
+    start = view.__array_interface__["data"][0] - np.frombuffer(mm, np.uint8).__array_interface__["data"][0]
+    first = start - start % mmap.PAGESIZE
+    mm.madvise(mmap.MADV_DONTNEED, first, start + view.nbytes - first)
+
+
+def _mapping_of(view: np.ndarray) -> mmap.mmap | None:
+    base = view
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = base.base
+    return base
 
 
 def _plain(v: Any) -> Any:
