@@ -10,6 +10,7 @@ import os
 import sys
 
 import typer
+from weaved.cli.fmt import printable
 
 app = typer.Typer(
     name="weave",
@@ -46,5 +47,5 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence
         if os.environ.get("WEAVE_DEBUG") == "1":
             raise
-        typer.echo(f"weave: error: {exc}", err=True)
+        typer.echo(printable(f"weave: error: {exc}"), err=True)
         sys.exit(1)

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 from weaved.cli import fmt
 from weaved.cli.client import Client, sla_body
-from weaved.cli.common import ApiKeyOpt, SLAClass, SocketOpt, connect, sla_class
+from weaved.cli.common import ApiKeyOpt, SLAClass, SocketOpt, connect, echo, sla_class
 from weaved.cli.errors import ApiError
 from weaved.cli.run import MaxTokensOpt, SeedOpt, SystemOpt, TemperatureOpt, write_stream
 
@@ -34,7 +34,7 @@ class ChatRepl:
 
     def __init__(self, client: Client, *, session_id: str | None, sla: str | None, system: str | None,
                  sampling: dict[str, Any], read: Callable[[str], str] = input,
-                 say: Callable[[str], None] = typer.echo):
+                 say: Callable[[str], None] = echo):
         self.client, self.sla, self.system, self.sampling = client, sla, system, sampling
         self.read, self.say = read, say
         self.session_id = session_id

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
@@ -16,6 +17,7 @@ from typing import Annotated, Any
 import typer
 from weaved.cli.client import Client
 from weaved.cli.errors import ClientError, DaemonNotRunning
+from weaved.cli.fmt import printable
 
 EXIT_FAILED = 1
 EXIT_NO_DAEMON = 3
@@ -36,13 +38,16 @@ class SLAClass(StrEnum):
     batch = "batch"
 
 
+_UNESCAPED = re.compile("[\\x7f-\\x9f\\u202a-\\u202e\\u2066-\\u2069]")  # json.dumps escapes the C0 ones
+
+
 def debug() -> bool:
     return os.environ.get("WEAVE_DEBUG") == "1"
 
 
 def fail(message: str, code: int = EXIT_FAILED) -> typer.Exit:
     """Print ``weave: error: <message>`` to stderr; raise the returned Exit."""
-    typer.echo(f"weave: error: {message}", err=True)
+    echo(f"weave: error: {message}", err=True)
     return typer.Exit(code)
 
 
@@ -65,8 +70,17 @@ def connect(socket: str | None, api_key: str | None) -> Iterator[Client]:
         yield client
 
 
+def echo(text: str = "", err: bool = False) -> None:
+    """``typer.echo`` of ``text`` with its control characters escaped (``fmt.printable``): every line a
+    command prints may hold what a model wrote or a client sent."""
+    typer.echo(printable(text), err=err)
+
+
 def print_json(data: Any) -> None:
-    typer.echo(json.dumps(data, indent=2, ensure_ascii=False))
+    """``data`` as indented JSON; the control characters JSON leaves raw (DEL, C1, bidi overrides) are
+    written as ``\\u`` escapes, so the output is still the same JSON."""
+    text = json.dumps(data, indent=2, ensure_ascii=False)
+    typer.echo(_UNESCAPED.sub(lambda m: f"\\u{ord(m.group()):04x}", text))
 
 
 def remove_each(items: list[str], remove: Callable[[str], Any], said: Callable[[str], str], json: bool) -> None:
@@ -76,7 +90,7 @@ def remove_each(items: list[str], remove: Callable[[str], Any], said: Callable[[
     for item in items:
         done.append(remove(item))
         if not json:
-            typer.echo(said(item))
+            echo(said(item))
     if json:
         print_json(done)
 

@@ -5,10 +5,26 @@ No rich here on purpose: the commands print aligned columns a script can also cu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
 DASH = "-"
+# What a terminal would act on rather than show: C0 controls but newline and tab (ESC starts escape
+# sequences that move the cursor, retitle the window or write to the clipboard), DEL, the C1 controls
+# (U+009B is a one-character CSI to some terminals) and the bidirectional overrides that reorder text
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: each control character shown as its escape (``\\x1b``,
+    ``\\u202e``), newlines and tabs kept.  For everything that came from the daemon or a model."""
+    return _UNPRINTABLE.sub(_escape, text)
+
+
+def _escape(m: re.Match) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, width: int | None = None,
@@ -17,7 +33,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, width: int |
 
     With ``width`` the last column is cut to fit (with an ellipsis); otherwise nothing is cut.
     """
-    cells = [[DASH if c is None else str(c) for c in row] for row in rows]
+    cells = [[DASH if c is None else printable(str(c)) for c in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     lines = []
     for row in [list(headers), *cells]:

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 from weaved.cli import fmt
-from weaved.cli.common import ApiKeyOpt, JsonOpt, SocketOpt, connect, fail, print_json, remove_each
+from weaved.cli.common import ApiKeyOpt, JsonOpt, SocketOpt, connect, echo, fail, print_json, remove_each
 
 DEFAULT_TOKEN_ENV = "WEAVE_PEER_TOKEN"
 
@@ -64,9 +64,9 @@ def ls(socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = Fals
     if json:
         print_json(peers)
     elif not peers:
-        typer.echo("no peers")
+        echo("no peers")
     else:
-        typer.echo(peers_table(peers))
+        echo(peers_table(peers))
 
 
 @peers_app.command("add")
@@ -90,7 +90,7 @@ def add(name: NameArg,
     if json:
         print_json(peer)
     else:
-        typer.echo(f"added peer {peer['name']} at {peer['url']}; it is being checked (see `weave peers ls`)")
+        echo(f"added peer {peer['name']} at {peer['url']}; it is being checked (see `weave peers ls`)")
 
 
 @peers_app.command("rm")

@@ -10,7 +10,7 @@ from typing import Annotated, TextIO
 import typer
 from weaved.cli import fmt
 from weaved.cli.client import Client, Delta, sla_body
-from weaved.cli.common import ApiKeyOpt, JsonOpt, SLAClass, SocketOpt, connect, fail, print_json, sla_class
+from weaved.cli.common import ApiKeyOpt, JsonOpt, SLAClass, SocketOpt, connect, echo, fail, print_json, sla_class
 
 SystemOpt = Annotated[str | None, typer.Option("--system", help="A system prompt.", show_default=False)]
 MaxTokensOpt = Annotated[int | None, typer.Option(
@@ -32,7 +32,7 @@ def write_stream(deltas: Iterable[Delta], out: TextIO | None = None) -> Delta | 
     last = None
     for d in deltas:
         if d.text:
-            out.write(d.text)
+            out.write(fmt.printable(d.text))  # a model's text may hold escape sequences
             out.flush()
         last = d if d.finish_reason or d.usage else last
     out.write("\n")
@@ -42,7 +42,7 @@ def write_stream(deltas: Iterable[Delta], out: TextIO | None = None) -> Delta | 
 
 def _note_length(last: Delta | None) -> None:
     if last is not None and last.finish_reason == "length":
-        typer.echo("(stopped at the token limit; raise it with --max-tokens)", err=True)
+        echo("(stopped at the token limit; raise it with --max-tokens)", err=True)
 
 
 PromptArg = Annotated[str, typer.Argument(help="The prompt; `-` reads it from stdin.", show_default=False)]
@@ -124,12 +124,12 @@ def submit(
         header = f"session   {info['id']}\nplacement {fmt.placement_summary(info.get('placement'))}"
         if not wait:
             client.detach_turn(info["id"], msgs, **sampling)
-            print_json({**record, "status": "running"}) if json else typer.echo(header)
+            print_json({**record, "status": "running"}) if json else echo(header)
             return
         if json:
             print_json({**record, **_turn_result(client, info["id"], msgs, sampling)})
             return
-        typer.echo(header, err=True)
+        echo(header, err=True)
         last = write_stream(client.stream_turn(info["id"], msgs, **sampling))
     _note_length(last)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from weaved.cli.fmt import printable
 
 HELP = (
     "Run the Weave daemon: load the model, recover the sessions of earlier runs and serve the HTTP API "
@@ -28,16 +29,16 @@ HELP = (
 
 
 def _say(message: str) -> None:
-    typer.echo(f"weave: {message}")
+    typer.echo(printable(f"weave: {message}"))
 
 
 def _fail(message: str) -> typer.Exit:
-    typer.echo(f"weave serve: error: {message}", err=True)
+    typer.echo(printable(f"weave serve: error: {message}"), err=True)
     return typer.Exit(1)
 
 
 def _log_line(message: str) -> None:
-    typer.echo(f"{time.strftime('%H:%M:%S')} {message}")
+    typer.echo(printable(f"{time.strftime('%H:%M:%S')} {message}"))
 
 
 class _ConvertProgress:

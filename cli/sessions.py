@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 from weaved.cli import fmt
-from weaved.cli.common import ApiKeyOpt, JsonOpt, SocketOpt, connect, print_json, remove_each
+from weaved.cli.common import ApiKeyOpt, JsonOpt, SocketOpt, connect, echo, print_json, remove_each
 
 IdArg = Annotated[str, typer.Argument(metavar="ID", help="A session id (as `weave ps` lists them).",
                                       show_default=False)]
@@ -39,9 +39,9 @@ def ps(socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = Fals
     if json:
         print_json(sessions)
     elif not sessions:
-        typer.echo("no sessions")
+        echo("no sessions")
     else:
-        typer.echo(ps_table(sessions, _terminal_width()))
+        echo(ps_table(sessions, _terminal_width()))
 
 
 def show_text(s: dict) -> str:
@@ -72,7 +72,7 @@ def show(session_id: IdArg, socket: SocketOpt = None, api_key: ApiKeyOpt = None,
     """Show a session: its SLA, placement and transcript."""
     with connect(socket, api_key) as client:
         s = client.session(session_id)
-    print_json(s) if json else typer.echo(show_text(s))
+    print_json(s) if json else echo(show_text(s))
 
 
 def rm(session_ids: Annotated[list[str], typer.Argument(metavar="ID...", help="Sessions to delete.")],
@@ -88,7 +88,7 @@ def _sla_change(session_id: str, socket: str | None, api_key: str | None, json: 
     if json:
         print_json(s)
     else:
-        typer.echo(f"{s['id']}: {fmt.sla_summary(s.get('sla'))} -> "
+        echo(f"{s['id']}: {fmt.sla_summary(s.get('sla'))} -> "
                    f"{fmt.placement_summary(s.get('placement'))}")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 from weaved.cli import fmt
-from weaved.cli.common import ApiKeyOpt, JsonOpt, SocketOpt, connect, print_json
+from weaved.cli.common import ApiKeyOpt, JsonOpt, SocketOpt, connect, echo, print_json
 
 
 def pools_table(pools: list[dict]) -> str:
@@ -86,7 +86,7 @@ def status(socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = 
     """Show the daemon: model, pools, KV tiers, hardware and peers."""
     with connect(socket, api_key) as client:
         st = client.status()
-    print_json(st) if json else typer.echo(status_text(st))
+    print_json(st) if json else echo(status_text(st))
 
 
 def register(app: typer.Typer) -> None:

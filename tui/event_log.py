@@ -6,7 +6,7 @@ import time
 
 from rich.text import Text
 from textual.widgets import RichLog
-from weaved.cli.fmt import placement_summary
+from weaved.cli.fmt import placement_summary, printable
 
 STYLES = {"placement": "cyan", "promotion": "green", "demotion": "yellow", "preemption": "magenta",
           "migration": "blue", "error": "red"}
@@ -37,7 +37,7 @@ class EventLog(RichLog):
         self.border_title = "events"
 
     def add(self, ev: dict) -> None:
-        line = event_text(ev)
+        line = printable(event_text(ev))
         self.entries.append(line)
         del self.entries[:-MAX_LINES]
         self.write(Text(line, style=STYLES.get(str(ev.get("type")), "")))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.text import Text
 from textual.widgets import Static
-from weaved.cli.fmt import peer_text
+from weaved.cli.fmt import peer_text, printable
 
 
 class PeersPanel(Static):
@@ -19,5 +19,5 @@ class PeersPanel(Static):
         for p in peers:
             alive = p.get("state") in ("alive", "up", "ready") or p.get("alive") is True
             t.append("● ", style="green" if alive else "red")
-            t.append(peer_text(p) + "\n")
+            t.append(printable(peer_text(p)) + "\n")
         self.update(t)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.widgets import DataTable
-from weaved.cli.fmt import DASH, rate, size, variant
+from weaved.cli.fmt import DASH, printable, rate, size, variant
 
 COLUMNS = ("pool", "backend", "device", "strategy", "variant", "batch", "queue", "tok/s", "preempted")
 
@@ -26,8 +27,9 @@ class PoolsTable(DataTable):
         for p in pools:
             # a torch pool on the CPU device stands in for a GPU pool (tests, functional benchmarks)
             device = f"{p.get('device')} (GPU stand-in)" if p.get("stand_in") else (p.get("device") or DASH)
-            self.add_row(p["name"], p.get("backend") or DASH, device,
-                         p.get("strategy") or DASH, variant(p.get("variant") or {}), p.get("batch_depth", 0),
+            cells = [p["name"], p.get("backend") or DASH, device, p.get("strategy") or DASH,
+                     variant(p.get("variant") or {})]
+            self.add_row(*(Text(printable(str(c))) for c in cells), p.get("batch_depth", 0),
                          p.get("queue_depth", 0), rate(p.get("tokens_per_s")), p.get("preemptions", 0),
                          key=p["name"])
         ram = size(kv.get("ram_bytes")) if kv.get("ram_measured", True) else "?"

@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.text import Text
 from textual.widgets import DataTable
-from weaved.cli.fmt import DASH, rate, seconds
+from weaved.cli.fmt import DASH, printable, rate, seconds
 
 # (status field, column label)
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -79,10 +79,10 @@ class SessionsTable(DataTable):
         self.shown_ids = [r["id"] for r in rows]
         for r in rows:
             state = r.get("state") or DASH
-            self.add_row(r["id"], r.get("class") or DASH, r.get("pool") or DASH, r.get("backend") or DASH,
-                         r.get("context_tokens", 0), Text(state, style=STATE_STYLE.get(state, "")),
+            self.add_row(_plain(r["id"]), _plain(r.get("class")), _plain(r.get("pool")), _plain(r.get("backend")),
+                         r.get("context_tokens", 0), Text(printable(state), style=STATE_STYLE.get(state, "")),
                          rate(r.get("tokens_per_s")), seconds(r.get("ttft_s")),
-                         _slack(r.get("deadline_slack_s")), r.get("reason") or DASH, key=r["id"])
+                         _slack(r.get("deadline_slack_s")), _plain(r.get("reason")), key=r["id"])
         if keep in self.shown_ids:
             self.move_cursor(row=self.shown_ids.index(keep))
         self._title()
@@ -95,6 +95,12 @@ class SessionsTable(DataTable):
         if self.filter_text:
             title += f" · filter {self.filter_text!r}"
         self.border_title = title
+
+
+def _plain(value: object) -> Text:
+    """A cell of the daemon's text as it is: not parsed as markup (a DataTable parses plain strings), its
+    control characters escaped."""
+    return Text(DASH if value is None or value == "" else printable(str(value)))
 
 
 def _slack(s: float | None) -> Text:

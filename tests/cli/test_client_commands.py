@@ -265,3 +265,31 @@ def test_api_key_from_the_environment(fake):
 def test_weave_debug_shows_the_traceback(tmp_path):
     res = runner.invoke(app, ["ps"], env={"WEAVE_SOCKET": str(tmp_path / "none.sock"), "WEAVE_DEBUG": "1"})
     assert res.exit_code == 1 and type(res.exception).__name__ == "DaemonNotRunning"
+
+
+# ---- what reaches the terminal ----------------------------------------------------------------------
+
+HOSTILE = "\x1b]0;owned\x07\x1b[2Jcleared\x9b31m\u202eevil\x00"
+
+
+def test_control_characters_are_shown_escaped_never_sent_to_the_terminal(fake):
+    fake.add_session("s-00000000000000aa", "background",
+                     messages=[{"role": "user", "content": HOSTILE}, {"role": "assistant", "content": "ok\tdone\n"}])
+    for args in (["show", "s-00000000000000aa"], ["show", "s-00000000000000aa", "--json"], ["ps"],
+                 ["run", HOSTILE, "--max-tokens", "8"]):
+        out = ok(weave(fake, *args))
+        assert not any(c in out for c in "\x1b\x07\x9b\u202e\x00"), (args, out)
+    shown = ok(weave(fake, "show", "s-00000000000000aa"))
+    assert "\\x1b]0;owned\\x07\\x1b[2Jcleared\\x9b31m\\u202eevil\\x00" in shown and "ok\tdone" in shown
+    record = json.loads(ok(weave(fake, "show", "s-00000000000000aa", "--json")))
+    assert record["messages"][0]["content"] == HOSTILE  # the JSON still says exactly what is stored
+    res = weave(fake, "show", "s-\x1b[2J")  # an error message that repeats what the user typed
+    assert res.exit_code != 0 and "\x1b" not in res.stderr
+
+
+def test_printable_keeps_text_and_escapes_only_controls():
+    from weaved.cli.fmt import printable
+
+    assert printable("héllo wörld ✓ 漢字\n\tnext") == "héllo wörld ✓ 漢字\n\tnext"
+    assert printable("a\x1bb\rc\x7f\u2066") == "a\\x1bb\\x0dc\\x7f\\u2066"
+    assert printable(printable(HOSTILE)) == printable(HOSTILE)

@@ -30,7 +30,7 @@ def test_every_key_against_the_daemon(daemon):
             both = {background, batch}
             await until(pilot, lambda: set(app.sessions.shown_ids) == both, what="the sessions")
             assert app.connection.up and "profile cpu-only" in app.connection.text
-            assert app.pools.get_row("cpu")[1] == "cpu"
+            assert str(app.pools.get_row("cpu")[1]) == "cpu"
 
             # sorted by class: background first; p promotes it, d demotes it again
             assert app.sessions.selected_id() == background

@@ -77,7 +77,7 @@ def test_p_promotes_and_d_demotes_the_selected_session(fake):
             assert app.sessions.selected_id() == BACKGROUND
             await pilot.press("p")
             await until(pilot, lambda: PROMOTE in fake.paths("POST"), what="promote")
-            await until(pilot, lambda: app.sessions.get_row(BACKGROUND)[1] == "interactive", what="its class")
+            await until(pilot, lambda: str(app.sessions.get_row(BACKGROUND)[1]) == "interactive", what="its class")
             assert app.sessions.selected_id() == BACKGROUND  # the cursor follows the session, not the row
             await pilot.press("d")
             await until(pilot, lambda: DEMOTE in fake.paths("POST"), what="demote")
@@ -248,5 +248,22 @@ def test_a_gpu_stand_in_pool_and_device_kv_are_shown(fake, monkeypatch):
             await until(pilot, lambda: pools.row_count == 2, what="both pools")
             assert [str(c) for c in pools.get_row("gpu")][:3] == ["gpu", "torch", "cpu (GPU stand-in)"]
             assert "92.0 MiB RAM · 3.0 MiB GPU ·" in pools.border_subtitle
+
+    run(scenario())
+
+
+def test_the_daemons_text_is_shown_as_it_is_never_as_markup_or_terminal_codes(fake):
+    hostile = fake.add_session("s-00000000000000bb", "batch")
+    hostile.placement = {**hostile.placement, "reasons": ["[bold red]loud[/]", "[/unclosed", "\x1b[2Jcleared"]}
+    fake.publish("placement", session="s-00000000000000bb", placement=hostile.placement)
+
+    async def scenario():
+        app = top(fake)
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: "s-00000000000000bb" in app.sessions.shown_ids, what="the session")
+            reason = str(app.sessions.get_row("s-00000000000000bb")[9])
+            assert reason == "[bold red]loud[/]; [/unclosed; \\x1b[2Jcleared"
+            await until(pilot, lambda: any("s-00000000000000bb" in e for e in app.events.entries), what="event")
+            assert not any("\x1b" in e for e in app.events.entries)
 
     run(scenario())
