@@ -64,7 +64,15 @@ def show_text(s: dict) -> str:
         lines.append("(no messages yet)")
     for m in messages:
         lines.append(f"{m.get('role', '?')}: {m.get('content', '')}")
+        why = m.get("finish_reason")
+        if why in ENDED_EARLY:
+            lines.append(f"  [{ENDED_EARLY[why]}]")
     return "\n".join(lines)
+
+
+# answers that did not end by themselves, as ``show`` marks them
+ENDED_EARLY = {"interrupted": "interrupted: the daemon stopped in the middle of this answer",
+               "cancelled": "cancelled", "length": "cut at the token limit", "shutdown": "cut by a shutdown"}
 
 
 def show(session_id: IdArg, socket: SocketOpt = None, api_key: ApiKeyOpt = None,

@@ -293,3 +293,14 @@ def test_printable_keeps_text_and_escapes_only_controls():
     assert printable("héllo wörld ✓ 漢字\n\tnext") == "héllo wörld ✓ 漢字\n\tnext"
     assert printable("a\x1bb\rc\x7f\u2066") == "a\\x1bb\\x0dc\\x7f\\u2066"
     assert printable(printable(HOSTILE)) == printable(HOSTILE)
+
+
+def test_show_marks_answers_that_did_not_end_by_themselves(fake):
+    fake.add_session("s-00000000000000cc", "background", messages=[
+        {"role": "user", "content": "tell me"},
+        {"role": "assistant", "content": "Once upon", "finish_reason": "interrupted"},
+        {"role": "user", "content": "again"}, {"role": "assistant", "content": "Done.", "finish_reason": "stop"}])
+    out = ok(weave(fake, "show", "s-00000000000000cc")).splitlines()
+    at = out.index("assistant: Once upon")
+    assert out[at + 1].strip().startswith("[interrupted")
+    assert out[-1] == "assistant: Done."  # an answer that ended by itself carries no mark

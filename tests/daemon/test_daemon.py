@@ -193,10 +193,19 @@ def test_kill_9_mid_generation_loses_nothing_committed(tiny_llama, tmp_path):
     try:
         info = d.get_session(sid)
         assert [m["role"] for m in info["messages"]] == ["user", "assistant"]  # the partial answer is kept
+        assert info["messages"][1]["finish_reason"] == "interrupted"  # ... and marked as cut by the crash
+        assert "finish_reason" not in info["messages"][0]
         kv = d.sessions[sid].kv
         assert kv.length == len(d.sessions[sid].committed) > 5
         _, h = run_turn(d, sid, "Go on")
         assert prefilled(d) == h.prompt_tokens - h.cached_tokens < 20  # nothing stored was recomputed
+        assert d.get_session(sid)["messages"][3]["finish_reason"] in ("stop", "length")
+    finally:
+        d.shutdown()
+    d = make_daemon(tiny_llama, data)  # the marks are in the journal: a second restart keeps them
+    try:
+        reasons = [m.get("finish_reason") for m in d.get_session(sid)["messages"]]
+        assert reasons[:2] == [None, "interrupted"] and reasons[3] in ("stop", "length")
     finally:
         d.shutdown()
 

@@ -125,6 +125,37 @@ def test_refuses_newer_schema(tmp_path):
         Journal(path)
 
 
+def test_answers_keep_their_finish_reason_and_old_journals_are_upgraded(tmp_path):
+    path = tmp_path / "j.db"
+    j = Journal(path)
+    j.create_session("s1", SLA, 64, None, None)
+    j.add_message("s1", "user", "hi", [1])
+    j.finish_message("s1", "assistant", "cut", [2], finish_reason="interrupted")
+    j.close()
+    assert [m["finish_reason"] for m in Journal(path).get("s1").messages] == [None, "interrupted"]
+
+    old = tmp_path / "v1.db"  # a journal written before answers had a finish reason
+    db = sqlite3.connect(old)
+    db.executescript("""
+        CREATE TABLE sessions (id TEXT PRIMARY KEY, created REAL NOT NULL, updated REAL NOT NULL, sla TEXT NOT NULL,
+            max_context INTEGER NOT NULL, system TEXT, placement TEXT, status TEXT NOT NULL,
+            kv_length INTEGER NOT NULL DEFAULT 0);
+        CREATE TABLE messages (session TEXT NOT NULL, seq INTEGER NOT NULL, role TEXT NOT NULL, content TEXT NOT NULL,
+            token_ids BLOB, kv_at INTEGER NOT NULL, created REAL NOT NULL, PRIMARY KEY (session, seq)) WITHOUT ROWID;
+        CREATE TABLE tokens (session TEXT NOT NULL, start INTEGER NOT NULL, ids BLOB NOT NULL,
+            PRIMARY KEY (session, start)) WITHOUT ROWID;
+        INSERT INTO sessions VALUES ('s0', 1, 1, '{"class": "batch"}', 64, NULL, NULL, 'active', 0);
+        INSERT INTO messages VALUES ('s0', 0, 'user', 'hello', NULL, 0, 1);
+        PRAGMA user_version=1;
+    """)
+    db.close()
+    j = Journal(old)
+    assert [(m["content"], m["finish_reason"]) for m in j.get("s0").messages] == [("hello", None)]
+    j.finish_message("s0", "assistant", "hi", None, "stop")
+    assert j.get("s0").messages[-1]["finish_reason"] == "stop"
+    j.close()
+
+
 def test_concurrent_reads_during_writes(tmp_path):
     path = tmp_path / "j.db"
     j = Journal(path)

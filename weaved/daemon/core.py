@@ -24,7 +24,7 @@ from weaved.daemon.events import EventBus
 from weaved.daemon.housekeeping import Housekeeper
 from weaved.daemon.moves import SessionMoves
 from weaved.daemon.recovery import unfed_tail, unfinished_answer
-from weaved.daemon.session import Session
+from weaved.daemon.session import Session, transcript_entry
 from weaved.daemon.status import device_kv_bytes, hardware_status, pool_status, session_status
 from weaved.daemon.turns import TurnHandle, chat_turn_tokens, check_fits, prompt_turn_tokens, turn_sequence
 from weaved.engine.engine import BatchEngine
@@ -133,11 +133,11 @@ class Daemon:
             except Exception as exc:  # a KV file made for another model, or lost; no ring: keep the rest serving
                 self.log(f"session {rec.id} not recovered: {exc}")
                 continue
-            messages = [{"role": m["role"], "content": m["content"]} for m in rec.messages]
+            messages = [transcript_entry(m["role"], m["content"], m["finish_reason"]) for m in rec.messages]
             partial = unfinished_answer(rec, self.tokenizer.decode)
             if partial is not None:  # the daemon stopped mid-turn: keep what was committed of the answer
-                messages.append({"role": "assistant", "content": partial[0]})
-                self.journal.finish_message(rec.id, "assistant", partial[0], partial[1])
+                messages.append(transcript_entry("assistant", partial[0], "interrupted"))
+                self.journal.finish_message(rec.id, "assistant", partial[0], partial[1], "interrupted")
             self.sessions[rec.id] = Session(rec.id, sla, rec.max_context, rec.system, placement, kv,
                                             list(rec.tokens), messages, created=rec.created,
                                             tail=unfed_tail(rec) if partial is None else [])
@@ -376,9 +376,9 @@ class Daemon:
             s.tail = list(seq.pending) if kind == "done" else []
             text = "".join(seq.text)
             if seq.generated and kind == "done":
-                s.messages.append({"role": "assistant", "content": text})
+                s.messages.append(transcript_entry("assistant", text, seq.finish_reason))
                 if not s.ephemeral:
-                    self.journal.finish_message(s.id, "assistant", text, list(seq.generated))
+                    self.journal.finish_message(s.id, "assistant", text, list(seq.generated), seq.finish_reason)
             s.last_active = time.time()
 
     # ---- SLA changes ---------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Statements are split on ";" (executescript would commit our transaction): keep ";" out of comments.
 _SCHEMA = """
@@ -55,6 +55,7 @@ CREATE TABLE messages (
     token_ids BLOB,                         -- int32 little-endian, NULL when not tokenized
     kv_at     INTEGER NOT NULL,             -- committed KV length when the message was recorded
     created   REAL NOT NULL,
+    finish_reason TEXT,                     -- an answer's: stop, length, cancelled, interrupted, ...
     PRIMARY KEY (session, seq)
 ) WITHOUT ROWID;
 CREATE TABLE tokens (
@@ -82,7 +83,9 @@ class SessionRecord:
     updated: float
     kv_length: int
     tokens: list[int]  # committed token ids; len(tokens) == kv_length
-    messages: list[dict]  # {"seq", "role", "content", "token_ids" (list | None), "kv_at", "created"}
+    # {"seq", "role", "content", "token_ids" (list | None), "kv_at", "created", "finish_reason" (None but
+    # for answers)}
+    messages: list[dict]
 
 
 def _pack(ids: list[int]) -> bytes:
@@ -122,6 +125,9 @@ class Journal:
                 for stmt in _SCHEMA.split(";"):
                     if stmt.strip():
                         self._db.execute(stmt)
+                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            elif version == 1:  # answers gained their finish reason (NULL for those recorded before)
+                self._db.execute("ALTER TABLE messages ADD COLUMN finish_reason TEXT")
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             elif version != SCHEMA_VERSION:
                 raise JournalError(
@@ -189,7 +195,8 @@ class Journal:
 
     # -- transcript and tokens ---------------------------------------------------------------------
 
-    def _append_message(self, id: str, role: str, content: str, token_ids: list[int] | None) -> int:
+    def _append_message(self, id: str, role: str, content: str, token_ids: list[int] | None,
+                        finish_reason: str | None = None) -> int:
         now = time.time()
         with self._tx() as db:
             kv_at = self._kv_length(db, id)
@@ -197,9 +204,10 @@ class Journal:
                 "SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE session=?", (id,)
             ).fetchone()
             db.execute(
-                "INSERT INTO messages (session, seq, role, content, token_ids, kv_at, created)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (id, seq, role, content, None if token_ids is None else _pack(token_ids), kv_at, now),
+                "INSERT INTO messages (session, seq, role, content, token_ids, kv_at, created, finish_reason)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (id, seq, role, content, None if token_ids is None else _pack(token_ids), kv_at, now,
+                 finish_reason),
             )
             db.execute("UPDATE sessions SET updated=? WHERE id=?", (now, id))
             return seq
@@ -208,9 +216,10 @@ class Journal:
         """Record one of a turn's input messages (before any work on it); returns its sequence number."""
         return self._append_message(id, role, content, token_ids)
 
-    def finish_message(self, id: str, role: str, content: str, token_ids: list[int] | None = None) -> int:
-        """Record the reply once the turn ends (its tokens are already committed)."""
-        return self._append_message(id, role, content, token_ids)
+    def finish_message(self, id: str, role: str, content: str, token_ids: list[int] | None = None,
+                       finish_reason: str | None = None) -> int:
+        """Record the reply once the turn ends (its tokens are already committed), with why it ended."""
+        return self._append_message(id, role, content, token_ids, finish_reason)
 
     def commit_tokens(self, id: str, token_ids: list[int], new_kv_length: int) -> None:
         """Append ``token_ids`` and advance ``kv_length`` to ``new_kv_length`` in one transaction.
@@ -261,11 +270,11 @@ class Journal:
             blobs = db.execute("SELECT ids FROM tokens WHERE session=? ORDER BY start", (id,)).fetchall()
             tokens = _unpack(b"".join(b for (b,) in blobs))
         messages = [
-            {"seq": seq, "role": role, "content": content,
-             "token_ids": None if ids is None else _unpack(ids), "kv_at": kv_at, "created": mcreated}
-            for seq, role, content, ids, kv_at, mcreated in db.execute(
-                "SELECT seq, role, content, token_ids, kv_at, created FROM messages WHERE session=?"
-                " ORDER BY seq", (id,))
+            {"seq": seq, "role": role, "content": content, "token_ids": None if ids is None else _unpack(ids),
+             "kv_at": kv_at, "created": mcreated, "finish_reason": finish}
+            for seq, role, content, ids, kv_at, mcreated, finish in db.execute(
+                "SELECT seq, role, content, token_ids, kv_at, created, finish_reason FROM messages"
+                " WHERE session=? ORDER BY seq", (id,))
         ]
         return SessionRecord(
             id=id, sla=json.loads(sla), max_context=max_context, system=system,

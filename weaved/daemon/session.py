@@ -19,7 +19,7 @@ class Session:
     placement: Placement
     kv: KVCache
     committed: list[int]  # token ids whose KV rows are written: len == kv.length
-    messages: list[dict]  # the transcript: {"role", "content"}
+    messages: list[dict]  # the transcript: {"role", "content"} (+ "finish_reason" on answers, transcript_entry)
     created: float = field(default_factory=time.time)
     tail: list[int] = field(default_factory=list)  # sampled but not yet fed (the turn's last token)
     turn: Sequence | None = None
@@ -44,3 +44,12 @@ class Session:
     @property
     def busy(self) -> bool:
         return self.turn is not None and not self.turn.status.done
+
+
+def transcript_entry(role: str, content: str, finish_reason: str | None = None) -> dict:
+    """One message of a session's transcript.  An answer says why it ended (``stop``, ``length``,
+    ``cancelled``, or ``interrupted`` when the daemon stopped in the middle of it: a crash or kill)."""
+    entry = {"role": role, "content": content}
+    if finish_reason is not None:
+        entry["finish_reason"] = finish_reason
+    return entry
