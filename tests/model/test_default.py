@@ -77,6 +77,29 @@ def test_ensure_native_converts_once(cache, tmp_path):
     assert changed != first and changed.name == converted_name(src) and len(logs) == 4
 
 
+def test_a_model_weave_cannot_run_is_refused_before_converting(cache, tmp_path):
+    src = write_tiny_gguf(tmp_path / "gpt2-q4_1.gguf", "gpt2", n_layers=1, wtype=Q.Q4_1)
+    logs: list[str] = []
+    with pytest.raises(ValueError, match="gpt2"):
+        ensure_native(src, log=logs.append)
+    assert logs == []  # nothing announced as converting
+    assert not (cache / "models").exists() or list((cache / "models").iterdir()) == []  # no lock, no copy
+
+
+def test_a_failed_conversion_leaves_nothing_in_the_cache(cache, tmp_path, monkeypatch):
+    import weaved.model.convert as convert
+
+    src = write_tiny_gguf(tmp_path / "tiny-q4_1.gguf", n_layers=1, wtype=Q.Q4_1)
+
+    def broken(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(convert, "convert_gguf", broken)
+    with pytest.raises(OSError, match="No space"):
+        ensure_native(src, log=lambda m: None)
+    assert list((cache / "models").iterdir()) == []
+
+
 def _convert_in_child(src: str, cache: str, log_file: str, barrier, results) -> None:
     os.environ["WEAVE_CACHE_DIR"] = cache
 
@@ -128,3 +151,14 @@ def test_default_model_converted_into_a_fresh_cache(cache):
     calls.clear()
     assert default_model_path(progress=lambda *a: calls.append(a)) == first
     assert calls == [] and first.stat().st_mtime_ns == mtime
+
+
+def test_served_name_says_what_the_model_is_not_how_it_is_stored():
+    from weaved.model.default import served_name
+
+    assert served_name(Path("SmolLM2-135M-Instruct.Q4_1-d6680e104ddd-q4_0.gguf")) == "SmolLM2-135M-Instruct"
+    assert served_name(Path("/m/gemma-3-270m-it-Q4_K_M.gguf")) == "gemma-3-270m-it"
+    assert served_name(Path("Qwen3-8B-Q8_0.gguf")) == "Qwen3-8B"
+    assert served_name(Path("mistral-7b-instruct-v0.2.IQ4_XS.gguf")) == "mistral-7b-instruct-v0.2"
+    assert served_name(Path("my-model.gguf")) == "my-model"
+    assert served_name(Path("Q4_0.gguf")) == "Q4_0"  # never empty

@@ -18,6 +18,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -99,22 +100,45 @@ def converted_name(src: Path) -> str:
     return f"{src.stem}-{digest}-q4_0.gguf"
 
 
+_CONVERTED = re.compile(r"-[0-9a-f]{12}-q4_0$")  # converted_name's suffix
+_QUANT_TAG = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)  # "-Q4_K_M", ".Q4_1", "-f16"
+
+
+def served_name(path: Path) -> str:
+    """The name a model is served under (``/v1/models``, responses' ``model``): its file's stem without
+    the conversion cache's suffix or a quantization tag, which say how it is stored, not what it is -
+    ``SmolLM2-135M-Instruct.Q4_1-d6680e104ddd-q4_0.gguf`` is served as ``SmolLM2-135M-Instruct``."""
+    stem = _CONVERTED.sub("", Path(path).stem)
+    return _QUANT_TAG.sub("", stem) or stem
+
+
 def _converted_copy(src: Path, progress: ProgressFn | None, log: Callable[[str], None] | None = None) -> Path:
     target = models_dir() / converted_name(src)
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(target.with_name(target.name + ".lock")):
-        if target.is_file():  # another process converted it while we waited for the lock
-            return target
-        from weaved.model.convert import ConversionStats, convert_gguf
+    from weaved.model.architectures import read_config
+    from weaved.model.gguf_file import GGUFFile
 
-        if log is not None:
-            log(f"converting {src} to the shared Q4_0 format (once) -> {target}")
-        stats = ConversionStats()
-        convert_gguf(src, target, progress=progress, stats=stats)
-        if log is not None:
-            log(stats.describe())
+    read_config(GGUFFile(src))  # an architecture or setting Weave cannot run is refused before converting
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = target.with_name(target.name + ".lock")
+    try:
+        with _exclusive(lock):
+            if target.is_file():  # another process converted it while we waited for the lock
+                return target
+            from weaved.model.convert import ConversionStats, convert_gguf
+
+            if log is not None:
+                log(f"converting {src} to the shared Q4_0 format (once) -> {target}")
+            stats = ConversionStats()
+            convert_gguf(src, target, progress=progress, stats=stats)
+            if log is not None:
+                log(stats.describe())
+    except BaseException:
+        # a failed conversion leaves nothing in the cache (a process that waited on this lock finds no
+        # copy and converts, and fails, itself)
+        lock.unlink(missing_ok=True)
+        raise
     return target
 
 
