@@ -12,6 +12,22 @@ import sys
 import typer
 from weaved.cli.fmt import printable
 
+
+def _flags_without_a_type() -> None:
+    """Show a flag as ``--quick``, not ``--quick <bool>`` (this typer labels every option with its type,
+    and a flag takes no value: ``--help <bool>`` reads as if it wanted one)."""
+    from typer.core import TyperOption
+
+    labelled = TyperOption.display_type_rich
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag and self.metavar is None else labelled(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_without_a_type()
+
 app = typer.Typer(
     name="weave",
     help="Weave: serve an LLM to many sessions, each with the execution strategy its SLA needs.",

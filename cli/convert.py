@@ -25,7 +25,7 @@ HELP = (
 
 
 def _fail(message: str) -> typer.Exit:
-    typer.echo(f"weave convert: error: {message}", err=True)
+    typer.echo(f"weave: error: {message}", err=True)
     return typer.Exit(1)
 
 

@@ -54,7 +54,7 @@ def run(prompt: PromptArg, sla: SlaOpt = SLAClass.interactive, system: SystemOpt
     """Answer one prompt, streaming the answer (no session is kept)."""
     text = sys.stdin.read() if prompt == "-" else prompt
     if not text.strip():
-        raise fail("the prompt is empty")
+        raise fail("the prompt is empty", 2)  # bad usage, like every argument error
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
     with connect(socket, api_key) as client:
         msgs = messages_for(text, system)

@@ -33,7 +33,7 @@ def _say(message: str) -> None:
 
 
 def _fail(message: str) -> typer.Exit:
-    typer.echo(printable(f"weave serve: error: {message}"), err=True)
+    typer.echo(printable(f"weave: error: {message}"), err=True)
     return typer.Exit(1)
 
 

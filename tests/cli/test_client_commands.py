@@ -177,7 +177,7 @@ def test_run_json_prints_the_completion(fake):
 
 def test_run_refuses_an_empty_prompt(fake):
     res = weave(fake, "run", "-", input="  \n")
-    assert res.exit_code == 1 and res.stderr == "weave: error: the prompt is empty\n"
+    assert res.exit_code == 2 and res.stderr == "weave: error: the prompt is empty\n"
 
 
 def test_submit_returns_id_and_placement_at_once(fake):
@@ -304,3 +304,9 @@ def test_show_marks_answers_that_did_not_end_by_themselves(fake):
     at = out.index("assistant: Once upon")
     assert out[at + 1].strip().startswith("[interrupted")
     assert out[-1] == "assistant: Done."  # an answer that ended by itself carries no mark
+
+
+def test_help_shows_flags_as_flags():
+    for args in (["status", "--help"], ["bench", "--help"], ["ps", "--help"]):
+        out = runner.invoke(app, args).stdout
+        assert "--help" in out and "<bool>" not in out

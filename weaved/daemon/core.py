@@ -68,13 +68,14 @@ class Daemon:
         from weaved.daemon.migration import Mover
         from weaved.daemon.pools import build_pools
         from weaved.kv.store import KVStore
+        from weaved.model.default import served_name
         from weaved.model.loader import open_model
         from weaved.model.tokenizer import Tokenizer
 
         say = progress or (lambda m: None)
         say(f"opening {self.model_path.name}")
         gguf, self.config = open_model(self.model_path)
-        self.model_name = self.model_path.stem
+        self.model_name = served_name(self.model_path)
         self.tokenizer = Tokenizer(self.model_path, gguf, chat_template=self.chat_template)
         from weaved.federation import service as fed
         from weaved.federation.shard_files import delete_group_files
@@ -108,7 +109,6 @@ class Daemon:
             e.start()
         limits = [p.config.idle_demote_s for p in self.pools.values() if p.config.idle_demote_s is not None]
         self.housekeeper = Housekeeper.for_idle_demotion(limits, self.demote_idle)
-        say("ready")
 
     def _check_memory(self) -> None:
         """Refuse a model the CPU pool cannot hold: it repacks every matrix into memory once, so its

@@ -138,7 +138,8 @@ def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
                 commit: Callable, reserve: Callable, on_event: Callable,
                 ring: Callable[[PoolConfig, Backend], Backend] | None = None,
                 progress: Callable[[str], None] | None = None) -> tuple[dict[str, Pool], list[str]]:
-    """One ``Pool`` per pool of the profile this daemon can run, and notes on those it cannot.
+    """One ``Pool`` per pool of the profile this daemon can run, and notes on those it cannot (but for
+    the expected ones, which are only logged).
     ``ring(cfg, cpu_backend)`` makes a ``qring`` pool's backend (None: this daemon does not federate);
     ``progress`` hears how loading the weights goes."""
     backends = _Backends(gguf, config, profile, progress or (lambda m: None))
@@ -171,4 +172,6 @@ def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
             notes.append(f"pool {cfg.name!r}: the torch backend on the CPU device stands in for a GPU pool")
     for n in notes:
         (log.info if n in expected else log.warning)(n)
-    return pools, notes
+    # what the profile implies on this host (a ring pool without peers) is logged, not shown in every
+    # status as if it were a problem
+    return pools, [n for n in notes if n not in expected]
