@@ -282,6 +282,10 @@ class Daemon:
             if resla or self.moves.misplaced(s):  # a check-in: the router re-places the session first
                 new_pl = self.moves.replace(s, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion")
                 self.publish("placement", {"session": s.id, "placement": new_pl.to_dict()})
+            elif not s.committed:  # its first turn: the router sees the real prompt now
+                new_pl = self.moves.place_first_turn(s, len(new))
+                if new_pl is not None:
+                    self.publish("placement", {"session": s.id, "placement": new_pl.to_dict()})
             if messages is not None:
                 for i, m in enumerate(messages):
                     s.messages.append({"role": m["role"], "content": m["content"]})
@@ -296,7 +300,8 @@ class Daemon:
             s.turn = seq
             s.last_active = time.time()
             run_in = self.moves.prepare_turn(s, seq, len(new))
-        handle = TurnHandle(s.id, n_prompt, keep, cancel=lambda sid=s.id: self.cancel_turn(sid))
+        handle = TurnHandle(s.id, n_prompt, keep, cancel=lambda sid=s.id: self.cancel_turn(sid),
+                            placement=s.placement.to_dict())
         self.engines[run_in].submit(seq)
         return handle
 

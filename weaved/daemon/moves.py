@@ -22,8 +22,8 @@ from weaved.daemon.migration import Mover
 from weaved.daemon.pools import Pool
 from weaved.daemon.session import Session
 from weaved.engine.sequence import Sequence
-from weaved.routing.tree import promote
-from weaved.routing.types import Placement, SessionRequest, SLAClass, SystemState, pools_of, with_room
+from weaved.routing.tree import place, promote
+from weaved.routing.types import Placement, RoutingError, SessionRequest, SLAClass, SystemState, pools_of, with_room
 
 
 class SessionMoves:
@@ -106,6 +106,25 @@ class SessionMoves:
         self._bring_kv(s, to, "prefill handoff")
         s.where = to
         self.pools[to].engine.submit(seq)
+
+    def place_first_turn(self, s: Session, n_prompt: int) -> Placement | None:
+        """A session placed before it had a prompt (created empty, so the router saw 0 tokens) is placed
+        again when its first turn brings ``n_prompt`` tokens; returns the new placement, or None when it
+        stays (the same answer, or a different decode strategy, whose KV would live elsewhere).  Caller
+        holds ``self.lock``."""
+        try:
+            new = place(SessionRequest(s.sla, n_prompt, s.max_context), self.system_state(), self.routing)
+        except RoutingError:  # e.g. no room now: the turn runs where the session is, as before
+            return None
+        if new.decode_strategy != s.placement.decode_strategy or new == s.placement:
+            return None
+        new = Placement(new.prefill_strategy, new.decode_strategy, new.prefill_pool, new.decode_pool, new.priority,
+                        (f"placed again at its first turn, which brings {n_prompt} tokens", *new.reasons))
+        s.placement = new
+        if not s.ephemeral:
+            self.journal.set_placement(s.id, new.to_dict())
+        self._move_to(s, new.decode_pool, "first turn")
+        return new
 
     def replace(self, s: Session, reason: str) -> Placement:
         """Let the router place the session again for its (new) SLA, record it and send the session

@@ -26,6 +26,7 @@ class TurnHandle:
     prompt_tokens: int  # the context the turn starts from (cached + new), for usage
     cached_tokens: int
     cancel: Callable[[], None]
+    placement: dict | None = None  # where the turn runs (the session's placement, as of its start)
 
 
 def chat_turn_tokens(tok: Tokenizer, s: Session, new_messages: list[dict]) -> tuple[list[int], int]:
