@@ -1,11 +1,15 @@
 """``weave chat``: an interactive conversation with one session, answers streamed as they are written.
 
 Ctrl-C while an answer is being written stops that answer (closing the stream makes the daemon cancel
-the generation) and returns to the prompt; at the prompt it only reminds how to leave.
+the generation) and returns to the prompt; at the prompt it only reminds how to leave.  Ctrl-D while an
+answer is being written stops it and leaves; other text typed meanwhile is not sent as the next prompt
+(it was typed before the answer could be read), and the chat says so.
 """
 
 from __future__ import annotations
 
+import os
+import select
 import sys
 import time
 from collections.abc import Callable
@@ -34,9 +38,12 @@ class ChatRepl:
 
     def __init__(self, client: Client, *, session_id: str | None, sla: str | None, system: str | None,
                  sampling: dict[str, Any], read: Callable[[str], str] = input,
-                 say: Callable[[str], None] = echo):
+                 say: Callable[[str], None] = echo, typeahead: Callable[[], str | None] = lambda: None):
         self.client, self.sla, self.system, self.sampling = client, sla, system, sampling
         self.read, self.say = read, say
+        # what was typed while an answer streamed: "eof" (Ctrl-D), "text", or None; reading it clears it
+        self.typeahead = typeahead
+        self.leaving = False  # Ctrl-D came during an answer
         self.session_id = session_id
         self.created = False  # this chat made the session (so /reset and an unused exit may delete it)
         self.turns = 0
@@ -64,13 +71,14 @@ class ChatRepl:
         """Leaving: a session this chat made and never used is deleted; any other is kept."""
         if self.created and self.turns == 0 and self.session_id is not None:
             self.client.delete_session(self.session_id)
+            self.say(f"session {self.session_id} had no turns: deleted")
         elif self.session_id is not None:
             self.say(f"session {self.session_id} kept; resume with `weave chat --session {self.session_id}`")
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
         self.start()
-        while True:
+        while not self.leaving:
             try:
                 line = self.read(PROMPT)
             except EOFError:
@@ -111,6 +119,7 @@ class ChatRepl:
             old, delete = self.session_id, self.created
             if delete and old is not None:
                 self.client.delete_session(old)
+                self.say(f"session {old} deleted")
             self._new_session()
             if not delete:
                 self.say(f"(session {old} is kept; `weave rm {old}` deletes it)")
@@ -127,8 +136,14 @@ class ChatRepl:
         self.interrupted = False
         while True:
             stream = self.client.stream_turn(self.session_id, messages, **self.sampling)
+            seen: list[str | None] = []
+
+            def ctrl_d(seen: list[str | None] = seen) -> bool:
+                seen.append(self.typeahead())
+                return "eof" in seen
+
             try:
-                last = write_stream(stream)
+                last = write_stream(stream, stop=ctrl_d)
             except ApiError as e:
                 # 409: the turn stopped by Ctrl-C has not finished cancelling yet; it will within a step
                 if e.status == 409 and time.monotonic() < deadline:
@@ -142,6 +157,15 @@ class ChatRepl:
                 sys.stdout.write("\n")
                 self.say("[stopped]")
                 return
+            seen.append(self.typeahead())
+            if "eof" in seen:  # Ctrl-D while the answer streamed: stop it and leave
+                stream.close()
+                self.turns += 1
+                self.leaving = True
+                self.say("[stopped; leaving]")
+                return
+            if "text" in seen:
+                self.say("[what was typed while the answer was written was not sent]")
             break
         self.turns += 1
         if last is not None and last.finish_reason == "length":
@@ -163,8 +187,26 @@ def chat(
         except ImportError:
             pass
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    ahead = _terminal_typeahead if sys.stdin.isatty() else (lambda: None)
     with connect(socket, api_key) as client:
-        ChatRepl(client, session_id=session, sla=sla_class(sla), system=system, sampling=sampling).run()
+        ChatRepl(client, session_id=session, sla=sla_class(sla), system=system, sampling=sampling,
+                 typeahead=ahead).run()
+
+
+def _terminal_typeahead() -> str | None:
+    """Read and discard what the terminal holds: "eof" if that includes Ctrl-D, "text" if anything else,
+    None if nothing.  Whole lines (and Ctrl-D) are readable in the terminal's line mode; a partial line
+    is flushed."""
+    import termios
+
+    fd, got = sys.stdin.fileno(), None
+    while select.select([fd], [], [], 0)[0]:
+        data = os.read(fd, 4096)
+        if not data:
+            return "eof"
+        got = "text"
+    termios.tcflush(fd, termios.TCIFLUSH)
+    return got
 
 
 def register(app: typer.Typer) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, TextIO
 
@@ -25,9 +25,10 @@ def messages_for(text: str, system: str | None = None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
 
 
-def write_stream(deltas: Iterable[Delta], out: TextIO | None = None) -> Delta | None:
+def write_stream(deltas: Iterable[Delta], out: TextIO | None = None,
+                 stop: Callable[[], bool] | None = None) -> Delta | None:
     """Print each delta's text as it arrives (then a newline); the last delta that carries the finish
-    reason or usage, or None."""
+    reason or usage, or None.  ``stop()``, asked after each delta, ends the printing early."""
     out = out or sys.stdout
     last = None
     for d in deltas:
@@ -35,6 +36,8 @@ def write_stream(deltas: Iterable[Delta], out: TextIO | None = None) -> Delta | 
             out.write(fmt.printable(d.text))  # a model's text may hold escape sequences
             out.flush()
         last = d if d.finish_reason or d.usage else last
+        if stop is not None and stop():
+            break
     out.write("\n")
     out.flush()
     return last

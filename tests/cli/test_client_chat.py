@@ -137,3 +137,34 @@ def test_ctrl_c_at_the_prompt_only_reminds_how_to_leave(fake):
     ChatRepl(Client(fake.socket_path), session_id=IDLE, sla=None, system=None, sampling={}, read=read,
              say=said.append).run()
     assert "\n(use /exit or Ctrl-D to leave)" in said
+
+
+def test_deleting_a_session_is_said(fake):
+    out = chat(fake, input="/reset\n/exit\n")
+    assert out.count("had no turns: deleted") == 1 and out.count(" deleted") == 2  # /reset, then leaving
+
+
+def test_typing_during_an_answer_is_not_sent_and_ctrl_d_stops_it_and_leaves(fake):
+    fake.token_delay_s = 0.01
+    replies = ["first question", "second question", "/exit"]
+    asked: list[str] = []
+    calls: list[int] = []
+
+    def read(prompt: str) -> str:
+        asked.append(replies[len(asked)])
+        return asked[-1]
+
+    def typeahead() -> str | None:  # the terminal: a line typed during the first answer, Ctrl-D in the second
+        calls.append(len(asked))
+        if len(asked) == 1:
+            return "text" if calls.count(1) == 2 else None
+        return "eof" if calls.count(2) == 3 else None
+
+    said: list[str] = []
+    repl = ChatRepl(Client(fake.socket_path), session_id=IDLE, sla=None, system=None, sampling={},
+                    read=read, say=said.append, typeahead=typeahead)
+    repl.run()
+    assert "[what was typed while the answer was written was not sent]" in said
+    assert said[-2:] == ["[stopped; leaving]", f"session {IDLE} kept; resume with `weave chat --session {IDLE}`"]
+    user = [m["content"] for m in fake.sessions[IDLE].messages if m["role"] == "user"]
+    assert user[-2:] == ["first question", "second question"]  # nothing typed ahead was sent; no third turn
