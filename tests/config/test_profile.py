@@ -145,6 +145,7 @@ def test_minimal_profile_defaults(tmp_path, monkeypatch):
     assert pool.token_budget == pool.prefill_chunk + pool.max_batch and pool.idle_demote_s is None
     assert prof.host.data_dir == tmp_path / "xdg" / "weave"
     assert prof.host.name and prof.host.max_sessions == 256 and prof.host.default_context == 32768
+    assert prof.host.durability == "page-cache"
     assert prof.threads.kernels == 8 - 1 and prof.threads.api == 1  # no cuda pool: no driver thread
     assert prof.routing.node_kv_tokens is None and prof.peers == ()
 
@@ -191,6 +192,12 @@ def test_sizes(text, n, tmp_path):
 @pytest.mark.parametrize("bad", ['"8 gigs"', '"GiB"', '"-1GiB"', "true", "0"])
 def test_bad_sizes(bad, tmp_path):
     rejects(tmp_path, f"[host]\nkv_cap_bytes = {bad}\n" + MINIMAL, "host.kv_cap_bytes")
+
+
+def test_durability(tmp_path):
+    prof = load_profile(write(tmp_path, '[host]\ndurability = "fsync"\n' + MINIMAL), hardware=CPU_BOX)
+    assert prof.host.durability == "fsync"
+    rejects(tmp_path, '[host]\ndurability = "always"\n' + MINIMAL, "host.durability")
 
 
 def test_explicit_thread_budget(tmp_path):

@@ -349,3 +349,30 @@ def test_a_session_created_empty_is_placed_again_by_its_first_turn(daemon):
     assert daemon.journal.list(with_tokens=False)[-1].placement == after  # and what a restart finds
     run_turn(daemon, sid, "And the stars?")
     assert daemon.get_session(sid)["placement"] == after  # later turns keep it
+
+
+def test_fsync_durability_flushes_each_commit_before_the_journal_records_it(tiny_llama, tmp_path, monkeypatch):
+    import dataclasses
+
+    from weaved.kv.store import KVStore
+
+    prof = load_profile("cpu-only")
+    prof = dataclasses.replace(prof, host=dataclasses.replace(prof.host, durability="fsync"))
+    order: list[str] = []
+    real_flush, real_commit = KVStore.flush, Journal.commit_tokens
+    monkeypatch.setattr(KVStore, "flush", lambda self, kv: (order.append("flush"), real_flush(self, kv))[1])
+    monkeypatch.setattr(Journal, "commit_tokens",
+                        lambda self, *a: (order.append("commit"), real_commit(self, *a))[1])
+    d = Daemon(prof, tiny_llama, data_dir=tmp_path / "data", log_fn=lambda m: None)
+    d.load()
+    try:
+        sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]
+        events, _ = run_turn(d, sid, "hello")
+        assert events[-1]["type"] == "done"
+        assert order and order[0::2] == ["flush"] * (len(order) // 2) and order[1::2] == ["commit"] * (len(order) // 2)
+        assert d.journal._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+        order.clear()
+        run_turn(d, None, "an ephemeral turn is not journalled, so not flushed")
+        assert order == []
+    finally:
+        d.shutdown()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from weaved.config.profile import (
     BACKENDS,
     CPU_RATE_UNITS,
+    DURABILITY,
     POLICIES,
     STRATEGIES,
     FederationConfig,
@@ -213,7 +214,8 @@ def _host(t: Table, source: str, hw: Callable[[], Hardware]) -> HostConfig:
             raise t.err("kv_cap_bytes", str(e)) from None
     host = t.build(HostConfig, name=socket.gethostname() if hname == AUTO else hname, data_dir=path,
                    kv_cap_bytes=cap, max_sessions=t.integer("max_sessions", 256),
-                   default_context=t.integer("default_context", 32768))
+                   default_context=t.integer("default_context", 32768),
+                   durability=t.text("durability", "page-cache", DURABILITY))
     t.done()
     return host
 

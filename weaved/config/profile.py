@@ -19,6 +19,7 @@ BACKENDS = ("cpu", "torch")
 STRATEGIES = ("standard", "qring")
 CPU_RATE_UNITS = ("pool", "thread")
 POLICIES = ("sla", "isolation", "fifo")  # Weave's router, and the two baselines the agents benchmark compares
+DURABILITY = ("page-cache", "fsync")
 
 
 def _check(ok: bool, field_name: str, reason: str) -> None:
@@ -40,10 +41,15 @@ class HostConfig:
     kv_cap_bytes: int  # the most KV this node keeps (file-backed: disk + page cache)
     max_sessions: int
     default_context: int = 32768  # a session's context when it names none (capped by the model's)
+    # what a committed token survives: "page-cache" - a killed daemon (the kernel writes the pages back);
+    # "fsync" - also a power loss or OS crash (the KV rows and the journal reach the disk before each
+    # commit, at a cost per token measured in docs/benchmarks.md)
+    durability: str = "page-cache"
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "name", "must not be empty")
         _positive(self, "kv_cap_bytes", "max_sessions", "default_context")
+        _check(self.durability in DURABILITY, "durability", f"must be one of {DURABILITY}")
 
 
 @dataclass(frozen=True)

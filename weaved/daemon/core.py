@@ -83,7 +83,8 @@ class Daemon:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = KVStore(self.data_dir / "kv", self.config, cap_bytes=self.profile.host.kv_cap_bytes)
         delete_group_files(self.store)  # ring shards never outlive their group: rebuilt from transcripts
-        self.journal = Journal(self.data_dir / "journal.sqlite")
+        self.fsync = self.profile.host.durability == "fsync"
+        self.journal = Journal(self.data_dir / "journal.sqlite", fsync=self.fsync)
         self.peers = fed.peer_registry(self)  # profile and run-time peers, health-checked in the background
         if any(p.backend == "cpu" for p in self.profile.pools):
             self._check_memory()
@@ -347,6 +348,9 @@ class Daemon:
             self.store.reserve(seq.kv, new_length)
 
     def _commit(self, seq: Sequence, fed: list[int]) -> None:
+        s = self.sessions.get(seq.session_id)
+        if s is not None and self.fsync and not s.ephemeral and isinstance(seq.kv, KVCache):
+            self.store.flush(seq.kv)  # the rows reach the disk before the journal says they exist
         with self._lock:
             s = self.sessions.get(seq.session_id)
             if s is None:

@@ -106,7 +106,7 @@ def _unpack(blob: bytes) -> list[int]:
 class Journal:
     """Session store over one SQLite file in WAL mode."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, fsync: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
@@ -118,7 +118,8 @@ class Journal:
         # and can never corrupt the database; only a power loss may drop the last few commits, which
         # rolls sessions back consistently (tokens and kv_length together).  FULL would cost an fsync
         # per committed token.
-        self._db.execute("PRAGMA synchronous=NORMAL")
+        # With ``fsync`` (the profile's durability "fsync") every commit is fsynced: FULL.
+        self._db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
         with self._tx():
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
             if version == 0:
