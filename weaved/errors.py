@@ -45,3 +45,7 @@ class Unauthorized(WeaveError):
 class Overloaded(WeaveError):
     status = 503
     type = "overloaded_error"
+
+    def __init__(self, message: str, *, param: str | None = None, retry_after_s: float = 1.0):
+        super().__init__(message, param=param)
+        self.retry_after_s = retry_after_s  # the Retry-After header: when the client should try again

@@ -35,7 +35,8 @@ def error_response(status: int, message: str, **kw: str | None) -> JSONResponse:
 
 
 def weave_error_response(exc: WeaveError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status == 503 else None
+    retry = max(1, round(getattr(exc, "retry_after_s", 1)))
+    headers = {"Retry-After": str(retry)} if exc.status == 503 else None
     return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
 
 

@@ -376,3 +376,40 @@ def test_fsync_durability_flushes_each_commit_before_the_journal_records_it(tiny
         assert order == []
     finally:
         d.shutdown()
+
+
+def test_a_turn_the_pool_cannot_take_is_refused_with_when_to_retry_and_changes_nothing(daemon):
+    from weaved.engine.admission import Capacity
+    from weaved.errors import Overloaded
+    from weaved.http_errors import weave_error_response
+
+    pool = daemon.engines["cpu"]
+    pool.capacity = Capacity(max_batch=2, prior_tps=2.0, prefill_cost=0.5)  # two slots of a token a second
+    streams = []
+    for _ in range(2):  # two interactive turns hold both slots
+        sid = daemon.create_session(SLA(SLAClass.INTERACTIVE, 500, None))["id"]
+        streams.append((sid, Stream()))
+        daemon.start_turn(session_id=sid, messages=[{"role": "user", "content": "Count"}], params=LONG,
+                          emit=streams[-1][1])
+    third = daemon.create_session(SLA(SLAClass.INTERACTIVE, 500, None))["id"]
+    events, published = [], []
+    real_publish = daemon.publish
+    daemon.publish = lambda kind, data: (published.append((kind, data)), real_publish(kind, data))
+    with pytest.raises(Overloaded) as refused:
+        daemon.start_turn(session_id=third, messages=[{"role": "user", "content": "hi"}], params=GREEDY,
+                          emit=events.append)
+    assert "batch slots" in refused.value.message and refused.value.retry_after_s >= 1
+    assert weave_error_response(refused.value).headers["retry-after"] == str(round(refused.value.retry_after_s))
+    assert daemon.get_session(third)["messages"] == [] and events == []  # nothing changed
+    n_before = len(daemon.sessions)
+    with pytest.raises(Overloaded):  # an ephemeral turn refused leaves no session behind
+        daemon.start_turn(session_id=None, messages=[{"role": "user", "content": "hi"}], params=GREEDY,
+                          emit=events.append)
+    assert len(daemon.sessions) == n_before
+    for sid, stream in streams:
+        daemon.cancel_turn(sid)
+        assert stream.done.wait(60)
+    events, _ = run_turn(daemon, third, "hi")  # room again: admitted
+    assert events[-1]["type"] == "done"
+    refusals = [d for k, d in published if k == "refusal"]
+    assert len(refusals) == 2 and refusals[0]["session"] == third and refusals[0]["class"] == "interactive"

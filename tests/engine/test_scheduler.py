@@ -29,9 +29,12 @@ def test_interactive_first_then_deadline_then_batch():
         _seq("bg-soon", SLARank.BACKGROUND, decoding=True, ttlt=1.0),
         _seq("inter", SLARank.INTERACTIVE, pending=5, arrival=5.0, ttft=0.5),
     ]
-    work = schedule(seqs, SchedulerConfig(token_budget=100, max_batch=8, prefill_chunk=64), now=6.0)
+    work = schedule(seqs, SchedulerConfig(token_budget=100, max_batch=8, prefill_chunk=64), now=0.05)
     assert [w.seq.session_id for w in work] == ["inter", "bg-soon", "bg-late", "batch"]
     assert [w.n_tokens for w in work] == [5, 1, 1, 1]
+    # later, bg-soon is behind the pace that ends it within its 1 s budget: it goes first
+    work = schedule(seqs, SchedulerConfig(token_budget=100, max_batch=8, prefill_chunk=64), now=6.0)
+    assert [w.seq.session_id for w in work] == ["bg-soon", "inter", "bg-late", "batch"]
 
 
 def test_budget_chunks_prefill_and_pauses_the_rest():
@@ -74,3 +77,39 @@ def test_an_interactive_decode_shrinks_the_step_budget():
     assert work == {"ia": 1, "bg": 31}
     fifo = dataclasses.replace(cfg, order="fifo")  # the baseline knows no classes: the whole budget
     assert {w.seq.session_id: w.n_tokens for w in schedule([bg, ia], fifo, 2.0)} == {"bg": 256}
+
+
+def test_throughput_tolerant_turns_are_not_starved_by_a_full_batch_of_interactive_ones():
+    """16 interactive decodes fill the batch every step; a background turn with a 100 s budget for its
+    10 tokens is due every 10 s, and gets a slot each time it falls due - never more often."""
+    cfg = SchedulerConfig(token_budget=64, max_batch=16, prefill_chunk=64)
+    inter = [_seq(f"i{k:02d}", SLARank.INTERACTIVE, decoding=True) for k in range(16)]
+    bg = _seq("bg", SLARank.BACKGROUND, decoding=True, ttlt=100.0)
+    batch = _seq("batch", SLARank.BATCH, decoding=True)  # no budget: best effort, may wait
+    picked_at = []
+    for step in range(400):  # a step every 0.25 s for 100 s
+        now = step * 0.25
+        work = schedule([*inter, bg, batch], cfg, now)
+        assert len(work) == 16
+        if any(w.seq is bg for w in work):
+            picked_at.append(now)
+            bg.last_token_at = now
+            bg.generated.append(0)
+        if len(bg.generated) == 10:
+            break
+    assert len(bg.generated) == 10 and picked_at[-1] <= 100.0  # within its budget
+    gaps = np.diff([0.0, *picked_at])
+    assert all(g >= 8.0 for g in gaps)  # only when due: the interactive turns keep the rest
+    assert batch.status == SeqStatus.PAUSED
+
+
+def test_a_throughput_prefill_without_a_ttft_target_is_due_after_a_share_of_its_budget():
+    from weaved.engine.sequence import PREFILL_SHARE
+
+    bg = _seq("bg", SLARank.BACKGROUND, pending=40, ttlt=40.0)
+    assert bg.deadline(0.0) == PREFILL_SHARE * 40.0
+    inter = [_seq(f"i{k}", SLARank.INTERACTIVE, decoding=True) for k in range(4)]
+    cfg = SchedulerConfig(token_budget=4, max_batch=8, prefill_chunk=64)
+    assert [w.seq.session_id for w in schedule([*inter, bg], cfg, now=1.0)] == ["i0", "i1", "i2", "i3"]
+    work = schedule([*inter, bg], cfg, now=PREFILL_SHARE * 40.0 + 0.1)
+    assert work[0].seq is bg and work[0].n_tokens == 4  # due: first, with the whole budget

@@ -231,6 +231,8 @@ def _routing(t: Table, threads: ThreadBudget) -> RoutingThresholds:
                  cpu_prefill_tokens_per_s=t.number("cpu_prefill_tokens_per_s") * scale,
                  cpu_decode_tokens_per_s=t.number("cpu_decode_tokens_per_s") * scale,
                  ttft_margin=t.number("ttft_margin", d["ttft_margin"].default),
+                 background_ttlt_s=t.number("background_ttlt_s", d["background_ttlt_s"].default),
+                 batch_ttlt_s=t.number("batch_ttlt_s", d["batch_ttlt_s"].default),
                  policy=t.text("policy", "sla", POLICIES),
                  node_kv_tokens=None if node_kv == AUTO else node_kv)
     t.done()

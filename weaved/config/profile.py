@@ -137,6 +137,10 @@ class RoutingThresholds:
     ring_batch_depth: int = 16  # Q-Ring decode pays off once this many sessions share the ring
     node_kv_tokens: int | None = None  # most context one node holds; None: the daemon's KV-cap figure
     pipeline_min_prompt_tokens: int = 8192  # shortest prompt that keeps a prefill pipeline full
+    # the TTLT budget of a background / batch turn whose SLA names none: throughput-tolerant is not
+    # "never" - the scheduler paces such a turn to end within it, and admission refuses what cannot
+    background_ttlt_s: float = 600.0
+    batch_ttlt_s: float = 3600.0
     # "sla": the decision tree.  The baselines of the agents benchmark (docs/benchmarks.md):
     # "isolation" binds a session to a pool by its class at creation and never moves it or changes
     # its priority; "fifo" puts every session in the first standard pool, first come first served.
@@ -145,7 +149,8 @@ class RoutingThresholds:
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
         _positive(self, "cpu_prefill_tokens_per_s", "cpu_decode_tokens_per_s", "long_prompt_tokens",
-                  "ttft_margin", "ring_batch_depth", "pipeline_min_prompt_tokens")
+                  "ttft_margin", "ring_batch_depth", "pipeline_min_prompt_tokens", "background_ttlt_s",
+                  "batch_ttlt_s")
         _check(self.ttft_margin <= 1.0, "ttft_margin", f"must be in (0, 1], got {self.ttft_margin}")
         if self.node_kv_tokens is not None:
             _positive(self, "node_kv_tokens")

@@ -29,13 +29,15 @@ from weaved.daemon.status import device_kv_bytes, hardware_status, pool_status, 
 from weaved.daemon.turns import TurnHandle, chat_turn_tokens, check_fits, prompt_turn_tokens, turn_sequence
 from weaved.engine.engine import BatchEngine
 from weaved.engine.sampling import SamplingParams
-from weaved.engine.sequence import Sequence
+from weaved.engine.sequence import Sequence, SLARank
 from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound, Overloaded, WeaveError
 from weaved.kv.cache import KVCache
 from weaved.routing.tree import place
 from weaved.routing.types import SLA, Placement, RoutingError, SessionRequest, SLAClass, SystemState
 
 log = logging.getLogger("weave.daemon")
+SLA_RANK = {SLAClass.INTERACTIVE: SLARank.INTERACTIVE, SLAClass.BACKGROUND: SLARank.BACKGROUND,
+            SLAClass.BATCH: SLARank.BATCH}
 KV_ALIGN = 32  # capacities are multiples of this: keeps the file's per-head runs page-aligned
 CANCEL_WAIT_S = 30.0  # how long a new turn waits for its session's cancelled turn to end (one engine step)
 
@@ -267,6 +269,7 @@ class Daemon:
                 new, keep = prompt_turn_tokens(self.tokenizer, s, prompt)
             try:
                 check_fits(s, keep, new, params.max_tokens)
+                self._admit(s, new, params, sla or s.sla)
             except WeaveError:
                 if s.ephemeral:
                     self._drop_ephemeral(s)
@@ -295,7 +298,7 @@ class Daemon:
                         self.journal.add_message(s.id, m["role"], m["content"], ids)
             elif not s.ephemeral:
                 self.journal.add_message(s.id, "prompt", prompt if isinstance(prompt, str) else "", list(new))
-            seq = turn_sequence(s, new, params, self.tokenizer, echo=echo)
+            seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, default_ttlt_s=self._default_ttlt(s.sla))
             n_prompt = len(s.committed) + len(new)
             seq.emit = lambda ev, s=s, seq=seq: self._on_turn_event(s, seq, ev, emit, n_prompt)
             s.turn = seq
@@ -305,6 +308,24 @@ class Daemon:
                             placement=s.placement.to_dict())
         self.engines[run_in].submit(seq)
         return handle
+
+    def _admit(self, s: Session, new: list[int], params: SamplingParams, sla: SLA) -> None:
+        """Refuse (Overloaded: 503 with Retry-After) a turn the session's pool cannot take without missing
+        an SLA it has accepted (``weaved.engine.admission``); nothing has changed yet when it does."""
+        probe = Sequence(session_id=s.id, kv=s.kv, pending=list(new), params=params,
+                         rank=SLA_RANK[sla.cls], ttft_s=sla.ttft_ms / 1000 if sla.ttft_ms else None,
+                         ttlt_s=sla.ttlt_s or self._default_ttlt(sla))
+        refusal = self.engines[s.pool].refusal(probe)
+        if refusal is not None:
+            self.publish("refusal", {"session": s.id, "pool": s.pool, "class": sla.cls.value,
+                                     "reason": refusal.reason, "retry_after_s": round(refusal.retry_after_s, 1)})
+            raise Overloaded(f"pool {s.pool!r} is at capacity: {refusal.reason}; retry in "
+                             f"{refusal.retry_after_s:.0f} s", retry_after_s=refusal.retry_after_s)
+
+    def _default_ttlt(self, sla: SLA) -> float | None:
+        """The TTLT budget of a throughput-tolerant turn whose SLA names none (the profile's)."""
+        th = self.profile.routing
+        return {SLAClass.BACKGROUND: th.background_ttlt_s, SLAClass.BATCH: th.batch_ttlt_s}.get(sla.cls)
 
     def _await_previous_turn(self, sid: str) -> None:
         """Wait (bounded) for the session's last turn to be over when it is only ending: cancelled by a

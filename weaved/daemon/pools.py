@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from weaved.backends.base import Backend
 from weaved.config.profile import PoolConfig, Profile
+from weaved.engine.admission import Capacity
 from weaved.engine.engine import BatchEngine
 from weaved.engine.scheduler import SchedulerConfig
 from weaved.engine.sequence import SeqStatus, Sequence
@@ -67,6 +68,17 @@ class Pool:
                           queue_depth=len(waiting), queued_prefill_tokens=sum(len(s.pending) for s in waiting
                                                                                if s.prefilling),
                           device_kind=self.device_kind)
+
+
+def _capacity(cfg: PoolConfig, profile: Profile) -> Capacity | None:
+    """The pool's admission capacity (``weaved.engine.admission``): with the SLA router only (the
+    benchmark's baselines admit everything), the profile's CPU decode rate as the prior of a CPU pool."""
+    th = profile.routing
+    if th.policy != "sla":
+        return None
+    cpu = cfg.backend == "cpu" and cfg.device == "cpu"
+    return Capacity(cfg.max_batch, th.cpu_decode_tokens_per_s if cpu else None,
+                    th.cpu_decode_tokens_per_s / th.cpu_prefill_tokens_per_s)
 
 
 def _speculative(cfg: PoolConfig):
@@ -166,7 +178,7 @@ def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
         order = "fifo" if profile.routing.policy == "fifo" else "sla"
         sched = SchedulerConfig(cfg.token_budget, cfg.max_batch, cfg.prefill_chunk, order, cfg.interactive_token_budget)
         engine = BatchEngine(cfg.name, backend, sched, commit=commit, reserve=reserve, on_event=on_event,
-                             forward_lock=lock, speculative=_speculative(cfg))
+                             forward_lock=lock, speculative=_speculative(cfg), capacity=_capacity(cfg, profile))
         pools[cfg.name] = Pool(cfg, backend, engine, lock)
         if pools[cfg.name].stand_in:
             notes.append(f"pool {cfg.name!r}: the torch backend on the CPU device stands in for a GPU pool")

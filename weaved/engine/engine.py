@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from weaved.backends.base import Backend, Logits, SeqChunk
+from weaved.engine.admission import Capacity, Refusal, judge
 from weaved.engine.sampling import logprobs_of
 from weaved.engine.scheduler import SchedulerConfig, Work, schedule
 from weaved.engine.sequence import SeqStatus, Sequence, SLARank
@@ -74,6 +75,7 @@ class BatchEngine:
         on_event: Callable[[str, dict], None] | None = None,
         forward_lock: threading.Lock | None = None,
         speculative: SpecConfig | None = None,
+        capacity: Capacity | None = None,
     ):
         self.name = name
         self.backend = backend
@@ -93,6 +95,7 @@ class BatchEngine:
         self._thread: threading.Thread | None = None
         self.counters = PoolCounters()
         self.tps_window: list[tuple[float, int]] = []  # (time, tokens generated) per step, recent
+        self.capacity = capacity  # None: every turn is admitted (admission.judge)
 
     # ---- control (any thread) ----------------------------------------------------------------
     def start(self) -> None:
@@ -113,6 +116,15 @@ class BatchEngine:
                 raise EngineStopping("the engine is shutting down")
             self._incoming.append(seq)
             self._cond.notify_all()
+
+    def refusal(self, seq: Sequence) -> Refusal | None:
+        """Why this pool cannot take ``seq`` beside the turns it holds without missing an SLA it has
+        accepted (``admission.judge``), or None."""
+        if self.capacity is None:
+            return None
+        with self._cond:
+            live = list(self._active) + list(self._incoming)
+        return judge(live, seq, self.capacity, time.monotonic())
 
     def cancel(self, session_id: str) -> None:
         with self._cond:
@@ -248,7 +260,11 @@ class BatchEngine:
         t0 = time.perf_counter()
         with self._forward_lock:
             outs = self.backend.forward(chunks)
-        self.counters.busy_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.counters.busy_s += took
+        if self.capacity is not None:
+            decoding = sum(1 for w in work if not w.seq.prefilling)
+            self.capacity.record(decoding, sum(w.n_tokens for w in work if w.seq.prefilling), took)
         self.counters.steps += 1
         generated = 0
         for w, logits in zip(work, outs, strict=True):

@@ -1,8 +1,12 @@
 """Which sequences run in the next step, under a token budget, by SLA.
 
-Order (docs/architecture.md, "Scheduling"): interactive first; then earliest deadline (the TTFT deadline for a waiting
-prefill; the TTLT budget spread over the remaining tokens for a decode); batch class last.  A
-sequence not picked this step is paused; since its KV stays in its file, that costs nothing.
+Order (docs/architecture.md, "Scheduling"): first any throughput-tolerant turn that is due - behind the
+pace that ends it within its TTLT budget - earliest deadline first; then interactive; then background
+and batch by earliest deadline (the TTFT deadline for a waiting prefill; the TTLT budget spread over the
+remaining tokens for a decode).  A due turn needs a slot only now and then (its next token is due
+after its budget / remaining tokens), so interactive turns lose little, and throughput-tolerant work
+is never starved while the host has the capacity admission promised.  A sequence not picked this step
+is paused; since its KV stays in its file, that costs nothing.
 """
 
 from __future__ import annotations
@@ -39,8 +43,12 @@ class Work:
 
 
 def priority_key(seq: Sequence, now: float) -> tuple:
-    """Sort key: rank (interactive < background < batch), then deadline, then arrival."""
-    return (int(seq.rank), seq.deadline(now), seq.arrival)
+    """Sort key: due throughput-tolerant turns, then by rank (interactive < background < batch); within
+    each, deadline, then arrival."""
+    due = seq.deadline(now)
+    if seq.rank != SLARank.INTERACTIVE and due <= now:
+        return (0, due, seq.arrival)
+    return (1 + int(seq.rank), due, seq.arrival)
 
 
 def schedule(active: list[Sequence], cfg: SchedulerConfig, now: float) -> list[Work]:

@@ -28,6 +28,12 @@ class SeqStatus(StrEnum):
         return self in (SeqStatus.FINISHED, SeqStatus.CANCELLED, SeqStatus.FAILED)
 
 
+# A throughput-tolerant prefill with a TTLT budget but no TTFT target is due after this share of the
+# budget: the rest is left for its decode.
+PREFILL_SHARE = 0.25
+PACE = 0.9  # a paced decode aims to end within this share of what is left of its budget
+
+
 class SLARank(int, Enum):
     """Scheduling rank by SLA class: lower runs first."""
 
@@ -97,16 +103,20 @@ class Sequence:
     def deadline(self, now: float) -> float:
         """When this sequence's next unit of work is due (monotonic seconds; inf if no target).
 
-        A waiting prefill is due at its TTFT deadline.  A decode spreads what is left of the turn's
-        TTLT budget evenly over the tokens it still has to generate.
+        A waiting prefill is due at its TTFT deadline (without one, after ``PREFILL_SHARE`` of its TTLT
+        budget).  A decode spreads ``PACE`` of what is left of the turn's TTLT budget evenly over the
+        tokens it still has to generate (a token lands at the first step after it is due: the rest of
+        the budget absorbs that).
         """
         if self.prefilling:
-            return self.arrival + self.ttft_s if self.ttft_s is not None else float("inf")
+            if self.ttft_s is not None:
+                return self.arrival + self.ttft_s
+            return self.arrival + PREFILL_SHARE * self.ttlt_s if self.ttlt_s is not None else float("inf")
         if self.ttlt_s is None:
             return float("inf")
         end = self.arrival + self.ttlt_s
-        last = self.last_token_at or now
-        return last + max(0.0, end - last) / self.remaining_tokens
+        last = self.last_token_at if self.last_token_at is not None else now
+        return last + PACE * max(0.0, end - last) / self.remaining_tokens
 
     def sample(self, logits_row: np.ndarray) -> int:
         return self.sampler.sample(logits_row, self.history)
