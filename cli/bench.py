@@ -55,7 +55,8 @@ def _default_runner(cfg: BenchConfig) -> dict[str, Any]:
 
 def register(app: typer.Typer, run: Runner | None = None,
              run_agents: Callable[[Any], dict[str, Any]] | None = None,
-             run_ring: Callable[[Any], dict[str, Any]] | None = None) -> None:
+             run_ring: Callable[[Any], dict[str, Any]] | None = None,
+             run_load: Callable[[Any], dict[str, Any]] | None = None) -> None:
     """Add ``bench`` to ``app``.  ``run`` measures a config (the real benchmark when None); ``run_agents``
     runs the agents scenario's options (``weaved.bench.agents``; the real replay when None); ``run_ring``
     the ring scenario's (``weaved.bench.ring``; the real measurement when None)."""
@@ -93,11 +94,13 @@ def register(app: typer.Typer, run: Runner | None = None,
         scenario: Annotated[
             str, typer.Option("--scenario", help="llama: Weave's CPU engine vs llama.cpp; agents: the reference "
                                                  "agent workload (docs/benchmarks.md); ring: Q-Ring's compute "
-                                                 "vs transfer margin and loopback decode (docs/ring-cost-model.md).")
+                                                 "vs transfer margin and loopback decode (docs/ring-cost-model.md); "
+                                                 "load: many concurrent clients against weave serve.")
         ] = "llama",
         agents: Annotated[int | None, typer.Option("--agents", min=1, help="agents: background agents.")] = None,
         duration: Annotated[
-            float | None, typer.Option("--duration", min=0.1, help="agents: seconds per configuration run.")
+            float | None, typer.Option("--duration", min=0.1, help="agents: seconds per configuration run; load: "
+                                                                  "seconds of load (default 600, 60 with --quick).")
         ] = None,
         seed: Annotated[int | None, typer.Option("--seed", min=0, help="agents: workload seed.")] = None,
         configs: Annotated[
@@ -108,16 +111,26 @@ def register(app: typer.Typer, run: Runner | None = None,
             typer.Option("--capacity/--no-capacity", help="agents: search each configuration's capacity "
                                                          "(default: on, off with --quick)."),
         ] = None,
+        clients: Annotated[
+            int | None, typer.Option("--clients", min=1, help="load: concurrent clients (default 64, 16 with --quick).")
+        ] = None,
     ) -> None:
         """Measure Weave and llama.cpp on the same model and threads; print both and their ratio.
         With --scenario agents: replay the reference agent workload against Weave and its baselines."""
-        if scenario not in ("llama", "agents", "ring"):
-            raise typer.BadParameter(f"unknown scenario {scenario!r}; choose llama, agents or ring",
+        if scenario not in ("llama", "agents", "ring", "load"):
+            raise typer.BadParameter(f"unknown scenario {scenario!r}; choose llama, agents, ring or load",
                                      param_hint="--scenario")
         if shape is not None:
             if model is not None:
                 raise typer.BadParameter("give --model or --shape, not both", param_hint="--shape")
             model = _shape_model(shape)
+        if scenario == "load":
+            if any(v is not None for v in (agents, seed, configs, capacity, only)):
+                raise typer.BadParameter("the load scenario takes --clients, --duration, --quick and --json")
+            _load(model, threads, quick, json_out, clients, duration, run_load)
+            return
+        if clients is not None:
+            raise typer.BadParameter("--clients needs --scenario load")
         agent_opts = (agents, duration, seed, configs, capacity)
         if scenario == "agents":
             _agents(model, threads, quick, json_out, only, agent_opts, run_agents)
@@ -208,6 +221,32 @@ def _ring(model: Path | None, threads: int | None, quick: bool, json_out: bool, 
         report = run_ring_bench(opts, say)
     else:
         report = run_ring(opts)
+    typer.echo(json.dumps(report) if json_out else format_table(report))
+    if report.get("errors"):
+        raise typer.Exit(1)
+
+
+def _load(model: Path | None, threads: int | None, quick: bool, json_out: bool, clients: int | None,
+          duration: float | None, run_load: Callable[[Any], dict[str, Any]] | None) -> None:
+    """``weave bench --scenario load`` (weaved.bench.load; imported here, not at registration)."""
+    from weaved.bench.load import LoadOptions
+    from weaved.bench.load.report import format_table
+    from weaved.model.default import default_model_path, ensure_native
+
+    say = lambda msg: typer.echo(f"[load] {msg}", err=True)
+    model = Path(default_model_path() if model is None else ensure_native(model, log=say))
+    n = threads or default_threads()
+    if quick:
+        opts = LoadOptions.quick(model, n, clients, duration)
+    else:
+        d = duration or 600.0
+        opts = LoadOptions(model=model, threads=n, clients=clients or 64, duration_s=d, warmup_s=min(60.0, d / 4))
+    if run_load is None:
+        from weaved.bench.load.run import run_load as real
+
+        report = real(opts, say)
+    else:
+        report = run_load(opts)
     typer.echo(json.dumps(report) if json_out else format_table(report))
     if report.get("errors"):
         raise typer.Exit(1)

@@ -1,0 +1,70 @@
+"""``weave bench --scenario load``: its figures from given outcomes, and its options on the command line.
+(The load itself runs for minutes against a real daemon: a benchmark, not a test.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from weaved.bench.load import LoadOptions
+from weaved.bench.load.clients import Outcome
+from weaved.bench.load.report import build, format_table
+
+
+def test_figures_by_class_after_the_warm_up():
+    outcomes = [
+        Outcome("interactive", "sdk", True, "ok", start=1.0, ttft_s=9.0, latency_s=9.5, tokens=10),  # warm-up
+        Outcome("interactive", "sdk", True, "ok", start=20.0, ttft_s=0.5, latency_s=2.0, tokens=64),
+        Outcome("interactive", "httpx", True, "ok", start=21.0, ttft_s=3.0, latency_s=4.0, tokens=64),  # late
+        Outcome("interactive", "httpx", False, "ok", start=22.0, latency_s=5.0, tokens=64),  # whole: by latency
+        Outcome("interactive", "sdk", True, "cancelled", start=23.0, ttft_s=0.2, latency_s=0.3, tokens=3),
+        Outcome("background", "sdk", False, "503", start=24.0, latency_s=0.01),
+        Outcome("background", "httpx", False, "ok", start=25.0, latency_s=70.0, tokens=64),  # over 60 s
+        Outcome("batch", "httpx", True, "error 500", start=26.0, latency_s=0.1),
+    ]
+    samples = [(5.0, 300.0, 30), (15.0, 400.0, 40), (95.0, 410.0, 40)]
+    r = build(outcomes, samples, warmup_s=10.0, duration_s=110.0, batched_tps=10.0, clients=8)
+    inter = r["classes"]["interactive"]
+    assert inter["requests"] == 4 and inter["by_status"] == {"ok": 3, "cancelled": 1}
+    assert inter["within_sla"] == pytest.approx(2 / 3) and inter["sla_or_503"] == pytest.approx(2 / 3)
+    assert r["classes"]["background"]["sla_or_503"] == 0.5  # the 503 counts, the late answer does not
+    assert r["errors"] == 1 and r["error_kinds"] == {"error 500": 1}
+    assert r["tokens_per_s"] == pytest.approx((64 * 4 + 3) / 100.0) and r["vs_batched"] == pytest.approx(0.259)
+    m = r["memory"]
+    assert (m["rss_mb_start"], m["rss_mb_end"], m["fds_start"], m["fds_end"]) == (400.0, 410.0, 40, 40)
+    text = format_table(r)
+    assert "interactive" in text and "errors: {'error 500': 1}" in text and "+2.5%" in text
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="warm-up"):
+        LoadOptions(model="m.gguf", threads=2, duration_s=30, warmup_s=60)
+    quick = LoadOptions.quick("m.gguf", 2)
+    assert (quick.clients, quick.duration_s, quick.warmup_s) == (16, 60.0, 15.0)
+
+
+def test_the_scenario_on_the_command_line(smollm2_q4_0):
+    import typer
+    from weaved.cli import bench
+
+    seen = []
+
+    def fake(opts):
+        seen.append(opts)
+        return {"clients": opts.clients, "duration_s": opts.duration_s, "warmup_s": opts.warmup_s, "classes": {},
+                "errors": 0, "error_kinds": {}, "tokens_per_s": 1.0, "batched_tps": None, "vs_batched": None,
+                "memory": None, "samples": []}
+
+    app = typer.Typer()
+    bench.register(app, run_load=fake)
+    runner = CliRunner()
+    res = runner.invoke(app, ["--scenario", "load", "--clients", "8", "--duration", "100", "--json"])
+    assert res.exit_code == 0, res.output
+    assert (seen[0].clients, seen[0].duration_s, seen[0].warmup_s) == (8, 100.0, 25.0)
+    assert json.loads(res.stdout)["clients"] == 8
+    res = runner.invoke(app, ["--scenario", "load", "--quick"])
+    assert res.exit_code == 0 and (seen[1].clients, seen[1].duration_s) == (16, 60.0)
+    assert runner.invoke(app, ["--clients", "8"]).exit_code == 2  # --clients needs the load scenario
+    assert runner.invoke(app, ["--scenario", "load", "--agents", "3"]).exit_code == 2

@@ -1,0 +1,66 @@
+"""Running the load: the engine's batched rate first (nothing else on the cores), then the daemon, the
+clients and the sampler together until the end, then the report."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import openai
+
+from weaved.bench.load import LoadOptions
+from weaved.bench.load import daemon as served_daemon
+from weaved.bench.load.clients import TIMEOUT_S, Client
+from weaved.bench.load.report import build
+
+
+def batched_rate(opts: LoadOptions, say: Callable[[str], None]) -> float | None:
+    """Weave's CPU engine decoding 16 sequences (the daemon's batch), in its own process."""
+    from weaved.bench import BenchConfig
+    from weaved.bench.harness import filler_tokens
+    from weaved.bench.runner import measure_in_subprocess
+
+    cfg = BenchConfig.quick(opts.model, opts.threads, ("batch16_tps",))
+    say("measuring the engine's batched rate (16 sequences)")
+    try:
+        return float(measure_in_subprocess("weave", cfg, filler_tokens(opts.model, cfg.tokens_needed))["batch16_tps"])
+    except Exception as exc:  # noqa: BLE001 - the load still runs; the ratio is then unknown
+        say(f"the batched rate could not be measured: {exc}")
+        return None
+
+
+async def _drive(opts: LoadOptions, served: served_daemon.Served, say: Callable[[str], None]) -> list:
+    limits = httpx.Limits(max_connections=opts.clients * 2, max_keepalive_connections=opts.clients * 2)
+    transport = httpx.AsyncHTTPTransport(uds=str(served.socket), limits=limits)
+    async with httpx.AsyncClient(transport=transport, base_url="http://weave", timeout=TIMEOUT_S) as http:
+        sdk = openai.AsyncOpenAI(base_url="http://weave/v1", api_key="load", http_client=http, max_retries=0,
+                                 timeout=TIMEOUT_S)
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        t0 = time.monotonic()
+        end = t0 + opts.duration_s
+        clients = [Client(i, opts, http, sdk, model, t0) for i in range(opts.clients)]
+        say(f"{opts.clients} clients for {opts.duration_s:.0f} s")
+        await asyncio.gather(served.sample_every(opts.sample_s, t0, end), *(c.run(end) for c in clients))
+        served.sample(t0)
+    return [o for c in clients for o in c.outcomes]
+
+
+def run_load(opts: LoadOptions, say: Callable[[str], None]) -> dict:
+    batched = batched_rate(opts, say)
+    with tempfile.TemporaryDirectory(prefix="weave-load-") as tmp:
+        say("starting weave serve")
+        served = served_daemon.start(opts.model, Path(tmp))
+        try:
+            outcomes = asyncio.run(_drive(opts, served, say))
+        finally:
+            code = served.stop()
+        report = build(outcomes, served.samples, warmup_s=opts.warmup_s, duration_s=opts.duration_s,
+                       batched_tps=batched, clients=opts.clients)
+        report["daemon_exit"] = code
+        log = served.log.read_text().splitlines()
+        report["daemon_log_problems"] = [line for line in log if "Traceback" in line or "error" in line.lower()][:20]
+    return report
