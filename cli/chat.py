@@ -20,7 +20,7 @@ from weaved.cli import fmt
 from weaved.cli.client import Client, sla_body
 from weaved.cli.common import ApiKeyOpt, SLAClass, SocketOpt, connect, echo, sla_class
 from weaved.cli.errors import ApiError
-from weaved.cli.run import MaxTokensOpt, SeedOpt, SystemOpt, TemperatureOpt, write_stream
+from weaved.cli.run import AT_TOKEN_LIMIT, MaxTokensOpt, SeedOpt, SystemOpt, TemperatureOpt, write_stream
 
 PROMPT = ">>> "
 COMMANDS = """\
@@ -169,7 +169,7 @@ class ChatRepl:
             break
         self.turns += 1
         if last is not None and last.finish_reason == "length":
-            self.say("[stopped at the token limit; --max-tokens raises it]")
+            self.say(AT_TOKEN_LIMIT)
 
 
 def chat(

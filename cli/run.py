@@ -20,6 +20,8 @@ TemperatureOpt = Annotated[float | None, typer.Option("--temperature", min=0.0, 
 SlaOpt = Annotated[SLAClass, typer.Option("--sla", help="The SLA class.")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", min=0, show_default=False, help="Sampling seed.")]
 
+AT_TOKEN_LIMIT = "[stopped at the token limit; --max-tokens raises it]"  # run and chat say it alike
+
 
 def messages_for(text: str, system: str | None = None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
@@ -45,7 +47,7 @@ def write_stream(deltas: Iterable[Delta], out: TextIO | None = None,
 
 def _note_length(last: Delta | None) -> None:
     if last is not None and last.finish_reason == "length":
-        echo("(stopped at the token limit; raise it with --max-tokens)", err=True)
+        echo(AT_TOKEN_LIMIT, err=True)
 
 
 PromptArg = Annotated[str, typer.Argument(help="The prompt; `-` reads it from stdin.", show_default=False)]

@@ -16,6 +16,7 @@ from weaved.cli.errors import ClientError, DaemonNotRunning, error_from_bytes
 from weaved.cli.sse import DONE, SSEDecoder
 
 REQUEST_TIMEOUT_S = 10.0
+EVENT_BACKLOG = 100  # events that happened before weave top connected, shown on its first screen
 
 
 class DaemonLink:
@@ -65,7 +66,8 @@ class DaemonLink:
         """``/v1/events`` until the daemon ends the stream (or the caller is cancelled)."""
         try:
             endless = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
-            async with self._http.stream("GET", "/v1/events", timeout=endless) as r:
+            async with self._http.stream("GET", "/v1/events", params={"backlog": EVENT_BACKLOG},
+                                         timeout=endless) as r:
                 if r.status_code >= 400:
                     raise error_from_bytes(r.status_code, await r.aread())
                 decoder = SSEDecoder()

@@ -15,6 +15,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("state", "state"), ("tokens_per_s", "tok/s"), ("ttft_s", "TTFT"), ("deadline_slack_s", "slack"),
     ("reason", "placement reason"),
 )
+FILTER_KEYS = ("id", "class", "pool", "backend", "state")  # what the / filter looks at
 SORTABLE = ("class", "id", "pool", "context_tokens", "state", "tokens_per_s", "ttft_s", "deadline_slack_s")
 CLASS_ORDER = {"interactive": 0, "background": 1, "batch": 2}
 STATE_STYLE = {"running": "green", "waiting": "yellow", "paused": "yellow", "idle": "dim"}
@@ -66,10 +67,18 @@ class SessionsTable(DataTable):
 
     # ---- drawing ---------------------------------------------------------------------------------
     def _matches(self, row: dict) -> bool:
-        if not self.filter_text:
-            return True
-        needle = self.filter_text.lower()
-        return any(needle in str(row.get(k) or "").lower() for k, _ in COLUMNS)
+        """Every word of the filter matches: ``state:running`` (or ``class:``, ``pool:``, ``backend:``,
+        ``id:``) that column exactly - a prefix for ``id``; a plain word any of those columns in part.
+        The placement reason is not searched: its words ("idle", "running") name other sessions' states."""
+        for word in self.filter_text.lower().split():
+            key, sep, value = word.partition(":")
+            if sep and key in FILTER_KEYS:
+                cell = str(row.get(key) or "").lower()
+                if not (cell.startswith(value) if key == "id" else cell == value):
+                    return False
+            elif not any(word in str(row.get(k) or "").lower() for k in FILTER_KEYS):
+                return False
+        return True
 
     def _rebuild(self) -> None:
         keep = self.selected_id()

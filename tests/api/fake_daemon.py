@@ -273,7 +273,7 @@ class FakeDaemon:
             for q in list(self._subscribers):
                 self._loop.call_soon_threadsafe(q.put_nowait, ev)
 
-    def subscribe(self) -> asyncio.Queue:
+    def subscribe(self, backlog: int = 0) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
         self._subscribers.add(q)
         return q

@@ -197,3 +197,8 @@ def test_oversized_body(client, bystander, monkeypatch):
             yield b" " * 200  # no content-length: refused while streaming in
 
     assert_error(client.post(CHAT, content=chunks()), 413)
+
+
+def test_event_backlog_is_bounded(client, bystander):
+    assert_error(client.get("/v1/events", params={"backlog": 201}), 400, "backlog")
+    assert_error(client.get("/v1/events", params={"backlog": -1}), 400, "backlog")

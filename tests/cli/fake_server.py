@@ -96,7 +96,7 @@ class FakeDaemon:
         self.token_delay_s = token_delay_s
         self.sessions: dict[str, FakeSession] = {}
         self.requests: list[Seen] = []
-        self.events: list[dict] = []  # every subscriber gets these first
+        self.events: list[dict] = []  # what was published (the backlog a subscriber may ask for)
         self.disconnects = 0  # streams the client closed before the end
         self.api_key: str | None = None  # when set, requests need "Authorization: Bearer <key>"
         self._subscribers: list[queue.Queue] = []
@@ -179,10 +179,12 @@ class FakeDaemon:
             self._counter += 1
             return f"{prefix}{self._counter:016x}"
 
-    def subscribe(self) -> queue.Queue:
+    def subscribe(self, backlog: int = 0) -> queue.Queue:
+        """Events from now on, after the last ``backlog`` published before (as the daemon's
+        ``/v1/events?backlog=N``)."""
         q: queue.Queue = queue.Queue()
         with self._lock:
-            for ev in self.events:
+            for ev in self.events[-backlog:] if backlog > 0 else []:
                 q.put(ev)
             self._subscribers.append(q)
         return q
@@ -394,7 +396,8 @@ class _Handler(BaseHTTPRequestHandler):
                 s.busy, s.state = False, "idle"
 
     def follow_events(self, body: dict) -> None:
-        q = self.fake.subscribe()
+        query = dict(part.partition("=")[::2] for part in self.path.partition("?")[2].split("&") if part)
+        q = self.fake.subscribe(int(query.get("backlog", "0")))
         try:
             self._start_sse()
             if not self._send(b": keep-alive\n\n"):

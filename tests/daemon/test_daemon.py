@@ -413,3 +413,24 @@ def test_a_turn_the_pool_cannot_take_is_refused_with_when_to_retry_and_changes_n
     assert events[-1]["type"] == "done"
     refusals = [d for k, d in published if k == "refusal"]
     assert len(refusals) == 2 and refusals[0]["session"] == third and refusals[0]["class"] == "interactive"
+
+
+def test_events_keep_a_backlog_for_new_subscribers():
+    import asyncio
+
+    from weaved.daemon.events import BACKLOG, EventBus
+
+    bus = EventBus()
+    for i in range(BACKLOG + 5):  # published while nobody listens (e.g. while the daemon loads)
+        bus.publish("placement", {"n": i})
+
+    async def main() -> tuple[list[int], list[int]]:
+        bus.attach_loop(asyncio.get_running_loop())
+        fresh, late = bus.subscribe(), bus.subscribe(backlog=3)
+        bus.publish("placement", {"n": -1})
+        await asyncio.sleep(0)
+        drain = lambda q: [q.get_nowait()["n"] for _ in range(q.qsize())]  # noqa: E731
+        return drain(fresh), drain(late)
+
+    fresh, late = asyncio.run(main())
+    assert fresh == [-1] and late == [BACKLOG + 2, BACKLOG + 3, BACKLOG + 4, -1]

@@ -267,3 +267,37 @@ def test_the_daemons_text_is_shown_as_it_is_never_as_markup_or_terminal_codes(fa
             assert not any("\x1b" in e for e in app.events.entries)
 
     run(scenario())
+
+
+def test_the_filter_matches_columns_not_the_placement_reason(fake):
+    from weaved.tui.sessions_table import SessionsTable
+
+    table = SessionsTable()
+    rows = [{"id": "s-aa01", "class": "background", "pool": "cpu", "backend": "cpu", "state": "idle",
+             "reason": "background: running on the CPU pool"},
+            {"id": "s-bb02", "class": "interactive", "pool": "gpu", "backend": "torch", "state": "running",
+             "reason": "interactive: idle GPU pool"}]
+
+    def shown(text: str) -> list[str]:
+        table.filter_text = text
+        return [r["id"] for r in rows if table._matches(r)]
+
+    assert shown("running") == ["s-bb02"]  # the state, not the first session's reason
+    assert shown("idle") == ["s-aa01"]
+    assert shown("state:running") == ["s-bb02"] and shown("state:run") == []  # a column: exact
+    assert shown("class:background pool:cpu") == ["s-aa01"] and shown("class:background pool:gpu") == []
+    assert shown("id:s-bb") == ["s-bb02"]  # ids by prefix
+    assert shown("torch") == ["s-bb02"] and shown("") == ["s-aa01", "s-bb02"]
+
+
+def test_the_events_panel_starts_with_what_happened_before(fake):
+    for i in range(3):
+        fake.publish("placement", session=f"s-00000000000000e{i}", placement={"decode_pool": "cpu", "reasons": []})
+
+    async def scenario():
+        app = top(fake)
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: sum("s-00000000000000e" in e for e in app.events.entries) == 3,
+                        what="the backlog")
+
+    run(scenario())

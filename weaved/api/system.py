@@ -12,6 +12,8 @@ from starlette.responses import Response
 
 from weaved.api.sse import KEEPALIVE, frame, sse_response
 from weaved.api.state import ApiState, state_of
+from weaved.daemon.events import BACKLOG
+from weaved.errors import InvalidRequest
 from weaved.metrics import CONTENT_TYPE
 
 router = APIRouter()
@@ -37,10 +39,13 @@ async def metrics(request: Request) -> Response:
 
 
 @router.get("/v1/events")
-async def events(request: Request) -> Response:
-    """Placements, preemptions, promotions and demotions as they happen, one JSON object per event."""
+async def events(request: Request, backlog: int = 0) -> Response:
+    """Placements, preemptions, promotions and demotions as they happen, one JSON object per event;
+    ``?backlog=N`` first sends the last N (at most 200) that happened before."""
+    if not 0 <= backlog <= BACKLOG:
+        raise InvalidRequest(f"backlog must be between 0 and {BACKLOG}", param="backlog")
     state = state_of(request)
-    queue = state.daemon.subscribe()
+    queue = state.daemon.subscribe(backlog)
     return sse_response(_event_frames(request, state, queue))
 
 

@@ -445,8 +445,8 @@ class Daemon:
         """Send an event to every ``/v1/events`` subscriber (any thread)."""
         self.events.publish(kind, data)
 
-    def subscribe(self) -> asyncio.Queue:
-        return self.events.subscribe()
+    def subscribe(self, backlog: int = 0) -> asyncio.Queue:
+        return self.events.subscribe(backlog)
 
     def unsubscribe(self, q: asyncio.Queue) -> None:
         self.events.unsubscribe(q)
