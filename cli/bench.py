@@ -6,6 +6,7 @@ command, so registering it costs nothing to the client commands.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -234,6 +235,9 @@ def _load(model: Path | None, threads: int | None, quick: bool, json_out: bool, 
     from weaved.model.default import default_model_path, ensure_native
 
     say = lambda msg: typer.echo(f"[load] {msg}", err=True)
+    if run_load is None and importlib.util.find_spec("openai") is None:
+        raise typer.BadParameter("the load scenario's clients use the openai package: pip install openai",
+                                 param_hint="--scenario")
     model = Path(default_model_path() if model is None else ensure_native(model, log=say))
     n = threads or default_threads()
     if quick:
