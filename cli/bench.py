@@ -145,12 +145,11 @@ def register(app: typer.Typer, run: Runner | None = None,
         from weaved.bench.report import format_table
 
         keys = parse_only(only) or KEYS
-        from weaved.model.default import default_model_path, ensure_native
 
         # Both sides run the very file Weave runs: a model of another quantization is converted
         # (once, cached) and llama.cpp measures the converted file too.
         say = lambda msg: typer.echo(msg, err=True)
-        model = Path(default_model_path() if model is None else ensure_native(model, log=say))
+        model = _model_file(model, say)
         n = threads or default_threads()
         cfg = BenchConfig.quick(model, n, keys) if quick else BenchConfig(model=model, threads=n, keys=keys)
         report = runner(cfg)
@@ -160,6 +159,14 @@ def register(app: typer.Typer, run: Runner | None = None,
             typer.echo(format_table(report, reps=cfg.rounds * cfg.reps))
         if any("error" in report[side] for side in ("weave", "llama_cpp")):
             raise typer.Exit(1)
+
+
+def _model_file(model: Path | None, say: Callable[[str], None]) -> Path:
+    """The file every scenario runs: the default model, or ``model`` in the shared format (a model of
+    another quantization is converted once, cached, with what that costs said through ``say``)."""
+    from weaved.model.default import default_model_path, ensure_native
+
+    return Path(default_model_path() if model is None else ensure_native(model, log=say))
 
 
 def _shape_model(spec: str) -> Path:
@@ -181,7 +188,6 @@ def _agents(model: Path | None, threads: int | None, quick: bool, json_out: bool
             agent_opts: tuple, run_agents: Callable[[Any], dict[str, Any]] | None) -> None:
     """``weave bench --scenario agents`` (weaved.bench.agents; imported here, not at registration)."""
     from weaved.bench.agents.cli import parse_configs, run_and_format, scenario_options
-    from weaved.model.default import default_model_path, ensure_native
 
     if only is not None:
         raise typer.BadParameter("--only applies to the llama scenario")
@@ -191,7 +197,7 @@ def _agents(model: Path | None, threads: int | None, quick: bool, json_out: bool
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--configs") from None
     say = lambda msg: typer.echo(msg, err=True)
-    model = Path(default_model_path() if model is None else ensure_native(model, log=say))
+    model = _model_file(model, say)
     try:
         opts = scenario_options(model, threads=threads, quick=quick, agents=agents, duration=duration, seed=seed,
                                 configs=names, capacity=capacity)
@@ -208,12 +214,11 @@ def _ring(model: Path | None, threads: int | None, quick: bool, json_out: bool, 
     """``weave bench --scenario ring`` (weaved.bench.ring; imported here, not at registration)."""
     from weaved.bench.ring import RingBenchOptions
     from weaved.bench.ring.report import format_table
-    from weaved.model.default import default_model_path, ensure_native
 
     if only is not None:
         raise typer.BadParameter("--only applies to the llama scenario")
     say = lambda msg: typer.echo(f"[ring] {msg}", err=True)
-    model = Path(default_model_path() if model is None else ensure_native(model, log=say))
+    model = _model_file(model, say)
     n = threads or default_threads()
     opts = RingBenchOptions.quick(model, n) if quick else RingBenchOptions(model=model, threads=n)
     if run_ring is None:
@@ -232,13 +237,12 @@ def _load(model: Path | None, threads: int | None, quick: bool, json_out: bool, 
     """``weave bench --scenario load`` (weaved.bench.load; imported here, not at registration)."""
     from weaved.bench.load import LoadOptions
     from weaved.bench.load.report import format_table
-    from weaved.model.default import default_model_path, ensure_native
 
     say = lambda msg: typer.echo(f"[load] {msg}", err=True)
     if run_load is None and importlib.util.find_spec("openai") is None:
         raise typer.BadParameter("the load scenario's clients use the openai package: pip install openai",
                                  param_hint="--scenario")
-    model = Path(default_model_path() if model is None else ensure_native(model, log=say))
+    model = _model_file(model, say)
     n = threads or default_threads()
     if quick:
         opts = LoadOptions.quick(model, n, clients, duration)
