@@ -32,6 +32,15 @@ class NotFound(WeaveError):
     type = "not_found_error"
 
 
+class ModelNotFound(NotFound):
+    """A request named a model this daemon does not serve (OpenAI's shape of that error)."""
+
+    type = "invalid_request_error"
+
+    def __init__(self, message: str):
+        super().__init__(message, param="model", code="model_not_found")
+
+
 class Conflict(WeaveError):
     status = 409
     type = "conflict_error"

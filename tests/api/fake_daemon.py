@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound, Overloaded
@@ -151,9 +151,10 @@ class FakeDaemon:
             del self.sessions[sid]
 
     # ---- turns -----------------------------------------------------------------------------------
-    def start_turn(self, *, session_id, messages=None, prompt=None, params, sla=None, echo=False, emit):
+    def start_turn(self, *, session_id, messages=None, prompt=None, params, sla=None, echo=False, emit,
+                   answer=None):
         self.calls.append(("start_turn", {"session_id": session_id, "messages": messages, "prompt": prompt,
-                                          "params": params, "sla": sla, "echo": echo}))
+                                          "params": params, "sla": sla, "echo": echo, "answer": answer}))
         if self.shut_down:
             raise Overloaded("shutting down")
         if (messages is None) == (prompt is None):
@@ -172,6 +173,8 @@ class FakeDaemon:
             else:
                 new = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
             total = len(s.tokens) + len(new)
+            if params.fit_context:
+                params = replace(params, max_tokens=max(1, s.max_context - total), fit_context=False)
             try:
                 if total >= s.max_context:
                     raise ContextTooLong(f"the prompt needs {total} tokens but the session holds {s.max_context}")

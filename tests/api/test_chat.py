@@ -21,7 +21,7 @@ def sse_events(text: str) -> list:
 
 
 def test_chat_completion_shape(client, fake: FakeDaemon):
-    r = client.post("/v1/chat/completions", json={"model": "anything", "messages": USER, "max_tokens": 64})
+    r = client.post("/v1/chat/completions", json={"model": "default", "messages": USER, "max_tokens": 64})
     assert r.status_code == 200
     body = r.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")

@@ -11,7 +11,7 @@ def _last_turn(fake: FakeDaemon) -> dict:
 
 
 def test_text_prompt(client, fake: FakeDaemon):
-    r = client.post("/v1/completions", json={"model": "m", "prompt": "Once"})
+    r = client.post("/v1/completions", json={"model": "fake-model", "prompt": "Once"})
     body = r.json()
     assert r.status_code == 200 and body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     # OpenAI's default of 16 tokens

@@ -61,12 +61,12 @@ def sdk(served):
 
 
 def test_openai_sdk_chat_and_stream_over_the_socket(sdk, served):
-    out = sdk.chat.completions.create(model="any", messages=QUESTION, max_tokens=12, temperature=0,
+    out = sdk.chat.completions.create(model="default", messages=QUESTION, max_tokens=12, temperature=0,
                                       extra_body={"sla": {"class": "interactive", "ttft_ms": 2000}})
     assert "Paris" in out.choices[0].message.content
     assert out.usage.prompt_tokens > 10 and 0 < out.usage.completion_tokens <= 12
     assert out.model_extra["weave"]["placement"]["decode_pool"] == "cpu"
-    stream = sdk.chat.completions.create(model="any", messages=QUESTION, max_tokens=12, temperature=0,
+    stream = sdk.chat.completions.create(model="default", messages=QUESTION, max_tokens=12, temperature=0,
                                          stream=True, stream_options={"include_usage": True},
                                          extra_body={"sla": {"class": "background"}})
     chunks = list(stream)
@@ -77,7 +77,7 @@ def test_openai_sdk_chat_and_stream_over_the_socket(sdk, served):
 
 def test_openai_sdk_over_tcp_needs_the_key(served):
     client = openai.OpenAI(base_url=f"{served.tcp_url}/v1", api_key=KEY, max_retries=0)
-    out = client.chat.completions.create(model="any", messages=QUESTION, max_tokens=8, temperature=0)
+    out = client.chat.completions.create(model="default", messages=QUESTION, max_tokens=8, temperature=0)
     assert "Paris" in out.choices[0].message.content
     r = httpx.post(f"{served.tcp_url}/v1/chat/completions", json={"messages": QUESTION}, timeout=30)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"

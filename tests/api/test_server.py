@@ -114,10 +114,10 @@ def test_openai_sdk_over_tcp_with_the_key(fake: FakeDaemon, sock_path):
     with serving(fake, sock_path, listen="127.0.0.1:0", api_key="sekrit") as server:
         host, port = server.tcp_address
         client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="sekrit", max_retries=0)
-        out = client.chat.completions.create(model="m", messages=USER, max_tokens=5,
+        out = client.chat.completions.create(model="default", messages=USER, max_tokens=5,
                                              extra_body={"sla": {"class": "interactive", "ttft_ms": 500}})
         assert out.choices[0].message.content == "Hello"
-        stream = client.chat.completions.create(model="m", messages=USER, max_tokens=3, stream=True)
+        stream = client.chat.completions.create(model="default", messages=USER, max_tokens=3, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream) == "Hel"
         bad = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="guess", max_retries=0)
         with pytest.raises(openai.AuthenticationError):

@@ -3,13 +3,13 @@ import math
 import numpy as np
 import pytest
 
+from weaved.engine.logit_edits import apply_repetition_penalty
 from weaved.engine.sampling import (
     MAX_LOGPROBS,
     Sampler,
     SamplingParams,
     _draw,
     _weights,
-    apply_repetition_penalty,
     logprobs_of,
     min_p_filter,
     top_k_filter,

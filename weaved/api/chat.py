@@ -15,9 +15,11 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from weaved.agent.stream import Answer, AnswerParser
+from weaved.api.agent_models import answer_spec
 from weaved.api.logprobs import chat_entry
 from weaved.api.models import ChatRequest
-from weaved.api.params import chat_params
+from weaved.api.params import chat_params, check_model, check_vocab
 from weaved.api.sse import DONE, frame, sse_response, stream_chunk
 from weaved.api.state import state_of
 from weaved.api.turn import Turn, TurnSpec, resolve, start_turn
@@ -26,12 +28,16 @@ from weaved.errors import InvalidRequest
 
 async def answer_chat(request: Request, req: ChatRequest, session_id: str | None) -> Response:
     state = state_of(request)
+    check_model(state, req.model)
     params = chat_params(req)
+    check_vocab(state.daemon.tokenizer, params)
+    answer = answer_spec(req.tools, req.tool_choice, req.parallel_tool_calls, req.response_format,
+                         req.chat_template_kwargs)
     if req.detach and (session_id is None or req.stream):
         raise InvalidRequest("detach needs a session and no stream: the answer goes to the session's "
                              "transcript", param="detach")
     info, sla = await resolve(state, session_id, req.sla, request.headers)
-    spec = TurnSpec(session_id, params, sla, messages=[m.to_dict() for m in req.messages])
+    spec = TurnSpec(session_id, params, sla, messages=[m.to_dict() for m in req.messages], answer=answer)
     turn = await start_turn(state, spec, info)
     if req.detach:
         turn.detach()
@@ -53,14 +59,37 @@ class _Meta:
         self.logprobs = logprobs
 
 
+def _parser(turn: Turn) -> AnswerParser:
+    plan = getattr(turn.handle, "answer", None)
+    return plan.parser() if plan is not None else AnswerParser()
+
+
+def assistant_message(ans: Answer) -> dict:
+    """The answer as OpenAI's assistant message: content (null when only calls), reasoning, calls."""
+    msg: dict = {"role": "assistant", "content": ans.content if (ans.content or not ans.calls) else None}
+    if ans.reasoning:
+        msg["reasoning_content"] = ans.reasoning
+    if ans.calls:
+        msg["tool_calls"] = [c.to_openai() for c in ans.calls]
+    return msg
+
+
+def finish_reason(turn: Turn, ans: Answer) -> str | None:
+    """``tool_calls`` when the answer ended by itself with calls."""
+    return "tool_calls" if ans.calls and turn.finish_reason == "stop" else turn.finish_reason
+
+
 def _body(turn: Turn, meta: _Meta, events: list[dict], tokenizer) -> dict:
-    text = "".join(ev["text"] for ev in events if ev["type"] == "token")
+    parser = _parser(turn)
+    parser.push("".join(ev["text"] for ev in events if ev["type"] == "token"))
+    parser.finish()
+    ans = parser.answer
     logprobs = None
     if meta.logprobs:
         logprobs = {"content": [chat_entry(tokenizer, ev["token"], ev["logprob"], ev.get("top_logprobs", ()))
                                 for ev in events if ev["type"] == "token" and "logprob" in ev]}
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-              "finish_reason": turn.finish_reason}
+    choice = {"index": 0, "message": assistant_message(ans), "logprobs": logprobs,
+              "finish_reason": finish_reason(turn, ans)}
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
             "choices": [choice], "usage": turn.usage, "weave": turn.weave()}
 
@@ -72,9 +101,10 @@ def _chunk(meta: _Meta, delta: dict, *, finish: str | None = None, logprobs: dic
 
 
 async def _stream(request: Request, turn: Turn, meta: _Meta, usage: bool) -> AsyncIterator[bytes]:
-    """The chunks: the role first, then content (with logprobs), the finish reason, usage, [DONE].
-    The ``weave`` field rides on the first and the finishing chunk."""
+    """The chunks: the role first, then reasoning, content and tool-call deltas (with logprobs), the
+    finish reason, usage, [DONE].  The ``weave`` field rides on the first and the finishing chunk."""
     tokenizer = turn.state.daemon.tokenizer
+    parser = _parser(turn)
     turn.watch(request)
     try:
         yield frame(_chunk(meta, {"role": "assistant", "content": ""}, usage=usage, weave=turn.weave()))
@@ -84,13 +114,18 @@ async def _stream(request: Request, turn: Turn, meta: _Meta, usage: bool) -> Asy
                 if meta.logprobs and "logprob" in ev:
                     lp = {"content": [chat_entry(tokenizer, ev["token"], ev["logprob"],
                                                  ev.get("top_logprobs", ()))]}
-                if ev["text"] or lp is not None:
-                    delta = {"content": ev["text"]} if ev["text"] else {}
-                    yield frame(_chunk(meta, delta, logprobs=lp, usage=usage))
+                deltas = parser.push(ev["text"]) if ev["text"] else []
+                if not deltas and lp is not None:
+                    deltas = [{}]
+                for i, delta in enumerate(deltas):
+                    yield frame(_chunk(meta, delta, logprobs=lp if i == 0 else None, usage=usage))
         if turn.error is not None:
             yield frame(turn.failure().to_dict())
         else:
-            yield frame(_chunk(meta, {}, finish=turn.finish_reason, usage=usage, weave=turn.weave()))
+            for delta in parser.finish():
+                yield frame(_chunk(meta, delta, usage=usage))
+            yield frame(_chunk(meta, {}, finish=finish_reason(turn, parser.answer), usage=usage,
+                               weave=turn.weave()))
             if usage:
                 yield frame({"id": meta.id, "object": "chat.completion.chunk", "created": meta.created,
                              "model": meta.model, "choices": [], "usage": turn.usage})

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from weaved.api.logprobs import CompletionLogprobs
 from weaved.api.models import CompletionRequest
-from weaved.api.params import completion_params, session_from
+from weaved.api.params import check_model, check_vocab, completion_params, session_from
 from weaved.api.sse import DONE, frame, sse_response, stream_chunk
 from weaved.api.state import state_of
 from weaved.api.turn import Turn, TurnSpec, resolve, start_turn
@@ -26,9 +26,11 @@ from weaved.errors import InvalidRequest
 
 async def answer_completion(request: Request, req: CompletionRequest) -> Response:
     state = state_of(request)
+    check_model(state, req.model)
     params = completion_params(req)
     prompt = req.single_prompt()
     tokenizer = state.daemon.tokenizer
+    check_vocab(tokenizer, params)
     if isinstance(prompt, list):
         vocab = getattr(tokenizer, "vocab_size", None)
         if vocab is not None and max(prompt) >= vocab:

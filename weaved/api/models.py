@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from weaved.api.agent_models import NamedToolChoice, ResponseFormat, ToolCallIn, ToolDef
 from weaved.engine.sampling import MAX_LOGPROBS
 from weaved.errors import InvalidRequest
 
@@ -36,44 +37,86 @@ class StreamOptions(BaseModel):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """One message.  ``content`` may be null only on an assistant message that carries ``tool_calls``;
+    a ``tool`` message names the call it answers (``tool_call_id``).  ``reasoning_content`` (an earlier
+    answer's thinking, sent back) goes to templates that render it."""
+
+    model_config = ConfigDict(extra="forbid")
 
     role: Role
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    refusal: str | None = None  # sent back by SDKs on assistant messages; must be null here
+
+    @model_validator(mode="after")
+    def _shape(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only on an assistant message with tool_calls")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.refusal is not None:
+            raise ValueError("refusal is not supported on input messages")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
 
-    def to_dict(self) -> dict[str, str]:
+    def to_dict(self) -> dict:
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        out: dict = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
+
+
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request
+# OpenAI fields that do not change the answer (bookkeeping for OpenAI's own platform): accepted, unused.
+INERT_FIELDS = frozenset({"metadata", "store", "user", "service_tier", "prompt_cache_key", "safety_identifier",
+                          "prompt_cache_retention"})
 
 
 class Sampling(BaseModel):
     """Fields shared by chat completions, session turns and completions.  Unknown fields are kept (in
-    ``model_extra``) only so that ``unsupported`` can look at them."""
+    ``model_extra``) only so that ``unsupported`` can refuse them by name."""
 
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None  # informational: the daemon serves one model
+    model: str | None = None  # the served model's name or "default" (else 404 model_not_found)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=0)  # extension (as vLLM and llama.cpp)
     min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)  # extension
     repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # extension
-    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
-    presence_penalty: float | None = Field(None, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = Field(None, ge=0)  # extension (as vLLM): no end of turn before this many
+    stop_token_ids: list[int] | None = None  # extension (as vLLM)
     seed: int | None = Field(None, ge=0, lt=2**64)
     ignore_eos: bool | None = None  # extension (as vLLM): generate max_tokens, past end of turn
     stop: str | list[str] | None = None
@@ -86,23 +129,48 @@ class Sampling(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if v is not None and any(not s for s in ([v] if isinstance(v, str) else v)):
+        items = [v] if isinstance(v, str) else (v or [])
+        if any(not s for s in items):
             raise ValueError("stop strings must not be empty")
+        if len(items) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (len(v) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in v)):
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} token ids, each >= 0")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+        for k, b in v.items():
+            if not k.isdigit():
+                raise ValueError(f"keys are token ids (strings of digits), got {k!r}")
+            if not -100 <= b <= 100:
+                raise ValueError(f"values are in [-100, 100], got {b} for token {k}")
         return v
 
     def unsupported(self) -> tuple[str, str] | None:
-        """(param, message) for a request Weave cannot answer as asked, else None."""
+        """(param, message) for a request Weave cannot answer as asked, else None: every field that
+        would change the answer is either honoured or refused here by name."""
         if self.n != 1:
             return "n", "only n=1 is supported (one choice per request)"
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                return name, f"{name} is not supported; use repetition_penalty"
         extra = self.model_extra or {}
-        for name in ("tools", "functions", "tool_choice", "response_format", "suffix"):
-            if extra.get(name) not in (None, [], "none", {"type": "text"}):
-                return name, f"{name} is not supported"
-        if extra.get("best_of") not in (None, 1):
-            return "best_of", "only best_of=1 is supported"
+        for name in sorted(extra):
+            if name in INERT_FIELDS:
+                continue
+            if name in ("functions", "function_call"):
+                return name, f"{name} is deprecated and not supported; send tools and tool_choice"
+            if name == "best_of" and extra[name] == 1:
+                continue
+            return name, f"unknown or unsupported field {name!r}"
         return None
 
 
@@ -114,6 +182,11 @@ class ChatRequest(Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     detach: bool = False  # Weave extension: answer 202 at once, the turn runs on (a session's turn only)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def _check_token_ids(ids: list) -> None:

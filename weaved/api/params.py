@@ -13,11 +13,12 @@ from starlette.datastructures import Headers
 
 from weaved.api.models import ChatRequest, CompletionRequest, Sampling, SLABody
 from weaved.engine.sampling import SamplingParams
-from weaved.errors import InvalidRequest
+from weaved.errors import InvalidRequest, ModelNotFound
 from weaved.routing.types import SLA, SLAClass
 
-# Without max_tokens a chat turn may write this many tokens (a completion: OpenAI's default of 16).
-DEFAULT_CHAT_MAX_TOKENS = 512
+# Without max_tokens a chat turn may write up to the session's context (the daemon cuts this bound to
+# what fits); a completion writes OpenAI's default of 16.
+FIT_CONTEXT_MAX_TOKENS = 2**31 - 1
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # What a request that names no sampling field gets: llama.cpp server's defaults.  Small quantized
 # models sampled at temperature 1 with no truncation ramble into noise within a few sentences.
@@ -27,20 +28,44 @@ SESSION_HEADER = "x-weave-session"
 SLA_HEADERS = {"cls": "x-weave-sla-class", "ttft_ms": "x-weave-ttft-ms", "ttlt_s": "x-weave-ttlt-s"}
 
 
+def check_model(state, model: str | None) -> None:
+    """A request may name the served model or ``default`` (or none); any other name is OpenAI's 404
+    ``model_not_found``."""
+    served = state.daemon.model_name
+    if model is not None and model not in (served, "default"):
+        raise ModelNotFound(f"the model {model!r} does not exist; this daemon serves {served!r}")
+
+
+def check_vocab(tokenizer, params: SamplingParams) -> None:
+    """Token ids a request names (``logit_bias``, ``stop_token_ids``) must be in the vocabulary."""
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if vocab is None:
+        return
+    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise InvalidRequest(f"{name} names token {bad[0]}, outside the vocabulary (0..{vocab - 1})", param=name)
+
+
 def check_supported(req: Sampling) -> None:
     bad = req.unsupported()
     if bad is not None:
         raise InvalidRequest(bad[1], param=bad[0])
 
 
-def _sampling(req: Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling(req: Sampling, max_tokens: int, logprobs: int | None, *, fit_context: bool = False) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     kw = dict(SAMPLING_DEFAULTS)
     kw.update({k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-                                                 "ignore_eos")
+                                                 "ignore_eos", "frequency_penalty", "presence_penalty", "min_tokens")
                if getattr(req, k) is not None})
+    if req.logit_bias:
+        kw["logit_bias"] = tuple((int(k), float(v)) for k, v in req.logit_bias.items())
+    if req.stop_token_ids:
+        kw["stop_token_ids"] = tuple(req.stop_token_ids)
     try:
-        return SamplingParams(max_tokens=max_tokens, stop=tuple(stop), logprobs=logprobs, **kw)
+        return SamplingParams(max_tokens=max_tokens, stop=tuple(stop), logprobs=logprobs, fit_context=fit_context,
+                              **kw)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
 
@@ -52,8 +77,10 @@ def chat_params(req: ChatRequest) -> SamplingParams:
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise InvalidRequest("max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
-    limit = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-    return _sampling(req, limit, (req.top_logprobs or 0) if req.logprobs else None)
+    limit = req.max_completion_tokens or req.max_tokens
+    # without a limit a chat turn may write up to the session's context (the daemon cuts it to what fits)
+    return _sampling(req, limit or FIT_CONTEXT_MAX_TOKENS, (req.top_logprobs or 0) if req.logprobs else None,
+                     fit_context=limit is None)
 
 
 def completion_params(req: CompletionRequest) -> SamplingParams:

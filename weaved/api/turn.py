@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.requests import Request
 
+from weaved.agent.plan import AnswerSpec
 from weaved.api.models import SLABody
 from weaved.api.params import sla_from
 from weaved.api.state import ApiState
@@ -37,6 +38,7 @@ class TurnSpec:
     messages: list[dict] | None = None  # chat: this turn's new messages
     prompt: str | list[int] | None = None  # completions: text or token ids
     echo: bool = False  # the prompt tokens' log-probabilities too
+    answer: AnswerSpec | None = None  # chat: tools, response format, template arguments
 
 
 class TurnFailed(WeaveError):
@@ -72,8 +74,12 @@ class Turn:
                 "prompt_tokens_details": {"cached_tokens": int(getattr(self.handle, "cached_tokens", 0))}}
 
     def weave(self) -> dict:
-        """The ``weave`` field of every response: the session and its placement."""
-        return {"session": self.session, "placement": self.placement}
+        """The ``weave`` field of every response: the session and its placement (and the committed
+        tokens fed again because the chat template rewrote history, when it did)."""
+        out = {"session": self.session, "placement": self.placement}
+        if getattr(self.handle, "reprefilled", 0):
+            out["reprefilled_tokens"] = int(self.handle.reprefilled)
+        return out
 
     def cancel(self) -> None:
         if not self.done:
@@ -202,7 +208,7 @@ async def start_turn(state: ApiState, spec: TurnSpec, session_info: dict | None 
         session_id = session_info["id"]
     queue: asyncio.Queue = asyncio.Queue()
     start = partial(daemon.start_turn, session_id=session_id, messages=spec.messages, prompt=spec.prompt,
-                    params=spec.params, sla=spec.sla, echo=spec.echo,
+                    params=spec.params, sla=spec.sla, echo=spec.echo, answer=spec.answer,
                     emit=_emitter(asyncio.get_running_loop(), queue))
     try:
         handle = await run_in_threadpool(start)

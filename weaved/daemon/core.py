@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from weaved.agent.grammar import GrammarEngine
+from weaved.agent.plan import AnswerPlan, AnswerSpec
 from weaved.config.profile import Profile
 from weaved.daemon.events import EventBus
 from weaved.daemon.housekeeping import Housekeeper
@@ -26,7 +28,16 @@ from weaved.daemon.moves import SessionMoves
 from weaved.daemon.recovery import unfed_tail, unfinished_answer
 from weaved.daemon.session import Session, transcript_entry
 from weaved.daemon.status import device_kv_bytes, hardware_status, pool_status, session_status
-from weaved.daemon.turns import TurnHandle, chat_turn_tokens, check_fits, prompt_turn_tokens, turn_sequence
+from weaved.daemon.turns import (
+    TurnHandle,
+    chat_turn_tokens,
+    check_fits,
+    fitted,
+    message_extra,
+    prompt_turn_tokens,
+    turn_constraint,
+    turn_sequence,
+)
 from weaved.engine.engine import BatchEngine
 from weaved.engine.sampling import SamplingParams
 from weaved.engine.sequence import Sequence, SLARank
@@ -79,6 +90,7 @@ class Daemon:
         gguf, self.config = open_model(self.model_path)
         self.model_name = served_name(self.model_path)
         self.tokenizer = Tokenizer(self.model_path, gguf, chat_template=self.chat_template)
+        self.grammar = GrammarEngine(self.tokenizer)  # builds its tokenizer on the first constrained turn
         from weaved.federation import service as fed
         from weaved.federation.shard_files import delete_group_files
 
@@ -136,7 +148,8 @@ class Daemon:
             except Exception as exc:  # a KV file made for another model, or lost; no ring: keep the rest serving
                 self.log(f"session {rec.id} not recovered: {exc}")
                 continue
-            messages = [transcript_entry(m["role"], m["content"], m["finish_reason"]) for m in rec.messages]
+            messages = [{**transcript_entry(m["role"], m["content"], m["finish_reason"]), **(message_extra(m) or {})}
+                        for m in rec.messages]
             partial = unfinished_answer(rec, self.tokenizer.decode)
             if partial is not None:  # the daemon stopped mid-turn: keep what was committed of the answer
                 messages.append(transcript_entry("assistant", partial[0], "interrupted"))
@@ -250,11 +263,15 @@ class Daemon:
     # ---- turns -----------------------------------------------------------------------------------
     def start_turn(self, *, session_id: str | None, messages: list[dict] | None = None,
                    prompt: str | list[int] | None = None, params: SamplingParams, sla: SLA | None = None,
-                   echo: bool = False, emit: Callable[[dict], None]) -> TurnHandle:
+                   echo: bool = False, emit: Callable[[dict], None], answer: AnswerSpec | None = None) -> TurnHandle:
+        """Start a turn: ``messages`` (a chat turn; ``answer`` says what its answer may hold - tools,
+        response format - see ``weaved.agent``) or a raw ``prompt``.  WeaveError for a turn it refuses;
+        nothing has changed then."""
         if (messages is None) == (prompt is None):
             raise InvalidRequest("a turn needs either messages or a prompt")
         if messages is not None and not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
+        plan = AnswerPlan(answer or AnswerSpec(), self.tokenizer, self.grammar) if messages is not None else None
         if session_id is None:
             info = self.create_session(sla or SLA(SLAClass.INTERACTIVE), ephemeral=True)
             session_id = info["id"]
@@ -263,18 +280,22 @@ class Daemon:
             s = self._get(session_id)
             if s.turn is not None and not s.turn.ended.is_set():
                 raise Conflict(f"session {session_id} is already generating a turn", param="session")
-            if messages is not None:
-                new, keep = chat_turn_tokens(self.tokenizer, s, messages)
-            else:
-                new, keep = prompt_turn_tokens(self.tokenizer, s, prompt)
             try:
+                if plan is not None:
+                    new, keep = chat_turn_tokens(self.tokenizer, s, messages, render=plan.render)
+                else:
+                    new, keep = prompt_turn_tokens(self.tokenizer, s, prompt)
+                params = fitted(params, s, keep, new)
                 check_fits(s, keep, new, params.max_tokens)
+                constraint = turn_constraint(plan, params)
                 self._admit(s, new, params, sla or s.sla)
             except WeaveError:
                 if s.ephemeral:
                     self._drop_ephemeral(s)
                 raise
-            if keep < len(s.committed):  # the template rewrote history: drop what no longer matches
+            reprefilled = len(s.committed) - keep
+            if reprefilled:  # the template rewrote history (e.g. dropped earlier thinking): re-prefill from there
+                self.publish("reprefill", {"session": s.id, "from": keep, "tokens": reprefilled})
                 s.kv.truncate(keep)
                 del s.committed[keep:]
                 if not s.ephemeral:
@@ -292,20 +313,22 @@ class Daemon:
                     self.publish("placement", {"session": s.id, "placement": new_pl.to_dict()})
             if messages is not None:
                 for i, m in enumerate(messages):
-                    s.messages.append({"role": m["role"], "content": m["content"]})
+                    s.messages.append(dict(m))
                     if not s.ephemeral:  # the last message carries the turn's prompt tokens (see recovery)
                         ids = list(new) if i == len(messages) - 1 else None
-                        self.journal.add_message(s.id, m["role"], m["content"], ids)
+                        self.journal.add_message(s.id, m["role"], m["content"], ids, extra=message_extra(m))
             elif not s.ephemeral:
                 self.journal.add_message(s.id, "prompt", prompt if isinstance(prompt, str) else "", list(new))
-            seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, default_ttlt_s=self._default_ttlt(s.sla))
+            seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, default_ttlt_s=self._default_ttlt(s.sla),
+                                constraint=constraint, banned=plan.banned_tokens() if plan is not None else ())
             n_prompt = len(s.committed) + len(new)
             seq.emit = lambda ev, s=s, seq=seq: self._on_turn_event(s, seq, ev, emit, n_prompt)
             s.turn = seq
             s.last_active = time.time()
             run_in = self.moves.prepare_turn(s, seq, len(new))
         handle = TurnHandle(s.id, n_prompt, keep, cancel=lambda sid=s.id: self.cancel_turn(sid),
-                            placement=s.placement.to_dict())
+                            placement=s.placement.to_dict(), answer=plan,
+                            reprefilled=reprefilled)
         self.engines[run_in].submit(seq)
         return handle
 

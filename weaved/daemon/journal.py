@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Statements are split on ";" (executescript would commit our transaction): keep ";" out of comments.
 _SCHEMA = """
@@ -56,6 +56,7 @@ CREATE TABLE messages (
     kv_at     INTEGER NOT NULL,             -- committed KV length when the message was recorded
     created   REAL NOT NULL,
     finish_reason TEXT,                     -- an answer's: stop, length, cancelled, interrupted, ...
+    extra     TEXT,                         -- JSON: tool_calls, tool_call_id, name, reasoning_content
     PRIMARY KEY (session, seq)
 ) WITHOUT ROWID;
 CREATE TABLE tokens (
@@ -84,7 +85,7 @@ class SessionRecord:
     kv_length: int
     tokens: list[int]  # committed token ids; len(tokens) == kv_length
     # {"seq", "role", "content", "token_ids" (list | None), "kv_at", "created", "finish_reason" (None but
-    # for answers)}
+    # for answers)} and a message's extras ("tool_calls", "tool_call_id", "name", "reasoning_content")
     messages: list[dict]
 
 
@@ -127,8 +128,10 @@ class Journal:
                     if stmt.strip():
                         self._db.execute(stmt)
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            elif version == 1:  # answers gained their finish reason (NULL for those recorded before)
-                self._db.execute("ALTER TABLE messages ADD COLUMN finish_reason TEXT")
+            elif version in (1, 2):  # answers gained their finish reason (1 -> 2), messages their extras (3)
+                if version == 1:
+                    self._db.execute("ALTER TABLE messages ADD COLUMN finish_reason TEXT")
+                self._db.execute("ALTER TABLE messages ADD COLUMN extra TEXT")
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             elif version != SCHEMA_VERSION:
                 raise JournalError(
@@ -197,7 +200,7 @@ class Journal:
     # -- transcript and tokens ---------------------------------------------------------------------
 
     def _append_message(self, id: str, role: str, content: str, token_ids: list[int] | None,
-                        finish_reason: str | None = None) -> int:
+                        finish_reason: str | None = None, extra: dict | None = None) -> int:
         now = time.time()
         with self._tx() as db:
             kv_at = self._kv_length(db, id)
@@ -205,17 +208,19 @@ class Journal:
                 "SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE session=?", (id,)
             ).fetchone()
             db.execute(
-                "INSERT INTO messages (session, seq, role, content, token_ids, kv_at, created, finish_reason)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO messages (session, seq, role, content, token_ids, kv_at, created, finish_reason, extra)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (id, seq, role, content, None if token_ids is None else _pack(token_ids), kv_at, now,
-                 finish_reason),
+                 finish_reason, None if not extra else json.dumps(extra, ensure_ascii=False)),
             )
             db.execute("UPDATE sessions SET updated=? WHERE id=?", (now, id))
             return seq
 
-    def add_message(self, id: str, role: str, content: str, token_ids: list[int] | None) -> int:
-        """Record one of a turn's input messages (before any work on it); returns its sequence number."""
-        return self._append_message(id, role, content, token_ids)
+    def add_message(self, id: str, role: str, content: str, token_ids: list[int] | None,
+                    extra: dict | None = None) -> int:
+        """Record one of a turn's input messages (before any work on it; ``extra``: its tool calls, the
+        call it answers, ...); returns its sequence number."""
+        return self._append_message(id, role, content, token_ids, extra=extra)
 
     def finish_message(self, id: str, role: str, content: str, token_ids: list[int] | None = None,
                        finish_reason: str | None = None) -> int:
@@ -272,9 +277,9 @@ class Journal:
             tokens = _unpack(b"".join(b for (b,) in blobs))
         messages = [
             {"seq": seq, "role": role, "content": content, "token_ids": None if ids is None else _unpack(ids),
-             "kv_at": kv_at, "created": mcreated, "finish_reason": finish}
-            for seq, role, content, ids, kv_at, mcreated, finish in db.execute(
-                "SELECT seq, role, content, token_ids, kv_at, created, finish_reason FROM messages"
+             "kv_at": kv_at, "created": mcreated, "finish_reason": finish, **(json.loads(extra) if extra else {})}
+            for seq, role, content, ids, kv_at, mcreated, finish, extra in db.execute(
+                "SELECT seq, role, content, token_ids, kv_at, created, finish_reason, extra FROM messages"
                 " WHERE session=? ORDER BY seq", (id,))
         ]
         return SessionRecord(

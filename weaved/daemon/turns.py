@@ -8,9 +8,11 @@ what it adds (``chat_turn_tokens``, ``prompt_turn_tokens``) and never recomputes
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from weaved.agent.plan import AnswerPlan
 from weaved.daemon.session import Session
+from weaved.engine.constraint import TokenConstraint
 from weaved.engine.sampling import SamplingParams
 from weaved.engine.sequence import Sequence
 from weaved.engine.stops import StopChecker
@@ -27,20 +29,24 @@ class TurnHandle:
     cached_tokens: int
     cancel: Callable[[], None]
     placement: dict | None = None  # where the turn runs (the session's placement, as of its start)
+    answer: AnswerPlan | None = None  # a chat turn's answer plan: the API parses the answer with it
+    reprefilled: int = 0  # committed tokens the template rewrote, fed again this turn
 
 
-def chat_turn_tokens(tok: Tokenizer, s: Session, new_messages: list[dict]) -> tuple[list[int], int]:
+def chat_turn_tokens(tok: Tokenizer, s: Session, new_messages: list[dict],
+                     render: Callable[[list[dict]], str] | None = None) -> tuple[list[int], int]:
     """Tokens this turn must feed, and how many committed tokens to keep.
 
     The transcript's tokens are the truth for what is already in the KV.  The chat template renders
     the whole conversation; when that text extends what the session's tokens decode to, only the
     extension is tokenized and fed - the stored context is never recomputed.  Otherwise (a template
     that rewrites earlier text) the longest common token prefix is kept and the rest re-fed.
+    ``render``: the conversation's prompt text (an ``AnswerPlan``'s, with tools; default: the template's).
     """
     messages = list(s.messages) + list(new_messages)
     if s.system and not any(m.get("role") == "system" for m in messages):
         messages = [{"role": "system", "content": s.system}, *messages]
-    text = tok.render_chat(messages, add_generation_prompt=True)
+    text = render(messages) if render is not None else tok.render_chat(messages, add_generation_prompt=True)
     have = s.committed + s.tail
     if not have:
         return tok.encode_chat(text), 0
@@ -66,6 +72,36 @@ def prompt_turn_tokens(tok: Tokenizer, s: Session, prompt: str | list[int]) -> t
     return s.tail + list(ids), len(s.committed)
 
 
+def fitted(params: SamplingParams, s: Session, keep: int, new: list[int]) -> SamplingParams:
+    """``params`` with a ``fit_context`` bound cut to what the session's context holds after the prompt."""
+    if not params.fit_context:
+        return params
+    room = s.kv.capacity - (keep + len(new))
+    try:
+        return replace(params, max_tokens=max(1, min(params.max_tokens, room)), fit_context=False)
+    except ValueError as e:  # min_tokens beyond what fits
+        raise ContextTooLong(str(e), param="min_tokens") from None
+
+
+def turn_constraint(plan: AnswerPlan | None, params: SamplingParams) -> TokenConstraint | None:
+    """The grammar constraint of a chat turn's answer, if it has one (InvalidRequest when it cannot be
+    enforced as asked)."""
+    if plan is None:
+        return None
+    constraint = plan.constraint()
+    if constraint is not None and params.ignore_eos:
+        raise InvalidRequest("ignore_eos cannot be combined with tools or response_format: the grammar "
+                             "decides where the answer ends", param="ignore_eos")
+    return constraint
+
+
+def message_extra(m: dict) -> dict | None:
+    """A message's fields beyond role and content (tool calls, the call a tool result answers, a name,
+    thinking sent back), as the journal keeps them."""
+    extra = {k: m[k] for k in ("name", "tool_calls", "tool_call_id", "reasoning_content") if m.get(k) is not None}
+    return extra or None
+
+
 def check_fits(s: Session, keep: int, new: list[int], max_tokens: int) -> None:
     """Refuse (400) a turn that adds nothing, or whose prompt and ``max_tokens`` exceed the session's KV."""
     if not new:
@@ -81,7 +117,8 @@ def check_fits(s: Session, keep: int, new: list[int], max_tokens: int) -> None:
 
 
 def turn_sequence(s: Session, new: list[int], params: SamplingParams, tok: Tokenizer, *, echo: bool,
-                  default_ttlt_s: float | None = None) -> Sequence:
+                  default_ttlt_s: float | None = None, constraint: TokenConstraint | None = None,
+                  banned: tuple[int, ...] = ()) -> Sequence:
     """The engine's sequence for a turn of ``s`` feeding ``new``: its sampler, stops and SLA deadlines
     (``default_ttlt_s``: the TTLT budget when the session's SLA names none)."""
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tok.eog_ids))
@@ -89,5 +126,5 @@ def turn_sequence(s: Session, new: list[int], params: SamplingParams, tok: Token
         session_id=s.id, kv=s.kv, pending=list(new), params=params, rank=s.rank,
         ttft_s=s.sla.ttft_ms / 1000 if s.sla.ttft_ms else None, ttlt_s=s.sla.ttlt_s or default_ttlt_s,
         history=list(s.committed), decoder=tok.stream_decoder(),
-        stops=StopChecker(params.stop, stop_ids), prompt_logprobs=echo,
+        stops=StopChecker(params.stop, stop_ids), prompt_logprobs=echo, constraint=constraint, banned=banned,
     )

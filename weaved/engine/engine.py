@@ -18,6 +18,7 @@ import numpy as np
 
 from weaved.backends.base import Backend, Logits, SeqChunk
 from weaved.engine.admission import Capacity, Refusal, judge
+from weaved.engine.constraint import ConstraintError
 from weaved.engine.sampling import logprobs_of
 from weaved.engine.scheduler import SchedulerConfig, Work, schedule
 from weaved.engine.sequence import SeqStatus, Sequence, SLARank
@@ -342,7 +343,11 @@ class BatchEngine:
 
     def _sample(self, s: Sequence, row: np.ndarray) -> int:
         now = time.monotonic()
-        tok = s.sample(row)
+        try:
+            tok = s.sample(row)
+        except (ValueError, ConstraintError) as exc:  # nothing may be sampled: this turn ends, not the step
+            self._fail(s, f"sampling failed: {exc}")
+            return 0
         lp = logprobs_of(row, tok, s.params.logprobs) if s.params.logprobs is not None else None
         if s.first_token_at is None:
             s.first_token_at = now

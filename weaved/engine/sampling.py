@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from weaved.engine.logit_edits import apply_logit_bias, apply_mask, apply_penalties
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit for top_logprobs)
 _NUCLEUS_START = 256  # first partial selection tried by top-p over the full vocabulary
@@ -32,10 +34,13 @@ _DRAW_BLOCK = 1024  # block size of the two-level inverse-CDF search
 class SamplingParams:
     """How one request turns logits into tokens, and when it stops.
 
-    ``repeat_last_n``: how many of the latest tokens the repetition penalty looks at
-    (0 = none, -1 = the whole history).  ``logprobs``: how many top alternatives to report per token
-    (None = no log-probabilities).  ``stop`` strings and ``stop_token_ids`` are applied by the engine
-    (see ``weaved.engine.stops``); they are validated here with the rest.
+    ``repeat_last_n``: how many of the latest tokens the penalties (repetition, frequency, presence:
+    llama.cpp's definitions, ``weaved.engine.logit_edits``) look at (0 = none, -1 = the whole history).
+    ``logit_bias``: (token id, value) pairs added to the logits first.  ``min_tokens``: end-of-generation
+    and stop token ids are masked until this many tokens are generated.  ``logprobs``: how many top
+    alternatives to report per token (None = no log-probabilities).  ``stop`` strings and
+    ``stop_token_ids`` are applied by the engine (see ``weaved.engine.stops``); they are validated here
+    with the rest.
     """
 
     max_tokens: int = 256
@@ -45,16 +50,22 @@ class SamplingParams:
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off
     repeat_last_n: int = 64
+    frequency_penalty: float = 0.0  # 0 = off
+    presence_penalty: float = 0.0  # 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
     seed: int | None = None  # None = a fresh random seed per sampler
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False  # keep generating past end-of-generation tokens (benchmarks)
+    fit_context: bool = False  # max_tokens is only a bound: the daemon cuts it to what the context holds
 
     def __post_init__(self) -> None:
         # Accept lists from JSON bodies but store tuples, so the params stay hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in self.logit_bias))
         _check_int("max_tokens", self.max_tokens, lo=1)
         _check_float("temperature", self.temperature, lo=0.0)
         _check_int("top_k", self.top_k, lo=0)
@@ -62,6 +73,14 @@ class SamplingParams:
         _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
         _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
         _check_int("repeat_last_n", self.repeat_last_n, lo=-1)
+        _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for t, v in self.logit_bias:
+            _check_int("logit_bias token ids", t, lo=0)
+            _check_float("logit_bias values", v, lo=-100.0, hi=100.0)
         if self.seed is not None:
             _check_int("seed", self.seed, lo=0, hi=2**64 - 1)
         for s in self.stop:
@@ -107,8 +126,10 @@ class Sampler:
         self.seed: int = params.seed if params.seed is not None else secrets.randbits(63)
         self.rng = np.random.Generator(np.random.PCG64(self.seed))
 
-    def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
-        """The next token id, given float32 ``logits`` [vocab] and the sequence's tokens so far.
+    def sample(self, logits: np.ndarray, history: Sequence[int], *, allowed: np.ndarray | None = None,
+               banned: Iterable[int] = ()) -> int:
+        """The next token id, given float32 ``logits`` [vocab] and the sequence's tokens so far;
+        ``allowed`` (bool [vocab]) and ``banned`` ids restrict the choice (a grammar, ``min_tokens``).
 
         ``logits`` is not modified.  Raises ``ValueError`` on NaN logits or when every logit is -inf.
         """
@@ -118,7 +139,10 @@ class Sampler:
             raise ValueError(f"logits must be one row [vocab], got shape {x.shape}")
         if np.isnan(x).any():
             raise ValueError("logits contain NaN")
-        x = apply_repetition_penalty(x, history, p.repetition_penalty, p.repeat_last_n)
+        x = apply_logit_bias(x, p.logit_bias)
+        x = apply_penalties(x, history, p.repeat_last_n, repeat=p.repetition_penalty,
+                            frequency=p.frequency_penalty, presence=p.presence_penalty)
+        x = apply_mask(x, allowed, banned)
         if p.greedy:
             # top-k, top-p and min-p always keep the most likely token, so they cannot change argmax.
             best = int(np.argmax(x))  # first maximum = lowest id
@@ -136,23 +160,6 @@ class Sampler:
             ids, vals = min_p_filter(ids, vals, p.min_p)
         w = _weights(vals, p.temperature)  # [n] unnormalized probabilities
         return int(ids[_draw(w, self.rng.random())])
-
-
-def apply_repetition_penalty(
-    logits: np.ndarray, history: Sequence[int], penalty: float, last_n: int
-) -> np.ndarray:
-    """llama.cpp's repetition penalty: every token seen among the last ``last_n`` of ``history``
-    has a positive logit divided by ``penalty`` and a non-positive one multiplied by it (once, however
-    often it occurred).  Returns ``logits`` itself when there is nothing to do, else a copy."""
-    if penalty == 1.0 or last_n == 0 or len(history) == 0:
-        return logits
-    window = history if last_n < 0 else history[-last_n:]
-    seen = np.unique(np.asarray(window, dtype=np.int64))
-    seen = seen[(seen >= 0) & (seen < logits.shape[0])]
-    out = logits.copy()
-    v = out[seen]
-    out[seen] = np.where(v <= 0, v * np.float32(penalty), v / np.float32(penalty))
-    return out
 
 
 def _sorted_desc(ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

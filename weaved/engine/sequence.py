@@ -10,6 +10,7 @@ from enum import Enum, StrEnum
 
 import numpy as np
 
+from weaved.engine.constraint import TokenConstraint
 from weaved.engine.sampling import Sampler, SamplingParams
 from weaved.engine.stops import StopChecker
 from weaved.kv.cache import KVCache
@@ -62,6 +63,8 @@ class Sequence:
     decoder: object | None = None  # tokenizer.StreamDecoder: token ids -> text as it streams
     stops: StopChecker | None = None  # stop strings and stop/end-of-generation token ids
     prompt_logprobs: bool = False  # return the prompt tokens' log-probabilities (completions echo)
+    constraint: TokenConstraint | None = None  # what it may sample (a grammar), applied to its own row
+    banned: tuple[int, ...] = ()  # token ids it may never sample (a tool-call trigger with tool_choice none)
     history: list[int] = field(default_factory=list)  # context tokens, for the repetition penalty
     arrival: float = field(default_factory=time.monotonic)
     status: SeqStatus = SeqStatus.WAITING
@@ -119,4 +122,14 @@ class Sequence:
         return last + PACE * max(0.0, end - last) / self.remaining_tokens
 
     def sample(self, logits_row: np.ndarray) -> int:
-        return self.sampler.sample(logits_row, self.history)
+        """The next token from this sequence's row of logits [vocab]: its constraint's mask and, before
+        ``min_tokens``, no stop or end-of-generation token.  ValueError when nothing may be sampled."""
+        c = self.constraint
+        allowed = c.allowed() if c is not None else None
+        banned = self.banned
+        if self.stops is not None and len(self.generated) < self.params.min_tokens:
+            banned = (*banned, *self.stops.stop_ids)
+        tok = self.sampler.sample(logits_row, self.history, allowed=allowed, banned=banned)
+        if c is not None:
+            c.accept(tok)
+        return tok

@@ -183,6 +183,8 @@ class Drafter:
             if k < 1:
                 continue
             draft = self._synced(s).draft(k)
+            if draft and s.constraint is not None:  # a draft token the grammar refuses would never be accepted
+                draft = draft[: s.constraint.valid_prefix(draft)]
             if draft:
                 drafts[s] = draft
                 room -= len(draft)

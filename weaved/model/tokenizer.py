@@ -15,6 +15,7 @@ import codecs
 from collections.abc import Sequence
 from pathlib import Path
 
+from weaved.model.chat_template import ChatTemplate
 from weaved.model.gguf_file import GGUFFile
 
 
@@ -68,19 +69,28 @@ class Tokenizer:
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages`` by the model's own chat template (Jinja2, as llama.cpp)."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
+        """The prompt text for ``messages`` (and ``tools``) by the model's own chat template
+        (``weaved.model.chat_template``); TemplateError when the template refuses the conversation."""
+        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                    kwargs=kwargs)
+
+    @property
+    def template(self) -> ChatTemplate:
+        """The chat template; ValueError when the model has none."""
         if not self.chat_template:
             raise ValueError(f"{self.path.name} has no chat template; use the completions API instead")
         if self._formatter is None:
-            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
             eos = self.token_bytes(self.eos_id).decode("utf-8", "replace") if self.eos_id is not None else ""
-            bos = self.token_bytes(self.bos_id).decode("utf-8", "replace") if self.bos_id is not None else ""
-            self._formatter = Jinja2ChatFormatter(
-                self.chat_template, eos_token=eos, bos_token=bos, add_generation_prompt=add_generation_prompt
-            )
-        return self._formatter(messages=messages).prompt
+            self._formatter = ChatTemplate(self.chat_template, bos_token=self.bos_text, eos_token=eos)
+        return self._formatter
+
+    def llama_vocab(self):
+        """llama.cpp's vocabulary object (for a grammar engine's tokenizer)."""
+        import llama_cpp
+
+        return llama_cpp.llama_model_get_vocab(self._llama.model)
 
 
 class StreamDecoder:

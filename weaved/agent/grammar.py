@@ -1,0 +1,106 @@
+"""Constrained decoding with llguidance: a grammar per request, a token mask per sampled token.
+
+``GrammarEngine`` belongs to one served model: it builds llguidance's tokenizer from llama.cpp's own
+vocabulary (the same token bytes Weave decodes with; control tokens are marked special, so a grammar
+names them as ``<|im_end|>``), once, on first use.  ``compile`` checks a grammar and returns a
+``GrammarConstraint`` - the engine's ``TokenConstraint`` - for one sequence.
+
+Why llguidance (over xgrammar): it builds its tokenizer from llama.cpp's vocabulary object directly,
+so the token bytes and special-token set are exactly those Weave samples from (xgrammar wants a
+Hugging Face tokenizer and needs ``transformers``); its Lark grammars have lazy lexemes for "free
+text until the tool-call trigger" and inline JSON schemas, which tool calling needs; it has no Python
+dependencies; and its masks cost tens of microseconds (``weave bench --scenario grammar`` measures).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from weaved.engine.constraint import ConstraintError, TokenConstraint
+from weaved.errors import InvalidRequest
+
+# A grammar is compiled while the request waits: bound what one may cost (llguidance's own limits
+# refuse larger ones with a clear error).
+MAX_GRAMMAR_BYTES = 256 * 1024
+
+
+class GrammarEngine:
+    """llguidance for one tokenizer (``weaved.model.tokenizer.Tokenizer``)."""
+
+    def __init__(self, tokenizer, n_vocab: int | None = None):
+        self._tok = tokenizer
+        self.n_vocab = int(n_vocab or tokenizer.vocab_size)  # the logits' width
+        self._ll = None
+        self._lock = threading.Lock()
+
+    @property
+    def lltokenizer(self):
+        """llguidance's tokenizer (built once, ~1 s for a 49k vocabulary)."""
+        with self._lock:
+            if self._ll is None:
+                from llguidance.llamacpp import lltokenizer_from_vocab
+
+                eog = sorted(self._tok.eog_ids) or None
+                self._ll = lltokenizer_from_vocab(self._tok.llama_vocab(), n_vocab=self.n_vocab, eos_token=eog)
+            return self._ll
+
+    def is_special(self, text: str) -> bool:
+        """Whether ``text`` is one special (control) token of this vocabulary, which a Lark grammar
+        must name as ``<text>`` rather than spell as a string."""
+        ids = self._tok.encode(text, add_bos=False, special=True)
+        return len(ids) == 1 and self.lltokenizer.is_special_token(ids[0])
+
+    def compile(self, lark: str, *, param: str = "response_format") -> GrammarConstraint:
+        """A fresh constraint for ``lark`` (llguidance's Lark dialect); InvalidRequest naming ``param``
+        when the grammar (usually a client's JSON schema) is not valid."""
+        from llguidance import LLMatcher
+
+        if len(lark) > MAX_GRAMMAR_BYTES:
+            raise InvalidRequest(f"the grammar built from {param} is larger than {MAX_GRAMMAR_BYTES} bytes",
+                                 param=param)
+        grammar = LLMatcher.grammar_from_lark(lark)
+        matcher = LLMatcher(self.lltokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(f"{param} cannot be enforced: {_first_line(matcher.get_error())}", param=param)
+        return GrammarConstraint(matcher, self.n_vocab)
+
+
+class GrammarConstraint(TokenConstraint):
+    """One sequence's matcher.  ``allowed`` computes llguidance's bitmask into a reused buffer and
+    unpacks it to booleans [n_vocab]; ``accept`` advances the matcher."""
+
+    def __init__(self, matcher, n_vocab: int):
+        self._m = matcher
+        self._n = n_vocab
+        self._bits = np.zeros(((n_vocab + 31) // 32,), np.int32)  # [ceil(n/32)] llguidance's layout
+
+    def allowed(self) -> np.ndarray:
+        m = self._m
+        m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if m.is_error():
+            raise ConstraintError(_first_line(m.get_error()))
+        mask = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._n]  # [n_vocab] 0/1
+        return mask.view(bool)
+
+    def accept(self, token: int) -> None:
+        if not self._m.consume_token(int(token)):
+            raise ConstraintError(f"token {token} is not allowed here: {_first_line(self._m.get_error())}")
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        return int(self._m.validate_tokens([int(t) for t in tokens]))
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and allows nothing more."""
+        return bool(self._m.is_stopped())
+
+    @property
+    def error(self) -> str | None:
+        return _first_line(self._m.get_error()) if self._m.is_error() else None
+
+
+def _first_line(text: str) -> str:
+    return (text or "unknown error").strip().splitlines()[0][:500]

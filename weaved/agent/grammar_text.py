@@ -1,0 +1,172 @@
+"""The Lark grammar (llguidance's dialect) of one request's answer: tool calls in the model's format,
+a JSON schema, optional thinking first.
+
+Markers that are one special token of the vocabulary (``<tool_call>`` in Qwen's, ``[TOOL_CALLS]`` in
+Mistral's, ``<think>``) are written as that token (``<[id]>``): the model emits them as single control
+tokens, never spelled out.  JSON is written as Python's ``json.dumps`` writes it (``", "`` and ``": "``,
+no other whitespace) - the spacing chat templates render past calls with - so the model's calls look
+like the history it was shown and a random model cannot pad forever.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from weaved.agent.formats import CallFormat
+from weaved.agent.tools import ChoiceMode, Tool
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<think>", "</think>")
+TEXT = "TEXT: /(.|\\n)*/"
+
+
+@dataclass(frozen=True)
+class AnswerShape:
+    """What the answer must look like.  ``schema``: the content's JSON schema (response_format), None
+    for free text.  ``tools``/``mode``/``parallel``: the calls allowed.  ``thinking``: a reasoning
+    block may come first (``reasoning_open``: the answer starts inside one)."""
+
+    fmt: CallFormat
+    tools: tuple[Tool, ...] = ()
+    mode: ChoiceMode = ChoiceMode.NONE
+    parallel: bool = True
+    schema: dict | None = None
+    thinking: bool = False
+    reasoning_open: bool = False  # the prompt opened the reasoning block: the answer starts inside it
+
+    @property
+    def constrained(self) -> bool:
+        return self.schema is not None or (self.mode is not ChoiceMode.NONE and bool(self.tools))
+
+
+def closed(schema):
+    """``schema`` with ``additionalProperties: false`` on every object schema that declares properties
+    and says nothing about others (as xgrammar's strict mode does): the output holds the declared
+    properties only - still valid under the original schema - and a small model cannot wander off
+    into inventing keys.  A schema that allows others says so, and keeps that."""
+    if isinstance(schema, list):
+        return [closed(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"):
+            out[k] = {name: closed(x) for name, x in v.items()} if isinstance(v, dict) else v
+        elif k in ("items", "additionalItems", "contains", "not", "if", "then", "else", "anyOf", "oneOf", "allOf",
+                   "prefixItems", "additionalProperties"):
+            out[k] = closed(v)
+        else:
+            out[k] = v
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def json_rule(schema: dict) -> str:
+    """``%json {...}`` of ``closed(schema)`` with Weave's JSON style unless the schema sets its own
+    ``x-guidance``."""
+    s = closed(schema)
+    s["x-guidance"] = {**JSON_STYLE, **(schema.get("x-guidance") or {})}
+    return "%json " + json.dumps(s, ensure_ascii=False)
+
+
+class LarkWriter:
+    """Writes literals, with the vocabulary's special markers as tokens (``special_id(text)``: the id
+    of ``text`` when it is one special token, else None)."""
+
+    def __init__(self, special_id: Callable[[str], int | None]):
+        self._special = {m: special_id(m) for m in MARKERS}
+
+    def special(self, marker: str) -> int | None:
+        return self._special.get(marker)
+
+    def lit(self, text: str) -> str:
+        """``text`` as a sequence of Lark items ('' -> an empty string literal)."""
+        parts, rest = [], text
+        while rest:
+            hits = [(rest.find(m), m) for m, i in self._special.items() if i is not None and m in rest]
+            if not hits:
+                parts.append(json.dumps(rest))
+                break
+            at, m = min(hits)
+            if at:
+                parts.append(json.dumps(rest[:at]))
+            parts.append(f"<[{self._special[m]}]>")
+            rest = rest[at + len(m):]
+        return " ".join(parts) if parts else '""'
+
+
+def answer_grammar(shape: AnswerShape, w: LarkWriter) -> str:
+    """The Lark grammar of ``shape``'s answer (call only when ``shape.constrained``)."""
+    rules = [TEXT]
+    content = "TEXT" if shape.schema is None else "content"
+    if shape.schema is not None:
+        rules.append(f"content: {json_rule(shape.schema)}")
+    body = _answer_rules(shape, w, content, rules)
+    start = body
+    if shape.reasoning_open:
+        rules.append(_think_rule(w, opened=True))
+        start = f"think /[ \\t\\n]*/ ({body})"
+    elif shape.thinking:
+        rules.append(_think_rule(w))
+        start = f"(think /[ \\t\\n]*/)? ({body})"
+    return "\n".join([f"start: {start}", *rules]) + "\n"
+
+
+def _answer_rules(shape: AnswerShape, w: LarkWriter, content: str, rules: list[str]) -> str:
+    fmt = shape.fmt
+    if shape.mode is ChoiceMode.NONE or not shape.tools:
+        return content
+    lazy_lead = (shape.mode is ChoiceMode.AUTO and shape.schema is None and bool(fmt.trigger)
+                 and w.special(fmt.trigger) is None and fmt.name != "generic")
+    if lazy_lead:  # free text until the trigger string; the lazy lead ends at its first occurrence
+        rules.append(f"lead[lazy]: TEXT {json.dumps(fmt.trigger)}")
+        rules.append(f"calls: {_calls_body(shape, w, rules, skip=len(fmt.trigger))}")
+        return "TEXT | lead calls"
+    rules.append(f"calls: {_calls_body(shape, w, rules)}")
+    if shape.mode is not ChoiceMode.AUTO:
+        return "calls"
+    if fmt.name == "generic":
+        if shape.schema is None:
+            lead = w.lit('{"response": ')
+            rules.append(f'response: {lead} %json {{"type": "string"}} "}}"')
+        return "calls | " + ("response" if shape.schema is None else content)
+    if shape.schema is not None:  # the content is JSON: a call or the JSON, nothing before either
+        return f"calls | {content}"
+    if not fmt.trigger:  # llama3: free text that cannot be a call (does not start with "{"), or a call
+        rules.append("NOBRACE: /([^{](.|\\n)*)?/")
+        return "calls | NOBRACE"
+    return "TEXT | TEXT calls"  # the trigger is one special token: text cannot hold it
+
+
+def _calls_body(shape: AnswerShape, w: LarkWriter, rules: list[str], skip: int = 0) -> str:
+    """The calls' Lark sequence; ``skip``: characters of the first ``open + before`` already matched
+    (the trigger, when a lazy lead consumed it)."""
+    fmt = shape.fmt
+    if not any(r.startswith("call:") for r in rules):
+        alts = []
+        for i, t in enumerate(shape.tools):
+            rules.append(f"args_{i}: {json_rule(t.parameters or {'type': 'object'})}")
+            alts.append(f"{w.lit(fmt.head() + t.name + fmt.mid())} args_{i}")
+        rules.append("call: " + " | ".join(alts))
+    first = (fmt.open + fmt.before)[skip:]
+    one = f"call {w.lit(fmt.after)}"
+    lead = "<[{}]>".format(w.special("<|python_tag|>")) + "? " if fmt.name == "llama3" and w.special(
+        "<|python_tag|>") is not None else ""
+    more = ""
+    if shape.parallel and fmt.sep is not None:
+        more = f" ({w.lit(fmt.sep + fmt.before)} {one})*"
+    tail = f" {w.lit(fmt.close)}" if fmt.close else ""
+    head = f"{w.lit(first)} " if first else ""
+    return f"{lead}{head}{one}{more}{tail}"
+
+
+def _think_rule(w: LarkWriter, opened: bool = False) -> str:
+    """A reasoning block: ``<think>`` (unless ``opened``) text ``</think>`` (the blank line after it is
+    in ``start``)."""
+    b = w.special("</think>")
+    if b is not None:  # text terminals cannot hold special tokens: the text ends at </think>
+        return f"think: {'' if opened else w.lit('<think>')} TEXT <[{b}]>"
+    return f"think[lazy]: /{'' if opened else '<think>'}(.|\\n)*<\\/think>/"

@@ -1,0 +1,151 @@
+"""One chat turn's answer: how its prompt is rendered, what constrains it, how it is parsed back.
+
+``AnswerSpec`` is what the request asked (tools, tool choice, response format, template arguments);
+``AnswerPlan`` joins it to the served model's chat template and vocabulary: the call format the
+template speaks (``weaved.agent.formats``), whether it thinks (``<think>``), the grammar that makes
+every call parse and validate (``weaved.agent.grammar_text``), and the parser that splits the text
+back into reasoning, content and calls (``weaved.agent.stream``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from weaved.agent.formats import GENERIC, CallFormat, detect, generic_system_text
+from weaved.agent.grammar import GrammarEngine
+from weaved.agent.grammar_text import AnswerShape, LarkWriter, answer_grammar
+from weaved.agent.stream import THINK_OPEN, AnswerParser
+from weaved.agent.tools import ChoiceMode, Tool, ToolChoice, arguments_object
+from weaved.engine.constraint import TokenConstraint
+from weaved.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class AnswerSpec:
+    tools: tuple[Tool, ...] = ()
+    choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel: bool = True  # parallel_tool_calls: more than one call per answer
+    schema: dict | None = None  # response_format: the content's JSON schema
+    template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise InvalidRequest("tool names must be unique", param="tools")
+        if self.choice.mode is ChoiceMode.FUNCTION and self.choice.name not in names:
+            raise InvalidRequest(f"tool_choice names function {self.choice.name!r}, which is not among the tools",
+                                 param="tool_choice")
+        if self.choice.mode in (ChoiceMode.REQUIRED, ChoiceMode.FUNCTION) and not self.tools:
+            raise InvalidRequest(f"tool_choice {self.choice.mode.value!r} needs tools", param="tool_choice")
+
+
+class AnswerPlan:
+    def __init__(self, spec: AnswerSpec, tokenizer, grammar: GrammarEngine | None):
+        self.spec = spec
+        self._tok = tokenizer
+        self._grammar = grammar
+        source = tokenizer.chat_template or ""
+        self.offers_tools = spec.choice.mode is not ChoiceMode.NONE and bool(spec.tools)
+        self.fmt: CallFormat = detect(source) if self.offers_tools else GENERIC
+        thinking_off = spec.template_kwargs.get("enable_thinking") is False
+        self.thinking = THINK_OPEN in source and not thinking_off
+        self.in_reasoning = False  # set by render: the prompt itself opened <think>
+
+    # ---- the prompt --------------------------------------------------------------------------------
+    def render(self, messages: list[dict]) -> str:
+        """The prompt text for the whole conversation ``messages`` (transcript entries and this turn's)."""
+        tools = None
+        msgs = [template_message(m) for m in messages]
+        if self.offers_tools:
+            if self.fmt.template_tools:
+                tools = [t.to_openai() for t in self.spec.tools]
+            else:
+                msgs = generic_messages(msgs, self.spec.tools)
+        text = self._tok.render_chat(msgs, add_generation_prompt=True, tools=tools,
+                                     kwargs=self.spec.template_kwargs)
+        self.in_reasoning = self.thinking and text.rstrip().endswith(THINK_OPEN)
+        return text
+
+    # ---- the constraint ----------------------------------------------------------------------------
+    @property
+    def shape(self) -> AnswerShape:
+        s = self.spec
+        return AnswerShape(self.fmt, s.choice.callable_tools(s.tools), s.choice.mode if self.offers_tools
+                           else ChoiceMode.NONE, s.parallel, s.schema, self.thinking, self.in_reasoning)
+
+    def grammar_text(self) -> str | None:
+        shape = self.shape
+        if not shape.constrained:
+            return None
+        return answer_grammar(shape, LarkWriter(self._special_id))
+
+    def constraint(self) -> TokenConstraint | None:
+        """The grammar's constraint for one sequence (None when nothing is constrained)."""
+        lark = self.grammar_text()
+        if lark is None:
+            return None
+        if self._grammar is None:
+            raise InvalidRequest("constrained output is not available on this daemon")
+        param = "response_format" if not self.offers_tools else "tools"
+        return self._grammar.compile(lark, param=param)
+
+    def banned_tokens(self) -> tuple[int, ...]:
+        """With tool_choice none: the format's trigger token, when it is one token (the model cannot
+        start a call it may not make)."""
+        if self.offers_tools or not self.spec.tools:
+            return ()
+        trig = detect(self._tok.chat_template).trigger
+        tid = self._special_id(trig) if trig else None
+        return (tid,) if tid is not None else ()
+
+    def parser(self) -> AnswerParser:
+        return AnswerParser(self.fmt if self.offers_tools else None, thinking=self.thinking,
+                            in_reasoning=self.in_reasoning)
+
+    def _special_id(self, text: str) -> int | None:
+        if self._grammar is None:
+            return None
+        ids = self._tok.encode(text, add_bos=False, special=True)
+        return ids[0] if len(ids) == 1 and self._grammar.is_special(text) else None
+
+
+def template_message(m: dict) -> dict:
+    """A transcript or request message as chat templates take it: content a string, a call's
+    arguments an object (templates write them with ``tojson``)."""
+    out = {"role": m["role"], "content": m.get("content") or ""}
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if m.get(key) is not None:
+            out[key] = m[key]
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{"id": c["id"], "type": "function",
+                              "function": {"name": c["function"]["name"],
+                                           "arguments": arguments_object(c["function"].get("arguments"))}}
+                             for c in m["tool_calls"]]
+    return out
+
+
+def generic_messages(msgs: list[dict], tools: tuple[Tool, ...]) -> list[dict]:
+    """The conversation for a template with no tool branch: the tools and the answer's envelope in the
+    system turn, past calls as the envelope the model writes, tool results as user turns."""
+    names: dict[str, str] = {}
+    out = []
+    for m in msgs:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                names[c["id"]] = c["function"]["name"]
+                calls.append({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+            out.append({"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)})
+        elif m["role"] == "tool":
+            cid = m.get("tool_call_id") or ""
+            name = m.get("name") or names.get(cid, "the tool")
+            out.append({"role": "user", "content": f"Result of {name} (call {cid}):\n{m['content']}"})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    system = generic_system_text(tools)
+    if out and out[0]["role"] == "system":
+        out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
+    else:
+        out.insert(0, {"role": "system", "content": system})
+    return out

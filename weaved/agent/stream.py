@@ -1,0 +1,345 @@
+"""The answer's text, split as it streams: reasoning, content and tool calls, in OpenAI's delta shapes.
+
+``AnswerParser.push(text)`` takes the turn's text piece by piece and returns the deltas it completes:
+``{"reasoning_content": ...}``, ``{"content": ...}``, and per call first ``{"tool_calls": [{"index",
+"id", "type", "function": {"name", "arguments": ""}}]}`` then ``{"tool_calls": [{"index", "function":
+{"arguments": fragment}}]}`` as the arguments arrive.  Text that might still turn into a marker
+(``<think>``, the call trigger) is held back until it is known.  A constrained answer always has its
+format's exact syntax; should an answer end mid-call (``max_tokens``), ``finish`` gives back what was
+not a complete call as content, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from weaved.agent.formats import CallFormat
+from weaved.agent.tools import ToolCall, call_id
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass
+class Answer:
+    content: str = ""
+    reasoning: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+class AnswerParser:
+    """``fmt``: the call format when calls are parsed (None: tools off); ``thinking``: a ``<think>``
+    block may open the answer; ``in_reasoning``: the prompt already opened it."""
+
+    def __init__(self, fmt: CallFormat | None = None, *, thinking: bool = False, in_reasoning: bool = False):
+        self.fmt = fmt
+        self.answer = Answer()
+        self._buf = ""  # text not yet classified
+        self._state = "reasoning" if in_reasoning else ("think?" if thinking else "main?")
+        self._calls: list[dict] = []  # {"id", "name", "args"} as parsed
+        self._expect: list[str] = []  # literal text the call syntax requires next
+        self._depth = 0
+        self._in_str = self._esc = False
+        self._resp = _JsonString()
+
+    # ---- public ----------------------------------------------------------------------------------
+    def push(self, text: str) -> list[dict]:
+        self._buf += text
+        out: list[dict] = []
+        while self._buf and self._step(out):
+            pass
+        return _merge(out)
+
+    def finish(self) -> list[dict]:
+        """End of the answer: held text is released (as what it turned out to be)."""
+        out: list[dict] = []
+        if self._state in ("calls", "resp") or self._state.startswith("call"):
+            done = [c for c in self._calls if c.get("done")]
+            if len(done) == len(self._calls) and self._state != "resp":
+                self._buf = ""  # only separators or a closing bracket were left: the calls are complete
+            else:  # cut mid-call: what was not a complete call is content
+                raw = self._raw_since_calls + self._buf
+                self._calls = done
+                self._emit(out, "content", raw)
+                self._buf = ""
+        elif self._buf:
+            self._emit(out, "reasoning_content" if self._state == "reasoning" else "content", self._buf)
+            self._buf = ""
+        self.answer.calls = [ToolCall(c["id"], c["name"], c["args"]) for c in self._calls if c.get("done")]
+        return _merge(out)
+
+    # ---- states ----------------------------------------------------------------------------------
+    def _emit(self, out: list[dict], key: str, text: str) -> None:
+        if not text:
+            return
+        if key == "content":
+            self.answer.content += text
+        elif key == "reasoning_content":
+            self.answer.reasoning += text
+        out.append({key: text})
+
+    def _step(self, out: list[dict]) -> bool:
+        """Consume what can be decided of the buffer; False when more text is needed."""
+        st, buf = self._state, self._buf
+        if st == "think?":
+            s = buf.lstrip()
+            if s.startswith(THINK_OPEN):
+                self._buf, self._state = s[len(THINK_OPEN):].lstrip(), "reasoning"
+                return True
+            if THINK_OPEN.startswith(s):
+                return False  # all whitespace, or a prefix of <think>
+            self._state = "main?"
+            return True
+        if st == "reasoning":
+            i = buf.find(THINK_CLOSE)
+            if i >= 0:
+                self._emit(out, "reasoning_content", buf[:i])
+                self._buf, self._state = buf[i + len(THINK_CLOSE):].lstrip(), "main?"
+                return True
+            keep = _partial(buf, THINK_CLOSE)
+            self._emit(out, "reasoning_content", buf[: len(buf) - keep])
+            self._buf = buf[len(buf) - keep:]
+            return False
+        if st == "main?":
+            return self._main_start(out)
+        if st == "main":
+            return self._main(out)
+        if st == "resp":
+            text, rest, closed = self._resp.feed(buf)
+            self._emit(out, "content", text)
+            self._raw_since_calls += buf[: len(buf) - len(rest)]
+            self._buf = rest
+            if closed:
+                self._state = "tail"
+                self._expect = ["}"]
+            return closed
+        if st == "tail":
+            return self._literal(out, then="end")
+        if st == "end":
+            self._buf = ""  # nothing may follow a complete answer (the grammar allows only its end)
+            return False
+        return self._call_step(out)
+
+    def _main_start(self, out: list[dict]) -> bool:
+        fmt = self.fmt
+        if fmt is None or fmt.trigger:
+            self._state = "main"
+            return True
+        s = self._buf.lstrip()
+        if not s:
+            return False
+        if fmt.name == "generic":
+            for lead, state in (('{"tool_calls": [', "calls"), ('{"response": "', "resp")):
+                if s.startswith(lead):
+                    self._raw_since_calls = self._buf[: len(self._buf) - len(s) + len(lead)]
+                    self._buf = s[len(lead):]
+                    self._state = state
+                    if state == "calls":
+                        self._start_call_syntax(first=True, skip_open=True)
+                    return True
+                if lead.startswith(s):
+                    return False
+            self._state = "main"
+            return True
+        tag = "<|python_tag|>"
+        if tag.startswith(s) and s != tag:
+            return False
+        body = s[len(tag):].lstrip() if s.startswith(tag) else s
+        if not body and s.startswith(tag):
+            return False
+        if body.startswith("{"):  # llama3: an answer that starts with a JSON object is a call
+            self._raw_since_calls = self._buf[: len(self._buf) - len(body)]
+            self._buf = body
+            self._state = "calls"
+            self._start_call_syntax(first=True, skip_open=True)
+            return True
+        self._state = "main"
+        return True
+
+    def _main(self, out: list[dict]) -> bool:
+        fmt, buf = self.fmt, self._buf
+        if fmt is None or not fmt.trigger:
+            self._emit(out, "content", buf)
+            self._buf = ""
+            return False
+        i = buf.find(fmt.trigger)
+        if i >= 0:
+            self._emit(out, "content", buf[:i])
+            self._raw_since_calls = buf[i:i + len(fmt.trigger)]
+            self._buf = buf[i + len(fmt.trigger):]
+            self._state = "calls"
+            self._start_call_syntax(first=True, skip=len(fmt.trigger))
+            return True
+        keep = _partial(buf, fmt.trigger)
+        self._emit(out, "content", buf[: len(buf) - keep])
+        self._buf = buf[len(buf) - keep:]
+        return False
+
+    # ---- calls -----------------------------------------------------------------------------------
+    def _start_call_syntax(self, first: bool, skip: int = 0, skip_open: bool = False) -> None:
+        fmt = self.fmt
+        lead = "" if skip_open else (fmt.open + fmt.before if first else fmt.sep + fmt.before)
+        self._expect = [lead[skip:] + fmt.head()]
+        self._state = "call:lit"
+        self._next_after_lit = "call:name"
+
+    def _literal(self, out: list[dict], then: str) -> bool:
+        want = self._expect[0] if self._expect else ""
+        n = min(len(want), len(self._buf))
+        if self._buf[:n] != want[:n]:
+            return self._broken(out)
+        self._raw_since_calls += self._buf[:n]
+        self._buf = self._buf[n:]
+        if n < len(want):
+            self._expect[0] = want[n:]
+            return False
+        self._expect = []
+        self._state = then
+        return True
+
+    def _call_step(self, out: list[dict]) -> bool:
+        st = self._state
+        if st == "calls":
+            self._state = "call:lit"
+            return True
+        if st == "call:lit":
+            return self._literal(out, then=self._next_after_lit)
+        if st == "call:name":
+            i = self._buf.find('"')
+            if i < 0:
+                return False
+            name = self._buf[:i]
+            self._raw_since_calls += self._buf[: i + 1]
+            self._buf = self._buf[i + 1:]
+            call = {"id": call_id(self.fmt.id_style), "name": name, "args": ""}
+            self._calls.append(call)
+            idx = len(self._calls) - 1
+            out.append({"tool_calls": [{"index": idx, "id": call["id"], "type": "function",
+                                        "function": {"name": name, "arguments": ""}}]})
+            self._expect = [self.fmt.mid()[1:]]  # the closing quote is consumed
+            self._next_after_lit = "call:args"
+            self._state = "call:lit"
+            self._depth, self._in_str, self._esc = 0, False, False
+            return True
+        if st == "call:args":
+            return self._args(out)
+        if st == "call:between":
+            return self._between(out)
+        return self._broken(out)
+
+    def _args(self, out: list[dict]) -> bool:
+        buf, n = self._buf, 0
+        done = False
+        for ch in buf:
+            n += 1
+            if self._in_str:
+                if self._esc:
+                    self._esc = False
+                elif ch == "\\":
+                    self._esc = True
+                elif ch == '"':
+                    self._in_str = False
+            elif ch == '"':
+                self._in_str = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    done = True
+                    break
+        frag = buf[:n]
+        call, idx = self._calls[-1], len(self._calls) - 1
+        call["args"] += frag
+        self._raw_since_calls += frag
+        self._buf = buf[n:]
+        if frag:
+            out.append({"tool_calls": [{"index": idx, "function": {"arguments": frag}}]})
+        if done:
+            call["done"] = True
+            self._expect = [self.fmt.after]
+            self._next_after_lit = "call:between"
+            self._state = "call:lit"
+        return done
+
+    def _between(self, out: list[dict]) -> bool:
+        fmt, buf = self.fmt, self._buf
+        nxt = (fmt.sep + fmt.before + fmt.head()) if fmt.sep is not None else None
+        if nxt is not None and buf.startswith(nxt):
+            self._start_call_syntax(first=False)
+            return True
+        if fmt.close and buf.startswith(fmt.close):
+            self._raw_since_calls += fmt.close
+            self._buf = buf[len(fmt.close):]
+            self._state = "end"
+            return True
+        if (nxt is not None and nxt.startswith(buf)) or (fmt.close and fmt.close.startswith(buf)):
+            return False
+        if not fmt.close and buf.strip() == "":
+            return False
+        return self._broken(out)
+
+    def _broken(self, out: list[dict]) -> bool:
+        """Text that does not follow the call syntax (an unconstrained answer): the rest is content."""
+        self._calls = [c for c in self._calls if c.get("done")]
+        self._emit(out, "content", self._raw_since_calls + self._buf)
+        self._buf = self._raw_since_calls = ""
+        self.fmt, self._state = None, "main"
+        return False
+
+    _raw_since_calls = ""
+    _next_after_lit = "call:name"
+
+
+class _JsonString:
+    """Decodes a JSON string's body as it arrives (the opening quote already consumed)."""
+
+    def __init__(self):
+        self._pending = ""
+
+    def feed(self, text: str) -> tuple[str, str, bool]:
+        """(decoded text, unconsumed rest, whether the closing quote was reached)."""
+        s = self._pending + text
+        self._pending = ""
+        out, i = [], 0
+        while i < len(s):
+            ch = s[i]
+            if ch == '"':
+                return "".join(out), s[i + 1:], True
+            if ch != "\\":
+                out.append(ch)
+                i += 1
+                continue
+            esc = s[i:i + 2] if s[i + 1:i + 2] != "u" else s[i:i + 6]
+            if len(esc) < 2 or (esc[1] == "u" and len(esc) < 6):
+                self._pending = s[i:]
+                return "".join(out), "", False
+            if esc[1] == "u" and 0xD800 <= int(esc[2:], 16) < 0xDC00:  # a surrogate pair's first half
+                pair = s[i:i + 12]
+                if len(pair) < 12:
+                    self._pending = s[i:]
+                    return "".join(out), "", False
+                esc = pair
+            out.append(json.loads('"' + esc + '"'))
+            i += len(esc)
+        return "".join(out), "", False
+
+
+def _partial(buf: str, marker: str) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(marker) - 1, len(buf)), 0, -1):
+        if marker.startswith(buf[len(buf) - n:]):
+            return n
+    return 0
+
+
+def _merge(deltas: list[dict]) -> list[dict]:
+    """Adjacent content (or reasoning) deltas joined into one."""
+    out: list[dict] = []
+    for d in deltas:
+        if out and len(d) == 1 and d.keys() == out[-1].keys() and "tool_calls" not in d:
+            k = next(iter(d))
+            out[-1] = {k: out[-1][k] + d[k]}
+        else:
+            out.append(d)
+    return out

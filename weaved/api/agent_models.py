@@ -1,0 +1,134 @@
+"""Request shapes of the agent protocol: tools, tool choice, tool calls, response format - and the
+``AnswerSpec`` they become."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from weaved.agent.plan import AnswerSpec
+from weaved.agent.tools import MAX_TOOLS, ChoiceMode, Tool, ToolChoice
+from weaved.errors import InvalidRequest
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+MAX_SCHEMA_BYTES = 64 * 1024
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("function names are 1-64 letters, digits, '_' or '-'")
+        return v
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    """A past call, in an assistant message the client sends back."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+def tools_from(defs: list[ToolDef] | None) -> tuple[Tool, ...]:
+    if not defs:
+        return ()
+    if len(defs) > MAX_TOOLS:
+        raise InvalidRequest(f"at most {MAX_TOOLS} tools per request (got {len(defs)})", param="tools")
+    out = []
+    for i, d in enumerate(defs):
+        f = d.function
+        params = f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
+        if len(json.dumps(params)) > MAX_SCHEMA_BYTES:
+            raise InvalidRequest(f"tools[{i}].function.parameters is larger than {MAX_SCHEMA_BYTES} bytes",
+                                 param=f"tools[{i}].function.parameters")
+        out.append(Tool(f.name, f.description or "", params, bool(f.strict)))
+    return tuple(out)
+
+
+def choice_from(raw: str | NamedToolChoice | None, has_tools: bool) -> ToolChoice:
+    """OpenAI's default: ``auto`` with tools, ``none`` without."""
+    if raw is None:
+        return ToolChoice(ChoiceMode.AUTO if has_tools else ChoiceMode.NONE)
+    if isinstance(raw, NamedToolChoice):
+        return ToolChoice(ChoiceMode.FUNCTION, raw.function.name)
+    return ToolChoice(ChoiceMode(raw))
+
+
+def schema_from(fmt: ResponseFormat | None) -> dict | None:
+    """The content's JSON schema (``json_object``: any object), or None for free text."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise InvalidRequest("response_format json_schema needs json_schema.schema", param="response_format")
+    schema = fmt.json_schema.schema_
+    if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
+        raise InvalidRequest(f"the response_format schema is larger than {MAX_SCHEMA_BYTES} bytes",
+                             param="response_format")
+    return schema
+
+
+def answer_spec(tools: list[ToolDef] | None, tool_choice, parallel: bool | None, response_format,
+                template_kwargs: dict | None) -> AnswerSpec:
+    t = tools_from(tools)
+    return AnswerSpec(tools=t, choice=choice_from(tool_choice, bool(t)),
+                      parallel=True if parallel is None else parallel, schema=schema_from(response_format),
+                      template_kwargs=dict(template_kwargs or {}))
