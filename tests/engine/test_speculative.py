@@ -260,7 +260,8 @@ class Run:
             elif p.stop_token_ids:
                 stops = StopChecker((), p.stop_token_ids)
             s = Sequence(t["id"], be.new_kv(t.get("capacity", 512)), list(t["prompt"]), p, SLARank.INTERACTIVE,
-                         decoder=decoder, stops=stops)
+                         decoder=decoder, stops=stops,
+                         constraint=t["constraint"]() if "constraint" in t else None)
             s.emit = self._sink(self.events.setdefault(t["id"], []), done[t["id"]])
             self.seqs.append(s)
             self.backend.seqs[id(s.kv)] = s

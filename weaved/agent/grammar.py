@@ -38,14 +38,39 @@ class GrammarEngine:
 
     @property
     def lltokenizer(self):
-        """llguidance's tokenizer (built once, ~1 s for a 49k vocabulary)."""
+        """llguidance's tokenizer (built once, on first use)."""
         with self._lock:
             if self._ll is None:
-                from llguidance.llamacpp import lltokenizer_from_vocab
-
-                eog = sorted(self._tok.eog_ids) or None
-                self._ll = lltokenizer_from_vocab(self._tok.llama_vocab(), n_vocab=self.n_vocab, eos_token=eog)
+                self._ll = self._build()
             return self._ll
+
+    def _build(self):
+        """llguidance's tokenizer over llama.cpp's vocabulary: each token's bytes as llama.cpp writes them,
+        control tokens (and user-defined ``<...>`` ones, as Qwen's ``<tool_call>``) marked special with
+        llguidance's ``0xff`` prefix; tokenizing goes through llama.cpp's own tokenizer."""
+        import ctypes
+
+        import llama_cpp
+        from llguidance import LLTokenizer
+
+        vocab = self._tok.llama_vocab()
+        buf = ctypes.create_string_buffer(16 * 1024)
+        control, user = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL, llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+        tokens: list[bytes] = []
+        for t in range(llama_cpp.llama_vocab_n_tokens(vocab)):
+            n = llama_cpp.llama_token_to_piece(vocab, t, buf, len(buf), 0, True)
+            if n < 0:
+                raise ValueError(f"token {t} is longer than {len(buf)} bytes")
+            piece = bytes(buf[:n])
+            attr = llama_cpp.llama_vocab_get_attr(vocab, t)
+            if attr & control or (attr & user and piece.startswith(b"<") and piece.endswith(b">")):
+                piece = b"\xff" + piece
+            tokens.append(piece)
+        tokens += [b""] * (self.n_vocab - len(tokens))  # a logits row wider than the vocabulary: never allowed
+        tokenize = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
+        eog = sorted(self._tok.eog_ids) or None
+        return LLTokenizer.from_llamacpp(tokens=tokens, vocab_ptr=vocab, tokenize_fptr=tokenize, eos_token=eog,
+                                         slices=None)
 
     def is_special(self, text: str) -> bool:
         """Whether ``text`` is one special (control) token of this vocabulary, which a Lark grammar

@@ -53,15 +53,14 @@ class AnswerParser:
     def finish(self) -> list[dict]:
         """End of the answer: held text is released (as what it turned out to be)."""
         out: list[dict] = []
-        if self._state in ("calls", "resp") or self._state.startswith("call"):
-            done = [c for c in self._calls if c.get("done")]
-            if len(done) == len(self._calls) and self._state != "resp":
-                self._buf = ""  # only separators or a closing bracket were left: the calls are complete
-            else:  # cut mid-call: what was not a complete call is content
-                raw = self._raw_since_calls + self._buf
-                self._calls = done
-                self._emit(out, "content", raw)
-                self._buf = ""
+        if self._state in ("resp", "tail"):  # the response string's text is out already
+            self._buf = ""
+        elif self._state == "calls" or self._state.startswith("call"):
+            rest = self._raw_since_calls + self._buf
+            self._calls = [c for c in self._calls if c.get("done")]
+            if self._state != "call:between" or rest.strip():  # cut mid-call: that part is content
+                self._emit(out, "content", rest)
+            self._buf = ""
         elif self._buf:
             self._emit(out, "reasoning_content" if self._state == "reasoning" else "content", self._buf)
             self._buf = ""
@@ -80,11 +79,16 @@ class AnswerParser:
 
     def _step(self, out: list[dict]) -> bool:
         """Consume what can be decided of the buffer; False when more text is needed."""
+        if self._skip_ws:  # the blank lines after <think> and </think> belong to neither part
+            self._buf = self._buf.lstrip()
+            if not self._buf:
+                return False
+            self._skip_ws = False
         st, buf = self._state, self._buf
         if st == "think?":
             s = buf.lstrip()
             if s.startswith(THINK_OPEN):
-                self._buf, self._state = s[len(THINK_OPEN):].lstrip(), "reasoning"
+                self._buf, self._state, self._skip_ws = s[len(THINK_OPEN):], "reasoning", True
                 return True
             if THINK_OPEN.startswith(s):
                 return False  # all whitespace, or a prefix of <think>
@@ -94,7 +98,7 @@ class AnswerParser:
             i = buf.find(THINK_CLOSE)
             if i >= 0:
                 self._emit(out, "reasoning_content", buf[:i])
-                self._buf, self._state = buf[i + len(THINK_CLOSE):].lstrip(), "main?"
+                self._buf, self._state, self._skip_ws = buf[i + len(THINK_CLOSE):], "main?", True
                 return True
             keep = _partial(buf, THINK_CLOSE)
             self._emit(out, "reasoning_content", buf[: len(buf) - keep])
@@ -195,6 +199,8 @@ class AnswerParser:
             return False
         self._expect = []
         self._state = then
+        if then == "call:between":  # a call is complete: what follows starts afresh
+            self._raw_since_calls = ""
         return True
 
     def _call_step(self, out: list[dict]) -> bool:
@@ -287,8 +293,9 @@ class AnswerParser:
         self.fmt, self._state = None, "main"
         return False
 
-    _raw_since_calls = ""
+    _raw_since_calls = ""  # the text since the calls began, not yet part of a complete call
     _next_after_lit = "call:name"
+    _skip_ws = False
 
 
 class _JsonString:

@@ -1,0 +1,174 @@
+"""The grammar of an answer, on SmolLM2's real vocabulary: every call a walk through the mask can write
+parses and validates against its tool's schema; each tool choice is enforced; the trigger works as
+text and as a special token; masks are cheap."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from weaved.agent.formats import GENERIC, HERMES, LLAMA3, MISTRAL, CallFormat
+from weaved.agent.grammar import GrammarEngine
+from weaved.agent.grammar_text import AnswerShape, LarkWriter, answer_grammar, closed
+from weaved.agent.stream import AnswerParser
+from weaved.agent.tools import ChoiceMode, Tool
+from weaved.errors import InvalidRequest
+
+WEATHER = Tool("get_weather", "", {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]})
+COUNT = Tool("count", "", {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                           "required": ["n"]})
+TOOLS = (WEATHER, COUNT)
+SCHEMAS = {t.name: t.parameters for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_q4_0):
+    from weaved.model.tokenizer import Tokenizer
+
+    return Tokenizer(smollm2_q4_0)
+
+
+@pytest.fixture(scope="module")
+def engine(tok):
+    return GrammarEngine(tok)
+
+
+def writer(tok, engine) -> LarkWriter:
+    def special_id(text):
+        ids = tok.encode(text, add_bos=False, special=True)
+        return ids[0] if len(ids) == 1 and engine.is_special(text) else None
+    return LarkWriter(special_id)
+
+
+_closers: dict[int, np.ndarray] = {}
+
+
+def walk(tok, c, rng, limit=400) -> list[int] | None:
+    """Tokens a random walk through the masks writes until an end-of-generation token (None if it did
+    not end within ``limit``).  It leans towards tokens that close strings and objects, so it ends."""
+    out = []
+    if id(tok) not in _closers:
+        _closers[id(tok)] = np.asarray([i for i in range(tok.vocab_size)
+                                        if any(ch in tok.token_bytes(i) for ch in b'"}],')])
+    closers = _closers[id(tok)]
+    for _ in range(limit):
+        allowed = np.flatnonzero(c.allowed())
+        assert allowed.size, "an empty mask"
+        eog = [t for t in allowed if t in tok.eog_ids]
+        lean = np.intersect1d(allowed, closers)
+        if eog and rng.random() < 0.5:
+            t = int(eog[0])
+        elif lean.size and rng.random() < 0.4:
+            t = int(rng.choice(lean))
+        else:
+            t = int(rng.choice(allowed))
+        if t in tok.eog_ids:
+            return out
+        c.accept(t)
+        out.append(t)
+    return None
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3, MISTRAL, GENERIC], ids=lambda f: f.name)
+@pytest.mark.parametrize("mode", [ChoiceMode.AUTO, ChoiceMode.REQUIRED, ChoiceMode.FUNCTION])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_every_walk_through_the_mask_is_a_valid_answer(tok, engine, fmt: CallFormat, mode, parallel):
+    tools = TOOLS if mode is not ChoiceMode.FUNCTION else (COUNT,)
+    shape = AnswerShape(fmt, tools, mode, parallel)
+    lark = answer_grammar(shape, writer(tok, engine))
+    rng = np.random.default_rng(7)
+    ended = 0
+    for _ in range(6):
+        toks = walk(tok, engine.compile(lark), rng)
+        if toks is None:
+            continue
+        ended += 1
+        p = AnswerParser(fmt)
+        p.push(tok.decode(toks))
+        p.finish()
+        ans = p.answer
+        if mode is not ChoiceMode.AUTO:
+            assert ans.calls and not ans.content.strip(), tok.decode(toks)
+        if not parallel or fmt.sep is None:
+            assert len(ans.calls) <= 1
+        for call in ans.calls:
+            assert call.name in {t.name for t in tools}
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        if ans.calls and fmt is not LLAMA3 and fmt is not GENERIC:
+            assert "<tool_call>" not in ans.content
+    assert ended >= 3
+
+
+def test_choices_are_enforced_token_by_token(tok, engine):
+    w = writer(tok, engine)
+    enc = lambda s: tok.encode(s, add_bos=False)  # noqa: E731
+    required = engine.compile(answer_grammar(AnswerShape(HERMES, TOOLS, ChoiceMode.REQUIRED), w))
+    assert required.valid_prefix(enc("Sure")) == 0  # no text before the call
+    good = '<tool_call>\n{"name": "count", "arguments": {"n": 3}}\n</tool_call>'
+    assert required.valid_prefix(enc(good)) == len(enc(good))
+    named = engine.compile(answer_grammar(AnswerShape(HERMES, (COUNT,), ChoiceMode.FUNCTION), w))
+    other = enc('<tool_call>\n{"name": "get_weather"')
+    assert named.valid_prefix(other) < len(other)
+    bad_args = enc('<tool_call>\n{"name": "count", "arguments": {"n": "three"')
+    assert required.valid_prefix(bad_args) < len(bad_args)
+    auto = engine.compile(answer_grammar(AnswerShape(HERMES, TOOLS, ChoiceMode.AUTO), w))
+    text = enc("Let me count. ")
+    assert auto.valid_prefix(text) == len(text)
+    for t in enc("Let me count.<tool_call>"):
+        auto.accept(t)
+    allowed = np.flatnonzero(auto.allowed())
+    assert [tok.decode([int(t)]) for t in allowed] == ["\n"]  # the trigger forces the call's syntax
+
+
+def test_a_special_token_trigger(tok, engine):
+    """A format whose trigger is one control token of the vocabulary (as <tool_call> is in Qwen's):
+    text, then that token, then the calls; the token cannot be spelled out as text."""
+    im = "<|im_start|>"
+    fmt = CallFormat("test", trigger=im, open="", before=im, args_key="arguments", after="}", sep="", close="")
+    w = writer(tok, engine)
+    assert w.special(im) is None  # not one of the markers this writer knows; patch it in
+    w._special[im] = tok.encode(im, add_bos=False, special=True)[0]
+    lark = answer_grammar(AnswerShape(fmt, (COUNT,), ChoiceMode.AUTO), w)
+    assert f"<[{w._special[im]}]>" in lark
+    c = engine.compile(lark)
+    for t in tok.encode("Counting.", add_bos=False):
+        c.accept(t)
+    c.accept(w._special[im])
+    allowed = np.flatnonzero(c.allowed())
+    assert tok.decode([int(allowed[0])]).startswith("{")
+
+
+def test_json_schema_content_and_closed_objects(tok, engine):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "tags": {"type": "array", "items": {"type": "object",
+                                                        "properties": {"k": {"type": "integer"}}}}},
+              "required": ["name", "tags"]}
+    assert closed(schema)["additionalProperties"] is False
+    assert closed(schema)["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert closed({"type": "object", "additionalProperties": True, "properties": {}})["additionalProperties"] is True
+    lark = answer_grammar(AnswerShape(GENERIC, schema=schema), writer(tok, engine))
+    rng = np.random.default_rng(3)
+    ended = 0
+    for _ in range(6):
+        toks = walk(tok, engine.compile(lark), rng)
+        if toks is not None:
+            ended += 1
+            jsonschema.validate(json.loads(tok.decode(toks)), schema)
+    assert ended >= 3
+
+
+def test_an_unenforceable_schema_is_a_clear_400(engine):
+    with pytest.raises(InvalidRequest, match="response_format"):
+        engine.compile('start: %json {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}')
+
+
+def test_masks_cost_microseconds(tok, engine):
+    """Not a timing assertion: the mask of a step is computed into a reused buffer and unpacked in numpy;
+    this checks its shape and dtype (``weave bench --scenario grammar`` measures its cost)."""
+    c = engine.compile(answer_grammar(AnswerShape(GENERIC, TOOLS, ChoiceMode.AUTO), writer(tok, engine)))
+    m = c.allowed()
+    assert m.dtype == bool and m.shape == (tok.vocab_size,) and 0 < m.sum() < tok.vocab_size

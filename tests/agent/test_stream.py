@@ -1,0 +1,92 @@
+"""The answer parser: reasoning, content and calls come out the same however the text is chunked, and
+an answer cut mid-call loses nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from weaved.agent.formats import GENERIC, HERMES, LLAMA3, MISTRAL
+from weaved.agent.stream import AnswerParser
+
+
+def parse(fmt, text: str, step: int, **kw):
+    p = AnswerParser(fmt, **kw)
+    deltas = []
+    for i in range(0, len(text), step):
+        deltas += p.push(text[i:i + step])
+    deltas += p.finish()
+    return p.answer, deltas
+
+
+def assembled(deltas: list[dict]) -> tuple[str, str, list[tuple[str, str]]]:
+    """What an OpenAI client assembles from the deltas."""
+    content = "".join(d.get("content", "") for d in deltas)
+    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            slot = calls.setdefault(c["index"], ["", ""])
+            slot[0] += c["function"].get("name", "")
+            slot[1] += c["function"].get("arguments", "")
+    return content, reasoning, [tuple(calls[i]) for i in sorted(calls)]
+
+
+CASES = [
+    (HERMES, 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"}{\\" x"}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>',
+     "Let me check.", [("get_weather", '{"city": "Paris \\"}{\\" x"}'), ("noop", "{}")]),
+    (HERMES, "No call here, only <tool text.", "No call here, only <tool text.", []),
+    (LLAMA3, '{"name": "f", "parameters": {"a": [1, {"b": 2}]}}', "", [("f", '{"a": [1, {"b": 2}]}')]),
+    (LLAMA3, "Plain {text} answer.", "Plain {text} answer.", []),
+    (MISTRAL, 'x[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]', "x",
+     [("f", '{"a": 1}'), ("g", "{}")]),
+    (GENERIC, '{"tool_calls": [{"name": "f", "arguments": {"a": "]"}}]}', "", [("f", '{"a": "]"}')]),
+    (GENERIC, '{"response": "caf\\u00e9 \\"q\\"\\n\\ud83d\\ude00"}', 'café "q"\n😀', []),
+]
+
+
+@pytest.mark.parametrize(("fmt", "text", "content", "calls"), CASES)
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_calls_parse_whatever_the_chunking(fmt, text, content, calls, step):
+    ans, deltas = parse(fmt, text, step)
+    assert ans.content == content
+    assert [(c.name, c.arguments) for c in ans.calls] == calls
+    for c in ans.calls:
+        json.loads(c.arguments)
+        assert c.id.startswith("call_") if fmt is not MISTRAL else len(c.id) == 9
+    assert assembled(deltas) == (content, "", calls)
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_reasoning_is_kept_apart(step):
+    text = "<think>\nThe user wants a greeting.\n</think>\n\nHello <b>there</b>."
+    ans, deltas = parse(None, text, step, thinking=True)
+    assert ans.reasoning.strip() == "The user wants a greeting."
+    assert ans.content == "Hello <b>there</b>."
+    assert assembled(deltas)[:2] == (ans.content, ans.reasoning)
+
+
+def test_a_prompt_that_opened_the_reasoning():
+    ans, _ = parse(HERMES, 'thinking...</think>\n\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', 4,
+                   thinking=True, in_reasoning=True)
+    assert ans.reasoning == "thinking..."
+    assert [(c.name, c.arguments) for c in ans.calls] == [("f", "{}")]
+
+
+def test_without_thinking_a_think_tag_is_content():
+    ans, _ = parse(None, "<think>x</think>y", 2)
+    assert ans.content == "<think>x</think>y" and ans.reasoning == ""
+
+
+@pytest.mark.parametrize("fmt, text", [
+    (HERMES, 'Cut<tool_call>\n{"name": "get_weather", "arguments": {"ci'),
+    (GENERIC, '{"tool_calls": [{"name": "f", "arguments": {"a": 1'),
+    (MISTRAL, '[TOOL_CALLS][{"na'),
+])
+def test_an_answer_cut_mid_call_is_content(fmt, text):
+    ans, deltas = parse(fmt, text, 3)
+    assert ans.calls == []
+    assert ans.content == text
+    assert assembled(deltas)[0] == text
