@@ -20,8 +20,8 @@ ITEM = Tool("add_item", "", {"type": "object", "properties": {"name": {"type": "
                              "required": ["name", "qty"]})
 
 
-def _constraint(tokenizer, tools=(ITEM,), mode=ChoiceMode.REQUIRED):
-    engine = GrammarEngine(tokenizer)
+def _constraint(tok, tools=(ITEM,), mode=ChoiceMode.REQUIRED):
+    engine = GrammarEngine(tok)
     lark = answer_grammar(AnswerShape(GENERIC, tools, mode), LarkWriter(lambda text: None))
     return lambda: engine.compile(lark, param="tools")
 

@@ -1,7 +1,7 @@
 """OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
 
-The daemon serves one model: ``model`` in a request is accepted whatever it names, and every answer
-carries the served model's name.
+The daemon serves one model: a request may name it (or ``default``); any other name is OpenAI's 404
+``model_not_found``.  Every answer carries the served model's name.
 """
 
 from __future__ import annotations

@@ -1,0 +1,214 @@
+"""The agent protocol end to end: ``weave serve`` on the real default model, spoken to by the official
+openai SDK over the Unix socket.  Tool round trips, every tool choice enforced, parallel calls, a
+streamed call assembled by the SDK, JSON-schema output validated, reasoning kept apart, and each sampling
+field that used to be ignored changing the answer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.api.conftest import uds_client
+from tests.api.serve_proc import weave_serve
+
+pytestmark = pytest.mark.slow
+
+TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"]}}}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def _sdk(socket: Path) -> openai.OpenAI:
+    h = httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), timeout=120.0)
+    return openai.OpenAI(base_url="http://weave/v1", api_key="x", http_client=h, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def generic(tmp_path_factory, smollm2_q4_0):
+    """SmolLM2's own template has no tool branch: the generic JSON envelope."""
+    with weave_serve(tmp_path_factory.mktemp("generic"), "--model", str(smollm2_q4_0)) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory, smollm2_q4_0):
+    with weave_serve(tmp_path_factory.mktemp("hermes"), "--model", str(smollm2_q4_0),
+                     "--chat-template", str(TEMPLATES / "hermes-tools.jinja")) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory, smollm2_q4_0):
+    with weave_serve(tmp_path_factory.mktemp("think"), "--model", str(smollm2_q4_0),
+                     "--chat-template", str(TEMPLATES / "think-open.jinja")) as proc:
+        yield proc
+
+
+def _validate(calls, tools=TOOLS) -> None:
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for c in calls:
+        assert c.type == "function" and c.id
+        jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+
+
+@pytest.mark.parametrize("server", ["generic", "hermes"])
+def test_a_full_tool_round_trip(request, server):
+    sdk = _sdk(request.getfixturevalue(server).socket)
+    first = sdk.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="required",
+                                        parallel_tool_calls=False, max_tokens=80, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None and len(choice.message.tool_calls) == 1
+    _validate(choice.message.tool_calls)
+    call = choice.message.tool_calls[0]
+    history = [*ASK, choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'}]
+    second = sdk.chat.completions.create(model="default", messages=history, tools=TOOLS, tool_choice="none",
+                                         max_tokens=30, temperature=0)
+    answer = second.choices[0]
+    assert answer.message.tool_calls is None and answer.message.content
+    assert answer.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("server", ["generic", "hermes"])
+def test_named_and_parallel_choices(request, server):
+    sdk = _sdk(request.getfixturevalue(server).socket)
+    named = sdk.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, max_tokens=80, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    calls = named.choices[0].message.tool_calls
+    assert calls and all(c.function.name == "get_time" for c in calls)
+    _validate(calls)
+    many = sdk.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="required",
+                                       max_tokens=120, temperature=0)
+    _validate(many.choices[0].message.tool_calls)
+    ids = [c.id for c in many.choices[0].message.tool_calls]
+    assert len(set(ids)) == len(ids)
+
+
+def test_none_makes_no_call(generic):
+    sdk = _sdk(generic.socket)
+    out = sdk.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="none",
+                                      max_tokens=20, temperature=0)
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content
+
+
+@pytest.mark.parametrize("server", ["generic", "hermes"])
+def test_a_streamed_call_is_assembled_by_the_sdk(request, server):
+    sdk = _sdk(request.getfixturevalue(server).socket)
+    kw = dict(model="default", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0,
+              parallel_tool_calls=False)
+    whole = sdk.chat.completions.create(**kw)
+    with sdk.chat.completions.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    got, want = final.choices[0].message.tool_calls, whole.choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in got] == \
+        [(c.function.name, c.function.arguments) for c in want]
+    assert final.choices[0].finish_reason == "tool_calls"
+    _validate(got)
+
+
+def test_json_schema_output_validates(generic):
+    sdk = _sdk(generic.socket)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for prompt in ("Invent a person.", "Who wrote Hamlet?", "Say hello."):
+        out = sdk.chat.completions.create(model="default", messages=[{"role": "user", "content": prompt}],
+                                          response_format=fmt, max_tokens=60, temperature=0.7, seed=1)
+        jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+    obj = sdk.chat.completions.create(model="default", messages=ASK, response_format={"type": "json_object"},
+                                      max_tokens=60, temperature=0)
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_reasoning_is_returned_apart_and_a_rewritten_history_is_reprefilled(thinking):
+    sdk = _sdk(thinking.socket)
+    with uds_client(thinking.socket, timeout=120.0) as http:
+        sid = http.post("/v1/sessions", json={}).json()["id"]
+        first = http.post(f"/v1/sessions/{sid}/turns", json={
+            "messages": [{"role": "user", "content": "Is 7 a prime number?"}], "max_tokens": 24,
+            "temperature": 0}).json()
+        msg = first["choices"][0]["message"]
+        assert msg["reasoning_content"] and "<think>" not in (msg["content"] or "")
+        assert "reprefilled_tokens" not in first["weave"]
+        second = http.post(f"/v1/sessions/{sid}/turns", json={
+            "messages": [{"role": "user", "content": "And 9?"}], "max_tokens": 8, "temperature": 0}).json()
+        # the template drops the earlier answer's reasoning: the context is fed again from there, and said
+        assert second["weave"]["reprefilled_tokens"] > 0
+    chunks = list(sdk.chat.completions.create(model="default", messages=ASK, max_tokens=12, temperature=0,
+                                              stream=True))
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    assert reasoning
+    off = sdk.chat.completions.create(model="default", messages=ASK, max_tokens=12, temperature=0,
+                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.content and getattr(off.choices[0].message, "reasoning_content", None) is None
+
+
+def test_the_previously_ignored_fields(generic, smollm2_q4_0):
+    from weaved.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_q4_0)
+    with uds_client(generic.socket, timeout=120.0) as http:
+        body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0,
+                "logprobs": True}
+        r = http.post("/v1/chat/completions", json=body).json()
+        text = r["choices"][0]["message"]["content"]
+        first = r["choices"][0]["logprobs"]["content"][0]
+        ids = tok.encode(bytes(first["bytes"]).decode("utf-8"), add_bos=False)
+        assert len(ids) == 1, ids
+        first_id = ids[0]
+        # logit_bias: banning the first token changes the answer; a large bias on another forces it
+        banned = http.post("/v1/chat/completions", json={**body, "logit_bias": {str(first_id): -100}}).json()
+        assert banned["choices"][0]["logprobs"]["content"][0]["token"] != first["token"]
+        other = tok.encode(" purple", add_bos=False)[0]
+        forced = http.post("/v1/chat/completions", json={**body, "logit_bias": {str(other): 100}}).json()
+        assert forced["choices"][0]["logprobs"]["content"][0]["bytes"] == list(tok.token_bytes(other))
+        # stop_token_ids: the first token ends the turn at once
+        stopped = http.post("/v1/chat/completions", json={**body, "stop_token_ids": [first_id]}).json()
+        assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["choices"][0]["message"]["content"] == ""
+        # min_tokens: an answer that would end early goes on
+        brief = {**body, "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 200}
+        short = http.post("/v1/chat/completions", json=brief).json()
+        n = short["usage"]["completion_tokens"]
+        assert short["choices"][0]["finish_reason"] == "stop" and n < 200
+        longer = http.post("/v1/chat/completions", json={**brief, "min_tokens": n + 5}).json()
+        assert longer["usage"]["completion_tokens"] >= n + 5
+        # frequency and presence penalties change a repetitive answer
+        rep = {"messages": [{"role": "user", "content": "Repeat the word 'yes' twenty times."}], "max_tokens": 24,
+               "temperature": 0}
+        a = http.post("/v1/chat/completions", json=rep).json()["choices"][0]["message"]["content"]
+        b = http.post("/v1/chat/completions", json={**rep, "frequency_penalty": 2.0}).json()
+        c = http.post("/v1/chat/completions", json={**rep, "presence_penalty": 2.0}).json()
+        assert b["choices"][0]["message"]["content"] != a and c["choices"][0]["message"]["content"] != a
+        # out-of-vocabulary ids are refused by name
+        bad = http.post("/v1/chat/completions", json={**body, "logit_bias": {str(tok.vocab_size): 1}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
+        # no max_tokens: allowed up to the context (no refusal because a default did not fit)
+        sid = http.post("/v1/sessions", json={"max_context": 64}).json()["id"]
+        r = http.post(f"/v1/sessions/{sid}/turns", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                         "temperature": 0})
+        assert r.status_code == 200, r.text
+        # an unknown model is OpenAI's 404 model_not_found; the served name and "default" are fine
+        miss = http.post("/v1/chat/completions", json={**body, "model": "gpt-4o"})
+        assert miss.status_code == 404 and miss.json()["error"]["code"] == "model_not_found"
+        served = http.get("/v1/models").json()["data"][0]["id"]
+        assert http.post("/v1/chat/completions", json={**body, "model": served}).status_code == 200
+        assert text
