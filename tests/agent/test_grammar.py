@@ -74,7 +74,7 @@ def walk(tok, c, rng, limit=400) -> list[int] | None:
 
 
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3, MISTRAL, GENERIC], ids=lambda f: f.name)
-@pytest.mark.parametrize("mode", [ChoiceMode.AUTO, ChoiceMode.REQUIRED, ChoiceMode.FUNCTION])
+@pytest.mark.parametrize("mode", [ChoiceMode.AUTO, ChoiceMode.REQUIRED, ChoiceMode.FUNCTION, ChoiceMode.NONE])
 @pytest.mark.parametrize("parallel", [True, False])
 def test_every_walk_through_the_mask_is_a_valid_answer(tok, engine, fmt: CallFormat, mode, parallel):
     tools = TOOLS if mode is not ChoiceMode.FUNCTION else (COUNT,)
@@ -91,8 +91,10 @@ def test_every_walk_through_the_mask_is_a_valid_answer(tok, engine, fmt: CallFor
         p.push(tok.decode(toks))
         p.finish()
         ans = p.answer
-        if mode is not ChoiceMode.AUTO:
+        if mode in (ChoiceMode.REQUIRED, ChoiceMode.FUNCTION):
             assert ans.calls and not ans.content.strip(), tok.decode(toks)
+        if mode is ChoiceMode.NONE:
+            assert not ans.calls and "<tool_call>" not in ans.content and "[TOOL_CALLS]" not in ans.content
         if not parallel or fmt.sep is None:
             assert len(ans.calls) <= 1
         for call in ans.calls:

@@ -38,7 +38,8 @@ class AnswerShape:
 
     @property
     def constrained(self) -> bool:
-        return self.schema is not None or (self.mode is not ChoiceMode.NONE and bool(self.tools))
+        """Tools offered (even with choice ``none``: the answer must then not start a call) or a schema."""
+        return self.schema is not None or bool(self.tools)
 
 
 def closed(schema):
@@ -117,8 +118,10 @@ def answer_grammar(shape: AnswerShape, w: LarkWriter) -> str:
 
 def _answer_rules(shape: AnswerShape, w: LarkWriter, content: str, rules: list[str]) -> str:
     fmt = shape.fmt
-    if shape.mode is ChoiceMode.NONE or not shape.tools:
+    if not shape.tools:
         return content
+    if shape.mode is ChoiceMode.NONE:  # the tools are in the prompt, but the answer may not call one
+        return _no_call(shape, w, content, rules)
     lazy_lead = (shape.mode is ChoiceMode.AUTO and shape.schema is None and bool(fmt.trigger)
                  and w.special(fmt.trigger) is None and fmt.name != "generic")
     if lazy_lead:  # free text until the trigger string; the lazy lead ends at its first occurrence
@@ -139,6 +142,29 @@ def _answer_rules(shape: AnswerShape, w: LarkWriter, content: str, rules: list[s
         rules.append("NOBRACE: /([^{](.|\\n)*)?/")
         return "calls | NOBRACE"
     return "TEXT | TEXT calls"  # the trigger is one special token: text cannot hold it
+
+
+def _no_call(shape: AnswerShape, w: LarkWriter, content: str, rules: list[str]) -> str:
+    fmt = shape.fmt
+    if fmt.name == "generic":  # the envelope's answer branch only
+        if shape.schema is not None:
+            return content
+        lead = w.lit('{"response": ')
+        rules.append(f'response: {lead} %json {{"type": "string"}} "}}"')
+        return "response"
+    if shape.schema is not None:  # JSON content cannot start a call of a format with a trigger
+        return content
+    if not fmt.trigger:  # llama3: a call is an answer starting with "{"
+        rules.append("NOBRACE: /([^{](.|\\n)*)?/")
+        return "NOBRACE"
+    if w.special(fmt.trigger) is not None:  # text terminals cannot hold the trigger token
+        return content
+    rules.append(f"NOCALL: /(.|\\n)*/ & ~/(.|\\n)*{_regex_escape(fmt.trigger)}(.|\\n)*/")
+    return "NOCALL"
+
+
+def _regex_escape(text: str) -> str:
+    return "".join("\\" + ch if ch in "\\.^$|?*+()[]{}/" else ch for ch in text)
 
 
 def _calls_body(shape: AnswerShape, w: LarkWriter, rules: list[str], skip: int = 0) -> str:

@@ -46,7 +46,9 @@ class AnswerPlan:
         self._tok = tokenizer
         self._grammar = grammar
         source = tokenizer.chat_template or ""
-        self.offers_tools = spec.choice.mode is not ChoiceMode.NONE and bool(spec.tools)
+        # tools are rendered whenever given (with choice "none" too, so a conversation's prompt does not
+        # change with the choice); the grammar decides whether the answer may call one
+        self.offers_tools = bool(spec.tools)
         self.fmt: CallFormat = detect(source) if self.offers_tools else GENERIC
         thinking_off = spec.template_kwargs.get("enable_thinking") is False
         self.thinking = THINK_OPEN in source and not thinking_off
@@ -71,8 +73,8 @@ class AnswerPlan:
     @property
     def shape(self) -> AnswerShape:
         s = self.spec
-        return AnswerShape(self.fmt, s.choice.callable_tools(s.tools), s.choice.mode if self.offers_tools
-                           else ChoiceMode.NONE, s.parallel, s.schema, self.thinking, self.in_reasoning)
+        tools = s.tools if s.choice.mode is ChoiceMode.NONE else s.choice.callable_tools(s.tools)
+        return AnswerShape(self.fmt, tools, s.choice.mode, s.parallel, s.schema, self.thinking, self.in_reasoning)
 
     def grammar_text(self) -> str | None:
         shape = self.shape
@@ -89,15 +91,6 @@ class AnswerPlan:
             raise InvalidRequest("constrained output is not available on this daemon")
         param = "response_format" if not self.offers_tools else "tools"
         return self._grammar.compile(lark, param=param)
-
-    def banned_tokens(self) -> tuple[int, ...]:
-        """With tool_choice none: the format's trigger token, when it is one token (the model cannot
-        start a call it may not make)."""
-        if self.offers_tools or not self.spec.tools:
-            return ()
-        trig = detect(self._tok.chat_template).trigger
-        tid = self._special_id(trig) if trig else None
-        return (tid,) if tid is not None else ()
 
     def parser(self) -> AnswerParser:
         return AnswerParser(self.fmt if self.offers_tools else None, thinking=self.thinking,

@@ -260,6 +260,35 @@ class Daemon:
         if not s.ephemeral:
             self.journal.delete(sid)
 
+    def set_system(self, sid: str, system: str | None) -> None:
+        """Replace a session's system prompt (its next turn re-renders the conversation: the context
+        from the first changed token is fed again, and reported)."""
+        with self._lock:
+            s = self._get(sid)
+            s.system = system
+            if not s.ephemeral:
+                self.journal.set_system(sid, system)
+
+    # ---- stored responses: a /v1/responses chain lives in one session --------------------------------
+    def store_response(self, sid: str, rid: str, body: dict) -> None:
+        with self._lock:
+            self._get(sid)
+        self.journal.add_response(rid, sid, body)
+
+    def get_response(self, rid: str) -> tuple[str, dict]:
+        """(session, response object) of a stored response; NotFound when unknown (or its session is gone)."""
+        found = self.journal.get_response(rid)
+        if found is None or found[0] not in self.sessions:
+            raise NotFound(f"no stored response {rid!r}", param="previous_response_id")
+        return found
+
+    def latest_response(self, sid: str) -> str | None:
+        return self.journal.latest_response(sid)
+
+    def delete_response(self, rid: str) -> None:
+        self.get_response(rid)
+        self.journal.delete_response(rid)
+
     # ---- turns -----------------------------------------------------------------------------------
     def start_turn(self, *, session_id: str | None, messages: list[dict] | None = None,
                    prompt: str | list[int] | None = None, params: SamplingParams, sla: SLA | None = None,
@@ -320,7 +349,7 @@ class Daemon:
             elif not s.ephemeral:
                 self.journal.add_message(s.id, "prompt", prompt if isinstance(prompt, str) else "", list(new))
             seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, default_ttlt_s=self._default_ttlt(s.sla),
-                                constraint=constraint, banned=plan.banned_tokens() if plan is not None else ())
+                                constraint=constraint)
             n_prompt = len(s.committed) + len(new)
             seq.emit = lambda ev, s=s, seq=seq: self._on_turn_event(s, seq, ev, emit, n_prompt)
             s.turn = seq

@@ -59,6 +59,12 @@ CREATE TABLE messages (
     extra     TEXT,                         -- JSON: tool_calls, tool_call_id, name, reasoning_content
     PRIMARY KEY (session, seq)
 ) WITHOUT ROWID;
+CREATE TABLE responses (
+    id      TEXT PRIMARY KEY,               -- a stored /v1/responses answer: resp_...
+    session TEXT NOT NULL,                  -- the session its chain continues in
+    created REAL NOT NULL,
+    body    TEXT NOT NULL                   -- JSON: the response object as returned
+);
 CREATE TABLE tokens (
     session TEXT NOT NULL,
     start   INTEGER NOT NULL,               -- position of the first id in this row
@@ -128,10 +134,12 @@ class Journal:
                     if stmt.strip():
                         self._db.execute(stmt)
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            elif version in (1, 2):  # answers gained their finish reason (1 -> 2), messages their extras (3)
+            elif version in (1, 2):  # answers gained their finish reason (2); messages their extras, responses (3)
                 if version == 1:
                     self._db.execute("ALTER TABLE messages ADD COLUMN finish_reason TEXT")
                 self._db.execute("ALTER TABLE messages ADD COLUMN extra TEXT")
+                self._db.execute("CREATE TABLE responses (id TEXT PRIMARY KEY, session TEXT NOT NULL, "
+                                 "created REAL NOT NULL, body TEXT NOT NULL)")
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             elif version != SCHEMA_VERSION:
                 raise JournalError(
@@ -188,14 +196,42 @@ class Journal:
     def set_status(self, id: str, status: str) -> None:
         self._set(id, "status", status)
 
+    def set_system(self, id: str, system: str | None) -> None:
+        self._set(id, "system", system)
+
     def set_sla(self, id: str, sla: dict) -> None:
         self._set(id, "sla", json.dumps(sla))
 
     def delete(self, id: str) -> None:
         """Forget a session entirely (no error if it is unknown)."""
         with self._tx() as db:
-            for table, key in (("tokens", "session"), ("messages", "session"), ("sessions", "id")):
+            for table, key in (("tokens", "session"), ("messages", "session"), ("responses", "session"),
+                               ("sessions", "id")):
                 db.execute(f"DELETE FROM {table} WHERE {key}=?", (id,))
+
+    # -- stored responses (/v1/responses chains) -----------------------------------------------------
+
+    def add_response(self, id: str, session: str, body: dict) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO responses (id, session, created, body) VALUES (?, ?, ?, ?)",
+                       (id, session, time.time(), json.dumps(body, ensure_ascii=False)))
+
+    def get_response(self, id: str) -> tuple[str, dict] | None:
+        """(session, body) of a stored response, or None."""
+        with self._snapshot() as db:
+            row = db.execute("SELECT session, body FROM responses WHERE id=?", (id,)).fetchone()
+        return None if row is None else (row[0], json.loads(row[1]))
+
+    def latest_response(self, session: str) -> str | None:
+        """The id of the last response stored in ``session``'s chain."""
+        with self._snapshot() as db:
+            row = db.execute("SELECT id FROM responses WHERE session=? ORDER BY created DESC, rowid DESC LIMIT 1",
+                             (session,)).fetchone()
+        return None if row is None else row[0]
+
+    def delete_response(self, id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM responses WHERE id=?", (id,))
 
     # -- transcript and tokens ---------------------------------------------------------------------
 

@@ -117,8 +117,7 @@ def check_fits(s: Session, keep: int, new: list[int], max_tokens: int) -> None:
 
 
 def turn_sequence(s: Session, new: list[int], params: SamplingParams, tok: Tokenizer, *, echo: bool,
-                  default_ttlt_s: float | None = None, constraint: TokenConstraint | None = None,
-                  banned: tuple[int, ...] = ()) -> Sequence:
+                  default_ttlt_s: float | None = None, constraint: TokenConstraint | None = None) -> Sequence:
     """The engine's sequence for a turn of ``s`` feeding ``new``: its sampler, stops and SLA deadlines
     (``default_ttlt_s``: the TTLT budget when the session's SLA names none)."""
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tok.eog_ids))
@@ -126,5 +125,5 @@ def turn_sequence(s: Session, new: list[int], params: SamplingParams, tok: Token
         session_id=s.id, kv=s.kv, pending=list(new), params=params, rank=s.rank,
         ttft_s=s.sla.ttft_ms / 1000 if s.sla.ttft_ms else None, ttlt_s=s.sla.ttlt_s or default_ttlt_s,
         history=list(s.committed), decoder=tok.stream_decoder(),
-        stops=StopChecker(params.stop, stop_ids), prompt_logprobs=echo, constraint=constraint, banned=banned,
+        stops=StopChecker(params.stop, stop_ids), prompt_logprobs=echo, constraint=constraint,
     )

@@ -64,7 +64,6 @@ class Sequence:
     stops: StopChecker | None = None  # stop strings and stop/end-of-generation token ids
     prompt_logprobs: bool = False  # return the prompt tokens' log-probabilities (completions echo)
     constraint: TokenConstraint | None = None  # what it may sample (a grammar), applied to its own row
-    banned: tuple[int, ...] = ()  # token ids it may never sample (a tool-call trigger with tool_choice none)
     history: list[int] = field(default_factory=list)  # context tokens, for the repetition penalty
     arrival: float = field(default_factory=time.monotonic)
     status: SeqStatus = SeqStatus.WAITING
@@ -126,9 +125,9 @@ class Sequence:
         ``min_tokens``, no stop or end-of-generation token.  ValueError when nothing may be sampled."""
         c = self.constraint
         allowed = c.allowed() if c is not None else None
-        banned = self.banned
+        banned = ()
         if self.stops is not None and len(self.generated) < self.params.min_tokens:
-            banned = (*banned, *self.stops.stop_ids)
+            banned = tuple(self.stops.stop_ids)
         tok = self.sampler.sample(logits_row, self.history, allowed=allowed, banned=banned)
         if c is not None:
             c.accept(tok)

@@ -1,0 +1,111 @@
+"""``/v1/responses`` end to end with the official openai SDK: function calls and their outputs, a chain
+continued by ``previous_response_id`` without prefilling it again - also after a daemon restart - typed
+stream events, structured text, stored responses, and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.api.serve_proc import weave_serve
+
+pytestmark = pytest.mark.slow
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The current weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                         "required": ["city"]}}]
+INSTRUCTIONS = "You are a helpful assistant."
+
+
+def _sdk(socket) -> openai.OpenAI:
+    h = httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), timeout=120.0)
+    return openai.OpenAI(base_url="http://weave/v1", api_key="x", http_client=h, max_retries=0)
+
+
+def test_a_chain_with_tools_survives_a_restart(tmp_path, smollm2_q4_0):
+    with weave_serve(tmp_path, "--model", str(smollm2_q4_0)) as proc:
+        sdk = _sdk(proc.socket)
+        first = sdk.responses.create(model="default", input="What is the weather in Paris?", instructions=INSTRUCTIONS,
+                                     tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                     max_output_tokens=60, temperature=0)
+        assert first.status == "completed"
+        calls = [o for o in first.output if o.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "get_weather"
+        jsonschema.validate(json.loads(calls[0].arguments), TOOLS[0]["parameters"])
+        second = sdk.responses.create(model="default", previous_response_id=first.id, instructions=INSTRUCTIONS,
+                                      input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                                              "output": '{"temperature": 18}'}],
+                                      tools=TOOLS, tool_choice="none", max_output_tokens=20, temperature=0)
+        assert second.output_text and not [o for o in second.output if o.type == "function_call"]
+        # the chain's context was not prefilled again: all of the first turn came from the session's KV
+        assert second.usage.input_tokens_details.cached_tokens >= first.usage.total_tokens - 1
+        assert sdk.responses.retrieve(second.id).output_text == second.output_text
+    with weave_serve(tmp_path, "--model", str(smollm2_q4_0)) as proc:  # the same data directory
+        sdk = _sdk(proc.socket)
+        third = sdk.responses.create(model="default", previous_response_id=second.id, instructions=INSTRUCTIONS,
+                                     input="And in Rome?", tools=TOOLS, max_output_tokens=12, temperature=0)
+        assert third.status in ("completed", "incomplete")
+        assert third.usage.input_tokens_details.cached_tokens >= second.usage.total_tokens - 1
+        # only the latest response of a chain continues; unknown ids are 404; store false cannot continue
+        with pytest.raises(openai.ConflictError):
+            sdk.responses.create(model="default", previous_response_id=second.id, input="again")
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.create(model="default", previous_response_id="resp_nope", input="x")
+        with pytest.raises(openai.BadRequestError):
+            sdk.responses.create(model="default", previous_response_id=third.id, input="x", store=False)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, smollm2_q4_0):
+    with weave_serve(tmp_path_factory.mktemp("resp"), "--model", str(smollm2_q4_0)) as proc:
+        yield proc
+
+
+def test_typed_stream_events_assemble_the_same_response(served):
+    sdk = _sdk(served.socket)
+    kw = dict(model="default", input="Weather in Oslo?", tools=TOOLS, tool_choice="required", max_output_tokens=60,
+              temperature=0, parallel_tool_calls=False)
+    whole = sdk.responses.create(**kw)
+    types = []
+    with sdk.responses.stream(**kw) as stream:
+        for ev in stream:
+            types.append(ev.type)
+        final = stream.get_final_response()
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert "response.function_call_arguments.delta" in types and "response.output_item.done" in types
+    got = [(o.name, o.arguments) for o in final.output if o.type == "function_call"]
+    assert got == [(o.name, o.arguments) for o in whole.output if o.type == "function_call"]
+    text, last = [], None
+    for ev in sdk.responses.create(model="default", input="Say hello.", max_output_tokens=10, temperature=0,
+                                   stream=True):
+        if ev.type == "response.output_text.delta":
+            text.append(ev.delta)
+        last = ev
+    # cut by max_output_tokens: OpenAI's last event for that is response.incomplete
+    assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
+    assert "".join(text) == last.response.output_text and last.response.output_text
+
+
+def test_structured_text_and_stored_objects(served):
+    sdk = _sdk(served.socket)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+              "required": ["city", "population"], "additionalProperties": False}
+    r = sdk.responses.create(model="default", input="Name a big city.", max_output_tokens=60, temperature=0,
+                             text={"format": {"type": "json_schema", "name": "city", "schema": schema,
+                                              "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert sdk.responses.retrieve(r.id).id == r.id
+    sdk.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(r.id)
+    eph = sdk.responses.create(model="default", input="Hi", store=False, max_output_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(eph.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.responses.create(model="default", input="Hi", truncation="auto")
+    assert "truncation" in str(e.value)

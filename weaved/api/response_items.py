@@ -1,0 +1,114 @@
+"""A /v1/responses answer as output items, built from the answer parser's deltas - the typed stream
+events as they happen, and the response object at the end (the same items, the same ids)."""
+
+from __future__ import annotations
+
+import secrets
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+class OutputItems:
+    """Turns the parser's deltas (``weaved.agent.stream``) into output items: a ``reasoning`` item, a
+    ``message`` with one ``output_text`` part, a ``function_call`` per call.  ``feed`` and ``close``
+    return the stream events they complete (``type`` set, ``sequence_number`` added by the caller)."""
+
+    def __init__(self):
+        self.items: list[dict] = []
+        self._open: dict | None = None
+
+    # ---- events ----------------------------------------------------------------------------------
+    def feed(self, delta: dict) -> list[dict]:
+        ev: list[dict] = []
+        if "reasoning_content" in delta:
+            item = self._ensure(ev, "reasoning")
+            item["summary"][0]["text"] += delta["reasoning_content"]
+            ev.append({"type": "response.reasoning_summary_text.delta", "item_id": item["id"],
+                       "output_index": self._index(), "summary_index": 0, "delta": delta["reasoning_content"]})
+        if "content" in delta and delta["content"]:
+            item = self._ensure(ev, "message")
+            item["content"][0]["text"] += delta["content"]
+            ev.append({"type": "response.output_text.delta", "item_id": item["id"], "output_index": self._index(),
+                       "content_index": 0, "delta": delta["content"], "logprobs": []})
+        for call in delta.get("tool_calls", []):
+            fn = call["function"]
+            if "id" in call:  # a new call
+                ev += self._close()
+                item = {"type": "function_call", "id": new_id("fc"), "call_id": call["id"], "name": fn["name"],
+                        "arguments": "", "status": "in_progress"}
+                self._start(ev, item)
+            item = self._open
+            if fn.get("arguments"):
+                item["arguments"] += fn["arguments"]
+                ev.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                           "output_index": self._index(), "delta": fn["arguments"]})
+        return ev
+
+    def ensure_any(self) -> list[dict]:
+        """An answer with no text and no call is still one (empty) message."""
+        ev: list[dict] = []
+        if not self.items:
+            self._ensure(ev, "message")
+        return ev
+
+    def close(self) -> list[dict]:
+        """The end of the answer: the open item is done."""
+        return self._close()
+
+    # ---- items -----------------------------------------------------------------------------------
+    def _index(self) -> int:
+        return len(self.items) - 1
+
+    def _ensure(self, ev: list[dict], kind: str) -> dict:
+        if self._open is not None and self._open["type"] == kind:
+            return self._open
+        ev += self._close()
+        if kind == "reasoning":
+            item = {"type": "reasoning", "id": new_id("rs"), "summary": [{"type": "summary_text", "text": ""}]}
+        else:
+            item = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
+                    "content": [{"type": "output_text", "text": "", "annotations": []}]}
+        self._start(ev, item)
+        return item
+
+    def _start(self, ev: list[dict], item: dict) -> None:
+        self.items.append(item)
+        self._open = item
+        shown = {**item, "summary": []} if item["type"] == "reasoning" else \
+            {**item, "content": []} if item["type"] == "message" else dict(item)
+        ev.append({"type": "response.output_item.added", "output_index": self._index(), "item": shown})
+        if item["type"] == "message":
+            ev.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": self._index(),
+                       "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}})
+        elif item["type"] == "reasoning":
+            ev.append({"type": "response.reasoning_summary_part.added", "item_id": item["id"],
+                       "output_index": self._index(), "summary_index": 0,
+                       "part": {"type": "summary_text", "text": ""}})
+
+    def _close(self) -> list[dict]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        i = self.items.index(item)
+        ev: list[dict] = []
+        if item["type"] == "message":
+            item["status"] = "completed"
+            part = item["content"][0]
+            ev += [{"type": "response.output_text.done", "item_id": item["id"], "output_index": i,
+                    "content_index": 0, "text": part["text"], "logprobs": []},
+                   {"type": "response.content_part.done", "item_id": item["id"], "output_index": i,
+                    "content_index": 0, "part": part}]
+        elif item["type"] == "reasoning":
+            part = item["summary"][0]
+            ev += [{"type": "response.reasoning_summary_text.done", "item_id": item["id"], "output_index": i,
+                    "summary_index": 0, "text": part["text"]},
+                   {"type": "response.reasoning_summary_part.done", "item_id": item["id"], "output_index": i,
+                    "summary_index": 0, "part": part}]
+        else:
+            item["status"] = "completed"
+            ev.append({"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": i,
+                       "arguments": item["arguments"]})
+        ev.append({"type": "response.output_item.done", "output_index": i, "item": item})
+        return ev

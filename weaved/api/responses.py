@@ -1,0 +1,202 @@
+"""``POST /v1/responses`` (OpenAI's Responses API, the subset agents use), ``GET`` and ``DELETE`` of a
+stored response.
+
+A stored response chain lives in one Weave session: the first request (``store`` true, the default)
+creates it with ``instructions`` as its system prompt, and a request naming ``previous_response_id``
+continues that session - its KV already holds the chain, so only the new items are prefilled, and the
+chain survives a daemon restart with the session.  Only a chain's latest response can be continued
+(branching is a fork, not offered here); ``store: false`` answers in a throwaway session.  Weave's
+``sla`` works here as on chat completions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from functools import partial
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from weaved.agent.stream import AnswerParser
+from weaved.api import body
+from weaved.api.params import FIT_CONTEXT_MAX_TOKENS, SAMPLING_DEFAULTS, check_model, sla_from
+from weaved.api.response_items import OutputItems, new_id
+from weaved.api.responses_models import ResponsesRequest
+from weaved.api.sse import DONE, frame, sse_response
+from weaved.api.state import state_of
+from weaved.api.turn import Turn, TurnSpec, start_turn
+from weaved.engine.sampling import SamplingParams
+from weaved.errors import Conflict, InvalidRequest, NotFound
+from weaved.routing.types import SLA, SLAClass
+
+router = APIRouter()
+
+
+def _params(req: ResponsesRequest) -> SamplingParams:
+    kw = dict(SAMPLING_DEFAULTS)
+    kw.update({k: getattr(req, k) for k in ("temperature", "top_p", "seed") if getattr(req, k) is not None})
+    try:
+        return SamplingParams(max_tokens=req.max_output_tokens or FIT_CONTEXT_MAX_TOKENS,
+                              fit_context=req.max_output_tokens is None, **kw)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    req = await body.read(request, ResponsesRequest)
+    state = state_of(request)
+    daemon = state.daemon
+    check_model(state, req.model)
+    bad = req.unsupported()
+    if bad is not None:
+        raise InvalidRequest(bad[1], param=bad[0])
+    params, answer, messages = _params(req), req.answer(), req.messages()
+    sla = sla_from(req.sla, request.headers)
+    created_session = False
+    if req.previous_response_id is not None:
+        if not req.store:
+            raise InvalidRequest("store: false cannot continue a stored chain (the turn would enter it unrecorded)",
+                                 param="store")
+        sid, _ = await run_in_threadpool(daemon.get_response, req.previous_response_id)
+        latest = await run_in_threadpool(daemon.latest_response, sid)
+        if latest != req.previous_response_id:
+            raise Conflict(f"only a chain's latest response can be continued; {req.previous_response_id!r} was "
+                           f"followed by {latest!r}", param="previous_response_id")
+        info = await run_in_threadpool(daemon.get_session, sid)
+        if (info.get("system") or None) != (req.instructions or None):
+            await run_in_threadpool(daemon.set_system, sid, req.instructions)
+    elif req.store:
+        info = await run_in_threadpool(partial(daemon.create_session, sla or SLA(SLAClass.INTERACTIVE), None,
+                                               req.instructions))
+        sid, created_session = info["id"], True
+    else:
+        sid, info = None, None
+        if req.instructions:
+            messages = [{"role": "system", "content": req.instructions}, *messages]
+    try:
+        turn = await start_turn(state, TurnSpec(sid, params, sla, messages=messages, answer=answer), info)
+    except BaseException:
+        if created_session:
+            with contextlib.suppress(NotFound):
+                await run_in_threadpool(daemon.delete_session, sid)
+        raise
+    reply = _Reply(req, turn, daemon.model_name, sid)
+    if req.stream:
+        return sse_response(_stream(request, reply))
+    events = await turn.collect(request)
+    parser = reply.parser
+    for delta in parser.push("".join(ev["text"] for ev in events if ev["type"] == "token")):
+        reply.items.feed(delta)
+    for delta in parser.finish():
+        reply.items.feed(delta)
+    reply.items.ensure_any()
+    reply.items.close()
+    obj = reply.finish()
+    await reply.store(obj)
+    return JSONResponse(obj)
+
+
+@router.get("/v1/responses/{rid}")
+async def get_response(request: Request, rid: str) -> dict:
+    _, obj = await run_in_threadpool(state_of(request).daemon.get_response, rid)
+    return obj
+
+
+@router.delete("/v1/responses/{rid}")
+async def delete_response(request: Request, rid: str) -> dict:
+    await run_in_threadpool(state_of(request).daemon.delete_response, rid)
+    return {"id": rid, "object": "response", "deleted": True}
+
+
+class _Reply:
+    """One response being built: its id, items, and the request fields it echoes."""
+
+    def __init__(self, req: ResponsesRequest, turn: Turn, model: str, sid: str | None):
+        self.req, self.turn, self.model, self.sid = req, turn, model, sid
+        self.id = new_id("resp")
+        self.created = int(time.time())
+        self.items = OutputItems()
+        plan = getattr(turn.handle, "answer", None)
+        self.parser = plan.parser() if plan is not None else AnswerParser()
+
+    def obj(self, status: str) -> dict:
+        r, t = self.req, self.turn
+        tools = [t_.model_dump(exclude_none=True) for t_ in r.tools or []]
+        choice = r.tool_choice.model_dump() if hasattr(r.tool_choice, "model_dump") else (r.tool_choice or "auto")
+        fmt = r.text.format.model_dump(by_alias=True, exclude_none=True) if r.text and r.text.format else \
+            {"type": "text"}
+        out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+               "model": self.model, "output": self.items.items if status != "in_progress" else [],
+               "instructions": r.instructions, "previous_response_id": r.previous_response_id,
+               "tools": tools, "tool_choice": choice, "parallel_tool_calls": r.parallel_tool_calls is not False,
+               "text": {"format": fmt}, "temperature": r.temperature, "top_p": r.top_p,
+               "max_output_tokens": r.max_output_tokens, "store": r.store, "truncation": "disabled",
+               "metadata": (r.model_extra or {}).get("metadata") or {}, "error": None, "incomplete_details": None,
+               "usage": None, "weave": {**t.weave(), "session": self.sid}}
+        return out
+
+    def finish(self) -> dict:
+        """The final object (status from how the turn ended; usage)."""
+        t = self.turn
+        if t.error is not None:
+            obj = self.obj("failed")
+            obj["error"] = {"code": "server_error", "message": t.error.get("message", "the turn failed")}
+            return obj
+        reason = t.finish_reason
+        obj = self.obj("completed" if reason == "stop" else "cancelled" if reason == "cancelled" else "incomplete")
+        if reason == "length":
+            obj["incomplete_details"] = {"reason": "max_output_tokens"}
+        elif reason not in ("stop", "cancelled"):
+            obj["incomplete_details"] = {"reason": reason}
+        u = t.usage
+        obj["usage"] = {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
+                        "total_tokens": u["total_tokens"],
+                        "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+                        "output_tokens_details": {"reasoning_tokens": 0}}
+        return obj
+
+    async def store(self, obj: dict) -> None:
+        if self.req.store and self.sid is not None and obj["status"] in ("completed", "incomplete"):
+            await run_in_threadpool(self.turn.state.daemon.store_response, self.sid, self.id, obj)
+
+
+async def _stream(request: Request, reply: _Reply) -> AsyncIterator[bytes]:
+    """The typed events: created, in_progress, each item's added / deltas / done, then completed (or
+    incomplete / failed), each with its sequence number."""
+    turn, seq = reply.turn, 0
+
+    def ev(e: dict) -> bytes:
+        nonlocal seq
+        e = {**e, "sequence_number": seq}
+        seq += 1
+        return frame(e)
+
+    turn.watch(request)
+    try:
+        yield ev({"type": "response.created", "response": reply.obj("in_progress")})
+        yield ev({"type": "response.in_progress", "response": reply.obj("in_progress")})
+        async for e in turn.events():
+            if e["type"] == "token" and e["text"]:
+                for delta in reply.parser.push(e["text"]):
+                    for out in reply.items.feed(delta):
+                        yield ev(out)
+        if turn.error is None:
+            for delta in reply.parser.finish():
+                for out in reply.items.feed(delta):
+                    yield ev(out)
+        for out in reply.items.ensure_any() + reply.items.close():
+            yield ev(out)
+        obj = reply.finish()
+        await reply.store(obj)
+        kind = {"completed": "response.completed", "failed": "response.failed"}.get(obj["status"],
+                                                                                    "response.incomplete")
+        yield ev({"type": kind, "response": obj})
+        yield DONE
+    finally:
+        turn.unwatch()
+        turn.abandon()

@@ -1,0 +1,195 @@
+"""``POST /v1/responses`` request shapes (the subset agents use) and their translation to a chat turn.
+
+Input items become chat messages: a message (``input_text`` / ``output_text`` parts), a
+``function_call`` (an assistant message's tool call; consecutive calls join one message), a
+``function_call_output`` (a ``tool`` message), a ``reasoning`` item (the next assistant message's
+reasoning).  Function tools, ``tool_choice`` and ``text.format`` map onto the chat request's tools,
+tool choice and response format, so both APIs share one grammar and one parser.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from weaved.agent.plan import AnswerSpec
+from weaved.api.agent_models import (
+    FunctionDef,
+    JsonSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    ToolDef,
+    answer_spec,
+)
+from weaved.api.models import INERT_FIELDS, SLABody, StreamOptions
+from weaved.errors import InvalidRequest
+
+MAX_INPUT_ITEMS = 4096
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # output_text parts sent back carry annotations, logprobs
+
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class MessageItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # id, status of an output message sent back
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # id, status
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # id, status
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[ContentPart]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+class SummaryPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # id, encrypted_content (never produced here)
+
+    type: Literal["reasoning"]
+    summary: list[SummaryPart] = []
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    type: Literal["text", "json_schema", "json_object"]
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # the only one a model without that training can honour
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[InputItem] = Field(min_length=1)
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, lt=2**64)  # extension
+    truncation: Literal["disabled"] | None = None  # "auto" would drop context: refused
+    chat_template_kwargs: dict[str, Any] | None = None  # extension, as on chat completions
+    sla: SLABody | None = None  # Weave extension
+
+    def unsupported(self) -> tuple[str, str] | None:
+        for name in sorted(self.model_extra or {}):
+            if name not in INERT_FIELDS:
+                return name, f"unknown or unsupported field {name!r}"
+        if isinstance(self.input, list) and len(self.input) > MAX_INPUT_ITEMS:
+            return "input", f"at most {MAX_INPUT_ITEMS} input items"
+        return None
+
+    def messages(self) -> list[dict]:
+        """The input as chat messages (instructions are the session's system prompt, not a message)."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        out: list[dict] = []
+        reasoning: str | None = None
+        for item in self.input:
+            if isinstance(item, ReasoningItem):
+                reasoning = "".join(p.text for p in item.summary)
+            elif isinstance(item, MessageItem):
+                role = "system" if item.role == "developer" else item.role
+                msg = {"role": role, "content": item.text()}
+                if role == "assistant" and reasoning:
+                    msg["reasoning_content"], reasoning = reasoning, None
+                out.append(msg)
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                last = out[-1] if out else None
+                if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                    last["tool_calls"].append(call)
+                else:
+                    msg = {"role": "assistant", "content": "", "tool_calls": [call]}
+                    if reasoning:
+                        msg["reasoning_content"], reasoning = reasoning, None
+                    out.append(msg)
+            else:
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        if not out:
+            raise InvalidRequest("input holds no message", param="input")
+        return out
+
+    def answer(self) -> AnswerSpec:
+        tools = [ToolDef(type="function", function=FunctionDef(name=t.name, description=t.description,
+                                                               parameters=t.parameters, strict=t.strict))
+                 for t in self.tools or []]
+        choice = self.tool_choice
+        if isinstance(choice, ToolChoiceFunction):
+            choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+        fmt = None
+        tf = self.text.format if self.text is not None else None
+        if tf is not None and tf.type != "text":
+            fmt = ResponseFormat(type=tf.type, json_schema=JsonSchemaFormat(name=tf.name, schema=tf.schema_)
+                                 if tf.type == "json_schema" else None)
+        return answer_spec(tools, choice, self.parallel_tool_calls, fmt, self.chat_template_kwargs)
