@@ -139,8 +139,11 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["disabled"] | None = None  # "auto" would drop context: refused
     chat_template_kwargs: dict[str, Any] | None = None  # extension, as on chat completions
     sla: SLABody | None = None  # Weave extension
+    include: list[str] | None = None  # extra output data: none is offered here (an empty list is fine)
 
     def unsupported(self) -> tuple[str, str] | None:
+        if self.include:
+            return "include", f"include values are not supported: {sorted(set(self.include))}"
         for name in sorted(self.model_extra or {}):
             if name not in INERT_FIELDS:
                 return name, f"unknown or unsupported field {name!r}"
