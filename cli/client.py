@@ -33,12 +33,15 @@ REQUEST_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class Delta:
-    """One streamed chat chunk: new text, and what rides on the first and last chunks."""
+    """One streamed chat chunk: new text (answer or reasoning), tool-call pieces, and what rides on the
+    first and last chunks."""
 
     text: str
     finish_reason: str | None = None
     weave: dict | None = None  # {"session", "placement"}: on the first and the finishing chunk
     usage: dict | None = None  # on the usage chunk (stream_options.include_usage)
+    reasoning: str = ""  # delta.reasoning_content: the model's thinking
+    tool_calls: tuple[dict, ...] = ()  # delta.tool_calls: {"index", "id"?, "function": {"name"?, "arguments"}}
 
     @classmethod
     def of(cls, chunk: dict) -> Delta:
@@ -46,7 +49,7 @@ class Delta:
         first = choices[0]
         delta = first.get("delta") or {}
         return cls(delta.get("content") or "", first.get("finish_reason"), chunk.get("weave"),
-                   chunk.get("usage"))
+                   chunk.get("usage"), delta.get("reasoning_content") or "", tuple(delta.get("tool_calls") or ()))
 
 
 def sla_body(cls: str | None = None, ttft_ms: float | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as json_lib
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -27,19 +28,51 @@ def messages_for(text: str, system: str | None = None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
 
 
+DIM, CALL, PLAIN = "\x1b[2m", "\x1b[36m", "\x1b[0m"
+
+
 def write_stream(deltas: Iterable[Delta], out: TextIO | None = None,
                  stop: Callable[[], bool] | None = None) -> Delta | None:
-    """Print each delta's text as it arrives (then a newline); the last delta that carries the finish
-    reason or usage, or None.  ``stop()``, asked after each delta, ends the printing early."""
+    """Print each delta as it arrives (then a newline): the answer's text; its reasoning dimmed (on a
+    terminal; marked ``[thinking]`` otherwise); each tool call as ``-> name(arguments)``.  Returns the
+    last delta that carries the finish reason or usage, or None.  ``stop()``, asked after each delta,
+    ends the printing early."""
     out = out or sys.stdout
-    last = None
+    tty = out.isatty()
+    last, mode, wrote = None, "text", False
+
+    def switch(to: str) -> None:
+        nonlocal mode
+        if to == mode:
+            return
+        if mode == "reasoning":
+            out.write(PLAIN + "\n" if tty else "\n[/thinking]\n")
+        elif mode == "call":
+            out.write(")" + (PLAIN if tty else "") + "\n")
+        if to == "reasoning":
+            out.write(DIM if tty else "[thinking]\n")
+        mode = to
+
     for d in deltas:
+        if d.reasoning:
+            switch("reasoning")
+            out.write(fmt.printable(d.reasoning))
+        for call in d.tool_calls:
+            fn = call.get("function") or {}
+            if "id" in call:  # a new call
+                switch("text")
+                out.write(("\n" if wrote else "") + (CALL if tty else "") + f"-> {fmt.printable(fn.get('name', ''))}(")
+                mode = "call"
+            out.write(fmt.printable(fn.get("arguments") or ""))
         if d.text:
+            switch("text")
             out.write(fmt.printable(d.text))  # a model's text may hold escape sequences
-            out.flush()
+        out.flush()
+        wrote = wrote or bool(d.text or d.reasoning or d.tool_calls)
         last = d if d.finish_reason or d.usage else last
         if stop is not None and stop():
             break
+    switch("text")
     out.write("\n")
     out.flush()
     return last
@@ -88,11 +121,37 @@ def read_task(task: str | None, file: Path | None) -> str:
     return task
 
 
+def read_tools(path: Path | None, choice: str | None) -> dict:
+    """The request fields of ``--tools FILE`` and ``--tool-choice``."""
+    if path is None:
+        if choice is not None:
+            raise fail("--tool-choice needs --tools", 2)
+        return {}
+    try:
+        tools = json_lib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise fail(f"cannot read tools from {path}: {getattr(e, 'strerror', None) or e}", 2) from None
+    if isinstance(tools, dict) and isinstance(tools.get("tools"), list):
+        tools = tools["tools"]
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise fail(f"{path} must hold a JSON list of tool definitions", 2)
+    out: dict = {"tools": tools}
+    if choice is not None:
+        out["tool_choice"] = choice if choice in ("auto", "required", "none") else \
+            {"type": "function", "function": {"name": choice}}
+    return out
+
+
 def _turn_result(client: Client, sid: str, msgs: list[dict], sampling: dict) -> dict:
     answer = client.turn(sid, msgs, **sampling)
     choice = (answer.get("choices") or [{}])[0]
-    return {"content": (choice.get("message") or {}).get("content", ""),
-            "finish_reason": choice.get("finish_reason"), "usage": answer.get("usage")}
+    message = choice.get("message") or {}
+    out = {"content": message.get("content", ""), "finish_reason": choice.get("finish_reason"),
+           "usage": answer.get("usage")}
+    for key in ("reasoning_content", "tool_calls"):
+        if message.get(key):
+            out[key] = message[key]
+    return out
 
 
 def submit(
@@ -112,6 +171,13 @@ def submit(
     system: SystemOpt = None, max_tokens: MaxTokensOpt = None, temperature: TemperatureOpt = None,
     seed: SeedOpt = None,
     wait: Annotated[bool, typer.Option("--wait", help="Stay and stream the answer.")] = False,
+    tools: Annotated[Path | None, typer.Option(
+        "--tools", show_default=False,
+        help="A JSON file of tool definitions (OpenAI's chat shape: a list of {type: function, function: "
+             "{name, description, parameters}}); the answer may call them.")] = None,
+    tool_choice: Annotated[str | None, typer.Option(
+        "--tool-choice", show_default=False,
+        help="auto (default with --tools), required, none, or a function's name.")] = None,
     socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False,
 ) -> None:
     """Submit a task as a new session with SLA tags; prints its id and placement at once.
@@ -121,7 +187,8 @@ def submit(
     text = read_task(task, file)
     if not text.strip():
         raise fail("the task is empty", 2)
-    sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+                **read_tools(tools, tool_choice)}
     msgs = [{"role": "user", "content": text}]
     with connect(socket, api_key) as client:
         info = client.create_session(sla_body(sla_class(sla), ttft_ms, ttlt_s), max_context, system)

@@ -310,3 +310,35 @@ def test_help_shows_flags_as_flags():
     for args in (["status", "--help"], ["bench", "--help"], ["ps", "--help"]):
         out = runner.invoke(app, args).stdout
         assert "--help" in out and "<bool>" not in out
+
+
+def test_submit_sends_a_tools_file_and_a_choice(fake, tmp_path):
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    f = tmp_path / "tools.json"
+    f.write_text(json.dumps(tools), encoding="utf-8")
+    ok(weave(fake, "submit", "find it", "--tools", str(f), "--tool-choice", "lookup"))
+    body = fake.requests[-1].body
+    assert body["tools"] == tools
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "lookup"}}
+    f.write_text('{"not": "a list"}', encoding="utf-8")
+    res = weave(fake, "submit", "x", "--tools", str(f))
+    assert res.exit_code == 2 and "list of tool definitions" in res.stderr
+    res = weave(fake, "submit", "x", "--tool-choice", "auto")
+    assert res.exit_code == 2 and "--tool-choice needs --tools" in res.stderr
+
+
+def test_streams_show_reasoning_and_tool_calls():
+    import io
+
+    from weaved.cli.client import Delta
+    from weaved.cli.run import write_stream
+
+    deltas = [Delta("", reasoning="Let me "), Delta("", reasoning="think."), Delta("Calling."),
+              Delta("", tool_calls=({"index": 0, "id": "c1", "function": {"name": "lookup", "arguments": ""}},)),
+              Delta("", tool_calls=({"index": 0, "function": {"arguments": '{"q": '}},)),
+              Delta("", tool_calls=({"index": 0, "function": {"arguments": '"x"}'}},)),
+              Delta("", finish_reason="tool_calls")]
+    out = io.StringIO()
+    last = write_stream(deltas, out)
+    assert out.getvalue() == '[thinking]\nLet me think.\n[/thinking]\nCalling.\n-> lookup({"q": "x"})\n\n'
+    assert last.finish_reason == "tool_calls"
