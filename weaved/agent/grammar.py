@@ -14,8 +14,10 @@ dependencies; and its masks cost tens of microseconds (``weave bench --scenario 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -25,6 +27,9 @@ from weaved.errors import InvalidRequest
 # A grammar is compiled while the request waits: bound what one may cost (llguidance's own limits
 # refuse larger ones with a clear error).
 MAX_GRAMMAR_BYTES = 256 * 1024
+# Masks computed ahead, while the model's forward runs (llguidance releases the GIL): one worker per
+# pool engine would be enough; a few serve every engine of the daemon.
+_AHEAD = ThreadPoolExecutor(max_workers=2, thread_name_prefix="weave-mask")
 
 
 class GrammarEngine:
@@ -101,20 +106,34 @@ class GrammarConstraint(TokenConstraint):
         self._m = matcher
         self._n = n_vocab
         self._bits = np.zeros(((n_vocab + 31) // 32,), np.int32)  # [ceil(n/32)] llguidance's layout
+        self._ahead: Future | None = None  # the next mask, being computed while the forward runs
 
-    def allowed(self) -> np.ndarray:
+    def prefetch(self) -> None:
+        if self._ahead is None:
+            self._ahead = _AHEAD.submit(self._compute)
+
+    def _compute(self) -> np.ndarray:
         m = self._m
         m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         if m.is_error():
             raise ConstraintError(_first_line(m.get_error()))
-        mask = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._n]  # [n_vocab] 0/1
-        return mask.view(bool)
+        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._n].view(bool)  # [n_vocab]
+
+    def allowed(self) -> np.ndarray:
+        ahead, self._ahead = self._ahead, None
+        return ahead.result() if ahead is not None else self._compute()
 
     def accept(self, token: int) -> None:
+        if self._ahead is not None:  # a mask computed for the state before this token is stale
+            with contextlib.suppress(ConstraintError):  # (a failed one: consume_token says why below)
+                self._ahead.result()
+            self._ahead = None
         if not self._m.consume_token(int(token)):
             raise ConstraintError(f"token {token} is not allowed here: {_first_line(self._m.get_error())}")
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
+        if self._ahead is not None:  # the matcher is busy computing a mask: wait for it
+            self._ahead.result()
         return int(self._m.validate_tokens([int(t) for t in tokens]))
 
     @property

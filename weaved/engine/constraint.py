@@ -27,6 +27,8 @@ class TokenConstraint(ABC):
     all False while ``error`` is None.  ``accept`` raises ConstraintError for a token the mask did not
     allow.  ``valid_prefix(tokens)`` says how many of ``tokens``, in order, the constraint would accept
     from its current state without changing that state (speculative drafts are cut there).
+    ``prefetch()`` may start the next mask early; ``allowed()`` then returns that mask (an ``accept``
+    in between makes it stale, and it is computed again).
     """
 
     @abstractmethod
@@ -37,6 +39,12 @@ class TokenConstraint(ABC):
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         return len(tokens)
+
+    def prefetch(self) -> None:
+        """Start computing the next ``allowed()`` now, in the background (the engine calls it just before
+        the forward whose logits it will mask, so the mask overlaps the model's step).  Optional: by
+        default the mask is computed when ``allowed()`` is called."""
+        return None
 
     @property
     def error(self) -> str | None:

@@ -258,6 +258,9 @@ class BatchEngine:
             if s in drafts:  # verify the draft: every row, to sample each position as plain decoding would
                 want = Logits.ALL
             chunks.append(SeqChunk(s.kv, np.asarray(s.pending[: w.n_tokens] + drafts.get(s, []), np.int32), want))
+        for w, c in zip(work, chunks, strict=True):  # masks of the rows this step samples, during the forward
+            if w.seq.constraint is not None and c.logits is not Logits.NONE:
+                w.seq.constraint.prefetch()
         t0 = time.perf_counter()
         with self._forward_lock:
             outs = self.backend.forward(chunks)
