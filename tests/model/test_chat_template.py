@@ -1,0 +1,76 @@
+"""The chat template as Hugging Face and llama-server render it: tools, tool calls, HF's extras, template
+arguments - and a template's refusal is the client's 400, never a 500."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from weaved.agent.formats import GENERIC, HERMES, LLAMA3, MISTRAL, detect
+from weaved.agent.plan import generic_messages, template_message
+from weaved.agent.tools import Tool
+from weaved.model.chat_template import ChatTemplate, TemplateError
+
+TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
+TOOL = {"type": "function", "function": {"name": "f", "description": "<b>&'", "parameters": {"type": "object"}}}
+
+
+def test_tojson_writes_json_as_python_does_not_html():
+    t = ChatTemplate("{{ x | tojson }}|{{ x | tojson(indent=2) }}")
+    assert t.render([], kwargs={"x": {"a": "<é>&'"}}) == '{"a": "<é>&\'"}|{\n  "a": "<é>&\'"\n}'
+
+
+def test_extras_and_arguments():
+    t = ChatTemplate("{{ bos_token }}{% if enable_thinking is false %}off{% endif %}{{ strftime_now('%Y') | length }}"
+                     "{% if add_generation_prompt %}>{% endif %}", bos_token="<s>")
+    assert t.render([], kwargs={"enable_thinking": False}) == "<s>off4>"
+    with pytest.raises(TemplateError, match="may not set"):
+        t.render([], kwargs={"messages": []})
+    refusing = ChatTemplate("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(TemplateError, match="alternate") as e:
+        refusing.render([{"role": "user", "content": "x"}])
+    assert e.value.status == 400
+    with pytest.raises(TemplateError):
+        ChatTemplate("{{ messages[5].content }}").render([])
+
+
+def test_the_sandbox_refuses_reaching_python():
+    with pytest.raises(TemplateError):
+        ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}").render([])
+
+
+def test_hermes_template_renders_tools_calls_and_results():
+    t = ChatTemplate((TEMPLATES / "hermes-tools.jinja").read_text())
+    msgs = [template_message(m) for m in [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}]]
+    text = t.render(msgs, tools=[TOOL])
+    assert '<tools>\n{"type": "function", "function": {"name": "f", "description": "<b>&\'"' in text
+    assert '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>' in text  # arguments as an object
+    assert "<tool_response>\n42\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_formats_are_detected_from_templates():
+    assert detect((TEMPLATES / "hermes-tools.jinja").read_text()) is HERMES
+    assert detect((TEMPLATES / "qwen3-tools.jinja").read_text()) is HERMES
+    assert detect((TEMPLATES / "qwen2.5.jinja").read_text()) is GENERIC  # no tool branch
+    assert detect((TEMPLATES / "gemma3.jinja").read_text()) is GENERIC
+    assert detect("{% for t in tools %}[AVAILABLE_TOOLS]{% endfor %}[TOOL_CALLS]") is MISTRAL
+    assert detect('<|start_header_id|>{% if tools %}{"name": ..., "parameters": ...}{% endif %}') is LLAMA3
+    assert detect(None) is GENERIC
+
+
+def test_the_generic_format_speaks_any_template():
+    msgs = generic_messages([
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}], (Tool("f"),))
+    assert msgs[0]["role"] == "system" and msgs[0]["content"].startswith("Be brief.\n\nYou can call")
+    assert msgs[2] == {"role": "assistant", "content": '{"tool_calls": [{"name": "f", "arguments": {"a": 1}}]}'}
+    assert msgs[3] == {"role": "user", "content": "Result of f (call c1):\n42"}
+    gemma = ChatTemplate((TEMPLATES / "gemma3.jinja").read_text(), bos_token="<bos>")
+    assert "Result of f" in gemma.render(msgs)  # a template that knows only user and model turns
