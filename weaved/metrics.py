@@ -27,7 +27,8 @@ class Metrics:
         r = self.registry
         self.requests = Counter("weave_requests", "HTTP requests by route and status code",
                                 ["route", "status"], registry=r)
-        self.tokens = Counter("weave_tokens", "Tokens by kind (prompt, cached, completion) and SLA class",
+        self.tokens = Counter("weave_tokens", "Tokens by kind (prompt, cached, completion, reprefilled: "
+                              "context fed again because the chat template rewrote it) and SLA class",
                               ["kind", "sla_class"], registry=r)
         self.turns = Counter("weave_turns", "Finished turns by SLA class and finish reason",
                              ["sla_class", "finish_reason"], registry=r)
@@ -56,8 +57,10 @@ class Metrics:
         self.requests.labels(route, str(status)).inc()
 
     def observe_turn(self, sla_class: str, finish_reason: str, prompt_tokens: int, cached_tokens: int,
-                     completion_tokens: int) -> None:
+                     completion_tokens: int, reprefilled_tokens: int = 0) -> None:
         self.turns.labels(sla_class, finish_reason).inc()
+        if reprefilled_tokens:
+            self.tokens.labels("reprefilled", sla_class).inc(reprefilled_tokens)
         self.tokens.labels("prompt", sla_class).inc(max(0, prompt_tokens))
         self.tokens.labels("cached", sla_class).inc(max(0, cached_tokens))
         self.tokens.labels("completion", sla_class).inc(max(0, completion_tokens))

@@ -153,6 +153,8 @@ def test_reasoning_is_returned_apart_and_a_rewritten_history_is_reprefilled(thin
             "messages": [{"role": "user", "content": "And 9?"}], "max_tokens": 8, "temperature": 0}).json()
         # the template drops the earlier answer's reasoning: the context is fed again from there, and said
         assert second["weave"]["reprefilled_tokens"] > 0
+        metrics = http.get("/metrics").text
+        assert 'weave_tokens_total{kind="reprefilled",sla_class="interactive"}' in metrics
     chunks = list(sdk.chat.completions.create(model="default", messages=ASK, max_tokens=12, temperature=0,
                                               stream=True))
     reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)

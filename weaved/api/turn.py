@@ -170,7 +170,8 @@ class Turn:
                 self.error = ev
             u = self.usage
             m.observe_turn(self.sla_class, self.finish_reason or "error", u["prompt_tokens"],
-                           u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"])
+                           u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"],
+                           int(getattr(self.handle, "reprefilled", 0)))
 
 
 def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
