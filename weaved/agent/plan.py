@@ -29,6 +29,11 @@ class AnswerSpec:
     schema: dict | None = None  # response_format: the content's JSON schema
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs
 
+    @property
+    def constrained(self) -> bool:
+        """Whether the answer is held to a grammar (tools offered, or a response format)."""
+        return bool(self.tools) or self.schema is not None
+
     def __post_init__(self) -> None:
         names = [t.name for t in self.tools]
         if len(set(names)) != len(names):

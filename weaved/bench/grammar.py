@@ -18,8 +18,9 @@ import numpy as np
 
 from weaved.agent.formats import GENERIC, HERMES
 from weaved.agent.grammar import GrammarEngine
-from weaved.agent.grammar_text import AnswerShape, LarkWriter, answer_grammar
+from weaved.agent.grammar_text import AnswerShape, LarkWriter, answer_grammar, closed
 from weaved.agent.tools import ChoiceMode, Tool
+from weaved.bench import grammar_xgr
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -37,6 +38,18 @@ GRAMMARS = {
     "tools_required": AnswerShape(GENERIC, TOOLS, ChoiceMode.REQUIRED),
     "tools_auto": AnswerShape(HERMES, TOOLS, ChoiceMode.AUTO),
 }
+
+
+def _envelope_schema(tools) -> dict:
+    """The generic format's required-calls answer as one JSON schema (what xgrammar is given for it)."""
+    calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": closed(t.parameters)},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    return {"type": "object", "properties": {"tool_calls": {"type": "array", "minItems": 1,
+                                                            "items": {"anyOf": calls}}},
+            "required": ["tool_calls"], "additionalProperties": False}
+
+
+XGR_SCHEMAS = {"json_schema": closed(PERSON), "tools_required": _envelope_schema(TOOLS)}
 
 
 def _writer(tok, engine: GrammarEngine) -> LarkWriter:
@@ -109,6 +122,10 @@ def measure(path: Path, threads: int, quick: bool, say: Callable[[str], None]) -
                           "p99_us": round(float(np.percentile(times, 99)), 1),
                           "max_us": round(float(times.max()), 1)}
         say(f"  {name}: p50 {grammars[name]['p50_us']} us, p99 {grammars[name]['p99_us']} us per token")
+        if name in XGR_SCHEMAS and grammar_xgr.available():
+            x = grammar_xgr.mask_times(tok, XGR_SCHEMAS[name], 300 if quick else 3000, rng, closers)
+            grammars[name]["xgrammar"] = x
+            say(f"  {name} (xgrammar): p50 {x['p50_us']} us, p99 {x['p99_us']} us per token")
     step = _decode_step_s(path, threads, 8 if quick else 32)
     return {"model": path.name, "vocab": tok.vocab_size, "tokenizer_build_s": round(build_s, 2),
             "decode_step_ms": round(step * 1e3, 2), "grammars": grammars}
@@ -119,11 +136,14 @@ def run_grammar_bench(models: list[Path], threads: int, quick: bool, say: Callab
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{'model':<32} {'vocab':>7} {'grammar':<15} {'p50 us':>8} {'p99 us':>8} {'compile ms':>10} "
+    lines = [f"{'model':<32} {'vocab':>7} {'grammar':<26} {'p50 us':>8} {'p99 us':>8} {'compile ms':>10} "
              f"{'step ms':>8} {'p99/step':>9}"]
     for m in report["models"]:
         for name, g in m["grammars"].items():
-            share = g["p99_us"] / 1e3 / m["decode_step_ms"] if m["decode_step_ms"] else float("nan")
-            lines.append(f"{m['model'][:32]:<32} {m['vocab']:>7} {name:<15} {g['p50_us']:>8} {g['p99_us']:>8} "
-                         f"{g['compile_ms']:>10} {m['decode_step_ms']:>8} {share:>8.1%}")
+            for label, row in ((name, g), (f"{name} (xgrammar)", g.get("xgrammar"))):
+                if row is None:
+                    continue
+                share = row["p99_us"] / 1e3 / m["decode_step_ms"] if m["decode_step_ms"] else float("nan")
+                lines.append(f"{m['model'][:32]:<32} {m['vocab']:>7} {label:<26} {row['p50_us']:>8} "
+                             f"{row['p99_us']:>8} {row['compile_ms']:>10} {m['decode_step_ms']:>8} {share:>8.1%}")
     return "\n".join(lines)

@@ -301,6 +301,8 @@ class Daemon:
         if messages is not None and not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         plan = AnswerPlan(answer or AnswerSpec(), self.tokenizer, self.grammar) if messages is not None else None
+        if plan is not None and plan.spec.constrained:
+            _ = self.grammar.lltokenizer  # built once (seconds for a large vocabulary), not under the lock
         if session_id is None:
             info = self.create_session(sla or SLA(SLAClass.INTERACTIVE), ephemeral=True)
             session_id = info["id"]
