@@ -72,7 +72,7 @@ class GrammarEngine:
                 piece = b"\xff" + piece
             tokens.append(piece)
         tokens += [b""] * (self.n_vocab - len(tokens))  # a logits row wider than the vocabulary: never allowed
-        tokenize = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
+        tokenize = ctypes.cast(_libllama().llama_tokenize, ctypes.c_void_p).value
         eog = sorted(self._tok.eog_ids) or None
         return LLTokenizer.from_llamacpp(tokens=tokens, vocab_ptr=vocab, tokenize_fptr=tokenize, eos_token=eog,
                                          slices=None)
@@ -144,6 +144,21 @@ class GrammarConstraint(TokenConstraint):
     @property
     def error(self) -> str | None:
         return _first_line(self._m.get_error()) if self._m.is_error() else None
+
+
+def _libllama():
+    """llama.cpp's shared library as llama-cpp-python loaded it (dlopen hands back the same handle): the
+    grammar engine tokenizes through its ``llama_tokenize`` directly."""
+    import ctypes
+    from pathlib import Path
+
+    import llama_cpp
+
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    for name in ("libllama.so", "libllama.dylib", "llama.dll"):
+        if (lib_dir / name).exists():
+            return ctypes.CDLL(str(lib_dir / name))
+    raise RuntimeError(f"llama.cpp's library was not found in {lib_dir}")
 
 
 def _first_line(text: str) -> str:
