@@ -304,3 +304,21 @@ def test_rounds_report_each_sides_median_and_a_failed_side_stops():
     assert out["weave"]["decode_tps"] == 200.0  # median of 100, 300, 200
     assert seen == {"weave": 3, "llama_cpp": 2}  # not run again after it failed
     assert "boom" in out["llama_cpp"]["error"]
+
+
+@pytest.mark.slow
+def test_grammar_scenario_reports_mask_costs(smollm2_q4_0):
+    app = typer.Typer()
+    bench_cli.register(app)
+    app.command("noop")(lambda: None)
+    res = CliRunner().invoke(app, ["bench", "--scenario", "grammar", "--model", str(smollm2_q4_0), "--quick",
+                                   "--threads", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    (m,) = report["models"]
+    assert m["vocab"] == 49152 and m["decode_step_ms"] > 0
+    assert set(m["grammars"]) == {"json_schema", "tools_required", "tools_auto"}
+    for g in m["grammars"].values():
+        assert g["tokens"] == 300 and 0 < g["p50_us"] <= g["p99_us"] <= g["max_us"]
+    bad = CliRunner().invoke(app, ["bench", "--scenario", "grammar", "--clients", "3"])
+    assert bad.exit_code == 2 and "grammar scenario takes" in bad.output
