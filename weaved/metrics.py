@@ -50,6 +50,9 @@ class Metrics:
                                 ["reason"], registry=r)
         self.migration_bytes = Gauge("weave_migration_bytes", "KV bytes copied between memories by session "
                                      "moves since start", registry=r)
+        self.prefix = Gauge("weave_prefix_cache", "Shared prefixes since start: lookups that hit or missed, "
+                            "prompt tokens reused instead of prefilled; and the files held now",
+                            ["what"], registry=r)
         self.migration_seconds = Gauge("weave_migration_seconds", "Time spent copying KV for session moves "
                                        "since start", registry=r)
 
@@ -78,6 +81,9 @@ class Metrics:
         self.kv_cap.set(kv.get("cap_bytes") or 0)
         self.kv_reserved.set(kv.get("reserved_bytes") or 0)
         self.sessions.set(sum(1 for s in status.get("sessions", []) if not s.get("ephemeral")))
+        for what, n in (kv.get("prefixes") or {}).items():
+            if what in ("hits", "misses", "reused_tokens", "files", "bytes", "in_use", "published"):
+                self.prefix.labels(what).set(n or 0)
         mig = status.get("migrations") or {}
         for reason, n in (mig.get("by_reason") or {}).items():
             self.migrations.labels(reason).set(n)

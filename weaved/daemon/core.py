@@ -327,11 +327,21 @@ class Daemon:
             reprefilled = len(s.committed) - keep
             if reprefilled:  # the template rewrote history (e.g. dropped earlier thinking): re-prefill from there
                 self.publish("reprefill", {"session": s.id, "from": keep, "tokens": reprefilled})
+                if isinstance(s.kv, KVCache):
+                    self.store.unshare(s.kv, keep)
                 s.kv.truncate(keep)
                 del s.committed[keep:]
                 if not s.ephemeral:
                     self.journal.truncate(s.id, keep)
             s.tail = []
+            first = not s.committed  # the session's first turn: its prompt may start with a stored prefix
+            if first and isinstance(s.kv, KVCache):
+                shared = self.store.share_prefix(s.kv, new)
+                if shared:  # those rows are mapped, not computed: the turn feeds the rest
+                    s.committed.extend(new[:shared])
+                    if not s.ephemeral:
+                        self.journal.commit_tokens(s.id, new[:shared], shared)
+                    new, keep = new[shared:], shared
             resla = sla is not None and sla.cls != s.sla.cls
             if sla is not None and sla != s.sla:
                 s.sla = sla
@@ -353,7 +363,7 @@ class Daemon:
             seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, default_ttlt_s=self._default_ttlt(s.sla),
                                 constraint=constraint)
             n_prompt = len(s.committed) + len(new)
-            seq.emit = lambda ev, s=s, seq=seq: self._on_turn_event(s, seq, ev, emit, n_prompt)
+            seq.emit = lambda ev, s=s, seq=seq: self._on_turn_event(s, seq, ev, emit, n_prompt, first)
             s.turn = seq
             s.last_active = time.time()
             run_in = self.moves.prepare_turn(s, seq, len(new))
@@ -435,13 +445,15 @@ class Daemon:
                 self.journal.commit_tokens(s.id, fed, seq.kv.length)
 
     def _on_turn_event(self, s: Session, seq: Sequence, ev: dict, emit: Callable[[dict], None],
-                       n_prompt: int) -> None:
+                       n_prompt: int, first: bool = False) -> None:
         kind = ev["type"]
         if kind not in ("done", "error"):
             emit(ev)
             return
         try:
             self._record_turn_end(s, seq, kind)
+            if kind == "done" and (first or s.ephemeral):
+                self._publish_prefix(s)
         except Exception:  # the stream must end whatever recording did
             log.exception("session %s: recording the end of its turn failed", s.id)
         try:
@@ -451,6 +463,16 @@ class Daemon:
             if s.ephemeral:
                 self._drop_ephemeral(s)
             seq.ended.set()
+
+    def _publish_prefix(self, s: Session) -> None:
+        """Store the full blocks of a session's context as a shared prefix (its first turn's: a system
+        prompt and tools other sessions start with; an ephemeral request's: the conversation a stateless
+        client sends again, one message longer).  Runs on the engine thread, which alone writes this
+        session's rows: the copy cannot race a rewrite."""
+        with self._lock:
+            tokens = list(s.committed) if self.sessions.get(s.id) is s or s.ephemeral else []
+        if isinstance(s.kv, KVCache) and tokens:
+            self.store.publish_prefix(s.kv, tokens[: s.kv.length])
 
     def _record_turn_end(self, s: Session, seq: Sequence, kind: str) -> None:
         """The answer into the transcript and the journal - unless the session was deleted meanwhile."""

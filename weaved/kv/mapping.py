@@ -67,6 +67,26 @@ class FileMapping:
         elif not self.released:
             _madvise(self.addr + first, start + length - first, advice)
 
+    @property
+    def can_alias(self) -> bool:
+        return self._mm is None and not self.released
+
+    def alias(self, start: int, fd: int, file_offset: int, length: int, *, writable: bool = False) -> None:
+        """Map ``length`` bytes of another file (``fd`` at ``file_offset``) over bytes [start, start +
+        length) of this mapping, in place: the arrays over this mapping then read that file's pages (the
+        page cache's own - nothing is copied).  Read-only unless ``writable``: a write there faults.
+        Offsets and length must be whole pages.  OSError when the kernel refuses."""
+        if not self.can_alias:
+            raise OSError("this mapping cannot alias another file (no native mmap, or released)")
+        if (start | file_offset | length) % mmap.PAGESIZE or start + length > self.length:
+            raise ValueError(f"alias of {length} bytes at {start} (file offset {file_offset}) is not whole pages "
+                             f"inside the mapping")
+        prot = _RW if writable else mmap.PROT_READ
+        got = _mmap(self.addr + start, length, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, file_offset)
+        if got != self.addr + start:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
     def release(self) -> bool:
         """Let go of the file now: its pages are replaced, at the same addresses, by anonymous zero pages
         (one ``mmap(MAP_FIXED)``, atomic for a thread reading or writing them meanwhile; a step still in

@@ -37,6 +37,7 @@ import numpy as np
 
 from weaved.kv.cache import KVCache
 from weaved.kv.mapping import FileMapping
+from weaved.kv.prefixes import PrefixStore
 from weaved.kv.tiers import allocated_bytes, file_resident_bytes, punch_hole, resident_bytes
 from weaved.model.config import ModelConfig
 
@@ -69,9 +70,11 @@ def model_fingerprint(config: ModelConfig) -> str:
 @dataclass
 class _Session:
     capacity: int
-    reserved: int  # positions [0, reserved) are backed by allocated blocks
+    reserved: int  # positions [0, reserved) are backed by allocated blocks (or a shared prefix)
     mm: FileMapping
     data: np.ndarray  # [n_layers, 2, n_kv_heads, capacity, head_dim] float16 over mm
+    prefix: str | None = None  # the shared prefix file mapped over its first positions
+    shared: int = 0  # positions [0, shared) are that prefix's pages (read-only)
 
 
 class KVStore:
@@ -86,6 +89,9 @@ class KVStore:
         self.cap_bytes = cap_bytes
         self.chunk = chunk
         self.fingerprint = model_fingerprint(config)
+        # shared prefixes: their own cap, a quarter of the KV cap (counted inside it)
+        self.prefixes = PrefixStore(self.dir / "prefixes", config, self.fingerprint,
+                                    cap_bytes=None if cap_bytes is None else cap_bytes // 4)
         self._lock = threading.Lock()
         self._open: dict[str, _Session] = {}
         self._ids: weakref.WeakKeyDictionary[KVCache, str] = weakref.WeakKeyDictionary()
@@ -178,7 +184,19 @@ class KVStore:
             if not 0 <= length <= capacity:
                 raise KVStoreError(f"session {session_id}: length {length} outside capacity {capacity}")
             self._unopened.pop(session_id, None)
-            return self._map(session_id, capacity, length)
+            kv = self._map(session_id, capacity, length)
+            shared = meta.get("prefix")
+            if shared is not None:  # its first positions are a shared prefix's pages: map them again
+                s = self._open[session_id]
+                try:
+                    ok = self._alias(session_id, s, shared["key"], int(shared["positions"]))
+                except (KVStoreError, OSError) as e:
+                    self._open.pop(session_id).mm.release()
+                    raise KVStoreError(f"session {session_id}: its shared prefix cannot be mapped: {e}") from e
+                if not ok:
+                    self._open.pop(session_id).mm.release()
+                    raise KVStoreError(f"session {session_id}: its shared prefix no longer fits its layout")
+            return kv
 
     def _map(self, session_id: str, capacity: int, length: int) -> KVCache:
         fd = os.open(self._kv_path(session_id), os.O_RDWR)
@@ -212,6 +230,88 @@ class KVStore:
             self._meta_path(session_id).unlink(missing_ok=True)
             if s is not None:
                 s.mm.release()
+                if s.prefix is not None:
+                    self.prefixes.drop_user(s.prefix, session_id)
+
+    # -- shared prefixes (weaved.kv.prefixes) -------------------------------------------------------
+
+    def share_prefix(self, kv: KVCache, tokens: list[int]) -> int:
+        """Map the longest stored prefix of ``tokens`` (leaving at least one token to feed) over a new
+        session's first positions; its length (0 when none applies).  ``kv.length`` becomes that length:
+        those rows are the prefix file's pages, read where they lie."""
+        session_id = self._session_of(kv)
+        with self._lock:
+            s = self._open[session_id]
+            if kv.length or s.shared or not s.mm.can_alias or len(tokens) < 2:
+                return 0
+            found = self.prefixes.longest(tokens, len(tokens) - 1)
+            if found is None:
+                return 0
+            prefix, n = found
+            if not self._alias(session_id, s, prefix.key, n):
+                return 0
+            kv.length = n
+            self._write_meta(session_id, s.capacity, {"key": prefix.key, "positions": n})
+            return n
+
+    def _alias(self, session_id: str, s: _Session, key: str, n: int) -> bool:
+        """Map the prefix file ``key``'s positions [0, n) over the session's; False when the layout's
+        runs are not whole pages (a head size too small for this page size)."""
+        prefix = self.prefixes.get(key)
+        if prefix is None:
+            raise KVStoreError(f"session {session_id}: its shared prefix {key} is gone from {self.prefixes.dir}")
+        row = self.config.head_dim * 2
+        if (s.capacity * row) % mmap.PAGESIZE or (prefix.positions * row) % mmap.PAGESIZE or (n * row) % mmap.PAGESIZE:
+            return False
+        fd = os.open(prefix.path, os.O_RDONLY)
+        try:
+            for r in range(self.prefixes.runs()):
+                s.mm.alias(r * s.capacity * row, fd, r * prefix.positions * row, n * row)
+        finally:
+            os.close(fd)
+        s.prefix, s.shared = key, n
+        s.reserved = max(s.reserved, n)
+        self.prefixes.use(key, session_id)
+        return True
+
+    def unshare(self, kv: KVCache, keep: int) -> None:
+        """Before positions from ``keep`` on are rewritten: if a shared prefix covers them, the session
+        takes its own copy of rows [0, keep) back into its file (the prefix stays as it is)."""
+        session_id = self._session_of(kv)
+        with self._lock:
+            s = self._open[session_id]
+            if not s.shared or keep >= s.shared:
+                return
+            rows = np.array(s.data[:, :, :, :keep])  # [L, 2, H, keep, D] the prefix's rows, copied
+            self._allocate(session_id, s, 0, s.shared)
+            row = self.config.head_dim * 2
+            fd = os.open(self._kv_path(session_id), os.O_RDWR)
+            try:
+                for r in range(self.prefixes.runs()):
+                    off = r * s.capacity * row
+                    s.mm.alias(off, fd, off, s.shared * row, writable=True)
+            finally:
+                os.close(fd)
+            s.data[:, :, :, :keep] = rows
+            self.prefixes.drop_user(s.prefix, session_id)
+            s.prefix, s.shared = None, 0
+            self._write_meta(session_id, s.capacity, None)
+
+    def publish_prefix(self, kv: KVCache, tokens: list[int]) -> int:
+        """Store the full blocks of ``tokens`` (the session's committed tokens: their rows are written)
+        as a shared prefix, unless one already holds them; the positions it holds (0: nothing new)."""
+        if len(tokens) > kv.length:
+            raise KVStoreError(f"{len(tokens)} tokens but only {kv.length} KV rows")
+        p = self.prefixes.publish(kv.data, tokens)
+        return 0 if p is None else p.positions
+
+    def _write_meta(self, session_id: str, capacity: int, prefix: dict | None) -> None:
+        meta = self._meta(capacity)
+        if prefix is not None:
+            meta["prefix"] = prefix
+        tmp = self._meta_path(session_id).with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, self._meta_path(session_id))
 
     def session_ids(self) -> list[str]:
         return sorted(p.stem for p in self.dir.glob("*.kv") if _ID_RE.match(p.stem))
@@ -224,8 +324,8 @@ class KVStore:
             return self._reserved_bytes()
 
     def _reserved_bytes(self) -> int:
-        positions = sum(s.reserved for s in self._open.values()) + sum(self._unopened.values())
-        return positions * self.config.kv_bytes_per_token
+        positions = sum(s.reserved - s.shared for s in self._open.values()) + sum(self._unopened.values())
+        return positions * self.config.kv_bytes_per_token + self.prefixes.nbytes()
 
     def reserve(self, kv: KVCache, new_length: int) -> None:
         """Back positions [0, new_length) with disk blocks before a step writes them.
@@ -245,7 +345,7 @@ class KVStore:
             target = min(-(-new_length // self.chunk) * self.chunk, s.capacity)
             if self.cap_bytes is not None:
                 bpt = self.config.kv_bytes_per_token
-                others = self._reserved_bytes() - s.reserved * bpt
+                others = self._reserved_bytes() - (s.reserved - s.shared) * bpt
                 if others + target * bpt > self.cap_bytes:
                     target = new_length  # a whole chunk does not fit: take exactly what this step needs
                 if others + target * bpt > self.cap_bytes:
@@ -254,7 +354,7 @@ class KVStore:
                         f"positions need {new_length * bpt} bytes, {others} already reserved by "
                         f"{len(self._open) + len(self._unopened) - 1} other session(s)"
                     )
-            self._allocate(session_id, s, s.reserved, target)
+            self._allocate(session_id, s, max(s.reserved, s.shared), target)
             s.reserved = target
 
     def _runs(self, capacity: int, start: int, stop: int) -> list[tuple[int, int]]:
@@ -336,5 +436,6 @@ class KVStore:
                 "reserved_bytes": self._reserved_bytes(),
                 "cap_bytes": self.cap_bytes,
                 "sessions": len(ids),
+                "prefixes": self.prefixes.status(),
             }
 

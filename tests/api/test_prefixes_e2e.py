@@ -1,0 +1,82 @@
+"""Shared prefixes end to end on the real model: a second session with the same long system prompt
+prefills only its own tokens and answers with bit-identical log-probabilities; the same after a restart
+and after ``kill -9``; a stateless client resending a growing conversation prefills only what is new."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import openai
+import pytest
+
+from tests.api.conftest import uds_client
+from tests.api.serve_proc import weave_serve
+from weaved.kv.prefixes import BLOCK
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: be precise about item {i}." for i in range(150))
+ASK = {"max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+
+
+def _prefilled(http) -> int:
+    return sum(p.get("tokens_prefilled") or 0 for p in http.get("/v1/status").json()["pools"])
+
+
+def _turn(http, question: str) -> dict:
+    sid = http.post("/v1/sessions", json={"system": SYSTEM}).json()["id"]
+    r = http.post(f"/v1/sessions/{sid}/turns", json={"messages": [{"role": "user", "content": question}], **ASK})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_sessions_share_a_system_prompt_across_restarts(tmp_path, smollm2_q4_0):
+    with weave_serve(tmp_path, "--model", str(smollm2_q4_0)) as proc, uds_client(proc.socket, timeout=300.0) as http:
+        full = _turn(http, "What is 2+2?")
+        n = full["usage"]["prompt_tokens"]
+        assert n > 1500 and full["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        before = _prefilled(http)
+        other = _turn(http, "Name a colour.")
+        shared = other["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert shared >= (n // BLOCK - 1) * BLOCK  # the system prompt's full blocks
+        assert _prefilled(http) - before == other["usage"]["prompt_tokens"] - shared  # only its own tokens
+        again = _turn(http, "What is 2+2?")
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // BLOCK * BLOCK
+        assert again["choices"][0]["logprobs"] == full["choices"][0]["logprobs"]  # bit for bit
+        kv = http.get("/v1/status").json()["kv"]["prefixes"]
+        assert kv["hits"] >= 2 and kv["reused_tokens"] >= 2 * shared and kv["files"] >= 1
+    with weave_serve(tmp_path, "--model", str(smollm2_q4_0)) as proc, uds_client(proc.socket, timeout=300.0) as http:
+        after = _turn(http, "What is 2+2?")  # prefix files survive a restart
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // BLOCK * BLOCK
+        assert after["choices"][0]["logprobs"] == full["choices"][0]["logprobs"]
+        os.kill(proc.proc.pid, signal.SIGKILL)
+        proc.proc.wait(30)
+    with weave_serve(tmp_path, "--model", str(smollm2_q4_0)) as proc, uds_client(proc.socket, timeout=300.0) as http:
+        killed = _turn(http, "What is 2+2?")  # and a kill -9
+        assert killed["choices"][0]["logprobs"] == full["choices"][0]["logprobs"]
+        assert killed["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        # the sessions that mapped a prefix before the restarts still answer from it
+        for s in http.get("/v1/sessions").json()["data"]:
+            r = http.post(f"/v1/sessions/{s['id']}/turns", json={"messages": [{"role": "user", "content": "Why?"}],
+                                                                 "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200, r.text
+
+
+def test_a_stateless_client_prefills_only_what_is_new(tmp_path, smollm2_q4_0):
+    with weave_serve(tmp_path, "--model", str(smollm2_q4_0)) as proc:
+        h = httpx.Client(transport=httpx.HTTPTransport(uds=str(proc.socket)), timeout=300.0)
+        sdk = openai.OpenAI(base_url="http://weave/v1", api_key="x", http_client=h, max_retries=0)
+        messages = [{"role": "system", "content": SYSTEM}]
+        last_total = 0
+        for i, q in enumerate(["Hello!", "What is 2+2?", "And 3+3?"]):
+            messages.append({"role": "user", "content": q})
+            out = sdk.chat.completions.create(model="default", messages=messages, max_tokens=8, temperature=0)
+            cached = out.usage.prompt_tokens_details.cached_tokens
+            if i == 0:
+                assert cached == 0
+            else:  # all of the previous request but its last, partial block
+                assert cached >= last_total - BLOCK and out.usage.prompt_tokens - cached < BLOCK + 64
+            last_total = out.usage.total_tokens
+            messages.append({"role": "assistant", "content": out.choices[0].message.content})

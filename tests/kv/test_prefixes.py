@@ -1,0 +1,108 @@
+"""Shared prefixes: published once, mapped (not copied) by the sessions that start with the same tokens,
+read-only under them, taken back on a rewrite, kept across a restart, evicted only when unused."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.kv.test_store import CFG, fill
+from weaved.kv.prefixes import BLOCK, chain_keys
+from weaved.kv.store import KVStore
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 100, n)]
+
+
+def test_chain_keys_depend_on_everything_before():
+    a, b = tokens(3 * BLOCK), tokens(3 * BLOCK)
+    b[10] = (b[10] + 1) % 100
+    ka, kb = chain_keys("fp", a), chain_keys("fp", b)
+    assert len(ka) == 3 and all(x != y for x, y in zip(ka, kb, strict=True))  # block 0 differs: all differ
+    assert chain_keys("other-model", a)[0] != ka[0]
+    assert chain_keys("fp", a + [1, 2])[:3] == ka  # a partial block adds no key
+
+
+def test_a_second_session_maps_the_first_ones_prefix(tmp_path):
+    store = KVStore(tmp_path, CFG)
+    prompt = tokens(2 * BLOCK + 40)
+    a = store.create("a", capacity=1024)
+    store.reserve(a, len(prompt))
+    rows = fill(a, 0, len(prompt), seed=1)
+    assert store.publish_prefix(a, prompt) == 2 * BLOCK
+    assert store.publish_prefix(a, prompt) == 0  # already held
+    b = store.create("b", capacity=1024)
+    assert store.share_prefix(b, prompt[: 2 * BLOCK] + tokens(30, seed=9)) == 2 * BLOCK
+    assert b.length == 2 * BLOCK
+    assert np.array_equal(b.data[:, :, :, : 2 * BLOCK], rows[:, :, :, : 2 * BLOCK])
+    # the pages are the prefix file's, read-only: b's own rows start after them
+    store.reserve(b, 2 * BLOCK + 8)
+    own = fill(b, 2 * BLOCK, 2 * BLOCK + 8, seed=2)
+    assert np.array_equal(a.data[:, :, :, 2 * BLOCK: 2 * BLOCK + 8], rows[:, :, :, 2 * BLOCK: 2 * BLOCK + 8])
+    status = store.prefixes.status()
+    assert status["hits"] == 1 and status["reused_tokens"] == 2 * BLOCK and status["in_use"] == 1
+    # a restart: b maps its prefix again and reads the same rows
+    b_len = b.length
+    del store
+    store2 = KVStore(tmp_path, CFG)
+    b2 = store2.open("b", b_len)
+    assert np.array_equal(b2.data[:, :, :, : 2 * BLOCK], rows[:, :, :, : 2 * BLOCK])
+    assert np.array_equal(b2.data[:, :, :, 2 * BLOCK: b_len], own)
+    # a template rewrite inside the prefix: b takes its own copy of what it keeps
+    store2.unshare(b2, BLOCK + 5)
+    b2.data[:, :, :, BLOCK + 5] = 7  # writable now, and only b's
+    assert np.array_equal(b2.data[:, :, :, : BLOCK + 5], rows[:, :, :, : BLOCK + 5])
+    c = store2.create("c", capacity=1024)
+    assert store2.share_prefix(c, prompt) == 2 * BLOCK
+    assert np.array_equal(c.data[:, :, :, : 2 * BLOCK], rows[:, :, :, : 2 * BLOCK])
+
+
+def test_no_prefix_shorter_than_a_block_and_one_token_is_left_to_feed(tmp_path):
+    store = KVStore(tmp_path, CFG)
+    prompt = tokens(BLOCK)
+    a = store.create("a", capacity=512)
+    store.reserve(a, BLOCK)
+    fill(a, 0, BLOCK, seed=1)
+    assert store.publish_prefix(a, prompt[: BLOCK - 1]) == 0
+    assert store.publish_prefix(a, prompt) == BLOCK
+    b = store.create("b", capacity=512)
+    assert store.share_prefix(b, prompt) == 0  # all of it would leave nothing to feed: none applies
+    assert store.share_prefix(b, prompt + [5]) == BLOCK
+
+
+def test_eviction_spares_prefixes_in_use(tmp_path):
+    bpt = CFG.kv_bytes_per_token
+    store = KVStore(tmp_path, CFG, cap_bytes=4 * 2 * BLOCK * bpt)  # prefixes get a quarter: 2 blocks
+    firsts = []
+    for i in range(3):
+        p = tokens(BLOCK, seed=10 + i)
+        kv = store.create(f"s{i}", capacity=512)
+        store.reserve(kv, BLOCK)
+        fill(kv, 0, BLOCK, seed=i)
+        store.publish_prefix(kv, p)
+        firsts.append(p)
+        if i == 0:
+            user = store.create("user", capacity=512)
+            assert store.share_prefix(user, p + [1]) == BLOCK
+    status = store.prefixes.status()
+    assert status["files"] == 2 and status["bytes"] <= store.prefixes.cap_bytes
+    assert store.prefixes.covered(firsts[0]) == BLOCK  # in use: kept
+    assert store.prefixes.covered(firsts[1]) == 0  # the least recently used free one went
+    store.delete("user")
+    assert store.prefixes.status()["in_use"] == 0
+
+
+def test_reserve_does_not_allocate_the_shared_positions(tmp_path):
+    store = KVStore(tmp_path, CFG)
+    prompt = tokens(BLOCK + 3)
+    a = store.create("a", capacity=1024)
+    store.reserve(a, BLOCK)
+    fill(a, 0, BLOCK, seed=1)
+    store.publish_prefix(a, prompt[:BLOCK])
+    b = store.create("b", capacity=1024)
+    store.share_prefix(b, prompt)
+    before = store.reserved_bytes()
+    store.reserve(b, BLOCK + 3)  # one chunk past the prefix: its own blocks, not the prefix's
+    chunk = store.chunk * CFG.kv_bytes_per_token
+    assert (tmp_path / "b.kv").stat().st_blocks * 512 <= chunk + 8192
+    assert store.reserved_bytes() - before == chunk

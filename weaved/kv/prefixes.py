@@ -1,0 +1,196 @@
+"""Shared prefixes: the KV of a prompt's leading blocks, computed once, kept in files, mapped by every
+session that starts with the same tokens.
+
+A prefix file ``prefixes/<key>.kv`` holds positions [0, n * BLOCK) in the layout of a session's file
+(``[layer][k|v][kv_head][position][head_dim]``, capacity n * BLOCK), with a sidecar ``<key>.json``
+listing the key after each block.  Keys chain: the key after block k is a hash of the key after block
+k - 1 and block k's token ids, starting from the model's fingerprint - so equal keys mean equal tokens
+from the first position on, under the same model, and (batch invariance) equal KV bits.
+
+A session reuses a prefix by mapping the prefix file's pages over the first positions of its own
+mapping (``FileMapping.alias``: one read-only ``mmap`` per (layer, k|v, head) run); nothing is copied,
+the page cache holds the prefix once for every session, and the CPU backend reads it where it lies.
+Files survive restarts (the index is rebuilt from the sidecars); a file in use by a session is never
+evicted; the others go least recently used first when the prefixes' bytes pass their cap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from weaved.model.config import ModelConfig
+
+BLOCK = 256  # positions per block: whole pages for every head size (256 * head_dim * 2 bytes)
+
+
+def chain_keys(fingerprint: str, tokens: Sequence[int], block: int = BLOCK) -> list[str]:
+    """The key after each full block of ``tokens`` (``len(tokens) // block`` keys)."""
+    keys, h = [], fingerprint.encode()
+    ids = np.asarray(tokens, dtype="<i4")
+    for k in range(len(ids) // block):
+        h = hashlib.sha256(h + ids[k * block:(k + 1) * block].tobytes()).hexdigest()[:32].encode()
+        keys.append(h.decode())
+    return keys
+
+
+@dataclass
+class Prefix:
+    key: str  # the key after its last block; its files are <key>.kv and <key>.json
+    keys: list[str]  # the key after each block
+    path: Path
+    users: set[str] = field(default_factory=set)  # sessions mapping it
+    last_used: float = field(default_factory=time.time)
+
+    @property
+    def positions(self) -> int:
+        return len(self.keys) * BLOCK
+
+
+class PrefixStore:
+    """The prefix files of one model under ``directory``."""
+
+    def __init__(self, directory: Path, config: ModelConfig, fingerprint: str, cap_bytes: int | None = None):
+        self.dir = Path(directory)  # made with the first prefix
+        self.config = config
+        self.fingerprint = fingerprint
+        self.cap_bytes = cap_bytes
+        self._lock = threading.Lock()
+        self._by_key: dict[str, Prefix] = {}
+        self._index: dict[str, tuple[str, int]] = {}  # key after block k -> (prefix key, k + 1 blocks)
+        self.hits = self.misses = self.reused_tokens = self.published = 0
+        for meta in sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []:
+            try:
+                m = json.loads(meta.read_text())
+            except (OSError, ValueError):
+                continue
+            kv = meta.with_suffix(".kv")
+            if m.get("fingerprint") != fingerprint or not kv.exists():
+                continue
+            self._add(Prefix(m["key"], list(m["keys"]), kv, last_used=kv.stat().st_mtime))
+
+    def _add(self, p: Prefix) -> None:
+        self._by_key[p.key] = p
+        for i, k in enumerate(p.keys):  # any file holding block i under key k holds blocks 0..i
+            self._index.setdefault(k, (p.key, i + 1))
+
+    @property
+    def row_bytes(self) -> int:
+        return self.config.head_dim * 2
+
+    def runs(self) -> int:
+        c = self.config
+        return c.n_layers * 2 * c.n_kv_heads
+
+    # ---- lookup ----------------------------------------------------------------------------------
+    def longest(self, tokens: Sequence[int], limit: int) -> tuple[Prefix, int] | None:
+        """The prefix file holding the most leading blocks of ``tokens`` (at most ``limit`` positions),
+        and how many positions of it apply; counts a hit or a miss."""
+        best = None
+        for k in chain_keys(self.fingerprint, tokens[:limit]):
+            found = self._index.get(k)
+            if found is None:
+                break
+            best = found
+        with self._lock:
+            if best is None or best[0] not in self._by_key:
+                self.misses += 1
+                return None
+            p = self._by_key[best[0]]
+            p.last_used = time.time()
+            self.hits += 1
+            self.reused_tokens += best[1] * BLOCK
+            return p, best[1] * BLOCK
+
+    def get(self, key: str) -> Prefix | None:
+        return self._by_key.get(key)
+
+    def use(self, key: str, session: str) -> None:
+        with self._lock:
+            self._by_key[key].users.add(session)
+
+    def drop_user(self, key: str, session: str) -> None:
+        with self._lock:
+            p = self._by_key.get(key)
+            if p is not None:
+                p.users.discard(session)
+
+    # ---- publishing ------------------------------------------------------------------------------
+    def covered(self, tokens: Sequence[int]) -> int:
+        """Positions of ``tokens`` an existing prefix file already holds."""
+        n = 0
+        for k in chain_keys(self.fingerprint, tokens):
+            found = self._index.get(k)
+            if found is None:
+                break
+            n = found[1]
+        return n * BLOCK
+
+    def publish(self, data: np.ndarray, tokens: Sequence[int]) -> Prefix | None:
+        """A prefix file of the full blocks of ``tokens`` from their KV rows in ``data`` ([L, 2, H, cap, D]);
+        None when no new block would be added.  The rows are copied once, here."""
+        keys = chain_keys(self.fingerprint, tokens)
+        if not keys or self.covered(tokens) >= len(keys) * BLOCK:
+            return None
+        n = len(keys) * BLOCK
+        key = keys[-1]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f"{key}.kv"
+        tmp = path.with_suffix(".kv.tmp")
+        shape = (*data.shape[:3], n, data.shape[4])
+        arr = np.memmap(tmp, dtype=np.float16, mode="w+", shape=shape)
+        arr[...] = data[:, :, :, :n, :]
+        arr.flush()
+        del arr
+        meta = {"fingerprint": self.fingerprint, "key": key, "keys": keys, "block": BLOCK, "shape": list(shape)}
+        (self.dir / f"{key}.json").write_text(json.dumps(meta))
+        os.replace(tmp, path)
+        p = Prefix(key, keys, path)
+        with self._lock:
+            self._add(p)
+            self.published += 1
+        self.evict()
+        return p
+
+    # ---- the cap ---------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        bpt = self.config.kv_bytes_per_token
+        return sum(p.positions for p in self._by_key.values()) * bpt
+
+    def evict(self) -> None:
+        """Least recently used files nobody maps go until the prefixes fit their cap."""
+        if self.cap_bytes is None:
+            return
+        with self._lock:
+            bpt = self.config.kv_bytes_per_token
+            total = sum(p.positions for p in self._by_key.values()) * bpt
+            for p in sorted(self._by_key.values(), key=lambda x: x.last_used):
+                if total <= self.cap_bytes:
+                    break
+                if p.users:
+                    continue
+                self._forget(p)
+                total -= p.positions * bpt
+
+    def _forget(self, p: Prefix) -> None:
+        del self._by_key[p.key]
+        self._index = {}
+        for q in self._by_key.values():
+            for i, k in enumerate(q.keys):
+                self._index.setdefault(k, (q.key, i + 1))
+        p.path.unlink(missing_ok=True)
+        p.path.with_suffix(".json").unlink(missing_ok=True)
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"files": len(self._by_key), "bytes": self.nbytes(), "cap_bytes": self.cap_bytes,
+                    "in_use": sum(1 for p in self._by_key.values() if p.users), "hits": self.hits,
+                    "misses": self.misses, "reused_tokens": self.reused_tokens, "published": self.published}
