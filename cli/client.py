@@ -213,6 +213,10 @@ class Client:
     def delete_session(self, session_id: str) -> dict:
         return self.request("DELETE", f"/v1/sessions/{_quote(session_id)}")
 
+    def fork(self, session_id: str, turn: int | None = None, sla: dict | None = None) -> dict:
+        """A new session sharing ``session_id``'s context (all of it, or through answer ``turn``)."""
+        return self.request("POST", f"/v1/sessions/{_quote(session_id)}/fork", _given({"turn": turn, "sla": sla}))
+
     def promote(self, session_id: str) -> dict:
         return self.request("POST", f"/v1/sessions/{_quote(session_id)}/promote")
 

@@ -1,4 +1,4 @@
-"""``weave ps``, ``show``, ``rm``, ``promote``, ``demote``: the daemon's sessions."""
+"""``weave ps``, ``show``, ``rm``, ``fork``, ``promote``, ``demote``: the daemon's sessions."""
 
 from __future__ import annotations
 
@@ -9,7 +9,18 @@ from typing import Annotated
 
 import typer
 from weaved.cli import fmt
-from weaved.cli.common import ApiKeyOpt, JsonOpt, SocketOpt, connect, echo, print_json, remove_each
+from weaved.cli.client import sla_body
+from weaved.cli.common import (
+    ApiKeyOpt,
+    JsonOpt,
+    SLAClass,
+    SocketOpt,
+    connect,
+    echo,
+    print_json,
+    remove_each,
+    sla_class,
+)
 
 IdArg = Annotated[str, typer.Argument(metavar="ID", help="A session id (as `weave ps` lists them).",
                                       show_default=False)]
@@ -112,9 +123,28 @@ def demote(session_id: IdArg, socket: SocketOpt = None, api_key: ApiKeyOpt = Non
     _sla_change(session_id, socket, api_key, json, promote=False)
 
 
+def fork(session_id: IdArg,
+         turn: Annotated[int | None, typer.Option("--turn", min=1, show_default=False,
+                                                  help="Fork after this answered turn (default: where it is now).")]
+         = None,
+         sla: Annotated[SLAClass | None, typer.Option("--sla", show_default=False,
+                                                      help="The fork's SLA class (default: the parent's).")] = None,
+         socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
+    """Fork a session: a new session with its context, shared instead of computed again (sub-agents,
+    retries, tree search).  The fork has its own SLA and placement and outlives its parent."""
+    with connect(socket, api_key) as client:
+        s = client.fork(session_id, turn, sla_body(sla_class(sla)) if sla is not None else None)
+    if json:
+        print_json(s)
+    else:
+        echo(f"{s['id']}: forked from {s.get('forked_from')} ({s.get('context_tokens', 0)} tokens of context, "
+             f"{s.get('shared_tokens', 0)} shared); {fmt.placement_summary(s.get('placement'))}")
+
+
 def register(app: typer.Typer) -> None:
     app.command()(ps)
     app.command()(show)
     app.command()(rm)
+    app.command()(fork)
     app.command()(promote)
     app.command()(demote)

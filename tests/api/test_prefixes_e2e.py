@@ -80,3 +80,43 @@ def test_a_stateless_client_prefills_only_what_is_new(tmp_path, smollm2_q4_0):
                 assert cached >= last_total - BLOCK and out.usage.prompt_tokens - cached < BLOCK + 64
             last_total = out.usage.total_tokens
             messages.append({"role": "assistant", "content": out.choices[0].message.content})
+
+
+def test_a_fork_continues_as_its_parent_then_goes_its_own_way(tmp_path, smollm2_q4_0):
+    q = {"max_tokens": 10, "temperature": 0, "logprobs": True}
+    with weave_serve(tmp_path, "--model", str(smollm2_q4_0)) as proc, uds_client(proc.socket, timeout=300.0) as http:
+        sid = http.post("/v1/sessions", json={"system": SYSTEM}).json()["id"]
+        first = http.post(f"/v1/sessions/{sid}/turns", json={"messages": [{"role": "user", "content": "Count to 3."}],
+                                                             **q}).json()
+        assert first["choices"][0]["message"]["content"]
+        fork = http.post(f"/v1/sessions/{sid}/fork", json={"sla": {"class": "background"}}).json()
+        at1 = http.post(f"/v1/sessions/{sid}/fork", json={"turn": 1}).json()
+        assert fork["forked_from"] == sid and fork["shared_tokens"] >= BLOCK and fork["sla"]["class"] == "background"
+        nxt = {"messages": [{"role": "user", "content": "And to 5?"}], **q}
+        a = http.post(f"/v1/sessions/{sid}/turns", json=nxt).json()
+        b = http.post(f"/v1/sessions/{fork['id']}/turns", json=nxt).json()
+        c = http.post(f"/v1/sessions/{at1['id']}/turns", json=nxt).json()
+        # greedy: the fork answers exactly as the parent would have, from the shared context
+        assert a["choices"][0]["logprobs"] == b["choices"][0]["logprobs"] == c["choices"][0]["logprobs"]
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["total_tokens"] - 1
+        # then they diverge independently
+        d = http.post(f"/v1/sessions/{fork['id']}/turns", json={"messages": [{"role": "user", "content": "Why?"}],
+                                                                   **q}).json()
+        e = http.post(f"/v1/sessions/{sid}/turns", json={"messages": [{"role": "user", "content": "Spell it."}],
+                                                         **q}).json()
+        assert d["usage"]["prompt_tokens"] != e["usage"]["prompt_tokens"]
+        parent_view = http.get(f"/v1/sessions/{sid}").json()["messages"]
+        fork_view = http.get(f"/v1/sessions/{fork['id']}").json()["messages"]
+        assert [m["content"] for m in parent_view if m["role"] == "user"] == ["Count to 3.", "And to 5?", "Spell it."]
+        assert [m["content"] for m in fork_view if m["role"] == "user"] == ["Count to 3.", "And to 5?", "Why?"]
+        http.delete(f"/v1/sessions/{sid}")  # the fork keeps working without its parent
+        r = http.post(f"/v1/sessions/{fork['id']}/turns", json={"messages": [{"role": "user", "content": "Ok."}],
+                                                                 "max_tokens": 3})
+        assert r.status_code == 200
+    with weave_serve(tmp_path, "--model", str(smollm2_q4_0)) as proc, uds_client(proc.socket, timeout=300.0) as http:
+        again = http.post(f"/v1/sessions/{at1['id']}/turns", json={"messages": [{"role": "user", "content": "Ok."}],
+                                                                    "max_tokens": 3})
+        assert again.status_code == 200, again.text  # a fork survives a restart
+        for s in http.get("/v1/sessions").json()["data"]:
+            http.delete(f"/v1/sessions/{s['id']}")
+        assert http.get("/v1/status").json()["kv"]["prefixes"]["in_use"] == 0  # the last user went

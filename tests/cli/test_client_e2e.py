@@ -87,3 +87,19 @@ def test_status(socket):
     assert "profile   cpu-only" in out and "\ncpu " in out
     data = json.loads(weave(socket, "status", "--json"))
     assert data["pools"][0]["backend"] == "cpu"
+
+
+def test_fork_shares_a_session_and_outlives_it(socket):
+    res = runner.invoke(app, ["submit", "--wait", *FEW, "Name a fruit."], env={"WEAVE_SOCKET": socket})
+    assert res.exit_code == 0, (res.stdout, res.stderr)
+    sid = res.stderr.split()[1]
+    out = weave(socket, "fork", sid, "--sla", "batch")
+    child = out.split(":")[0]
+    assert f"forked from {sid}" in out and child != sid
+    assert sessions(socket)[child]["class"] == "batch"
+    data = json.loads(weave(socket, "fork", sid, "--turn", "1", "--json"))
+    assert data["forked_from"] == sid and [m["role"] for m in data["messages"]] == ["user", "assistant"]
+    weave(socket, "rm", sid)
+    shown = json.loads(weave(socket, "show", child, "--json"))
+    assert [m["role"] for m in shown["messages"]] == ["user", "assistant"]
+    weave(socket, "rm", child, data["id"])

@@ -79,16 +79,20 @@ def test_eviction_spares_prefixes_in_use(tmp_path):
         kv = store.create(f"s{i}", capacity=512)
         store.reserve(kv, BLOCK)
         fill(kv, 0, BLOCK, seed=i)
-        store.publish_prefix(kv, p)
+        store.publish_prefix(kv, p)  # the publisher maps it too
         firsts.append(p)
         if i == 0:
             user = store.create("user", capacity=512)
             assert store.share_prefix(user, p + [1]) == BLOCK
+        if i == 1:
+            store.delete("s1")  # its prefix is now free
     status = store.prefixes.status()
     assert status["files"] == 2 and status["bytes"] <= store.prefixes.cap_bytes
     assert store.prefixes.covered(firsts[0]) == BLOCK  # in use: kept
     assert store.prefixes.covered(firsts[1]) == 0  # the least recently used free one went
     store.delete("user")
+    store.delete("s0")
+    store.delete("s2")
     assert store.prefixes.status()["in_use"] == 0
 
 
@@ -106,3 +110,22 @@ def test_reserve_does_not_allocate_the_shared_positions(tmp_path):
     chunk = store.chunk * CFG.kv_bytes_per_token
     assert (tmp_path / "b.kv").stat().st_blocks * 512 <= chunk + 8192
     assert store.reserved_bytes() - before == chunk
+
+
+def test_the_publisher_keeps_one_copy_and_a_fork_shares_it(tmp_path):
+    store = KVStore(tmp_path, CFG)
+    prompt = tokens(2 * BLOCK + 50)
+    a = store.create("a", capacity=1024)
+    store.reserve(a, len(prompt))
+    rows = fill(a, 0, len(prompt), seed=3)
+    on_disk = (tmp_path / "a.kv").stat().st_blocks * 512
+    store.publish_prefix(a, prompt)
+    # the publisher maps the prefix file now and gave its own blocks for those rows back
+    assert (tmp_path / "a.kv").stat().st_blocks * 512 <= on_disk - 2 * BLOCK * CFG.kv_bytes_per_token + 8192
+    assert np.array_equal(a.data[:, :, :, : len(prompt)], rows)
+    child = store.create("child", capacity=1024)
+    assert store.fork_prefix(a, child, prompt) == 2 * BLOCK
+    assert child.length == len(prompt)
+    assert np.array_equal(child.data[:, :, :, : len(prompt)], rows)
+    store.delete("a")  # the fork does not need its parent
+    assert np.array_equal(child.data[:, :, :, : len(prompt)], rows)

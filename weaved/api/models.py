@@ -242,3 +242,12 @@ class SessionCreate(BaseModel):
     sla: SLABody | None = None
     max_context: int | None = Field(None, ge=1)
     system: str | None = None
+
+
+class SessionFork(BaseModel):
+    """``POST /v1/sessions/{id}/fork``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    turn: int | None = Field(None, ge=1)  # fork after this answered turn (default: where the session is now)
+    sla: SLABody | None = None

@@ -1,7 +1,9 @@
 """Weave's session API: create with SLA tags (the answer carries the placement), inspect, list,
-delete, take turns, promote and demote."""
+delete, take turns, fork, promote and demote."""
 
 from __future__ import annotations
+
+from functools import partial
 
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
@@ -10,7 +12,7 @@ from starlette.responses import Response
 
 from weaved.api import body
 from weaved.api.chat import answer_chat
-from weaved.api.models import ChatRequest, SessionCreate
+from weaved.api.models import ChatRequest, SessionCreate, SessionFork
 from weaved.api.params import sla_from
 from weaved.api.state import state_of
 from weaved.errors import InvalidRequest, Overloaded
@@ -52,6 +54,18 @@ async def take_turn(request: Request, session_id: str) -> Response:
         raise InvalidRequest(f"the body names session {req.session!r} but the path {session_id!r}",
                              param="session")
     return await answer_chat(request, req, session_id)
+
+
+@router.post("/{session_id}/fork")
+async def fork(request: Request, session_id: str) -> dict:
+    """A new session sharing this one's context (all of it, or through answer ``turn``) without
+    computing it again; its own SLA (``sla``, else the parent's) and placement."""
+    state = state_of(request)
+    if state.closing.is_set():
+        raise Overloaded("the daemon is shutting down")
+    req = await body.read_optional(request, SessionFork)
+    sla = sla_from(req.sla, request.headers)
+    return await run_in_threadpool(partial(state.daemon.fork_session, session_id, req.turn, sla))
 
 
 @router.post("/{session_id}/promote")

@@ -82,9 +82,7 @@ class PrefixStore:
         for i, k in enumerate(p.keys):  # any file holding block i under key k holds blocks 0..i
             self._index.setdefault(k, (p.key, i + 1))
 
-    @property
-    def row_bytes(self) -> int:
-        return self.config.head_dim * 2
+    block = BLOCK
 
     def runs(self) -> int:
         c = self.config
@@ -157,7 +155,7 @@ class PrefixStore:
         with self._lock:
             self._add(p)
             self.published += 1
-        self.evict()
+        self.evict(spare=key)
         return p
 
     # ---- the cap ---------------------------------------------------------------------------------
@@ -165,8 +163,9 @@ class PrefixStore:
         bpt = self.config.kv_bytes_per_token
         return sum(p.positions for p in self._by_key.values()) * bpt
 
-    def evict(self) -> None:
-        """Least recently used files nobody maps go until the prefixes fit their cap."""
+    def evict(self, spare: str | None = None) -> None:
+        """Least recently used files nobody maps (nor ``spare``, just made) go until the prefixes fit
+        their cap."""
         if self.cap_bytes is None:
             return
         with self._lock:
@@ -175,7 +174,7 @@ class PrefixStore:
             for p in sorted(self._by_key.values(), key=lambda x: x.last_used):
                 if total <= self.cap_bytes:
                     break
-                if p.users:
+                if p.users or p.key == spare:
                     continue
                 self._forget(p)
                 total -= p.positions * bpt

@@ -297,13 +297,59 @@ class KVStore:
             s.prefix, s.shared = None, 0
             self._write_meta(session_id, s.capacity, None)
 
-    def publish_prefix(self, kv: KVCache, tokens: list[int]) -> int:
+    def publish_prefix(self, kv: KVCache, tokens: list[int], *, adopt: bool = True) -> int:
         """Store the full blocks of ``tokens`` (the session's committed tokens: their rows are written)
-        as a shared prefix, unless one already holds them; the positions it holds (0: nothing new)."""
+        as a shared prefix, unless one already holds them; the positions it holds (0: nothing new).
+        ``adopt``: the session then maps the prefix file over those positions too and gives its own copy
+        of them back to the file system, so the rows exist once, whoever shares them."""
         if len(tokens) > kv.length:
             raise KVStoreError(f"{len(tokens)} tokens but only {kv.length} KV rows")
         p = self.prefixes.publish(kv.data, tokens)
-        return 0 if p is None else p.positions
+        if p is None:
+            return 0
+        if adopt:
+            self._adopt(kv, p.key, p.positions)
+        return p.positions
+
+    def _adopt(self, kv: KVCache, key: str, n: int) -> None:
+        """Map prefix ``key``'s positions [0, n) (equal to the session's own rows) over the session's and
+        punch its own blocks there out."""
+        session_id = self._session_of(kv)
+        with self._lock:
+            s = self._open[session_id]
+            if s.shared >= n or not s.mm.can_alias or kv.length < n:
+                return
+            if s.prefix is not None:
+                self.prefixes.drop_user(s.prefix, session_id)
+            if not self._alias(session_id, s, key, n):
+                return
+            row = self.config.head_dim * 2
+            fd = os.open(self._kv_path(session_id), os.O_RDWR)
+            try:
+                for r in range(self.prefixes.runs()):
+                    punch_hole(fd, r * s.capacity * row, n * row)
+            finally:
+                os.close(fd)
+            self._write_meta(session_id, s.capacity, {"key": key, "positions": n})
+
+    def copy_rows(self, src: KVCache, dst: KVCache, start: int, stop: int) -> None:
+        """Rows [start, stop) of ``src`` into ``dst`` (a fork's part past the shared prefix)."""
+        if stop > start:
+            self.reserve(dst, stop)
+            dst.data[:, :, :, start:stop] = src.data[:, :, :, start:stop]
+        dst.length = max(dst.length, stop)
+
+    def fork_prefix(self, parent: KVCache, child: KVCache, tokens: list[int]) -> int:
+        """A new session ``child`` starting with ``parent``'s first ``len(tokens)`` rows: the full blocks
+        shared through a prefix file (published from the parent if none holds them yet), the rest
+        copied; the positions shared."""
+        n = len(tokens)
+        shared = 0
+        if n >= 1:
+            self.publish_prefix(parent, tokens)
+            shared = self.share_prefix(child, tokens + [0]) if n // self.prefixes.block * self.prefixes.block else 0
+        self.copy_rows(parent, child, shared, n)
+        return shared
 
     def _write_meta(self, session_id: str, capacity: int, prefix: dict | None) -> None:
         meta = self._meta(capacity)

@@ -1,0 +1,67 @@
+"""Forking a session: a new session that starts where its parent is (or was, after turn k), sharing
+the parent's KV instead of computing it again - for sub-agents, retries and tree search.
+
+The parent's context's full blocks become a shared prefix (``weaved.kv.prefixes``; published once, the
+parent maps it too) that the fork maps over its first positions; the rows past the last full block are
+copied (fewer than a block).  The fork has its own SLA and placement, its own journal record, and lives
+on if the parent is deleted.
+"""
+
+from __future__ import annotations
+
+from weaved.daemon.session import Session
+from weaved.daemon.turns import message_extra
+from weaved.errors import Conflict, InvalidRequest
+from weaved.kv.cache import KVCache
+from weaved.routing.types import SLA
+
+
+class SessionForks:
+    """``Daemon.fork_session`` (a mixin of the daemon: it uses the daemon's lock, sessions and stores)."""
+
+    def fork_session(self, sid: str, turn: int | None = None, sla: SLA | None = None) -> dict:
+        """A new session with ``sid``'s transcript and KV - all of it, or through its ``turn``-th answer."""
+        with self._lock:
+            parent = self._get(sid)
+            if parent.ephemeral:
+                raise InvalidRequest("an ephemeral session cannot be forked", param="session")
+            if parent.busy:
+                raise Conflict(f"session {sid} is generating a turn; fork it once the turn has ended",
+                               param="session")
+            if not isinstance(parent.kv, KVCache):
+                raise InvalidRequest("a session decoded on a ring cannot be forked", param="session")
+            messages, tokens, tail = self._fork_point(parent, turn)
+        info = self.create_session(sla or parent.sla, parent.max_context, parent.system)
+        cid = info["id"]
+        with self._lock:
+            child = self.sessions.get(cid)
+            if self.sessions.get(sid) is not parent or parent.busy or child is None:
+                raise Conflict(f"session {sid} changed while it was being forked; try again", param="session")
+            shared = self.store.fork_prefix(parent.kv, child.kv, tokens)
+            child.committed.extend(tokens)
+            child.tail = tail
+            child.messages.extend(dict(m) for m in messages)
+            self.journal.commit_tokens(cid, tokens, len(tokens))
+            for m in messages:  # recorded after the tokens: a restart sees finished turns, nothing unfed
+                self.journal.add_message(cid, m["role"], m["content"], None, extra=message_extra(m))
+        self.publish("fork", {"session": cid, "parent": sid, "turn": turn, "tokens": len(tokens),
+                              "shared_tokens": shared})
+        return {**self.get_session(cid), "forked_from": sid, "shared_tokens": shared}
+
+    def _fork_point(self, parent: Session, turn: int | None) -> tuple[list[dict], list[int], list[int]]:
+        """(messages, committed tokens, unfed tail) of the parent now, or through its ``turn``-th answer
+        (then the tail is left to the next turn's rendering, which writes it again)."""
+        if turn is None:
+            return list(parent.messages), list(parent.committed), list(parent.tail)
+        rec = self.journal.get(parent.id)
+        answers = [i for i, m in enumerate(rec.messages) if m["role"] == "assistant"]
+        if not 1 <= turn <= len(answers):
+            raise InvalidRequest(f"turn must be between 1 and the session's {len(answers)} answered turn(s)",
+                                 param="turn")
+        cut = answers[turn - 1] + 1
+        if cut == len(rec.messages):
+            return list(parent.messages), list(parent.committed), list(parent.tail)
+        kv_at = rec.messages[cut]["kv_at"]
+        keys = ("role", "content", "finish_reason", "name", "tool_calls", "tool_call_id", "reasoning_content")
+        messages = [{k: m[k] for k in keys if m.get(k) is not None} for m in rec.messages[:cut]]
+        return messages, list(rec.tokens[:kv_at]), []
