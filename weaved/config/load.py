@@ -215,7 +215,8 @@ def _host(t: Table, source: str, hw: Callable[[], Hardware]) -> HostConfig:
     host = t.build(HostConfig, name=socket.gethostname() if hname == AUTO else hname, data_dir=path,
                    kv_cap_bytes=cap, max_sessions=t.integer("max_sessions", 256),
                    default_context=t.integer("default_context", 32768),
-                   durability=t.text("durability", "page-cache", DURABILITY))
+                   durability=t.text("durability", "page-cache", DURABILITY),
+                   prefix_cache=t.flag("prefix_cache", True))
     t.done()
     return host
 

@@ -45,6 +45,9 @@ class HostConfig:
     # "fsync" - also a power loss or OS crash (the KV rows and the journal reach the disk before each
     # commit, at a cost per token measured in docs/benchmarks.md)
     durability: str = "page-cache"
+    # shared prefixes (weaved.kv.prefixes): a prompt that starts with stored KV blocks maps them instead
+    # of prefilling them again; off only to measure what it saves
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "name", "must not be empty")

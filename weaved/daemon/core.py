@@ -96,7 +96,8 @@ class Daemon(SessionForks):
         from weaved.federation.shard_files import delete_group_files
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.store = KVStore(self.data_dir / "kv", self.config, cap_bytes=self.profile.host.kv_cap_bytes)
+        self.store = KVStore(self.data_dir / "kv", self.config, cap_bytes=self.profile.host.kv_cap_bytes,
+                             share=self.profile.host.prefix_cache)
         delete_group_files(self.store)  # ring shards never outlive their group: rebuilt from transcripts
         self.fsync = self.profile.host.durability == "fsync"
         self.journal = Journal(self.data_dir / "journal.sqlite", fsync=self.fsync)
@@ -320,7 +321,10 @@ class Daemon(SessionForks):
                 params = fitted(params, s, keep, new)
                 check_fits(s, keep, new, params.max_tokens)
                 constraint = turn_constraint(plan, params)
-                self._admit(s, new, params, sla or s.sla)
+                # a fresh session's prompt may start with a stored prefix: its prefill cost is the rest
+                cached = self.store.prefixes.covered(new[:-1]) if (
+                    not s.committed and isinstance(s.kv, KVCache) and self.store.share) else 0
+                self._admit(s, new[cached:], params, sla or s.sla)
             except WeaveError:
                 if s.ephemeral:
                     self._drop_ephemeral(s)
@@ -349,7 +353,7 @@ class Daemon(SessionForks):
             if resla or self.moves.misplaced(s):  # a check-in: the router re-places the session first
                 new_pl = self.moves.replace(s, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion")
                 self.publish("placement", {"session": s.id, "placement": new_pl.to_dict()})
-            elif not s.committed:  # its first turn: the router sees the real prompt now
+            elif first:  # its first turn: the router sees the real prompt now (what a stored prefix leaves)
                 new_pl = self.moves.place_first_turn(s, len(new))
                 if new_pl is not None:
                     self.publish("placement", {"session": s.id, "placement": new_pl.to_dict()})

@@ -80,7 +80,8 @@ class _Session:
 class KVStore:
     """Per-session KV files under ``data_dir`` for one model."""
 
-    def __init__(self, data_dir: Path, config: ModelConfig, cap_bytes: int | None = None, chunk: int = 256):
+    def __init__(self, data_dir: Path, config: ModelConfig, cap_bytes: int | None = None, chunk: int = 256,
+                 share: bool = True):
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1 position, got {chunk}")
         self.dir = Path(data_dir)
@@ -92,6 +93,7 @@ class KVStore:
         # shared prefixes: their own cap, a quarter of the KV cap (counted inside it)
         self.prefixes = PrefixStore(self.dir / "prefixes", config, self.fingerprint,
                                     cap_bytes=None if cap_bytes is None else cap_bytes // 4)
+        self.share = share  # False: no prefix is published or mapped (what reuse saves can be measured)
         self._lock = threading.Lock()
         self._open: dict[str, _Session] = {}
         self._ids: weakref.WeakKeyDictionary[KVCache, str] = weakref.WeakKeyDictionary()
@@ -242,7 +244,7 @@ class KVStore:
         session_id = self._session_of(kv)
         with self._lock:
             s = self._open[session_id]
-            if kv.length or s.shared or not s.mm.can_alias or len(tokens) < 2:
+            if not self.share or kv.length or s.shared or not s.mm.can_alias or len(tokens) < 2:
                 return 0
             found = self.prefixes.longest(tokens, len(tokens) - 1)
             if found is None:
@@ -304,6 +306,8 @@ class KVStore:
         of them back to the file system, so the rows exist once, whoever shares them."""
         if len(tokens) > kv.length:
             raise KVStoreError(f"{len(tokens)} tokens but only {kv.length} KV rows")
+        if not self.share:
+            return 0
         p = self.prefixes.publish(kv.data, tokens)
         if p is None:
             return 0
