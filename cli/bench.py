@@ -98,7 +98,8 @@ def register(app: typer.Typer, run: Runner | None = None,
                                                  "vs transfer margin and loopback decode (docs/ring-cost-model.md); "
                                                  "load: many concurrent clients against weave serve; grammar: "
                                                  "constrained decoding's mask cost per token (the default model's "
-                                                 "and Gemma 3's vocabularies, or --model's).")
+                                                 "and Gemma 3's vocabularies, or --model's); prefix: 16 agents "
+                                                 "sharing 2,000 tokens of tools, with and without shared prefixes.")
         ] = "llama",
         agents: Annotated[int | None, typer.Option("--agents", min=1, help="agents: background agents.")] = None,
         duration: Annotated[
@@ -120,13 +121,18 @@ def register(app: typer.Typer, run: Runner | None = None,
     ) -> None:
         """Measure Weave and llama.cpp on the same model and threads; print both and their ratio.
         With --scenario agents: replay the reference agent workload against Weave and its baselines."""
-        if scenario not in ("llama", "agents", "ring", "load", "grammar"):
-            raise typer.BadParameter(f"unknown scenario {scenario!r}; choose llama, agents, ring, load or grammar",
-                                     param_hint="--scenario")
+        if scenario not in ("llama", "agents", "ring", "load", "grammar", "prefix"):
+            raise typer.BadParameter(f"unknown scenario {scenario!r}; choose llama, agents, ring, load, grammar or "
+                                     "prefix", param_hint="--scenario")
         if shape is not None:
             if model is not None:
                 raise typer.BadParameter("give --model or --shape, not both", param_hint="--shape")
             model = _shape_model(shape)
+        if scenario == "prefix":
+            if any(v is not None for v in (agents, seed, configs, capacity, only, clients, duration, threads)):
+                raise typer.BadParameter("the prefix scenario takes --model/--shape, --quick and --json")
+            _prefix(model, quick, json_out)
+            return
         if scenario == "grammar":
             if any(v is not None for v in (agents, seed, configs, capacity, only, clients, duration)):
                 raise typer.BadParameter("the grammar scenario takes --model/--shape, --threads, --quick and --json")
@@ -237,6 +243,17 @@ def _ring(model: Path | None, threads: int | None, quick: bool, json_out: bool, 
     typer.echo(json.dumps(report) if json_out else format_table(report))
     if report.get("errors"):
         raise typer.Exit(1)
+
+
+def _prefix(model: Path | None, quick: bool, json_out: bool) -> None:
+    """``weave bench --scenario prefix`` (weaved.bench.prefix; imported here, not at registration)."""
+    from weaved.bench.prefix import PrefixOptions, format_table, run_prefix_bench
+
+    say = lambda msg: typer.echo(f"[prefix] {msg}", err=True)
+    path = _model_file(model, say)
+    opts = PrefixOptions.quick(path) if quick else PrefixOptions(path)
+    report = run_prefix_bench(opts, say)
+    typer.echo(json.dumps(report) if json_out else format_table(report))
 
 
 def _grammar(model: Path | None, threads: int | None, quick: bool, json_out: bool) -> None:

@@ -45,12 +45,13 @@ class Served:
         return self.proc.returncode
 
 
-def start(model: Path, workdir: Path) -> Served:
-    """``weave serve --model model`` with its socket and data under ``workdir``; returns once it answers
-    (RuntimeError, with the end of its log, if it exits or does not answer in time)."""
+def start(model: Path, workdir: Path, *extra: str) -> Served:
+    """``weave serve --model model`` (and ``extra`` arguments) with its socket and data under ``workdir``;
+    returns once it answers (RuntimeError, with the end of its log, if it exits or does not answer in
+    time)."""
     sock, log = workdir / "weave.sock", workdir / "serve.log"
     cmd = [sys.executable, "-m", "weaved.cli", "serve", "--model", str(model), "--socket", str(sock),
-           "--data-dir", str(workdir / "data")]
+           "--data-dir", str(workdir / "data"), *extra]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
     served = Served(proc, sock, log)
