@@ -120,3 +120,35 @@ def test_a_fork_continues_as_its_parent_then_goes_its_own_way(tmp_path, smollm2_
         for s in http.get("/v1/sessions").json()["data"]:
             http.delete(f"/v1/sessions/{s['id']}")
         assert http.get("/v1/status").json()["kv"]["prefixes"]["in_use"] == 0  # the last user went
+
+
+def test_n_choices_come_from_one_prefill(tmp_path, smollm2_q4_0):
+    with weave_serve(tmp_path, "--model", str(smollm2_q4_0)) as proc, uds_client(proc.socket, timeout=300.0) as http:
+        h = httpx.Client(transport=httpx.HTTPTransport(uds=str(proc.socket)), timeout=300.0)
+        sdk = openai.OpenAI(base_url="http://weave/v1", api_key="x", http_client=h, max_retries=0)
+        msgs = [{"role": "user", "content": "Write a short poem about the sea."}]
+        before = _prefilled(http)
+        a = sdk.chat.completions.create(model="default", messages=msgs, n=4, max_tokens=12, temperature=0.9, seed=7)
+        prompt = a.usage.prompt_tokens
+        # one prefill of the prompt; each other choice feeds only the prompt's last token again
+        assert _prefilled(http) - before == prompt + 3
+        assert [c.index for c in a.choices] == [0, 1, 2, 3]
+        assert len({c.message.content for c in a.choices}) > 1 and a.usage.completion_tokens <= 48
+        b = sdk.chat.completions.create(model="default", messages=msgs, n=4, max_tokens=12, temperature=0.9, seed=7)
+        assert [c.message.content for c in b.choices] == [c.message.content for c in a.choices]
+        greedy = sdk.chat.completions.create(model="default", messages=msgs, n=3, max_tokens=8, temperature=0)
+        assert len({c.message.content for c in greedy.choices}) == 1  # the same logits row for each
+        streamed: dict[int, str] = {}
+        for chunk in sdk.chat.completions.create(model="default", messages=msgs, n=4, max_tokens=12,
+                                                 temperature=0.9, seed=7, stream=True):
+            for c in chunk.choices:
+                streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+        assert [streamed[i] for i in range(4)] == [c.message.content for c in a.choices]
+        comp = sdk.completions.create(model="default", prompt="Once upon a time", n=3, max_tokens=6, seed=3,
+                                      temperature=1.0)
+        assert [c.index for c in comp.choices] == [0, 1, 2]
+        with pytest.raises(openai.BadRequestError):
+            sdk.chat.completions.create(model="default", messages=msgs, n=2, max_tokens=4,
+                                        response_format={"type": "json_object"})
+        with pytest.raises(openai.BadRequestError):
+            sdk.chat.completions.create(model="default", messages=msgs, n=17, max_tokens=4)

@@ -8,6 +8,7 @@ field or ``X-Weave-Session`` header names) and ``POST /v1/sessions/{id}/turns``.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from weaved.agent.stream import Answer, AnswerParser
 from weaved.api.agent_models import answer_spec
+from weaved.api.choices import collect_all, merged, start_choices, total_usage, watch
 from weaved.api.logprobs import chat_entry
 from weaved.api.models import ChatRequest
 from weaved.api.params import chat_params, check_model, check_vocab
@@ -36,19 +38,26 @@ async def answer_chat(request: Request, req: ChatRequest, session_id: str | None
     if req.detach and (session_id is None or req.stream):
         raise InvalidRequest("detach needs a session and no stream: the answer goes to the session's "
                              "transcript", param="detach")
+    if req.detach and req.n > 1:
+        raise InvalidRequest("detach answers one choice into the session's transcript; n must be 1", param="n")
     info, sla = await resolve(state, session_id, req.sla, request.headers)
     spec = TurnSpec(session_id, params, sla, messages=[m.to_dict() for m in req.messages], answer=answer)
+    meta = _Meta(state.daemon.model_name, req.logprobs)
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+    if req.n > 1:
+        turns = await start_choices(state, spec, req.n)
+        if req.stream:
+            return sse_response(_stream(request, turns, meta, usage))
+        return JSONResponse(_body(turns, meta, await collect_all(request, turns), state.daemon.tokenizer))
     turn = await start_turn(state, spec, info)
     if req.detach:
         turn.detach()
         return JSONResponse({"id": session_id, "object": "session.turn", "status": "running",
                              "placement": turn.placement, "weave": turn.weave()}, status_code=202)
-    meta = _Meta(state.daemon.model_name, req.logprobs)
     if req.stream:
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        return sse_response(_stream(request, turn, meta, usage))
+        return sse_response(_stream(request, [turn], meta, usage))
     events = await turn.collect(request)
-    return JSONResponse(_body(turn, meta, events, state.daemon.tokenizer))
+    return JSONResponse(_body([turn], meta, [events], state.daemon.tokenizer))
 
 
 class _Meta:
@@ -79,7 +88,7 @@ def finish_reason(turn: Turn, ans: Answer) -> str | None:
     return "tool_calls" if ans.calls and turn.finish_reason == "stop" else turn.finish_reason
 
 
-def _body(turn: Turn, meta: _Meta, events: list[dict], tokenizer) -> dict:
+def _choice(turn: Turn, index: int, meta: _Meta, events: list[dict], tokenizer) -> dict:
     parser = _parser(turn)
     parser.push("".join(ev["text"] for ev in events if ev["type"] == "token"))
     parser.finish()
@@ -88,27 +97,34 @@ def _body(turn: Turn, meta: _Meta, events: list[dict], tokenizer) -> dict:
     if meta.logprobs:
         logprobs = {"content": [chat_entry(tokenizer, ev["token"], ev["logprob"], ev.get("top_logprobs", ()))
                                 for ev in events if ev["type"] == "token" and "logprob" in ev]}
-    choice = {"index": 0, "message": assistant_message(ans), "logprobs": logprobs,
-              "finish_reason": finish_reason(turn, ans)}
+    return {"index": index, "message": assistant_message(ans), "logprobs": logprobs,
+            "finish_reason": finish_reason(turn, ans)}
+
+
+def _body(turns: list[Turn], meta: _Meta, events: list[list[dict]], tokenizer) -> dict:
+    choices = [_choice(t, i, meta, ev, tokenizer) for i, (t, ev) in enumerate(zip(turns, events, strict=True))]
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
-            "choices": [choice], "usage": turn.usage, "weave": turn.weave()}
+            "choices": choices, "usage": total_usage(turns), "weave": turns[0].weave()}
 
 
-def _chunk(meta: _Meta, delta: dict, *, finish: str | None = None, logprobs: dict | None = None,
+def _chunk(meta: _Meta, delta: dict, *, index: int = 0, finish: str | None = None, logprobs: dict | None = None,
            usage: bool = False, weave: dict | None = None) -> dict:
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     return stream_chunk(meta, "chat.completion.chunk", choice, usage=usage, weave=weave)
 
 
-async def _stream(request: Request, turn: Turn, meta: _Meta, usage: bool) -> AsyncIterator[bytes]:
-    """The chunks: the role first, then reasoning, content and tool-call deltas (with logprobs), the
-    finish reason, usage, [DONE].  The ``weave`` field rides on the first and the finishing chunk."""
-    tokenizer = turn.state.daemon.tokenizer
-    parser = _parser(turn)
-    turn.watch(request)
+async def _stream(request: Request, turns: list[Turn], meta: _Meta, usage: bool) -> AsyncIterator[bytes]:
+    """The chunks: per choice the role first, then reasoning, content and tool-call deltas (with
+    logprobs), its finish reason; then usage and [DONE].  The ``weave`` field rides on the first and the
+    finishing chunks."""
+    tokenizer = turns[0].state.daemon.tokenizer
+    parsers = [_parser(t) for t in turns]
+    watcher = asyncio.create_task(watch(request, turns))
     try:
-        yield frame(_chunk(meta, {"role": "assistant", "content": ""}, usage=usage, weave=turn.weave()))
-        async for ev in turn.events():
+        for i, t in enumerate(turns):
+            yield frame(_chunk(meta, {"role": "assistant", "content": ""}, index=i, usage=usage, weave=t.weave()))
+        async for i, ev in merged(turns):
+            t, parser = turns[i], parsers[i]
             if ev["type"] == "token":
                 lp = None
                 if meta.logprobs and "logprob" in ev:
@@ -117,19 +133,21 @@ async def _stream(request: Request, turn: Turn, meta: _Meta, usage: bool) -> Asy
                 deltas = parser.push(ev["text"]) if ev["text"] else []
                 if not deltas and lp is not None:
                     deltas = [{}]
-                for i, delta in enumerate(deltas):
-                    yield frame(_chunk(meta, delta, logprobs=lp if i == 0 else None, usage=usage))
-        if turn.error is not None:
-            yield frame(turn.failure().to_dict())
-        else:
-            for delta in parser.finish():
-                yield frame(_chunk(meta, delta, usage=usage))
-            yield frame(_chunk(meta, {}, finish=finish_reason(turn, parser.answer), usage=usage,
-                               weave=turn.weave()))
-            if usage:
-                yield frame({"id": meta.id, "object": "chat.completion.chunk", "created": meta.created,
-                             "model": meta.model, "choices": [], "usage": turn.usage})
+                for j, delta in enumerate(deltas):
+                    yield frame(_chunk(meta, delta, index=i, logprobs=lp if j == 0 else None, usage=usage))
+            elif ev["type"] in ("done", "error") and t.error is None:
+                for delta in parser.finish():
+                    yield frame(_chunk(meta, delta, index=i, usage=usage))
+                yield frame(_chunk(meta, {}, index=i, finish=finish_reason(t, parser.answer), usage=usage,
+                                   weave=t.weave()))
+        failed = next((t for t in turns if t.error is not None), None)
+        if failed is not None:
+            yield frame(failed.failure().to_dict())
+        elif usage:
+            yield frame({"id": meta.id, "object": "chat.completion.chunk", "created": meta.created,
+                         "model": meta.model, "choices": [], "usage": total_usage(turns)})
         yield DONE
     finally:
-        turn.unwatch()
-        turn.abandon()
+        watcher.cancel()
+        for t in turns:
+            t.abandon()

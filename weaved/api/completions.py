@@ -8,6 +8,7 @@ session's context.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from weaved.api.choices import collect_all, merged, start_choices, total_usage, watch
 from weaved.api.logprobs import CompletionLogprobs
 from weaved.api.models import CompletionRequest
 from weaved.api.params import check_model, check_vocab, completion_params, session_from
@@ -39,11 +41,22 @@ async def answer_completion(request: Request, req: CompletionRequest) -> Respons
     session_id = session_from(req, request.headers)
     info, sla = await resolve(state, session_id, req.sla, request.headers)
     prompt_logprobs = req.echo and req.logprobs is not None
-    turn = await start_turn(state, TurnSpec(session_id, params, sla, prompt=prompt, echo=prompt_logprobs), info)
+    spec = TurnSpec(session_id, params, sla, prompt=prompt, echo=prompt_logprobs)
     echo = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if req.echo else ""
     meta = _Meta(state.daemon.model_name, req.logprobs is not None, echo)
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+    if req.n > 1:
+        turns = await start_choices(state, spec, req.n)
+        if req.stream:
+            return sse_response(_stream_choices(request, turns, meta, usage, tokenizer))
+        events = await collect_all(request, turns)
+        body = _body(turns[0], meta, events[0], tokenizer)
+        body["choices"] = [{**_body(t, meta, ev, tokenizer)["choices"][0], "index": i}
+                           for i, (t, ev) in enumerate(zip(turns, events, strict=True))]
+        body["usage"] = total_usage(turns)
+        return JSONResponse(body)
+    turn = await start_turn(state, spec, info)
     if req.stream:
-        usage = bool(req.stream_options and req.stream_options.include_usage)
         return sse_response(_stream(request, turn, meta, usage, tokenizer))
     events = await turn.collect(request)
     return JSONResponse(_body(turn, meta, events, tokenizer))
@@ -84,8 +97,8 @@ def _body(turn: Turn, meta: _Meta, events: list[dict], tokenizer) -> dict:
 
 
 def _chunk(meta: _Meta, text: str, *, logprobs: dict | None = None, finish: str | None = None,
-           usage: bool = False, weave: dict | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+           usage: bool = False, weave: dict | None = None, index: int = 0) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return stream_chunk(meta, "text_completion", choice, usage=usage, weave=weave)
 
 
@@ -124,3 +137,31 @@ async def _stream(request: Request, turn: Turn, meta: _Meta, usage: bool, tokeni
     finally:
         turn.unwatch()
         turn.abandon()
+
+
+async def _stream_choices(request: Request, turns: list[Turn], meta: _Meta, usage: bool,
+                          tokenizer) -> AsyncIterator[bytes]:
+    """n choices' chunks, merged as they come, each with its index (no echo: refused with n > 1)."""
+    logs = [CompletionLogprobs(tokenizer) for _ in turns]
+    watcher = asyncio.create_task(watch(request, turns))
+    try:
+        async for i, ev in merged(turns):
+            t = turns[i]
+            if ev["type"] == "token":
+                _add(logs[i], ev)
+                lp = logs[i].take() if meta.logprobs and len(logs[i]) else None
+                if ev["text"] or lp is not None:
+                    yield frame(_chunk(meta, ev["text"], logprobs=lp, usage=usage, index=i))
+            elif ev["type"] == "done":
+                yield frame(_chunk(meta, "", finish=t.finish_reason, usage=usage, weave=t.weave(), index=i))
+        failed = next((t for t in turns if t.error is not None), None)
+        if failed is not None:
+            yield frame(failed.failure().to_dict())
+        elif usage:
+            yield frame({"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+                         "choices": [], "usage": total_usage(turns)})
+        yield DONE
+    finally:
+        watcher.cancel()
+        for t in turns:
+            t.abandon()

@@ -92,6 +92,7 @@ class Message(BaseModel):
 
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_CHOICES = 16  # n: answers to one prompt (forks of one prefill)
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request
 # OpenAI fields that do not change the answer (bookkeeping for OpenAI's own platform): accepted, unused.
@@ -160,8 +161,8 @@ class Sampling(BaseModel):
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a request Weave cannot answer as asked, else None: every field that
         would change the answer is either honoured or refused here by name."""
-        if self.n != 1:
-            return "n", "only n=1 is supported (one choice per request)"
+        if not 1 <= self.n <= MAX_CHOICES:
+            return "n", f"n must be between 1 and {MAX_CHOICES}"
         extra = self.model_extra or {}
         for name in sorted(extra):
             if name in INERT_FIELDS:

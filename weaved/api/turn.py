@@ -174,7 +174,7 @@ class Turn:
                            int(getattr(self.handle, "reprefilled", 0)))
 
 
-def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+def emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
     def emit(ev: dict) -> None:  # engine thread
         try:
             loop.call_soon_threadsafe(queue.put_nowait, ev)
@@ -210,7 +210,7 @@ async def start_turn(state: ApiState, spec: TurnSpec, session_info: dict | None 
     queue: asyncio.Queue = asyncio.Queue()
     start = partial(daemon.start_turn, session_id=session_id, messages=spec.messages, prompt=spec.prompt,
                     params=spec.params, sla=spec.sla, echo=spec.echo, answer=spec.answer,
-                    emit=_emitter(asyncio.get_running_loop(), queue))
+                    emit=emitter(asyncio.get_running_loop(), queue))
     try:
         handle = await run_in_threadpool(start)
     except BaseException:

@@ -22,6 +22,7 @@ from pathlib import Path
 from weaved.agent.grammar import GrammarEngine
 from weaved.agent.plan import AnswerPlan, AnswerSpec
 from weaved.config.profile import Profile
+from weaved.daemon.choices import TurnChoices
 from weaved.daemon.events import EventBus
 from weaved.daemon.forks import SessionForks
 from weaved.daemon.housekeeping import Housekeeper
@@ -54,7 +55,7 @@ KV_ALIGN = 32  # capacities are multiples of this: keeps the file's per-head run
 CANCEL_WAIT_S = 30.0  # how long a new turn waits for its session's cancelled turn to end (one engine step)
 
 
-class Daemon(SessionForks):
+class Daemon(SessionForks, TurnChoices):
     def __init__(self, profile: Profile, model_path: Path, *, data_dir: Path | None = None,
                  log_fn: Callable[[str], None] = print, federation=None, chat_template: str | None = None):
         self.profile = profile
