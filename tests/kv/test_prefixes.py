@@ -129,3 +129,27 @@ def test_the_publisher_keeps_one_copy_and_a_fork_shares_it(tmp_path):
     assert np.array_equal(child.data[:, :, :, : len(prompt)], rows)
     store.delete("a")  # the fork does not need its parent
     assert np.array_equal(child.data[:, :, :, : len(prompt)], rows)
+
+
+def test_a_lookup_waits_for_an_announced_publication(tmp_path):
+    import threading
+    import time
+
+    store = KVStore(tmp_path, CFG)
+    prompt = tokens(BLOCK + 20)
+    a = store.create("a", capacity=512)
+    store.reserve(a, len(prompt))
+    fill(a, 0, len(prompt), seed=4)
+    store.prefixes.announce(prompt)
+
+    def publish_late():
+        time.sleep(0.3)
+        store.publish_prefix(a, prompt, adopt=False)
+
+    threading.Thread(target=publish_late).start()
+    b = store.create("b", capacity=512)
+    assert store.share_prefix(b, prompt) == BLOCK  # not a miss: it waited for the block being copied
+    store.prefixes.announce(tokens(BLOCK, seed=99))
+    store.prefixes.settle(tokens(BLOCK, seed=99))  # an announcement that came to nothing waits for nobody
+    c = store.create("c", capacity=512)
+    assert store.share_prefix(c, tokens(BLOCK, seed=99) + [1]) == 0

@@ -17,6 +17,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from weaved.agent.grammar import GrammarEngine
@@ -45,6 +46,7 @@ from weaved.engine.sampling import SamplingParams
 from weaved.engine.sequence import Sequence, SLARank
 from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound, Overloaded, WeaveError
 from weaved.kv.cache import KVCache
+from weaved.kv.prefixes import BLOCK as PREFIX_BLOCK
 from weaved.routing.tree import place
 from weaved.routing.types import SLA, Placement, RoutingError, SessionRequest, SLAClass, SystemState
 
@@ -69,6 +71,8 @@ class Daemon(SessionForks, TurnChoices):
         self.log = log_fn  # one line at a time, for the operator (weave serve prints them)
         self._lock = threading.RLock()
         self.sessions: dict[str, Session] = {}
+        # shared prefixes are copied here, off the engine threads, one at a time
+        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weave-prefix")
         self.engines: dict[str, BatchEngine] = {}
         self.pools: dict = {}  # name -> weaved.daemon.pools.Pool
         self.pool_notes: list[str] = []
@@ -170,6 +174,7 @@ class Daemon(SessionForks, TurnChoices):
     def shutdown(self) -> None:
         if self.housekeeper is not None:
             self.housekeeper.stop()
+        self._publisher.shutdown(wait=True)
         if getattr(self, "peers", None) is not None:
             self.peers.stop()
         for e in self.engines.values():
@@ -259,6 +264,8 @@ class Daemon(SessionForks, TurnChoices):
                 s.turn.cancel_requested = True
                 self.engines[s.pool].cancel(sid)
             del self.sessions[sid]
+        if s.publishing is not None:  # the publisher reads its rows: free them once it is done
+            s.publishing.wait(CANCEL_WAIT_S)
         self._free_kv(s)
         if not s.ephemeral:
             self.journal.delete(sid)
@@ -406,6 +413,8 @@ class Daemon(SessionForks, TurnChoices):
             turn = s.turn if s is not None else None
         if turn is not None and (turn.cancel_requested or turn.status.done):
             turn.ended.wait(CANCEL_WAIT_S)
+        if s is not None and s.publishing is not None:  # its prefix is being copied: its rows must hold still
+            s.publishing.wait(CANCEL_WAIT_S)
 
     def _drop_ephemeral(self, s: Session) -> None:
         with self._lock:
@@ -456,29 +465,48 @@ class Daemon(SessionForks, TurnChoices):
         if kind not in ("done", "error"):
             emit(ev)
             return
+        publishing = False
         try:
             self._record_turn_end(s, seq, kind)
-            if kind == "done" and (first or s.ephemeral):
-                self._publish_prefix(s)
+            publishing = kind == "done" and (first or s.ephemeral) and self._publish_later(s)
         except Exception:  # the stream must end whatever recording did
             log.exception("session %s: recording the end of its turn failed", s.id)
         try:
             emit({**ev, "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(seq.generated),
                                   "cached_tokens": n_prompt - seq.prefilled}})
         finally:
-            if s.ephemeral:
+            if s.ephemeral and not publishing:  # else the publisher drops it once its rows are copied
                 self._drop_ephemeral(s)
             seq.ended.set()
 
-    def _publish_prefix(self, s: Session) -> None:
-        """Store the full blocks of a session's context as a shared prefix (its first turn's: a system
-        prompt and tools other sessions start with; an ephemeral request's: the conversation a stateless
-        client sends again, one message longer).  Runs on the engine thread, which alone writes this
-        session's rows: the copy cannot race a rewrite."""
+    def _publish_later(self, s: Session) -> bool:
+        """Queue storing the full blocks of a session's context as a shared prefix (its first turn's: a
+        system prompt and tools other sessions start with; an ephemeral request's: the conversation a
+        stateless client sends again, one message longer), off the engine thread: the copy takes
+        ~45 ms per 1,000 tokens of SmolLM2's KV.  Until it is done, the session's next turn and its
+        deletion wait (``s.publishing``), so the rows it reads cannot change under it; an ephemeral
+        session is dropped by the publisher.  False when there is nothing to publish."""
         with self._lock:
-            tokens = list(s.committed) if self.sessions.get(s.id) is s or s.ephemeral else []
-        if isinstance(s.kv, KVCache) and tokens:
-            self.store.publish_prefix(s.kv, tokens[: s.kv.length])
+            tokens = list(s.committed) if self.sessions.get(s.id) is s else []
+        if not (self.store.share and isinstance(s.kv, KVCache) and len(tokens) >= PREFIX_BLOCK):
+            return False
+        done = threading.Event()
+        s.publishing = done
+        self.store.prefixes.announce(tokens[: s.kv.length])
+
+        def job() -> None:
+            try:
+                self.store.publish_prefix(s.kv, tokens[: s.kv.length])
+            except Exception:  # a prefix not stored is a later prefill, nothing worse
+                log.exception("session %s: storing its prefix failed", s.id)
+            finally:
+                self.store.prefixes.settle(tokens[: s.kv.length])
+                done.set()
+                if s.ephemeral:
+                    self._drop_ephemeral(s)
+
+        self._publisher.submit(job)
+        return True
 
     def _record_turn_end(self, s: Session, seq: Sequence, kind: str) -> None:
         """The answer into the transcript and the journal - unless the session was deleted meanwhile."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ class Session:
     where: str | None = None  # the pool running the session's turns now (None: its placement's decode pool)
     kv_at: str | None = None  # the pool whose backend holds a copy of its KV (None: only the file)
     move_reason: str | None = None  # why it was sent to ``where`` while idle (its KV follows at the next turn)
+    publishing: threading.Event | None = None  # set once its context's prefix is stored (being copied until then)
 
     @property
     def pool(self) -> str:

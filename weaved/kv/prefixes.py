@@ -30,6 +30,7 @@ import numpy as np
 from weaved.model.config import ModelConfig
 
 BLOCK = 256  # positions per block: whole pages for every head size (256 * head_dim * 2 bytes)
+PENDING_WAIT_S = 10.0  # a lookup that meets a block being published waits this long for it
 
 
 def chain_keys(fingerprint: str, tokens: Sequence[int], block: int = BLOCK) -> list[str]:
@@ -64,8 +65,10 @@ class PrefixStore:
         self.fingerprint = fingerprint
         self.cap_bytes = cap_bytes
         self._lock = threading.Lock()
+        self._writing = threading.Lock()  # one publish at a time: two for one key would share a temp file
         self._by_key: dict[str, Prefix] = {}
         self._index: dict[str, tuple[str, int]] = {}  # key after block k -> (prefix key, k + 1 blocks)
+        self._pending: dict[str, threading.Event] = {}  # keys announced, being published
         self.hits = self.misses = self.reused_tokens = self.published = 0
         for meta in sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []:
             try:
@@ -89,12 +92,34 @@ class PrefixStore:
         return c.n_layers * 2 * c.n_kv_heads
 
     # ---- lookup ----------------------------------------------------------------------------------
+    def announce(self, tokens: Sequence[int]) -> None:
+        """Blocks of ``tokens`` about to be published (by another thread): a lookup that needs them waits
+        for them rather than missing them by a few milliseconds."""
+        ev = threading.Event()
+        with self._lock:
+            for k in chain_keys(self.fingerprint, tokens):
+                if k not in self._index:
+                    self._pending.setdefault(k, ev)
+
+    def settle(self, tokens: Sequence[int]) -> None:
+        """Whatever became of an announced publication, nobody waits for it any more."""
+        with self._lock:
+            for k in chain_keys(self.fingerprint, tokens):
+                ev = self._pending.pop(k, None)
+                if ev is not None:
+                    ev.set()
+
     def longest(self, tokens: Sequence[int], limit: int) -> tuple[Prefix, int] | None:
         """The prefix file holding the most leading blocks of ``tokens`` (at most ``limit`` positions),
-        and how many positions of it apply; counts a hit or a miss."""
+        and how many positions of it apply (waiting for blocks announced but not yet published); counts
+        a hit or a miss."""
         best = None
         for k in chain_keys(self.fingerprint, tokens[:limit]):
             found = self._index.get(k)
+            pending = self._pending.get(k) if found is None else None
+            if pending is not None:
+                pending.wait(PENDING_WAIT_S)
+                found = self._index.get(k)
             if found is None:
                 break
             best = found
@@ -135,6 +160,13 @@ class PrefixStore:
     def publish(self, data: np.ndarray, tokens: Sequence[int]) -> Prefix | None:
         """A prefix file of the full blocks of ``tokens`` from their KV rows in ``data`` ([L, 2, H, cap, D]);
         None when no new block would be added.  The rows are copied once, here."""
+        with self._writing:
+            try:
+                return self._publish(data, tokens)
+            finally:
+                self.settle(tokens)
+
+    def _publish(self, data: np.ndarray, tokens: Sequence[int]) -> Prefix | None:
         keys = chain_keys(self.fingerprint, tokens)
         if not keys or self.covered(tokens) >= len(keys) * BLOCK:
             return None
