@@ -106,10 +106,10 @@ def test_reserve_does_not_allocate_the_shared_positions(tmp_path):
     b = store.create("b", capacity=1024)
     store.share_prefix(b, prompt)
     before = store.reserved_bytes()
-    store.reserve(b, BLOCK + 3)  # one chunk past the prefix: its own blocks, not the prefix's
-    chunk = store.chunk * CFG.kv_bytes_per_token
-    assert (tmp_path / "b.kv").stat().st_blocks * 512 <= chunk + 8192
-    assert store.reserved_bytes() - before == chunk
+    store.reserve(b, BLOCK + 3)  # up to the chunk's end: its own blocks past the prefix, not the prefix's
+    own = (-(-(BLOCK + 3) // store.chunk) * store.chunk - BLOCK) * CFG.kv_bytes_per_token
+    assert (tmp_path / "b.kv").stat().st_blocks * 512 <= own + 8192
+    assert store.reserved_bytes() - before == own
 
 
 def test_the_publisher_keeps_one_copy_and_a_fork_shares_it(tmp_path):

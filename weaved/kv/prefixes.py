@@ -29,7 +29,7 @@ import numpy as np
 
 from weaved.model.config import ModelConfig
 
-BLOCK = 256  # positions per block: whole pages for every head size (256 * head_dim * 2 bytes)
+BLOCK = 128  # positions per block: whole pages for head sizes from 16 up (128 * head_dim * 2 bytes)
 PENDING_WAIT_S = 10.0  # a lookup that meets a block being published waits this long for it
 
 
