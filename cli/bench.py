@@ -108,7 +108,8 @@ def register(app: typer.Typer, run: Runner | None = None,
         ] = None,
         seed: Annotated[int | None, typer.Option("--seed", min=0, help="agents: workload seed.")] = None,
         configs: Annotated[
-            str | None, typer.Option("--configs", help="agents: comma list of weave, isolation, fifo, gpu-only.")
+            str | None, typer.Option("--configs", help="agents: comma list of weave, weave-noprefix, isolation, fifo, "
+                                                       "gpu-only.")
         ] = None,
         capacity: Annotated[
             bool | None,

@@ -80,7 +80,7 @@ def test_quick_defaults_and_table(model):
     assert res.exit_code == 0, res.output
     opts = seen[0]
     assert opts.capacity is False and opts.workload.duration_s == 60.0 and opts.workload.agents == 4
-    assert opts.configs == ("weave", "isolation", "fifo", "gpu-only")
+    assert opts.configs == ("weave", "weave-noprefix", "isolation", "fifo", "gpu-only")
     assert "gpu-only: not run" in res.stdout and "interactive" in res.stdout
     res = CliRunner().invoke(_app(seen), ["bench", "--scenario", "agents", "--model", str(model), "--quick",
                                           "--capacity", "--configs", "weave,fifo"])

@@ -463,12 +463,16 @@ class Daemon(SessionForks, TurnChoices):
                        n_prompt: int, first: bool = False) -> None:
         kind = ev["type"]
         if kind not in ("done", "error"):
+            if first and kind == "token" and len(seq.generated) == 1:
+                # the prompt is fed: its blocks can be shared now, while this turn decodes (its rows there
+                # do not change any more), not only once it ends
+                self._publish_later(s, drop=False)
             emit(ev)
             return
         publishing = False
         try:
             self._record_turn_end(s, seq, kind)
-            publishing = kind == "done" and (first or s.ephemeral) and self._publish_later(s)
+            publishing = kind == "done" and s.ephemeral and self._publish_later(s, drop=True)
         except Exception:  # the stream must end whatever recording did
             log.exception("session %s: recording the end of its turn failed", s.id)
         try:
@@ -479,13 +483,14 @@ class Daemon(SessionForks, TurnChoices):
                 self._drop_ephemeral(s)
             seq.ended.set()
 
-    def _publish_later(self, s: Session) -> bool:
-        """Queue storing the full blocks of a session's context as a shared prefix (its first turn's: a
-        system prompt and tools other sessions start with; an ephemeral request's: the conversation a
-        stateless client sends again, one message longer), off the engine thread: the copy takes
-        ~45 ms per 1,000 tokens of SmolLM2's KV.  Until it is done, the session's next turn and its
-        deletion wait (``s.publishing``), so the rows it reads cannot change under it; an ephemeral
-        session is dropped by the publisher.  False when there is nothing to publish."""
+    def _publish_later(self, s: Session, drop: bool) -> bool:
+        """Queue storing the full blocks of a session's committed context as a shared prefix, off the
+        engine thread (the copy takes ~45 ms per 1,000 tokens of SmolLM2's KV): a first turn's prompt
+        once it is fed (a system prompt and tools other sessions start with), and an ephemeral request's
+        whole conversation at its end (what a stateless client sends again, one message longer).  Until
+        it is done, the session's next turn and its deletion wait (``s.publishing``), so the rows it
+        reads cannot change under it; with ``drop`` the publisher then drops the ephemeral session.
+        False when there is nothing to publish."""
         with self._lock:
             tokens = list(s.committed) if self.sessions.get(s.id) is s else []
         if not (self.store.share and isinstance(s.kv, KVCache) and len(tokens) >= PREFIX_BLOCK):
@@ -502,7 +507,7 @@ class Daemon(SessionForks, TurnChoices):
             finally:
                 self.store.prefixes.settle(tokens[: s.kv.length])
                 done.set()
-                if s.ephemeral:
+                if drop:
                     self._drop_ephemeral(s)
 
         self._publisher.submit(job)

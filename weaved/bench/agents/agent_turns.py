@@ -54,6 +54,10 @@ class AgentTurns:
         self.interactive = SLA(SLAClass.INTERACTIVE, w.interactive_ttft_ms, None)
         self.batch_sla = SLA(SLAClass.BATCH, None, w.batch_ttlt_s)
 
+    def shared(self) -> list[int]:
+        """The leading tokens every agent's session starts with (the same ids for all)."""
+        return self.tokens.take(min(self.w.shared_prompt, self.w.start_context), "shared-system-prompt")
+
     def context_of(self, sid: str | None) -> int:
         """The session's context as the daemon holds it (after a failed turn, whose usage is unknown)."""
         try:
@@ -69,6 +73,8 @@ class AgentTurns:
         prompt = tool
         if compact:
             prompt = self.tokens.take(w.start_context, "summary", a.index, hb.index) + tool
+        if fresh or compact:  # a session starts with the system prompt and tools every agent shares
+            prompt = self.shared() + prompt[len(self.shared()):]
         rec = TurnRecord(TurnKind.HEARTBEAT, a.index, hb.index, a.session or "", len(prompt), hb.generate, 0.0,
                          compacted=compact)
         return self._run(a, rec, prompt, self.background if (fresh or compact) else None, self.background)
@@ -80,6 +86,7 @@ class AgentTurns:
         prompt = question
         if compact:  # rare: consecutive check-ins used the room a heartbeat keeps for one
             prompt = self.tokens.take(w.start_context, "summary-checkin", c.index, i) + question
+            prompt = self.shared() + prompt[len(self.shared()):]
             a.promoted = True  # the new session is created interactive and is demoted when the person leaves
         rec = TurnRecord(TurnKind.EXCHANGE, a.index, c.index, a.session or "", len(prompt), ex.answer, 0.0,
                          compacted=compact, waited_s=waited)

@@ -26,7 +26,7 @@ from pathlib import Path
 from weaved.config.load import load_profile
 from weaved.config.profile import PoolConfig, Profile
 
-CONFIG_NAMES = ("weave", "isolation", "fifo", "gpu-only")
+CONFIG_NAMES = ("weave", "weave-noprefix", "isolation", "fifo", "gpu-only")
 BASE_PROFILE = "cpu-only"
 
 
@@ -37,11 +37,15 @@ class ConfigSpec:
     pools: tuple[str, ...]  # "gpu" and/or "cpu"
     description: str
     cpu_fallback: bool = True  # without a GPU pool, run on the CPU pool alone (else: unavailable)
+    prefix_cache: bool = True  # shared prefixes (the profile's [host] prefix_cache)
 
 
 SPECS = {
     "weave": ConfigSpec("weave", "sla", ("gpu", "cpu"),
                         "router + SLA batch engine; promotion migrates to the GPU pool, demotion back"),
+    "weave-noprefix": ConfigSpec("weave-noprefix", "sla", ("gpu", "cpu"),
+                                 "Weave without shared prefixes: every session prefills its whole first prompt",
+                                 prefix_cache=False),
     "isolation": ConfigSpec("isolation", "isolation", ("gpu", "cpu"),
                             "pools bound by class at creation; check-ins change neither pool nor priority"),
     "fifo": ConfigSpec("fifo", "fifo", ("gpu",), "one pool, first come first served"),
@@ -125,6 +129,6 @@ def build_profile(cfg: ResolvedConfig, data_dir: Path, gpu: GpuSupport, threads:
         routing = dataclasses.replace(routing, cpu_prefill_tokens_per_s=routing.cpu_prefill_tokens_per_s * scale,
                                       cpu_decode_tokens_per_s=routing.cpu_decode_tokens_per_s * scale)
         budget = dataclasses.replace(budget, kernels=threads)
-    host = dataclasses.replace(base.host, data_dir=Path(data_dir))
+    host = dataclasses.replace(base.host, data_dir=Path(data_dir), prefix_cache=cfg.spec.prefix_cache)
     return dataclasses.replace(base, name=f"agents-{cfg.name}", pools=pools, routing=routing, threads=budget,
                                host=host, notes=())

@@ -21,6 +21,7 @@ def daemon_figures(status: dict, daemon=None) -> dict:
         "pools_figures": pools,
         "preemptions": sum(p.get("preemptions") or 0 for p in pools),
         "tokens_prefilled": sum(p.get("tokens_prefilled") or 0 for p in pools),
+        "prefix_reused": ((kv.get("prefixes") or {}).get("reused_tokens")),
         "migrations": _migrations(migrations), "migrations_source": source,
         "kv": {k: kv.get(k) for k in ("file_bytes", "ram_bytes", "device_bytes", "ram_measured", "sessions")},
     }

@@ -46,8 +46,9 @@ def format_table(report: dict) -> str:
                  f"{w['background_ttlt_s']:g}s, interactive ttft {w['interactive_ttft_ms']:g}ms + ITL p99 "
                  f"{w['interactive_itl_p99_ms']:g}ms, batch ttlt {w['batch_ttlt_s']:g}s")
     lines.append("")
-    head = f"{'config':10s} {'pools':8s} " + " ".join(f"{c:>17s}" for c in SLA_CLASSES)
+    head = f"{'config':14s} {'pools':8s} " + " ".join(f"{c:>17s}" for c in SLA_CLASSES)
     head += f" {'tok/s':>7s} {'preempt':>7s}  {'migrations n/bytes/s':22s} {'KV file/RAM/dev':>18s}"
+    head += f" {'prefilled':>10s} {'reused':>8s}"
     lines.append(head)
     runs = {n: c for n, c in report["configs"].items() if "summary" in c}
     for name, c in runs.items():
@@ -58,15 +59,16 @@ def format_table(report: dict) -> str:
             shares.append(f"{_pct(k['share_met'])} ({k['met']}/{k['met'] + k['missed']})")
         kv = c["kv"]
         tiers = "/".join(_bytes(kv[k]) for k in ("file_bytes", "ram_bytes", "device_bytes"))
-        lines.append(f"{name:10s} {'+'.join(c['pools']):8s} " + " ".join(f"{x:>17s}" for x in shares)
+        lines.append(f"{name:14s} {'+'.join(c['pools']):8s} " + " ".join(f"{x:>17s}" for x in shares)
                      + f" {_num(s['tokens_per_s'], '{:.1f}'):>7s} {c['preemptions']:>7d}  "
                      f"{_migrations(c['migrations']):22s} "
-                     f"{tiers:>18s}")
+                     f"{tiers:>18s} {_num(c.get('tokens_prefilled'), '{:.0f}'):>10s} "
+                     f"{_num(c.get('prefix_reused'), '{:.0f}'):>8s}")
     lines += ["", _latency_header()]
     for name, c in runs.items():
         for cls in SLA_CLASSES:
             k = c["summary"]["classes"][cls]
-            lines.append(f"{name:10s} {cls:12s} {k['turns']:>5d} {k['met']:>4d} {k['missed']:>6d} "
+            lines.append(f"{name:14s} {cls:12s} {k['turns']:>5d} {k['met']:>4d} {k['missed']:>6d} "
                          f"{k['unfinished']:>6d} "
                          f"{_num(k['ttft_p50_ms']):>9s} {_num(k['ttft_p99_ms']):>9s} {_num(k['itl_p50_ms']):>8s} "
                          f"{_num(k['itl_p99_ms']):>8s}")
@@ -82,7 +84,7 @@ def format_table(report: dict) -> str:
 
 
 def _latency_header() -> str:
-    return (f"{'config':10s} {'class':12s} {'turns':>5s} {'met':>4s} {'missed':>6s} {'unfin':>6s} "
+    return (f"{'config':14s} {'class':12s} {'turns':>5s} {'met':>4s} {'missed':>6s} {'unfin':>6s} "
             f"{'TTFT p50':>9s} {'TTFT p99':>9s} {'ITL p50':>8s} {'ITL p99':>8s}   (ms)")
 
 

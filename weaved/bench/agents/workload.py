@@ -40,6 +40,9 @@ class AgentWorkload:
     seed: int = 0
     # background agents
     start_context: int = 2000  # first turn's prompt, and the summary a compacted session starts from
+    # of which the first tokens are the same for every agent (a system prompt and tool definitions): what
+    # shared prefixes save (the weave-noprefix configuration is the run without them)
+    shared_prompt: int = 1024
     max_context: int = 8192  # session context; the agent compacts before a turn would overflow it
     tool_output: Range = (256, 1024)  # tokens appended per heartbeat turn
     agent_gen: Range = (64, 256)  # tokens generated per heartbeat turn
