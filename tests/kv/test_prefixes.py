@@ -153,3 +153,18 @@ def test_a_lookup_waits_for_an_announced_publication(tmp_path):
     store.prefixes.settle(tokens(BLOCK, seed=99))  # an announcement that came to nothing waits for nobody
     c = store.create("c", capacity=512)
     assert store.share_prefix(c, tokens(BLOCK, seed=99) + [1]) == 0
+
+
+def test_sessions_push_unused_prefixes_out_of_a_full_cap(tmp_path):
+    bpt = CFG.kv_bytes_per_token
+    store = KVStore(tmp_path, CFG, cap_bytes=3 * BLOCK * bpt, chunk=BLOCK)
+    p = tokens(BLOCK)
+    a = store.create("a", capacity=4 * BLOCK)
+    store.reserve(a, BLOCK)
+    fill(a, 0, BLOCK, seed=1)
+    store.publish_prefix(a, p, adopt=False)
+    store.delete("a")  # the prefix file stays, mapped by nobody
+    assert store.prefixes.status()["files"] == 1
+    b = store.create("b", capacity=4 * BLOCK)
+    store.reserve(b, 3 * BLOCK)  # the whole cap: the stored prefix is a cache, it goes
+    assert store.prefixes.status()["files"] == 0

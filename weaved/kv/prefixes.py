@@ -195,21 +195,24 @@ class PrefixStore:
         bpt = self.config.kv_bytes_per_token
         return sum(p.positions for p in self._by_key.values()) * bpt
 
-    def evict(self, spare: str | None = None) -> None:
+    def evict(self, spare: str | None = None, free: int = 0) -> int:
         """Least recently used files nobody maps (nor ``spare``, just made) go until the prefixes fit
-        their cap."""
-        if self.cap_bytes is None:
-            return
+        their cap, and ``free`` bytes more (sessions need the room: stored prefixes are a cache).  Returns
+        the bytes freed."""
+        if self.cap_bytes is None and not free:
+            return 0
         with self._lock:
             bpt = self.config.kv_bytes_per_token
-            total = sum(p.positions for p in self._by_key.values()) * bpt
+            total = start = sum(p.positions for p in self._by_key.values()) * bpt
+            target = max(0, min(self.cap_bytes if self.cap_bytes is not None else total, total - free))
             for p in sorted(self._by_key.values(), key=lambda x: x.last_used):
-                if total <= self.cap_bytes:
+                if total <= target:
                     break
                 if p.users or p.key == spare:
                     continue
                 self._forget(p)
                 total -= p.positions * bpt
+            return start - total
 
     def _forget(self, p: Prefix) -> None:
         del self._by_key[p.key]

@@ -396,6 +396,9 @@ class KVStore:
             if self.cap_bytes is not None:
                 bpt = self.config.kv_bytes_per_token
                 others = self._reserved_bytes() - (s.reserved - s.shared) * bpt
+                over = others + new_length * bpt - self.cap_bytes
+                if over > 0 and self.prefixes.evict(free=over):  # stored prefixes nobody maps make room
+                    others = self._reserved_bytes() - (s.reserved - s.shared) * bpt
                 if others + target * bpt > self.cap_bytes:
                     target = new_length  # a whole chunk does not fit: take exactly what this step needs
                 if others + target * bpt > self.cap_bytes:
