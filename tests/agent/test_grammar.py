@@ -38,10 +38,7 @@ def engine(tok):
 
 
 def writer(tok, engine) -> LarkWriter:
-    def special_id(text):
-        ids = tok.encode(text, add_bos=False, special=True)
-        return ids[0] if len(ids) == 1 and engine.is_special(text) else None
-    return LarkWriter(special_id)
+    return LarkWriter(engine.special_id)
 
 
 _closers: dict[int, np.ndarray] = {}

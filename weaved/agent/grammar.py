@@ -77,11 +77,11 @@ class GrammarEngine:
         return LLTokenizer.from_llamacpp(tokens=tokens, vocab_ptr=vocab, tokenize_fptr=tokenize, eos_token=eog,
                                          slices=None)
 
-    def is_special(self, text: str) -> bool:
-        """Whether ``text`` is one special (control) token of this vocabulary, which a Lark grammar
-        must name as ``<text>`` rather than spell as a string."""
+    def special_id(self, text: str) -> int | None:
+        """The id of ``text`` when it is one special (control) token of this vocabulary, which a Lark
+        grammar must name as ``<[id]>`` rather than spell as a string; else None."""
         ids = self._tok.encode(text, add_bos=False, special=True)
-        return len(ids) == 1 and self.lltokenizer.is_special_token(ids[0])
+        return ids[0] if len(ids) == 1 and self.lltokenizer.is_special_token(ids[0]) else None
 
     def compile(self, lark: str, *, param: str = "response_format") -> GrammarConstraint:
         """A fresh constraint for ``lark`` (llguidance's Lark dialect); InvalidRequest naming ``param``

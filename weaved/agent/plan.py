@@ -102,10 +102,7 @@ class AnswerPlan:
                             in_reasoning=self.in_reasoning)
 
     def _special_id(self, text: str) -> int | None:
-        if self._grammar is None:
-            return None
-        ids = self._tok.encode(text, add_bos=False, special=True)
-        return ids[0] if len(ids) == 1 and self._grammar.is_special(text) else None
+        return self._grammar.special_id(text) if self._grammar is not None else None
 
 
 def template_message(m: dict) -> dict:

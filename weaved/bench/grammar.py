@@ -53,10 +53,7 @@ XGR_SCHEMAS = {"json_schema": closed(PERSON), "tools_required": _envelope_schema
 
 
 def _writer(tok, engine: GrammarEngine) -> LarkWriter:
-    def special_id(text: str) -> int | None:
-        ids = tok.encode(text, add_bos=False, special=True)
-        return ids[0] if len(ids) == 1 and engine.is_special(text) else None
-    return LarkWriter(special_id)
+    return LarkWriter(engine.special_id)
 
 
 def _walk_times(tok, engine: GrammarEngine, lark: str, tokens: int, rng: np.random.Generator,

@@ -347,12 +347,9 @@ class KVStore:
         """A new session ``child`` starting with ``parent``'s first ``len(tokens)`` rows: the full blocks
         shared through a prefix file (published from the parent if none holds them yet), the rest
         copied; the positions shared."""
-        n = len(tokens)
-        shared = 0
-        if n >= 1:
-            self.publish_prefix(parent, tokens)
-            shared = self.share_prefix(child, tokens + [0]) if n // self.prefixes.block * self.prefixes.block else 0
-        self.copy_rows(parent, child, shared, n)
+        self.publish_prefix(parent, tokens)
+        shared = self.share_prefix(child, tokens + [0])  # (a token to feed after them: share_prefix's rule)
+        self.copy_rows(parent, child, shared, len(tokens))
         return shared
 
     def _write_meta(self, session_id: str, capacity: int, prefix: dict | None) -> None:
