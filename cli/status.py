@@ -17,7 +17,9 @@ def pools_table(pools: list[dict]) -> str:
 
 def kv_line(kv: dict) -> str:
     ram = fmt.size(kv.get("ram_bytes")) if kv.get("ram_measured", True) else "unmeasured"
-    device = f"{fmt.size(kv['device_bytes'])} on GPU pools, " if kv.get("device_bytes") else ""
+    device = ""
+    if kv.get("device_free_bytes") is not None:  # GPU pools' paged KV: in use (prefix blocks cached) and free
+        device = f"{fmt.size(kv.get('device_bytes'))} on GPU pools ({fmt.size(kv['device_free_bytes'])} free), "
     return (f"{kv.get('sessions', 0)} session file(s): {fmt.size(kv.get('file_bytes'))} on disk, "
             f"{ram} in RAM, {device}{fmt.size(kv.get('reserved_bytes'))} reserved of a "
             f"{fmt.size(kv.get('cap_bytes'))} cap")

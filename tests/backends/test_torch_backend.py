@@ -1,5 +1,5 @@
 """Torch backend on torch's CPU device: the forward contract, batch invariance (across batches and
-across chunkings), the CPU backend's numbers, KV mirrors (adopt / release / write-through / growth),
+across chunkings), the CPU backend's numbers, paged device KV (adopt / release / write-through / growth),
 errors, and the accuracy bars (slow)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tests.tiny_models import write_tiny_gguf
 from weaved.backends.base import Logits, SeqChunk
 from weaved.backends.cpu import CPUBackend
 from weaved.backends.torch import TorchBackend
-from weaved.backends.torch_kv import KVMirrors
+from weaved.backends.torch_paged import BLOCK
 from weaved.kv.cache import KVCache
 from weaved.model.tokenizer import Tokenizer
 
@@ -183,16 +183,18 @@ def test_stats_count_tokens_and_copies(backend):
     assert st.extra["d2h_bytes"] - before[3] == (len(PROMPTS[1]) + 1) * kv_row + 2 * logits_row
 
 
-def test_write_through_and_device_mirror(backend):
+def test_write_through_and_device_blocks(backend):
     kv, _ = _prefill(backend, PROMPTS[0], capacity=2000)
     _run(backend, kv, [42])
     n = kv.length
-    mirror = backend._kv._mirrors[kv]
-    assert mirror.data.dtype == torch.float16 and mirror.data.shape[:3] == kv.data.shape[:3]
-    assert mirror.positions == KVMirrors.GROW < kv.capacity  # idle capacity costs no device memory
-    assert np.array_equal(mirror.data[:, :, :, :n].numpy(), kv.data[:, :, :, :n])  # same bytes, same layout
+    paged = backend._kv
+    table = paged.table(kv)
+    assert len(table.blocks) == -(-n // BLOCK)  # idle capacity costs no device memory
+    rows = paged.pool[:, paged.ids(table)].permute(0, 2, 3, 1, 4, 5).reshape(*kv.data.shape[:3], -1, kv.data.shape[4])
+    assert rows.dtype == torch.float16
+    assert np.array_equal(rows[:, :, :, :n].numpy(), kv.data[:, :, :, :n])  # same bytes, same layout
     assert not kv.data[:, :, :, n:].any()
-    assert backend.device_kv_bytes() >= mirror.nbytes
+    assert backend.device_kv_bytes() >= len(table.blocks) * BLOCK * backend.config.kv_bytes_per_token
 
 
 def test_adopt_release_and_migration(backend, cpu):
@@ -239,18 +241,40 @@ def test_host_progress_and_truncation_are_followed(backend, cpu):
     assert np.array_equal(draft[:1], fresh[-3:-2]) and np.array_equal(got, fresh[-2:])
 
 
-def test_mirror_grows_without_changing_results(tiny_llama, monkeypatch):
+def test_blocks_grow_without_changing_results(tiny_llama):
     be = TorchBackend.from_file(tiny_llama, threads=1)
-    tokens = list(range(100, 130))
-    _, whole = _prefill(be, tokens, Logits.ALL, capacity=40)
-    monkeypatch.setattr(KVMirrors, "GROW", 4)
-    kv = be.new_kv(40)
+    tokens = list(range(100, 200))
+    _, whole = _prefill(be, tokens, Logits.ALL, capacity=128)
+    kv = be.new_kv(128)
     rows, sizes = [], []
-    for a in range(0, 30, 3):
-        rows.append(_run(be, kv, tokens[a:a + 3], Logits.ALL))
-        sizes.append(be._kv._mirrors[kv].positions)
-    assert sizes == sorted(sizes) and sizes[0] == 4 and sizes[-1] == 32
+    for a in range(0, 100, 7):
+        rows.append(_run(be, kv, tokens[a:a + 7], Logits.ALL))
+        sizes.append(len(be._kv.table(kv).blocks))
+    assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] == -(-100 // BLOCK)
     assert np.array_equal(np.concatenate(rows), whole)
+
+
+def test_a_full_pool_fails_the_step_before_anything_is_written(tiny_llama):
+    from weaved.backends.torch_paged import DeviceKVFull
+
+    be = TorchBackend.from_file(tiny_llama, threads=1, kv_bytes=3 * BLOCK * _row_bytes(tiny_llama))
+    a, _ = _prefill(be, list(range(10, 10 + 2 * BLOCK)), capacity=4 * BLOCK)  # two of the three blocks
+    b = be.new_kv(4 * BLOCK)
+    with pytest.raises(DeviceKVFull, match="device KV full") as e:
+        be.prepare(b, 2 * BLOCK)  # the engine's check before a step: two blocks wanted, one free
+    assert e.value.http_status == 503 and b.length == 0 and not b.data.any()
+    with pytest.raises(DeviceKVFull):
+        _run(be, b, list(range(20, 20 + 2 * BLOCK)))
+    assert b.length == 0 and not b.data.any()
+    be.release(a)  # demotion frees the blocks
+    _run(be, b, list(range(20, 20 + 2 * BLOCK)))
+    assert b.length == 2 * BLOCK and be.device_kv_bytes() == 2 * BLOCK * be.config.kv_bytes_per_token
+
+
+def _row_bytes(path) -> int:
+    from weaved.model.loader import open_model
+
+    return open_model(path)[1].kv_bytes_per_token
 
 
 @pytest.fixture(scope="module")

@@ -115,10 +115,10 @@ def test_status_shows_device_kv_and_moves():
     from weaved.cli.status import status_text
 
     text = status_text({"kv": {"sessions": 2, "file_bytes": 2**20, "ram_bytes": 2**20, "device_bytes": 3 * 2**20,
-                               "reserved_bytes": 2**21, "cap_bytes": 2**30},
+                               "device_free_bytes": 2**30, "reserved_bytes": 2**21, "cap_bytes": 2**30},
                         "migrations": {"count": 2, "bytes": 5 * 2**20, "seconds": 0.02,
                                        "by_reason": {"promotion": 1, "demotion": 1}}})
-    assert "1.0 MiB in RAM, 3.0 MiB on GPU pools, 2.0 MiB reserved" in text
+    assert "1.0 MiB in RAM, 3.0 MiB on GPU pools (1.0 GiB free), 2.0 MiB reserved" in text
     assert "moves     2 KV move(s) between backends, 5.0 MiB copied in 20ms (1 demotion, 1 promotion)" in text
 
 

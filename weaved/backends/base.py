@@ -130,3 +130,7 @@ class Backend(ABC):
     def device_kv_bytes(self) -> int:
         """Bytes of KV this backend holds in its own memory (the device tier); 0 for the host backend."""
         return 0
+
+    def device_kv_free_bytes(self) -> int | None:
+        """Bytes of its own KV memory a session could still take (None: its KV is the host's files)."""
+        return None

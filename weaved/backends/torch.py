@@ -14,8 +14,10 @@ either is from the float64 truth.)
 On the CPU device this is a test vehicle - correct, not fast (torch dispatches one small op at a
 time; attention alone is a few ops per key and layer).
 
-KV: each cache gets a device mirror (``torch_kv``) with the file's layout; a step writes its new
-rows to the mirror and through to ``kv.data`` before returning.
+KV: each cache gets a block table in the device's paged KV pool (``torch_paged``), shared prefix
+blocks held once per device; a step writes its new rows to its blocks and through to ``kv.data``
+before returning.  Attention gathers a sequence's blocks into one run of keys, then computes as the
+CPU kernel does.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from weaved.backends.base import Backend, BackendStats, Logits, SeqChunk
 from weaved.backends.rope import kernel_rope
-from weaved.backends.torch_kv import KVMirrors
+from weaved.backends.torch_paged import PagedKV
 from weaved.backends.torch_weights import upload_model
 from weaved.kernels.torch_attention import attend
 from weaved.kernels.torch_products import Products, kernel_path
@@ -42,9 +44,10 @@ from weaved.model.loader import open_model
 
 class TorchBackend(Backend):
     def __init__(self, gguf: GGUFFile, config: ModelConfig, device: torch.device | str = "cpu",
-                 threads: int | None = None):
+                 threads: int | None = None, kv_bytes: int | None = None):
         """``threads``: set torch's intra-op thread count (process-wide, like the CPU backend's
-        ``threads``); on the CPU device one thread avoids OpenMP barrier stalls on busy cores."""
+        ``threads``); on the CPU device one thread avoids OpenMP barrier stalls on busy cores.
+        ``kv_bytes``: the paged KV pool's size (None: ``default_kv_bytes``), allocated here."""
         if threads:
             torch.set_num_threads(threads)
         self.config = config
@@ -62,15 +65,15 @@ class TorchBackend(Backend):
         self._rope_swa = (RopeTable(kernel_rope(config, config.rope_swa), self.device) if config.rope_swa is not None
                           else self._rope)
         self._gelu = gelu_table(self.device) if config.act == "gelu" else None
-        self._kv = KVMirrors(self.device)
+        self._kv = PagedKV(config, self.device, kv_bytes if kv_bytes is not None else default_kv_bytes(self.device))
         self._scale = config.scores_scale
         gguf.release_pages()  # uploaded: the file's pages need not stay in our resident set
 
     @classmethod
-    def from_file(cls, path: str | Path, device: torch.device | str = "cpu", threads: int | None = None
-                  ) -> TorchBackend:
+    def from_file(cls, path: str | Path, device: torch.device | str = "cpu", threads: int | None = None,
+                  kv_bytes: int | None = None) -> TorchBackend:
         gguf, cfg = open_model(path)
-        return cls(gguf, cfg, device=device, threads=threads)
+        return cls(gguf, cfg, device=device, threads=threads, kv_bytes=kv_bytes)
 
     @property
     def name(self) -> str:
@@ -89,8 +92,22 @@ class TorchBackend(Backend):
     def release(self, kv: KVCache) -> int:
         return self._kv.release(kv)
 
+    def prepare(self, kv: KVCache, new_length: int) -> None:
+        """Take the blocks a step growing ``kv`` to ``new_length`` needs: a full pool fails that
+        session's step alone (``DeviceKVFull``, a 503), before anything is written."""
+        with torch.inference_mode():
+            self._kv.prepare(kv, max(0, new_length - kv.length))
+        self._sync_stats()
+
     def device_kv_bytes(self) -> int:
         return self._kv.nbytes()
+
+    def device_kv_capacity(self) -> int:
+        """Bytes of the paged KV pool (used or free)."""
+        return self._kv.capacity_bytes()
+
+    def device_kv_free_bytes(self) -> int:
+        return self._kv.free_bytes()
 
     def _sync_stats(self) -> None:
         self.stats.extra["h2d_bytes"] = float(self._kv.h2d_bytes + self._io_h2d)
@@ -142,7 +159,8 @@ class TorchBackend(Backend):
         lens = [len(c.tokens) for c in chunks]
         starts = np.concatenate([[0], np.cumsum(lens)]).tolist()  # chunk s has rows starts[s]..starts[s+1]-1
         pos0 = [c.kv.length for c in chunks]
-        mirrors = [self._kv.prepare(c.kv, n) for c, n in zip(chunks, lens, strict=True)]
+        tables = [self._kv.prepare(c.kv, n) for c, n in zip(chunks, lens, strict=True)]
+        slots = [self._kv.where(t, p, p + n) for t, p, n in zip(tables, pos0, lens, strict=True)]  # new rows' blocks
         T = starts[-1]
         positions = np.concatenate([np.arange(p, p + n) for p, n in zip(pos0, lens, strict=True)])  # [T]
         ids = torch.from_numpy(ids_np).to(dev)  # [T] int64
@@ -175,7 +193,7 @@ class TorchBackend(Backend):
             k = rope(k, c, s_, neox)
             new_kv[li, 0] = k.transpose(0, 1)  # [Hkv, T, D], rounded to float16 (nearest even)
             new_kv[li, 1] = v.transpose(0, 1)
-            y = self._project((L.wo,), self._attention(li, q, new_kv, mirrors, starts, pos0, window))
+            y = self._project((L.wo,), self._attention(li, q, new_kv, tables, slots, starts, pos0, window))
             x = x + (rmsnorm(y, L.post_attn_norm, cfg.rms_eps) if L.post_attn_norm is not None else y)
             h = rmsnorm(x, L.ffn_norm, cfg.rms_eps)
             gu = self._project(L.wgu, h)
@@ -189,18 +207,24 @@ class TorchBackend(Backend):
             c.kv.length += lens[s]
         return logits
 
-    def _attention(self, li: int, q: torch.Tensor, new_kv: torch.Tensor, mirrors, starts, pos0, window: int
+    def _attention(self, li: int, q: torch.Tensor, new_kv: torch.Tensor, tables, slots, starts, pos0, window: int
                    ) -> torch.Tensor:
-        """Store layer li's new K/V rows in each sequence's mirror, then attend per sequence:
-        q float32 [T, H, D] -> float32 [T, q_dim].  With a ``window``, a row at position p >= window
-        attends its last ``window`` keys addressed from the first of them, as the CPU kernel does
-        (its chunks start there), so such rows go one at a time."""
+        """Store layer li's new K/V rows in each sequence's blocks, then attend per sequence over its
+        keys gathered from its blocks: q float32 [T, H, D] -> float32 [T, q_dim].  With a ``window``, a
+        row at position p >= window attends its last ``window`` keys addressed from the first of them,
+        as the CPU kernel does (its chunks start there), so such rows go one at a time."""
         T, H, D = q.shape
+        B = self._kv.block
+        pool = self._kv.pool[li]  # [n_blocks, 2, Hkv, BLOCK, D]
         att = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
-        for s, m in enumerate(mirrors):
+        for s, t in enumerate(tables):
             a, b, p = starts[s], starts[s + 1], pos0[s]
-            m.data[li, :, :, p:p + b - a] = new_kv[li, :, :, a:b]  # [2, Hkv, n, D]
-            kv = m.data[li, :, :, :p + b - a]  # [2, Hkv, keys, D]
+            blk, off = slots[s]
+            pool[blk, :, :, off] = new_kv[li, :, :, a:b].permute(2, 0, 1, 3)  # [n, 2, Hkv, D] into their slots
+            keys = p + b - a
+            nb = -(-keys // B)
+            kv = pool[self._kv.ids(t)[:nb]].permute(1, 2, 0, 3, 4).reshape(2, -1, nb * B, D)[:, :, :keys]
+            # kv: [2, Hkv, keys, D], the sequence's keys in position order
             full = b - a if not window else max(0, min(b - a, window - p))  # rows whose keys start at 0
             if full:
                 att[a:a + full] = attend(q[a:a + full], kv[0], kv[1], p, self._scale)[0]
@@ -229,3 +253,13 @@ class TorchBackend(Backend):
             out.append(logits[o:o + n])
             o += n
         return out
+
+
+def default_kv_bytes(device: torch.device) -> int:
+    """The paged KV pool's default size: on CUDA, 80 % of the device memory free once the weights are
+    uploaded (the rest is the step's activations and the allocator's slack); on torch's CPU device (a
+    test vehicle) 1 GiB, whose untouched pages cost no memory."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    return 1 << 30

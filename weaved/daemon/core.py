@@ -30,7 +30,7 @@ from weaved.daemon.housekeeping import Housekeeper
 from weaved.daemon.moves import SessionMoves
 from weaved.daemon.recovery import unfed_tail, unfinished_answer
 from weaved.daemon.session import Session, transcript_entry
-from weaved.daemon.status import device_kv_bytes, hardware_status, pool_status, session_status
+from weaved.daemon.status import device_kv_bytes, device_kv_free_bytes, hardware_status, pool_status, session_status
 from weaved.daemon.turns import (
     TurnHandle,
     chat_turn_tokens,
@@ -577,7 +577,8 @@ class Daemon(SessionForks, TurnChoices):
                       "context_length": self.config.context_length},
             "profile": self.profile.name, "uptime_s": round(time.time() - self.started, 1),
             "pools": [pool_status(p) for p in pools], "pool_notes": self.pool_notes, "sessions": sessions,
-            "kv": {**self.store.tiers(), "device_bytes": device_kv_bytes(pools)},
+            "kv": {**self.store.tiers(), "device_bytes": device_kv_bytes(pools),
+                   "device_free_bytes": device_kv_free_bytes(pools)},
             "hardware": hardware_status(pools),
             "peers": self.peers.list() if getattr(self, "peers", None) is not None else [],
             "migrations": self.mover.counters.to_dict() if hasattr(self, "mover") else None,

@@ -63,6 +63,10 @@ class Pool:
         return running, [s for s in seqs if s.status is not SeqStatus.RUNNING]
 
     def state(self, free_kv_tokens: int) -> PoolState:
+        """The router's view; ``free_kv_tokens`` is the host's, which a device's own KV pool may cap."""
+        device_free = self.backend.device_kv_free_bytes()
+        if device_free is not None:
+            free_kv_tokens = min(free_kv_tokens, device_free // self.backend.config.kv_bytes_per_token)
         running, waiting = self.turns()
         return pool_state(self.config, free_kv_tokens=free_kv_tokens, batch_depth=len(running),
                           queue_depth=len(waiting), queued_prefill_tokens=sum(len(s.pending) for s in waiting

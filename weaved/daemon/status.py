@@ -57,6 +57,13 @@ def device_kv_bytes(pools: list[Pool]) -> int:
     return sum(b.device_kv_bytes() for b in backends.values())
 
 
+def device_kv_free_bytes(pools: list[Pool]) -> int | None:
+    """Device KV still free in GPU pools' backends (each counted once); None without any."""
+    backends = {id(p.backend): p.backend for p in pools}
+    free = [f for f in (b.device_kv_free_bytes() for b in backends.values()) if f is not None]
+    return sum(free) if free else None
+
+
 def _spec_counters(engine) -> dict:
     if getattr(engine, "speculative", None) is None:
         return {}

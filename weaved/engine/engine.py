@@ -180,7 +180,8 @@ class BatchEngine:
                     admit()
                 except Exception as exc:  # e.g. no device memory for its KV: that turn fails
                     log.exception("engine %s: admitting %s failed", self.name, s.session_id)
-                    self._fail(s, f"could not bring the session's KV to pool {self.name!r}: {exc}")
+                    self._fail(s, f"could not bring the session's KV to pool {self.name!r}: {exc}",
+                               getattr(exc, "http_status", None))
             for s in outside:
                 self._prefill_outside(s)
             for sid, callback in detach:

@@ -8,9 +8,27 @@ in-memory buffer or a memory-mapped file; code that reads or writes KV only sees
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from weaved.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class SharedRows:
+    """The leading positions of a cache that are a shared prefix's rows (read-only, ``weaved.kv.prefixes``).
+
+    ``keys[j]`` is the content key of positions [0, (j + 1) * block): equal keys mean equal tokens from
+    position 0 under the same model, hence equal KV bits, wherever they are held - which is what lets a
+    device hold a prefix's rows once for every session that maps it."""
+
+    keys: tuple[str, ...]
+    block: int  # positions per key
+
+    @property
+    def positions(self) -> int:
+        return len(self.keys) * self.block
 
 
 class KVCache:
@@ -21,6 +39,7 @@ class KVCache:
             raise ValueError(f"KV data must be float16 [L, 2, Hkv, cap, D], got {data.dtype} {data.shape}")
         self.data = data  # [n_layers, 2, n_kv_heads, capacity, head_dim] float16
         self.length = length
+        self.shared: SharedRows | None = None  # set by the store while a prefix file is mapped over rows
 
     @classmethod
     def allocate(cls, config: ModelConfig, capacity: int) -> KVCache:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from weaved.kv.cache import KVCache
+from weaved.kv.cache import KVCache, SharedRows
 from weaved.kv.mapping import FileMapping
 from weaved.kv.prefixes import PrefixStore
 from weaved.kv.tiers import allocated_bytes, file_resident_bytes, punch_hole, resident_bytes
@@ -191,7 +191,7 @@ class KVStore:
             if shared is not None:  # its first positions are a shared prefix's pages: map them again
                 s = self._open[session_id]
                 try:
-                    ok = self._alias(session_id, s, shared["key"], int(shared["positions"]))
+                    ok = self._alias(kv, session_id, s, shared["key"], int(shared["positions"]))
                 except (KVStoreError, OSError) as e:
                     self._open.pop(session_id).mm.release()
                     raise KVStoreError(f"session {session_id}: its shared prefix cannot be mapped: {e}") from e
@@ -250,13 +250,13 @@ class KVStore:
             if found is None:
                 return 0
             prefix, n = found
-            if not self._alias(session_id, s, prefix.key, n):
+            if not self._alias(kv, session_id, s, prefix.key, n):
                 return 0
             kv.length = n
             self._write_meta(session_id, s.capacity, {"key": prefix.key, "positions": n})
             return n
 
-    def _alias(self, session_id: str, s: _Session, key: str, n: int) -> bool:
+    def _alias(self, kv: KVCache, session_id: str, s: _Session, key: str, n: int) -> bool:
         """Map the prefix file ``key``'s positions [0, n) over the session's; False when the layout's
         runs are not whole pages (a head size too small for this page size)."""
         prefix = self.prefixes.get(key)
@@ -272,6 +272,7 @@ class KVStore:
         finally:
             os.close(fd)
         s.prefix, s.shared = key, n
+        kv.shared = SharedRows(tuple(prefix.keys[:n // self.prefixes.block]), self.prefixes.block)
         s.reserved = max(s.reserved, n)
         self.prefixes.use(key, session_id)
         return True
@@ -297,6 +298,7 @@ class KVStore:
             s.data[:, :, :, :keep] = rows
             self.prefixes.drop_user(s.prefix, session_id)
             s.prefix, s.shared = None, 0
+            kv.shared = None
             self._write_meta(session_id, s.capacity, None)
 
     def publish_prefix(self, kv: KVCache, tokens: list[int], *, adopt: bool = True) -> int:
@@ -325,7 +327,7 @@ class KVStore:
                 return
             if s.prefix is not None:
                 self.prefixes.drop_user(s.prefix, session_id)
-            if not self._alias(session_id, s, key, n):
+            if not self._alias(kv, session_id, s, key, n):
                 return
             row = self.config.head_dim * 2
             fd = os.open(self._kv_path(session_id), os.O_RDWR)
