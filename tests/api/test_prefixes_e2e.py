@@ -4,10 +4,12 @@ and after ``kill -9``; a stateless client resending a growing conversation prefi
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -147,8 +149,24 @@ def test_n_choices_come_from_one_prefill(tmp_path, smollm2_q4_0):
         comp = sdk.completions.create(model="default", prompt="Once upon a time", n=3, max_tokens=6, seed=3,
                                       temperature=1.0)
         assert [c.index for c in comp.choices] == [0, 1, 2]
-        with pytest.raises(openai.BadRequestError):
-            sdk.chat.completions.create(model="default", messages=msgs, n=2, max_tokens=4,
-                                        response_format={"type": "json_object"})
+        # constrained answers: each choice has its own grammar state from the answer's start
+        schema = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 20},
+                                                   "lines": {"type": "integer"}}, "required": ["title", "lines"]}
+        before = _prefilled(http)
+        shaped = sdk.chat.completions.create(model="default", messages=msgs, n=3, max_tokens=60, temperature=0.9,
+                                             seed=5, response_format={"type": "json_schema", "json_schema": {
+                                                 "name": "poem", "schema": schema}})
+        assert _prefilled(http) - before == shaped.usage.prompt_tokens + 2
+        for c in shaped.choices:
+            assert c.finish_reason == "stop", c
+            jsonschema.validate(json.loads(c.message.content), schema)
+        tool = {"type": "function", "function": {"name": "rhyme", "parameters": {
+            "type": "object", "properties": {"word": {"type": "string", "maxLength": 12}}, "required": ["word"]}}}
+        called = sdk.chat.completions.create(model="default", messages=msgs, n=2, max_tokens=60, temperature=0.9,
+                                             seed=5, tools=[tool], tool_choice="required",
+                                             parallel_tool_calls=False)
+        for c in called.choices:
+            assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == "rhyme", c
+            assert isinstance(json.loads(c.message.tool_calls[0].function.arguments)["word"], str)
         with pytest.raises(openai.BadRequestError):
             sdk.chat.completions.create(model="default", messages=msgs, n=17, max_tokens=4)

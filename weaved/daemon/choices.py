@@ -3,7 +3,9 @@
 Choice 0 runs as any turn, in a throwaway session.  When it has fed its whole prompt (its first token is
 sampled), choices 1..n-1 start, each in its own throwaway session that shares choice 0's context but the
 prompt's last token (full blocks through a prefix file, the rest of the rows copied) and feeds that one
-token: its logits row is bit for bit choice 0's, and each choice samples from it with its own seed.
+token: its logits row is bit for bit choice 0's, and each choice samples from it with its own seed.  A
+constrained answer (tools, response_format) gives each choice its own grammar state from the answer's
+start, compiled from choice 0's answer plan.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from weaved.daemon.turns import TurnHandle
 from weaved.engine.sampling import SamplingParams
 from weaved.errors import InvalidRequest, WeaveError
 from weaved.kv.cache import KVCache
+from weaved.kv.store import KVStoreError
 from weaved.routing.types import SLA, SLAClass
 
 MAX_CHOICES = 16
@@ -60,8 +63,6 @@ class TurnChoices:
         has prefilled.  A choice that cannot start emits an error event."""
         if not 2 <= n <= MAX_CHOICES:
             raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}", param="n")
-        if answer is not None and answer.constrained:
-            raise InvalidRequest("n > 1 cannot be combined with tools or response_format", param="n")
         late = [LateHandle() for _ in range(n - 1)]
         started, first_handle = threading.Event(), LateHandle()
 
@@ -92,11 +93,19 @@ class TurnChoices:
         with self._lock:
             s0 = self.sessions.get(handle0.session_id) if handle0 is not None else None
             tokens = list(s0.committed) if s0 is not None else []
+        if s0 is not None and isinstance(s0.kv, KVCache) and len(tokens) > 1:
+            # the prompt's full blocks as a prefix file, copied once and not under the daemon's lock (the
+            # forks below then only map it); choice 0's session is this turn's alone, its rows are fed
+            try:
+                self.store.publish_prefix(s0.kv, tokens[:-1])
+            except (KVStoreError, OSError):  # no prefix file (e.g. a full disk): each fork copies its rows
+                pass
         for k, lh in enumerate(late, start=1):
             if lh.cancelled or s0 is None or not isinstance(s0.kv, KVCache) or not tokens:
                 lh.set(None)
                 emits[k]({"type": "error", "message": "this choice could not start", "status": 500})
                 continue
+            child = None
             try:
                 info = self.create_session(sla or SLA(SLAClass.INTERACTIVE), s0.max_context, None, ephemeral=True)
                 with self._lock:
@@ -105,7 +114,12 @@ class TurnChoices:
                     child.committed.extend(tokens[:-1])
                 pk = replace(params, seed=choice_seed(params.seed, k)) if params.seed is not None else params
                 lh.set(self.start_turn(session_id=info["id"], prompt=tokens[-1:], params=pk, sla=sla,
-                                       emit=emits[k]))
+                                       emit=emits[k], answer_plan=handle0.answer))
             except WeaveError as e:
                 lh.set(None)
                 emits[k]({"type": "error", "message": e.message, "status": e.status})
+            except (KVStoreError, OSError) as e:  # the KV cap or the disk: the server's capacity
+                if child is not None:
+                    self._drop_ephemeral(child)
+                lh.set(None)
+                emits[k]({"type": "error", "message": f"this choice could not start: {e}", "status": 503})

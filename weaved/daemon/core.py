@@ -302,15 +302,17 @@ class Daemon(SessionForks, TurnChoices):
     # ---- turns -----------------------------------------------------------------------------------
     def start_turn(self, *, session_id: str | None, messages: list[dict] | None = None,
                    prompt: str | list[int] | None = None, params: SamplingParams, sla: SLA | None = None,
-                   echo: bool = False, emit: Callable[[dict], None], answer: AnswerSpec | None = None) -> TurnHandle:
+                   echo: bool = False, emit: Callable[[dict], None], answer: AnswerSpec | None = None,
+                   answer_plan: AnswerPlan | None = None) -> TurnHandle:
         """Start a turn: ``messages`` (a chat turn; ``answer`` says what its answer may hold - tools,
-        response format - see ``weaved.agent``) or a raw ``prompt``.  WeaveError for a turn it refuses;
-        nothing has changed then."""
+        response format - see ``weaved.agent``) or a raw ``prompt`` (``answer_plan``: a prompt that ends
+        where a chat answer starts - a forked choice - and is constrained as that answer).  WeaveError
+        for a turn it refuses; nothing has changed then."""
         if (messages is None) == (prompt is None):
             raise InvalidRequest("a turn needs either messages or a prompt")
         if messages is not None and not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
-        plan = AnswerPlan(answer or AnswerSpec(), self.tokenizer, self.grammar) if messages is not None else None
+        plan = AnswerPlan(answer or AnswerSpec(), self.tokenizer, self.grammar) if messages is not None else answer_plan
         if plan is not None and plan.spec.constrained:
             _ = self.grammar.lltokenizer  # built once (seconds for a large vocabulary), not under the lock
         if session_id is None:
@@ -322,7 +324,7 @@ class Daemon(SessionForks, TurnChoices):
             if s.turn is not None and not s.turn.ended.is_set():
                 raise Conflict(f"session {session_id} is already generating a turn", param="session")
             try:
-                if plan is not None:
+                if messages is not None:
                     new, keep = chat_turn_tokens(self.tokenizer, s, messages, render=plan.render)
                 else:
                     new, keep = prompt_turn_tokens(self.tokenizer, s, prompt)
