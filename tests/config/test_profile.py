@@ -428,3 +428,14 @@ def test_the_documented_example_loads(tmp_path, monkeypatch):
     assert [p.name for p in prof.pools] == ["gpu-spec", "gpu", "cpu", "ring"]
     assert prof.threads.kernels == 32 - 1 - 1 and prof.peers[0].token == "t0k"
     assert prof.host.kv_cap_bytes == 64 * 2**30
+
+
+def test_device_memory(tmp_path):
+    gpu = '\n[[pools]]\nname = "gpu"\nbackend = "torch"\ndevice = "cuda:0"\ndevice_memory = "40GiB"\n'
+    prof = load_profile(write(tmp_path, MINIMAL + gpu), hardware=L40S_EPYC)
+    assert [p.device_memory for p in prof.pools] == [None, 40 * 2**30]
+    prof = load_profile(write(tmp_path, MINIMAL + gpu.replace('"40GiB"', '"auto"')), hardware=L40S_EPYC)
+    assert prof.pools[1].device_memory is None
+    rejects(tmp_path, MINIMAL + gpu.replace('"40GiB"', '"lots"'), "pools[1].device_memory", hw=L40S_EPYC)
+    rejects(tmp_path, MINIMAL.replace('backend = "cpu"', 'backend = "cpu"\ndevice_memory = "1GiB"'),
+            "pools[0].device_memory", "torch pools only")

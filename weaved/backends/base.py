@@ -131,6 +131,10 @@ class Backend(ABC):
         """Bytes of KV this backend holds in its own memory (the device tier); 0 for the host backend."""
         return 0
 
+    def device_kv_bytes_of(self, kv: KVCache) -> int:
+        """Bytes of its own KV memory that releasing ``kv`` would free (0 for the host backend)."""
+        return 0
+
     def device_kv_free_bytes(self) -> int | None:
         """Bytes of its own KV memory a session could still take (None: its KV is the host's files)."""
         return None

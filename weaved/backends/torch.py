@@ -23,6 +23,7 @@ CPU kernel does.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -44,10 +45,11 @@ from weaved.model.loader import open_model
 
 class TorchBackend(Backend):
     def __init__(self, gguf: GGUFFile, config: ModelConfig, device: torch.device | str = "cpu",
-                 threads: int | None = None, kv_bytes: int | None = None):
+                 threads: int | None = None, kv_bytes: int | Callable[[int], int] | None = None):
         """``threads``: set torch's intra-op thread count (process-wide, like the CPU backend's
         ``threads``); on the CPU device one thread avoids OpenMP barrier stalls on busy cores.
-        ``kv_bytes``: the paged KV pool's size (None: ``default_kv_bytes``), allocated here."""
+        ``kv_bytes``: the paged KV pool's size, or a function of the uploaded weights' bytes that gives it
+        (and may refuse: ``weaved.backends.device_memory``); None: ``default_kv_bytes``."""
         if threads:
             torch.set_num_threads(threads)
         self.config = config
@@ -57,6 +59,7 @@ class TorchBackend(Backend):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.stats = BackendStats()
         self.stats.extra.update(h2d_bytes=0.0, d2h_bytes=0.0)
+        self.device_plan = None  # the daemon's split of the device's memory (weaved.backends.device_memory)
         self._io_h2d = self._io_d2h = 0  # token ids and positions in, logits out (the mirrors count KV)
         self.kernels = kernel_path(self.device)  # "triton" or "torch"
         self._products = Products(self.kernels)
@@ -65,6 +68,8 @@ class TorchBackend(Backend):
         self._rope_swa = (RopeTable(kernel_rope(config, config.rope_swa), self.device) if config.rope_swa is not None
                           else self._rope)
         self._gelu = gelu_table(self.device) if config.act == "gelu" else None
+        if callable(kv_bytes):
+            kv_bytes = kv_bytes(self.weights.nbytes)
         self._kv = PagedKV(config, self.device, kv_bytes if kv_bytes is not None else default_kv_bytes(self.device))
         self._scale = config.scores_scale
         gguf.release_pages()  # uploaded: the file's pages need not stay in our resident set
@@ -108,6 +113,9 @@ class TorchBackend(Backend):
 
     def device_kv_free_bytes(self) -> int:
         return self._kv.free_bytes()
+
+    def device_kv_bytes_of(self, kv: KVCache) -> int:
+        return self._kv.held_bytes(kv)
 
     def _sync_stats(self) -> None:
         self.stats.extra["h2d_bytes"] = float(self._kv.h2d_bytes + self._io_h2d)

@@ -39,9 +39,14 @@ BLOCK = 32  # positions per device block: divides the prefix files' block, small
 
 
 class DeviceKVFull(RuntimeError):
-    """The device's KV pool has too few free blocks for a session's next step (the server's capacity)."""
+    """The device's KV pool has too few free blocks for a session's next step (the server's capacity);
+    ``need_bytes``: the free KV that would have been enough."""
 
     http_status = 503
+
+    def __init__(self, message: str, need_bytes: int):
+        super().__init__(message)
+        self.need_bytes = need_bytes
 
 
 @dataclass(eq=False)
@@ -108,6 +113,15 @@ class PagedKV:
             idle = sum(len(e.blocks) for e in self._prefix.values() if not e.users)
             return (len(self._free) + idle) * self.block_bytes
 
+    def held_bytes(self, kv: KVCache) -> int:
+        """Bytes that releasing ``kv`` would free: its own blocks and the shared ones it alone uses."""
+        t = self._tables.get(kv)
+        if t is None:
+            return 0
+        with self._lock:
+            alone = sum(1 for key in t.shared if key in self._prefix and self._prefix[key].users == 1)
+        return (len(t.blocks) - (len(t.shared) - alone) * t.per_key) * self.block_bytes
+
     def prefix_blocks(self) -> int:
         return sum(len(e.blocks) for e in self._prefix.values())
 
@@ -122,7 +136,8 @@ class PagedKV:
             if len(self._free) < n:
                 raise DeviceKVFull(
                     f"device KV full on {self.device}: {n} more blocks of {self.block} positions needed, "
-                    f"{len(self._free)} of {self.n_blocks} free ({self.capacity_bytes() / 2**20:.0f} MiB pool)")
+                    f"{len(self._free)} of {self.n_blocks} free ({self.capacity_bytes() / 2**20:.0f} MiB pool)",
+                    need_bytes=n * self.block_bytes)
             return [self._free.pop() for _ in range(n)]
 
     def _give(self, blocks: list[int]) -> None:

@@ -136,6 +136,19 @@ def _resolve(name: str, source: str, data: dict[str, Any], hardware: Hardware | 
                    notes=tuple(notes))
 
 
+def _device_memory(t: Table, backend: str) -> int | None:
+    v = t.get("device_memory", lambda v: isinstance(v, int | str) and not isinstance(v, bool),
+              'a size: bytes, a string like "40GiB", or "auto"', AUTO)
+    if v == AUTO:
+        return None
+    if backend != "torch":
+        raise t.err("device_memory", "applies to torch pools only (a cpu pool's KV is in the host's files)")
+    try:
+        return parse_size(v)
+    except ValueError as e:
+        raise t.err("device_memory", str(e)) from None
+
+
 def _pools(root: Table, hw: Callable[[], Hardware], notes: list[str]) -> list[PoolConfig]:
     pools: list[PoolConfig] = []
     names: set[str] = set()
@@ -157,6 +170,7 @@ def _pools(root: Table, hw: Callable[[], Hardware], notes: list[str]) -> list[Po
             token_budget=t.integer("token_budget", chunk + max_batch),
             idle_demote_s=t.number("idle_demote_s", None),
             interactive_token_budget=t.integer("interactive_token_budget", None),
+            device_memory=_device_memory(t, backend),
         )
         only_if_gpu = t.flag("only_if_gpu", False)
         if only_if_gpu and pool.cuda_device is None:

@@ -88,6 +88,10 @@ class PoolConfig:
     # tokens per step while an interactive turn decodes in this pool (None: token_budget): bounds the
     # inter-token gap of an interactive turn that shares the pool with prefilling background turns
     interactive_token_budget: int | None = None
+    # torch pools: bytes of the device its backend may use - weights, a step's workspace and the paged KV
+    # pool (weaved.backends.device_memory); None: what a CUDA device has free at start (the CPU device,
+    # a stand-in, gets a 1 GiB KV pool).  Pools on one device share one backend: the smallest applies.
+    device_memory: int | None = None
 
     def __post_init__(self) -> None:
         _check(re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", self.name) is not None, "name",
@@ -107,6 +111,8 @@ class PoolConfig:
         else:
             _check(self.spec_max_concurrency == 0, "spec_max_concurrency", "set only with speculative = true")
         _positive(self, "spec_draft_tokens", "spec_ngram_min")
+        _check(self.device_memory is None or (self.backend == "torch" and self.device_memory > 0), "device_memory",
+               "a positive size, for torch pools only")
         _check(self.spec_ngram_max >= self.spec_ngram_min, "spec_ngram_max",
                f"must be >= spec_ngram_min ({self.spec_ngram_min}), got {self.spec_ngram_max}")
         _positive(self, "max_batch", "prefill_chunk", "token_budget")

@@ -24,6 +24,7 @@ from weaved.agent.grammar import GrammarEngine
 from weaved.agent.plan import AnswerPlan, AnswerSpec
 from weaved.config.profile import Profile
 from weaved.daemon.choices import TurnChoices
+from weaved.daemon.device_room import DeviceRoom
 from weaved.daemon.events import EventBus
 from weaved.daemon.forks import SessionForks
 from weaved.daemon.housekeeping import Housekeeper
@@ -57,7 +58,7 @@ KV_ALIGN = 32  # capacities are multiples of this: keeps the file's per-head run
 CANCEL_WAIT_S = 30.0  # how long a new turn waits for its session's cancelled turn to end (one engine step)
 
 
-class Daemon(SessionForks, TurnChoices):
+class Daemon(SessionForks, TurnChoices, DeviceRoom):
     def __init__(self, profile: Profile, model_path: Path, *, data_dir: Path | None = None,
                  log_fn: Callable[[str], None] = print, federation=None, chat_template: str | None = None):
         self.profile = profile
@@ -113,7 +114,7 @@ class Daemon(SessionForks, TurnChoices):
         ring = fed.ring_factory(self, self.federation) if self.federation is not None else None
         self.pools, self.pool_notes = build_pools(self.profile, gguf, self.config, commit=self._commit,
                                                   reserve=self._reserve, on_event=self.publish, ring=ring,
-                                                  progress=say)
+                                                  progress=say, make_room=self.make_device_room)
         self.engines = {name: p.engine for name, p in self.pools.items()}
         if not any(p.config.strategy == "standard" for p in self.pools.values()):
             raise WeaveError("the profile has no pool this daemon can run: "
@@ -123,7 +124,7 @@ class Daemon(SessionForks, TurnChoices):
         self.mover = Mover(self.publish)
         self.moves = SessionMoves(pools=self.pools, routing=self.profile.routing, journal=self.journal,
                                   store=self.store, peers=self.peers, mover=self.mover, publish=self.publish,
-                                  system_state=self._system_state, lock=self._lock)
+                                  system_state=self._system_state, lock=self._lock, make_room=self.make_device_room)
         say("recovering sessions")
         self._recover()
         self.peers.start()
@@ -189,7 +190,7 @@ class Daemon(SessionForks, TurnChoices):
     # ---- sessions --------------------------------------------------------------------------------
     def _system_state(self) -> SystemState:
         free = max(0, (self.profile.host.kv_cap_bytes - self.store.reserved_bytes()) // self.config.kv_bytes_per_token)
-        pools = [p.state(int(free)) for p in self.pools.values()]
+        pools = [p.state(int(free), self.idle_device_bytes(p.backend)) for p in self.pools.values()]
         node = int(self.profile.host.kv_cap_bytes // self.config.kv_bytes_per_token)
         alive = self.peers.peers_alive()
         rings = any(p.config.strategy == "qring" for p in self.pools.values())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 
+from weaved.backends.base import Backend
 from weaved.config.profile import RoutingThresholds
 from weaved.daemon.migration import Mover
 from weaved.daemon.pools import Pool
@@ -34,16 +35,25 @@ class SessionMoves:
 
     def __init__(self, *, pools: dict[str, Pool], routing: RoutingThresholds, journal, store, peers, mover: Mover,
                  publish: Callable[[str, dict], None], system_state: Callable[[], SystemState],
-                 lock: threading.RLock):
+                 lock: threading.RLock, make_room: Callable[[Backend, int], bool] | None = None):
         self.pools, self.routing, self.journal, self.store = pools, routing, journal, store
         self.peers, self.mover, self.publish = peers, mover, publish
         self.system_state, self.lock = system_state, lock
+        self.make_room = make_room  # frees a GPU's KV memory for a promotion that lacks it
 
     # ---- bringing KV where the turn runs ---------------------------------------------------------
     def _bring_kv(self, s: Session, to: str, reason: str) -> None:
         """Make pool ``to``'s backend hold the session's KV (engine thread of ``to``, or any thread when
         ``to`` is a host pool)."""
-        self.mover.move_kv(s.id, s.kv, self.pools.get(s.kv_at) if s.kv_at else None, self.pools[to], reason)
+        src, dst = self.pools.get(s.kv_at) if s.kv_at else None, self.pools[to]
+        try:
+            self.mover.move_kv(s.id, s.kv, src, dst, reason)
+        except Exception as exc:  # the device's KV pool is full: idle sessions leave it, then once more
+            s.kv_at = None  # the source let go before the copy failed: the KV is in its file only
+            need = getattr(exc, "need_bytes", 0)
+            if not (need and self.make_room is not None and self.make_room(dst.backend, need)):
+                raise
+            self.mover.move_kv(s.id, s.kv, None, dst, reason)
         s.kv_at = to
         s.move_reason = None
 
@@ -159,7 +169,7 @@ class SessionMoves:
         s.move_reason = reason
         held = self.pools.get(s.kv_at) if s.kv_at else None
         if held is not None and held.device_kind == "gpu" and (held.backend is not self.pools[to].backend
-                                                              or reason == "idle demotion"):
+                                                              or reason in ("idle demotion", "device memory")):
             self.mover.move_kv(s.id, s.kv, held, None, reason)  # frees device memory now; copies nothing
             s.kv_at = None
 

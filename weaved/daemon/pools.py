@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from weaved.backends.base import Backend
+from weaved.backends.device_memory import DevicePlan, plan
 from weaved.config.profile import PoolConfig, Profile
 from weaved.engine.admission import Capacity
 from weaved.engine.engine import BatchEngine
@@ -62,10 +63,12 @@ class Pool:
         running = [s for s in seqs if s.status is SeqStatus.RUNNING]
         return running, [s for s in seqs if s.status is not SeqStatus.RUNNING]
 
-    def state(self, free_kv_tokens: int) -> PoolState:
-        """The router's view; ``free_kv_tokens`` is the host's, which a device's own KV pool may cap."""
+    def state(self, free_kv_tokens: int, reclaimable_bytes: int = 0) -> PoolState:
+        """The router's view; ``free_kv_tokens`` is the host's, which a device's own KV pool may cap (its
+        free bytes, and ``reclaimable_bytes`` held for idle sessions, which leave when room is needed)."""
         device_free = self.backend.device_kv_free_bytes()
         if device_free is not None:
+            device_free += reclaimable_bytes
             free_kv_tokens = min(free_kv_tokens, device_free // self.backend.config.kv_bytes_per_token)
         running, waiting = self.turns()
         return pool_state(self.config, free_kv_tokens=free_kv_tokens, batch_depth=len(running),
@@ -100,6 +103,7 @@ class _Backends:
     def __init__(self, gguf: GGUFFile, config: ModelConfig, profile: Profile, progress: Callable[[str], None]):
         self.gguf, self.config, self.profile, self.progress = gguf, config, profile, progress
         self.made: dict[tuple[str, str], tuple[Backend, threading.Lock]] = {}
+        self.plans: dict[str, DevicePlan] = {}  # device -> how its memory is split
 
     def get(self, cfg: PoolConfig) -> tuple[Backend, threading.Lock]:
         key = (cfg.backend, cfg.device)
@@ -117,9 +121,36 @@ class _Backends:
                 # torch's own CPU threads launch GPU work (or, on the CPU device, do it): the profile's
                 # gpu_driver cores, so they do not fight the CPU pool's kernel threads for the cores
                 torch.set_num_threads(max(1, self.profile.threads.gpu_driver))
-                backend = TorchBackend(self.gguf, self.config, device=cfg.device)
+                backend = TorchBackend(self.gguf, self.config, device=cfg.device, kv_bytes=self._device_kv(cfg))
+                backend.device_plan = self.plans.get(cfg.device)
             self.made[key] = (backend, threading.Lock())
         return self.made[key]
+
+
+    def _device_kv(self, cfg: PoolConfig) -> Callable[[int], int] | None:
+        """The KV pool's size for the torch backend on ``cfg.device``, as a function of its weights' bytes:
+        the device's budget (the pools' smallest ``device_memory``, or what a CUDA device has free now)
+        less the weights and the largest step of the pools on it.  None: the CPU device's default."""
+        here = [p for p in self.profile.pools if p.backend == "torch" and p.device == cfg.device]
+        given = [p.device_memory for p in here if p.device_memory is not None]
+        if given:
+            budget = min(given)
+        elif cfg.cuda_device is not None:
+            import torch
+
+            budget = torch.cuda.mem_get_info(cfg.cuda_device)[0]
+        else:
+            return None
+        context = min(self.profile.host.default_context, self.config.context_length)
+        step = max(p.token_budget for p in here)
+        rows = max(p.max_batch * (1 + (p.spec_draft_tokens if p.speculative else 0)) for p in here)
+
+        def kv_bytes(weights: int) -> int:
+            p = self.plans[cfg.device] = plan(self.config, budget=budget, weights=weights, step_tokens=step,
+                                              logits_rows=rows, context=context, device=cfg.device)
+            return p.kv
+
+        return kv_bytes
 
 
 def cuda_missing(cfg: PoolConfig) -> str | None:
@@ -153,11 +184,13 @@ def _percent(say: Callable[[str], None], what: str) -> Callable[[int, int], None
 def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
                 commit: Callable, reserve: Callable, on_event: Callable,
                 ring: Callable[[PoolConfig, Backend], Backend] | None = None,
-                progress: Callable[[str], None] | None = None) -> tuple[dict[str, Pool], list[str]]:
+                progress: Callable[[str], None] | None = None,
+                make_room: Callable[[Backend, int], bool] | None = None) -> tuple[dict[str, Pool], list[str]]:
     """One ``Pool`` per pool of the profile this daemon can run, and notes on those it cannot (but for
     the expected ones, which are only logged).
     ``ring(cfg, cpu_backend)`` makes a ``qring`` pool's backend (None: this daemon does not federate);
-    ``progress`` hears how loading the weights goes."""
+    ``progress`` hears how loading the weights goes; ``make_room(backend, bytes)`` frees a GPU's KV memory
+    for a step that lacks it (``weaved.daemon.device_room``)."""
     backends = _Backends(gguf, config, profile, progress or (lambda m: None))
     pools: dict[str, Pool] = {}
     notes: list[str] = []
@@ -182,7 +215,8 @@ def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
         order = "fifo" if profile.routing.policy == "fifo" else "sla"
         sched = SchedulerConfig(cfg.token_budget, cfg.max_batch, cfg.prefill_chunk, order, cfg.interactive_token_budget)
         engine = BatchEngine(cfg.name, backend, sched, commit=commit, reserve=reserve, on_event=on_event,
-                             forward_lock=lock, speculative=_speculative(cfg), capacity=_capacity(cfg, profile))
+                             forward_lock=lock, speculative=_speculative(cfg), capacity=_capacity(cfg, profile),
+                             make_room=make_room)
         pools[cfg.name] = Pool(cfg, backend, engine, lock)
         if pools[cfg.name].stand_in:
             notes.append(f"pool {cfg.name!r}: the torch backend on the CPU device stands in for a GPU pool")

@@ -86,6 +86,7 @@ def pool_status(pool: Pool) -> dict:
         "tokens_prefilled": e.counters.tokens_prefilled, "preemptions": e.counters.preemptions,
         **_spec_counters(e),
         **({"ring": e.backend.describe()} if p.strategy == "qring" else {}),
+        **({"device_memory": plan.to_dict()} if (plan := getattr(e.backend, "device_plan", None)) else {}),
     }
 
 

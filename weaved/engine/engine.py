@@ -77,6 +77,7 @@ class BatchEngine:
         forward_lock: threading.Lock | None = None,
         speculative: SpecConfig | None = None,
         capacity: Capacity | None = None,
+        make_room: Callable[[Backend, int], bool] | None = None,
     ):
         self.name = name
         self.backend = backend
@@ -97,6 +98,9 @@ class BatchEngine:
         self.counters = PoolCounters()
         self.tps_window: list[tuple[float, int]] = []  # (time, tokens generated) per step, recent
         self.capacity = capacity  # None: every turn is admitted (admission.judge)
+        # (backend, bytes) -> whether it freed that much of the backend's own KV memory (a GPU's, by
+        # demoting idle sessions): tried once before a step that lacks the room fails a turn
+        self._make_room = make_room
 
     # ---- control (any thread) ----------------------------------------------------------------
     def start(self) -> None:
@@ -284,7 +288,7 @@ class BatchEngine:
         if len(self.tps_window) > 256:
             del self.tps_window[:128]
 
-    def _reserved(self, w: Work, drafts: dict[Sequence, list[int]] | None = None) -> bool:
+    def _reserved(self, w: Work, drafts: dict[Sequence, list[int]] | None = None, room_made: bool = False) -> bool:
         extra = len(drafts.get(w.seq, ())) if drafts else 0
         try:
             self.backend.prepare(w.seq.kv, w.seq.kv.length + w.n_tokens + extra)
@@ -294,7 +298,10 @@ class BatchEngine:
         except Exception as exc:  # KV cap, full disk: that turn fails, the others go on
             if extra:  # only the draft's rows did not fit: decode this step plainly
                 del drafts[w.seq]
-                return self._reserved(w)
+                return self._reserved(w, room_made=room_made)
+            need = getattr(exc, "need_bytes", 0)  # the device's own KV memory: idle sessions may leave it
+            if need and not room_made and self._make_room is not None and self._make_room(self.backend, need):
+                return self._reserved(w, room_made=True)
             # out of KV room (the node's cap, a ring's shards) is the server's capacity, not a bug: 503
             self._fail(w.seq, str(exc), getattr(exc, "http_status", None))
             return False
