@@ -60,6 +60,12 @@ class Table:
     def changed(self) -> None:
         self._ids = None
 
+    def ids(self, device: torch.device) -> torch.Tensor:
+        """The blocks as an int64 device tensor [n_blocks]."""
+        if self._ids is None:
+            self._ids = torch.tensor(self.blocks, dtype=torch.int64, device=device)
+        return self._ids
+
 
 @dataclass(eq=False)
 class _Shared:
@@ -177,9 +183,7 @@ class PagedKV:
         return self.ids(t)[pos // self.block], pos % self.block
 
     def ids(self, t: Table) -> torch.Tensor:
-        if t._ids is None:
-            t._ids = torch.tensor(t.blocks, dtype=torch.int64, device=self.device)
-        return t._ids
+        return t.ids(self.device)
 
     def _grow(self, t: Table, positions: int) -> None:
         need = -(-positions // self.block) - len(t.blocks)

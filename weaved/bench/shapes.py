@@ -256,8 +256,10 @@ def _values(shape: ModelShape, name: str, dims: tuple[int, ...], kind: str, rng:
     return llama3_rope_freqs(shape.head_dim, shape.rope_base, factor, low, high, orig)
 
 
-def write_f16(shape: ModelShape, path: Path, n_layers: int, seed: int = 0) -> None:
-    """Write the shape as an F16 GGUF (norms, biases and rope factors F32), tensor by tensor."""
+def write_f16(shape: ModelShape, path: Path, n_layers: int, seed: int = 0, tokenizer: bool = True) -> None:
+    """Write the shape as an F16 GGUF (norms, biases and rope factors F32), tensor by tensor.
+    ``tokenizer=False``: no tokenizer metadata (a file run on token ids only, where SmolLM2's
+    tokenizer, which the metadata is made from, is not installed)."""
     from gguf import GGUFWriter, RopeScalingType
 
     arch = shape.arch
@@ -280,7 +282,7 @@ def write_f16(shape: ModelShape, path: Path, n_layers: int, seed: int = 0) -> No
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(shape.yarn[0])
         w.add_rope_scaling_orig_ctx_len(shape.yarn[1])
-    for key, value, vtype, sub in _tokenizer_metadata(shape):
+    for key, value, vtype, sub in _tokenizer_metadata(shape) if tokenizer else ():
         w.add_key_value(key, value, vtype, sub)
     tensors = _tensors(shape, n_layers)
     for name, dims, kind in tensors:

@@ -1,0 +1,59 @@
+"""The GPU validation command, run here with the torch backend on torch's CPU device (where it must
+find the two backends bit-equal), and its pass/fail rule on logits that differ."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from weaved.gpucheck.agreement import KL_BAR, Agreement, compare_step
+
+pytest.importorskip("torch")
+
+
+def test_the_command_reports_agreement_speed_and_memory(tiny_llama, tmp_path, capsys):
+    from weaved.gpucheck.__main__ import main
+
+    out = tmp_path / "r.json"
+    code = main([str(tiny_llama), "--device", "cpu", "--threads", "2", "--prompt", "40", "--steps", "4",
+                 "--batches", "2,3", "--context", "16", "--promote", "256", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "agreement: PASS (bit-equal)" in printed
+    r = json.loads(out.read_text())
+    assert r["agreement"] == {"passed": True, "bit_equal": True, "mean_kl": 0.0, "max_kl": 0.0,
+                              "greedy_disagreements": 0, "near_ties": 0, "steps": 5}
+    assert r["device_speed"]["prefill_tok_s"] > 0 and r["device_speed"]["decode_tok_s"] > 0
+    assert [b["batch"] for b in r["batched"]] == [2, 3] and all(b["tok_s"] > 0 for b in r["batched"])
+    from weaved.model.loader import open_model
+
+    cfg = open_model(tiny_llama)[1]
+    assert r["promotion"]["bytes"] == 256 * cfg.kv_bytes_per_token and r["promotion"]["gb_s"] > 0
+    assert r["memory"]["weights_bytes"] > 0 and r["memory"]["kv_pool_bytes"] > 0
+
+
+def _row(top: int, gap: float, vocab: int = 50) -> np.ndarray:
+    row = np.linspace(-1, 0, vocab).astype(np.float32)
+    row[top] = 1.0 + gap
+    return row
+
+
+def test_the_rule_fails_logits_that_disagree():
+    ref = _row(3, 2.0)
+    assert compare_step(0, ref, ref.copy()).bit_equal
+    close = ref.copy()
+    close[10] += 1e-4  # a hair: not bit-equal, tiny KL, same greedy token
+    step = compare_step(0, ref, close)
+    assert not step.bit_equal and step.greedy_equal and step.kl < KL_BAR
+    assert Agreement([step]).passed
+    far = _row(7, 2.0)  # another token on top by a wide margin: not a near-tie
+    step = compare_step(1, ref, far)
+    assert not step.greedy_equal and not step.near_tie
+    assert not Agreement([compare_step(0, ref, close), step]).passed
+    tie = ref.copy()
+    tie[5] = tie[3] + 0.01  # the other engine prefers a token the reference had within 0.3
+    a = ref.copy()
+    a[5] = a[3] - 0.01
+    step = compare_step(2, a, tie)
+    assert step.near_tie and not step.greedy_equal

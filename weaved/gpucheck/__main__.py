@@ -1,0 +1,126 @@
+"""``python -m weaved.gpucheck``: see the package docstring.  Plain argparse (no typer, no server), so it
+runs where only numpy, numba, torch and gguf are installed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m weaved.gpucheck", description=(
+        "Run the CPU backend and the torch backend on one model and the same token ids: do their logits "
+        "agree, how fast is the device (prefill, decode, batched decode, KV promotion), how much memory "
+        "does it use.  Exit code 0: the logits agree; 1: they do not."))
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("model", nargs="?", help="a GGUF file (converted to Q4_0 first if it is not)")
+    src.add_argument("--shape", help="write a random-weight Q4_0 file of this real model's shape instead "
+                                     "(llama-3.2-1b, qwen3-1.7b, ...; see weaved.bench.shapes)")
+    p.add_argument("--layers", type=int, default=None, help="with --shape: cut it to this many layers")
+    p.add_argument("--device", default="cuda", help="the torch backend's device (default: cuda)")
+    p.add_argument("--threads", type=int, default=None, help="CPU backend threads (default: all cores)")
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens for agreement and prefill")
+    p.add_argument("--steps", type=int, default=32, help="decode steps compared and timed")
+    p.add_argument("--batches", default="16,64", help="batch sizes of the batched decode timing")
+    p.add_argument("--context", type=int, default=512, help="context of each batched sequence")
+    p.add_argument("--promote", type=int, default=8192, help="KV positions of the promotion timing")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--work", type=Path, default=None, help="where a --shape file is written (default: a temp dir)")
+    return p.parse_args(argv)
+
+
+def _model(a: argparse.Namespace, say) -> Path:
+    from weaved.model.convert import convert_gguf, needs_conversion
+
+    work = a.work or Path(tempfile.mkdtemp(prefix="gpucheck-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if a.shape:
+        from weaved.bench.shapes import SHAPES, write_f16
+
+        if a.shape not in SHAPES:
+            raise SystemExit(f"unknown shape {a.shape!r} (known: {', '.join(SHAPES)})")
+        shape = SHAPES[a.shape]
+        f16 = work / f"{a.shape}-f16.gguf"
+        say(f"writing {a.shape} ({a.layers or shape.n_layers} layers) with random F16 weights to {f16}")
+        write_f16(shape, f16, a.layers or shape.n_layers, tokenizer=False)
+        src = f16  # F16 runs as it is, but the product to check is the shared format's: always convert
+    else:
+        src = Path(a.model)
+        if not needs_conversion(src):
+            return src
+    dst = work / (src.stem + "-q4_0.gguf")
+    say(f"converting {src.name} to Q4_0 ({dst})")
+    return convert_gguf(src, dst, force=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
+    import numpy as np
+    import torch
+
+    from weaved.backends.cpu import CPUBackend
+    from weaved.backends.torch import TorchBackend
+    from weaved.gpucheck.agreement import teacher_forced
+    from weaved.gpucheck.speed import batched_decode, device_memory, prefill_and_decode, promotion
+    from weaved.model.loader import open_model
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+
+    t_start = time.perf_counter()
+    path = _model(a, say)
+    device = torch.device(a.device)
+    gguf, cfg = open_model(path)
+    say(f"model {path.name}: {cfg.arch}, {cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}")
+    if device.type == "cuda":
+        say(f"device {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    cpu = CPUBackend(gguf, cfg, threads=a.threads or os.cpu_count())
+    dev = TorchBackend(gguf, cfg, device=device)
+    say(f"torch backend on {device}: kernels {dev.kernels}, weights {dev.weights.nbytes / 2**30:.2f} GiB, "
+        f"KV pool {dev.device_kv_capacity() / 2**30:.2f} GiB")
+    results: dict = {"model": str(path), "arch": cfg.arch, "device": str(device),
+                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+
+    prompt = [int(t) for t in np.random.default_rng(0).integers(10, min(cfg.vocab_size, 30000), a.prompt)]
+
+    def step_line(r) -> None:
+        tag = "bit-equal" if r.bit_equal else f"KL {r.kl:.2e}" + ("" if r.greedy_equal else
+                                                               (" near-tie" if r.near_tie else " GREEDY DIFFERS"))
+        say(f"  step {r.step:3d}: {tag}")
+
+    say(f"agreement: {a.prompt}-token prompt, then {a.steps} teacher-forced decode steps (CPU's greedy token)")
+    agree = teacher_forced(cpu, dev, prompt, a.steps, a.prompt + a.steps + 1, step_line)
+    results["agreement"] = agree.to_dict()
+    say(f"agreement: {'PASS' if agree.passed else 'FAIL'} "
+        f"({'bit-equal' if agree.bit_equal else f'mean KL {agree.mean_kl:.2e}'})")
+
+    say("speed (the torch backend, then the CPU backend for scale)")
+    results["device_speed"] = prefill_and_decode(dev, a.prompt, a.steps)
+    results["cpu_speed"] = prefill_and_decode(cpu, a.prompt, min(a.steps, 8))
+    for name in ("device_speed", "cpu_speed"):
+        r = results[name]
+        say(f"  {name.split('_')[0]:6s}: prefill {r['prefill_tok_s']:9.1f} tok/s, "
+            f"decode {r['decode_tok_s']:8.1f} tok/s")
+    results["batched"] = []
+    for b in (int(x) for x in a.batches.split(",") if x):
+        r = batched_decode(dev, b, a.context, a.steps)
+        results["batched"].append(r)
+        say(f"  batch {b:3d} at {a.context} tokens: {r['tok_s']:9.1f} tok/s")
+    r = results["promotion"] = promotion(dev, a.promote, device)
+    say(f"promotion of {a.promote} positions ({r['bytes'] / 2**20:.0f} MiB): {r['gb_s']:.2f} GB/s "
+        f"(a plain copy: {r['raw_copy_gb_s']:.2f} GB/s; {r['vs_raw_copy']:.2f}x its time)")
+    results["memory"] = device_memory(dev, device)
+    say("memory: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in results["memory"].items()))
+    results["seconds"] = time.perf_counter() - t_start
+    if a.json is not None:
+        a.json.write_text(json.dumps(results, indent=2))
+    return 0 if agree.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""How fast a backend runs: prefill, single-stream decode, batched decode, and KV promotion."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from weaved.backends.base import Backend, Logits, SeqChunk
+from weaved.kv.cache import KVCache
+
+
+def _sync(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ids(n: int, vocab: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(10, min(vocab, 30000), n).astype(np.int32)
+
+
+def prefill_and_decode(be: Backend, prompt: int, steps: int, seed: int = 1) -> dict:
+    """Tokens/s of one ``prompt``-token prefill and of ``steps`` single-stream decode steps after it."""
+    kv = be.new_kv(prompt + steps + 1)
+    t0 = time.perf_counter()
+    logits = be.forward([SeqChunk(kv, _ids(prompt, be.config.vocab_size, seed), Logits.LAST)])[0]
+    t_prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = np.asarray([int(np.argmax(logits[-1]))], np.int32)
+        logits = be.forward([SeqChunk(kv, tok, Logits.LAST)])[0]
+    t_decode = time.perf_counter() - t0
+    return {"prefill_tokens": prompt, "prefill_tok_s": prompt / t_prefill,
+            "decode_steps": steps, "decode_tok_s": steps / t_decode if steps else None}
+
+
+def batched_decode(be: Backend, batch: int, context: int, steps: int, seed: int = 2) -> dict:
+    """Aggregate tokens/s of ``steps`` decode steps of ``batch`` sequences, each ``context`` tokens in."""
+    kvs = [be.new_kv(context + steps + 1) for _ in range(batch)]
+    chunks = [SeqChunk(kv, _ids(context, be.config.vocab_size, seed + i), Logits.LAST) for i, kv in enumerate(kvs)]
+    outs = be.forward(chunks)
+    be.forward([SeqChunk(kv, np.asarray([int(np.argmax(o[-1]))], np.int32)) for kv, o in zip(kvs, outs, strict=True)])
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        outs = be.forward([SeqChunk(kv, np.asarray([int(np.argmax(o[-1]))], np.int32))
+                           for kv, o in zip(kvs, outs, strict=True)])
+    dt = time.perf_counter() - t0
+    for kv in kvs:
+        be.release(kv)
+    return {"batch": batch, "context": context, "steps": steps, "tok_s": batch * steps / dt}
+
+
+def promotion(be: Backend, positions: int, device: torch.device) -> dict:
+    """A session of ``positions`` KV rows moving onto the backend's device (``adopt``), against a plain
+    host-to-device copy of the same bytes."""
+    cfg = be.config
+    data = np.random.default_rng(3).standard_normal(
+        (cfg.n_layers, 2, cfg.n_kv_heads, positions, cfg.head_dim), dtype=np.float32).astype(np.float16)
+    kv = KVCache(data, positions)
+    raw = torch.from_numpy(data)
+    _sync(device)
+    t0 = time.perf_counter()
+    copy = raw.to(device)
+    _sync(device)
+    t_raw = time.perf_counter() - t0
+    del copy
+    t0 = time.perf_counter()
+    moved = be.adopt(kv)
+    _sync(device)
+    t_adopt = time.perf_counter() - t0
+    be.release(kv)
+    return {"positions": positions, "bytes": moved, "seconds": t_adopt, "gb_s": moved / t_adopt / 1e9,
+            "raw_copy_gb_s": data.nbytes / t_raw / 1e9, "vs_raw_copy": t_adopt / t_raw}
+
+
+def device_memory(be, device: torch.device) -> dict:
+    """What the backend holds on its device: weights, the KV pool, and the allocator's peak."""
+    out = {"weights_bytes": be.weights.nbytes, "kv_pool_bytes": be.device_kv_capacity()}
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        out.update(peak_allocated_bytes=torch.cuda.max_memory_allocated(device), device_total_bytes=total,
+                   device_free_bytes=free)
+    return out
