@@ -38,7 +38,7 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from weaved.cli import bench, chat, convert, peers, run, serve, sessions, status, top
+    from weaved.cli import bench, calibrate, chat, convert, peers, run, serve, sessions, status, top
 
     serve.register(app)
     chat.register(app)
@@ -49,6 +49,7 @@ def _register() -> None:
     top.register(app)
     convert.register(app)
     bench.register(app)
+    calibrate.register(app)
 
 
 _register()

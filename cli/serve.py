@@ -56,7 +56,8 @@ class _ConvertProgress:
             _say(f"converting the model: {tenth * 10}%")
 
 
-def _model_path(model: Path | None) -> Path:
+def resolve_model(model: Path | None) -> Path:
+    """The model to serve: the default one, or ``model`` converted to the shared format if need be."""
     from weaved.model.default import default_model_path, ensure_native
 
     if model is None:
@@ -122,7 +123,7 @@ def register(app: typer.Typer) -> None:
                 template = chat_template.read_text()
             except OSError as e:
                 raise _fail(f"cannot read the chat template {chat_template}: {e.strerror or e}") from None
-        model_path = _model_path(model)
+        model_path = resolve_model(model)
 
         from weaved.daemon.core import Daemon
         from weaved.errors import WeaveError

@@ -59,6 +59,14 @@ def ring_lines(st: dict) -> list[str]:
     return lines
 
 
+def rates_line(r: dict) -> str:
+    """The CPU pool's rates the router and admission use, and where they come from."""
+    where = (f"calibrated {fmt.seconds(r.get('age_s'))} ago, fit within {r.get('fit_error', 0):.0%}"
+             if r.get("source") == "calibrated" else "given by the profile")
+    return (f"CPU prefill {fmt.rate(r.get('prefill_tokens_per_s'))} tok/s, decode "
+            f"{fmt.rate(r.get('decode_tokens_per_s'))} tok/s at a full batch ({where})")
+
+
 def status_text(st: dict) -> str:
     model = st.get("model") or {}
     sessions = [s for s in st.get("sessions") or () if not s.get("ephemeral")]
@@ -71,6 +79,9 @@ def status_text(st: dict) -> str:
         f"kv        {kv_line(st.get('kv') or {})}",
         *hardware_lines(st.get("hardware") or {}),
     ]
+    rates = st.get("rates")
+    if rates:
+        lines.append(f"rates     {rates_line(rates)}")
     mig = st.get("migrations")
     if mig:
         reasons = ", ".join(f"{n} {r}" for r, n in sorted((mig.get("by_reason") or {}).items()))

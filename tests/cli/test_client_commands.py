@@ -342,3 +342,14 @@ def test_streams_show_reasoning_and_tool_calls():
     last = write_stream(deltas, out)
     assert out.getvalue() == '[thinking]\nLet me think.\n[/thinking]\nCalling.\n-> lookup({"q": "x"})\n\n'
     assert last.finish_reason == "tool_calls"
+
+
+def test_status_shows_the_rates_in_use_and_their_age():
+    from weaved.cli.status import status_text
+
+    cal = {"prefill_tokens_per_s": 1036.9, "decode_tokens_per_s": 302.9, "source": "calibrated", "age_s": 7200.0,
+           "fit_error": 0.06}
+    assert ("rates     CPU prefill 1036.9 tok/s, decode 302.9 tok/s at a full batch (calibrated 2h00m ago, fit "
+            "within 6%)") in status_text({"rates": cal})
+    given = {"prefill_tokens_per_s": 123.0, "decode_tokens_per_s": 45.0, "source": "profile"}
+    assert "decode 45.0 tok/s at a full batch (given by the profile)" in status_text({"rates": given})

@@ -242,9 +242,10 @@ def _routing(t: Table, threads: ThreadBudget) -> RoutingThresholds:
     kw = {k: t.integer(k, d[k].default) for k in ("long_prompt_tokens", "ring_batch_depth",
                                                   "pipeline_min_prompt_tokens")}
     scale = threads.kernels if unit == "thread" else 1  # per-thread estimates scale with the budget
+    prefill, decode = t.number("cpu_prefill_tokens_per_s", None), t.number("cpu_decode_tokens_per_s", None)
     th = t.build(RoutingThresholds, **kw,
-                 cpu_prefill_tokens_per_s=t.number("cpu_prefill_tokens_per_s") * scale,
-                 cpu_decode_tokens_per_s=t.number("cpu_decode_tokens_per_s") * scale,
+                 cpu_prefill_tokens_per_s=None if prefill is None else prefill * scale,
+                 cpu_decode_tokens_per_s=None if decode is None else decode * scale,
                  ttft_margin=t.number("ttft_margin", d["ttft_margin"].default),
                  background_ttlt_s=t.number("background_ttlt_s", d["background_ttlt_s"].default),
                  batch_ttlt_s=t.number("batch_ttlt_s", d["batch_ttlt_s"].default),

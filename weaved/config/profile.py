@@ -139,8 +139,10 @@ class PoolConfig:
 class RoutingThresholds:
     """Every number the router decides with (calibration measures them per host)."""
 
-    cpu_prefill_tokens_per_s: float  # the CPU pool's prefill rate (whole pool)
-    cpu_decode_tokens_per_s: float  # the CPU pool's aggregate decode rate over its batch
+    # the CPU pool's prefill rate (whole pool) and aggregate decode rate over its batch; None: the daemon
+    # measures them on its host (weaved.calibration) - a value given here overrides the measurement
+    cpu_prefill_tokens_per_s: float | None = None
+    cpu_decode_tokens_per_s: float | None = None
     long_prompt_tokens: int = 2048  # background/batch prompts this long prefill on a GPU or a pipeline
     ttft_margin: float = 0.8  # the CPU meets a TTFT target if its prediction is within this share of it
     ring_batch_depth: int = 16  # Q-Ring decode pays off once this many sessions share the ring
@@ -157,9 +159,11 @@ class RoutingThresholds:
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
-        _positive(self, "cpu_prefill_tokens_per_s", "cpu_decode_tokens_per_s", "long_prompt_tokens",
-                  "ttft_margin", "ring_batch_depth", "pipeline_min_prompt_tokens", "background_ttlt_s",
-                  "batch_ttlt_s")
+        for rate in ("cpu_prefill_tokens_per_s", "cpu_decode_tokens_per_s"):
+            if getattr(self, rate) is not None:
+                _positive(self, rate)
+        _positive(self, "long_prompt_tokens", "ttft_margin", "ring_batch_depth", "pipeline_min_prompt_tokens",
+                  "background_ttlt_s", "batch_ttlt_s")
         _check(self.ttft_margin <= 1.0, "ttft_margin", f"must be in (0, 1], got {self.ttft_margin}")
         if self.node_kv_tokens is not None:
             _positive(self, "node_kv_tokens")

@@ -84,11 +84,13 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
 
     # ---- life cycle ------------------------------------------------------------------------------
     def load(self, progress: Callable[[str], None] | None = None) -> None:
+        from weaved.calibration.store import CalibrationStore
         from weaved.daemon.journal import Journal
         from weaved.daemon.migration import Mover
         from weaved.daemon.pools import build_pools
-        from weaved.kv.store import KVStore
-        from weaved.model.default import served_name
+        from weaved.daemon.rates import apply_rates
+        from weaved.kv.store import KVStore, model_fingerprint
+        from weaved.model.default import cache_dir, served_name
         from weaved.model.loader import open_model
         from weaved.model.tokenizer import Tokenizer
 
@@ -116,6 +118,8 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
                                                   reserve=self._reserve, on_event=self.publish, ring=ring,
                                                   progress=say, make_room=self.make_device_room)
         self.engines = {name: p.engine for name, p in self.pools.items()}
+        self.profile, self.rates = apply_rates(self.profile, self.pools, model_fingerprint(self.config),
+                                               CalibrationStore(self.data_dir, cache_dir() / "calibration"), say)
         if not any(p.config.strategy == "standard" for p in self.pools.values()):
             raise WeaveError("the profile has no pool this daemon can run: "
                              + "; ".join(self.pool_notes or ["it names none with the standard strategy"]))
@@ -585,6 +589,7 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
             "hardware": hardware_status(pools),
             "peers": self.peers.list() if getattr(self, "peers", None) is not None else [],
             "migrations": self.mover.counters.to_dict() if hasattr(self, "mover") else None,
+            "rates": self.rates.to_dict() if getattr(self, "rates", None) is not None else None,
             # the groups this daemon serves for its peers' rings (it is their home's member)
             "groups": self.member_groups.status() if self.member_groups is not None else [],
         }

@@ -84,6 +84,8 @@ def _capacity(cfg: PoolConfig, profile: Profile) -> Capacity | None:
     if th.policy != "sla":
         return None
     cpu = cfg.backend == "cpu" and cfg.device == "cpu"
+    if th.cpu_decode_tokens_per_s is None or th.cpu_prefill_tokens_per_s is None:  # set once calibrated
+        return Capacity(cfg.max_batch, None, 1.0)
     return Capacity(cfg.max_batch, th.cpu_decode_tokens_per_s if cpu else None,
                     th.cpu_decode_tokens_per_s / th.cpu_prefill_tokens_per_s)
 

@@ -124,10 +124,12 @@ def build_profile(cfg: ResolvedConfig, data_dir: Path, gpu: GpuSupport, threads:
     routing = dataclasses.replace(base.routing, policy=cfg.spec.policy)
     budget = base.threads
     if threads is not None and threads != budget.kernels:
-        # the profile's CPU rates were scaled by its kernel threads at load: rescale them with the budget
+        # rates a profile gives were scaled by its kernel threads at load: rescale them with the budget
+        # (calibrated ones are measured with the budget the daemon runs)
         scale = threads / budget.kernels
-        routing = dataclasses.replace(routing, cpu_prefill_tokens_per_s=routing.cpu_prefill_tokens_per_s * scale,
-                                      cpu_decode_tokens_per_s=routing.cpu_decode_tokens_per_s * scale)
+        if routing.cpu_prefill_tokens_per_s is not None and routing.cpu_decode_tokens_per_s is not None:
+            routing = dataclasses.replace(routing, cpu_prefill_tokens_per_s=routing.cpu_prefill_tokens_per_s * scale,
+                                          cpu_decode_tokens_per_s=routing.cpu_decode_tokens_per_s * scale)
         budget = dataclasses.replace(budget, kernels=threads)
     host = dataclasses.replace(base.host, data_dir=Path(data_dir), prefix_cache=cfg.spec.prefix_cache)
     return dataclasses.replace(base, name=f"agents-{cfg.name}", pools=pools, routing=routing, threads=budget,

@@ -1,0 +1,82 @@
+"""``weave calibrate``: measure the CPU pool's step-time model for a model on this host, in-process.
+
+The daemon calibrates on its own on first use of a model (and reads the stored result after); this
+command measures afresh - after a hardware or kernel change, or to see the numbers - and stores the
+result where ``weave serve`` finds it.  Heavy imports happen inside the command.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from weaved.cli.fmt import printable
+
+HELP = (
+    "Measure how long the CPU pool's engine steps take for a model on this host - prefill chunks and "
+    "decode batches at several sizes and contexts, a few seconds - fit the step-time model the router "
+    "and the scheduler predict with, and store it in the data directory (and the machine's cache), where "
+    "'weave serve' reads it. 'weave serve' calibrates by itself on first use of a model; run this to "
+    "measure again, e.g. after a hardware change. Prints the rates in use and how well the model fits."
+)
+
+
+def _say(message: str) -> None:
+    typer.echo(printable(f"weave: {message}"))
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``calibrate`` to ``app``."""
+
+    @app.command("calibrate", help=HELP)
+    def calibrate(
+        model: Annotated[Path | None, typer.Option("--model", "-m", help="GGUF model (default: "
+                                                   "SmolLM2-135M-Instruct).", show_default=False)] = None,
+        profile: Annotated[str | None, typer.Option("--profile", "-p", help="Shipped profile name or a TOML "
+                                                    "file (default: detected from the hardware).",
+                                                    show_default=False)] = None,
+        data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Where the calibration is stored "
+                                                      "(default: the profile's data directory).",
+                                                      show_default=False)] = None,
+    ) -> None:
+        import dataclasses
+
+        from weaved.cli.serve import resolve_model
+
+        from weaved.calibration.store import CalibrationStore
+        from weaved.config.load import load_profile
+        from weaved.config.tables import ProfileError
+        from weaved.daemon.pools import build_pools
+        from weaved.daemon.rates import calibration_of
+        from weaved.kv.store import model_fingerprint
+        from weaved.model.default import cache_dir
+        from weaved.model.loader import open_model
+
+        try:
+            prof = load_profile(profile)
+        except ProfileError as e:
+            typer.echo(printable(f"weave: error: {e}"), err=True)
+            raise typer.Exit(1) from None
+        path = resolve_model(model)
+        gguf, cfg = open_model(path)
+        cpu_cfgs = [p for p in prof.pools if p.backend == "cpu" and p.strategy == "standard"]
+        if not cpu_cfgs:
+            typer.echo("weave: error: the profile has no CPU pool to calibrate", err=True)
+            raise typer.Exit(1)
+        only_cpu = dataclasses.replace(prof, pools=tuple(cpu_cfgs))
+        pools, _ = build_pools(only_cpu, gguf, cfg, commit=lambda *a: None, reserve=lambda *a: None,
+                               on_event=lambda *a: None, progress=_say)
+        store = CalibrationStore(data_dir or prof.host.data_dir, cache_dir() / "calibration")
+        cal = calibration_of(next(iter(pools.values())).backend, model_fingerprint(cfg), list(pools.values()),
+                             store, _say, force=True)
+        typer.echo(f"{'pool':10s} {'prefill tok/s':>14s} {'decode tok/s':>13s}  (a 1,024-token prompt in the "
+                   f"pool's chunks; its full batch at 1,024 positions)")
+        for p in pools.values():
+            prefill, decode = cal.rates(p.config.prefill_chunk, p.config.max_batch)
+            typer.echo(f"{p.name:10s} {prefill:14.1f} {decode:13.1f}")
+        c = cal.cost
+        typer.echo(f"step model: prefill {c.prefill.base * 1e3:.2f} ms + {c.prefill.per_token * 1e6:.1f} us/token "
+                   f"+ {c.prefill.per_token_context * 1e9:.2f} ns/(token x key); decode {c.decode.base * 1e3:.2f} ms"
+                   f" + {c.decode.per_token * 1e6:.1f} us/sequence + {c.decode.per_token_context * 1e9:.2f} ns/key")
+        typer.echo(f"fit within {cal.fit_error:.0%} of every measured step; stored as {store.dir / cal.key}.json")

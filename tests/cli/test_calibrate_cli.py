@@ -1,0 +1,28 @@
+"""``weave calibrate``: measures the CPU pool's step-time model for a model, prints its rates and fit, and
+stores it where ``weave serve`` reads it."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+from weaved.cli.app import app
+
+
+def test_calibrate_measures_prints_and_stores(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("WEAVE_CACHE_DIR", str(tmp_path / "cache"))
+    out = CliRunner().invoke(app, ["calibrate", "--model", str(tiny_llama), "--profile", "cpu-only",
+                                   "--data-dir", str(tmp_path / "data")])
+    assert out.exit_code == 0, out.output
+    assert "calibrating: 12/12 fitted" in out.output and "stored as" in out.output
+    row = next(line for line in out.output.splitlines() if line.startswith("cpu "))
+    prefill, decode = (float(x) for x in row.split()[1:3])
+    assert prefill > 0 and decode > 0
+    stored = list((tmp_path / "data" / "calibration").glob("*.json"))
+    assert len(stored) == 1 and json.loads(stored[0].read_text())["backend"] == "cpu"
+    assert list((tmp_path / "cache" / "calibration").glob("*.json"))
+
+
+def test_calibrate_refuses_a_missing_model(tmp_path):
+    out = CliRunner().invoke(app, ["calibrate", "--model", str(tmp_path / "none.gguf"), "--profile", "cpu-only"])
+    assert out.exit_code == 1 and "model file not found" in out.output

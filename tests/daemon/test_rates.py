@@ -1,0 +1,63 @@
+"""The daemon's routing and admission rates: calibrated on this host on first use of a model (stored in
+the data directory, read back by later daemons), or the profile's when it gives them (an override)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from weaved.config.load import load_profile
+from weaved.daemon.core import Daemon
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    path = tmp_path / "machine-cache"
+    monkeypatch.setenv("WEAVE_CACHE_DIR", str(path))
+    return path
+
+
+def _daemon(model, data_dir, profile=None) -> Daemon:
+    said: list[str] = []
+    d = Daemon(profile or load_profile("cpu-only"), model, data_dir=data_dir, log_fn=lambda m: None)
+    d.load(progress=said.append)
+    d.said = said
+    return d
+
+
+def test_a_first_daemon_calibrates_and_later_ones_read_the_result(tiny_llama, tmp_path, cache):
+    d = _daemon(tiny_llama, tmp_path / "a")
+    try:
+        rates = d.status()["rates"]
+        assert rates["source"] == "calibrated" and any("calibrated in" in m for m in d.said)
+        assert list((tmp_path / "a" / "calibration").glob("*.json")) and list((cache / "calibration").glob("*.json"))
+        th, pool = d.profile.routing, d.pools["cpu"]
+        assert (th.cpu_prefill_tokens_per_s, th.cpu_decode_tokens_per_s) == (
+            pytest.approx(rates["prefill_tokens_per_s"], rel=1e-3), pytest.approx(rates["decode_tokens_per_s"],
+                                                                                  rel=1e-3))
+        assert pool.engine.capacity.prior_tps == pytest.approx(th.cpu_decode_tokens_per_s)
+        assert d.moves.routing is d.profile.routing  # what the router decides with
+    finally:
+        d.shutdown()
+    again = _daemon(tiny_llama, tmp_path / "b")  # another data directory on this host: nothing measured
+    try:
+        assert not any("calibrat" in m for m in again.said)
+        assert again.status()["rates"]["measured_at"] == rates["measured_at"]
+        assert list((tmp_path / "b" / "calibration").glob("*.json"))
+    finally:
+        again.shutdown()
+
+
+def test_rates_the_profile_gives_override_calibration(tiny_llama, tmp_path, cache):
+    base = load_profile("cpu-only")
+    prof = dataclasses.replace(base, routing=dataclasses.replace(base.routing, cpu_prefill_tokens_per_s=123.0,
+                                                                 cpu_decode_tokens_per_s=45.0))
+    d = _daemon(tiny_llama, tmp_path / "a", prof)
+    try:
+        assert d.status()["rates"] == {"prefill_tokens_per_s": 123.0, "decode_tokens_per_s": 45.0,
+                                       "source": "profile"}
+        assert not (tmp_path / "a" / "calibration").exists() and not any("calibrat" in m for m in d.said)
+        assert d.pools["cpu"].engine.capacity.prior_tps == 45.0
+    finally:
+        d.shutdown()

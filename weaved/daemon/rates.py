@@ -1,0 +1,94 @@
+"""The rates the daemon routes and admits with: each CPU pool's backend calibrated on this host
+(``weaved.calibration``: the stored step-time model, or one measured once, on first use of the model),
+unless the profile gives its own rates (``[routing] cpu_prefill_tokens_per_s`` and
+``cpu_decode_tokens_per_s``: overrides).
+
+The router's thresholds get the calibrated prefill rate (a 1,024-token prompt in the first CPU pool's
+chunks) and decode rate (its full batch at 1,024 positions each); each CPU pool's admission capacity
+starts from the decode rate at its own batch until it has measured its own steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from weaved.backends.base import Backend
+from weaved.calibration.measure import measure
+from weaved.calibration.store import Calibration, CalibrationStore, calibration_key
+from weaved.config.profile import Profile
+from weaved.daemon.pools import Pool
+
+CONTEXT = 2048  # the longest context measured (a step's time is linear in it beyond)
+
+
+@dataclass(frozen=True)
+class Rates:
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    source: str  # "calibrated" | "profile"
+    calibration: Calibration | None = None
+
+    def to_dict(self) -> dict:
+        out = {"prefill_tokens_per_s": round(self.prefill_tokens_per_s, 1),
+               "decode_tokens_per_s": round(self.decode_tokens_per_s, 1), "source": self.source}
+        c = self.calibration
+        if c is not None:
+            out.update(measured_at=c.measured_at, age_s=round(time.time() - c.measured_at, 1), key=c.key,
+                       fit_error=round(c.fit_error, 4), step_cost=c.cost.to_dict())
+        return out
+
+
+def calibration_of(backend: Backend, fingerprint: str, pools: list[Pool], store: CalibrationStore,
+                   say: Callable[[str], None], force: bool = False) -> Calibration:
+    """The stored calibration of ``backend`` for this model and host, or one measured now (``force``:
+    always measured), over the chunks and batches of ``pools`` (the pools on it)."""
+    from weaved.kernels.matmul import kernel_path
+
+    kernels = kernel_path() if backend.name == "cpu" else getattr(backend, "kernels", backend.name)
+    threads = int(getattr(backend, "threads", 0) or 0)
+    device = str(getattr(backend, "device", "cpu"))
+    if not force:
+        found = store.load(calibration_key(fingerprint, backend.name, device, threads, kernels))
+        if found is not None:
+            return found
+    chunk = max(p.config.prefill_chunk for p in pools)
+    batch = max(p.config.max_batch for p in pools)
+    say(f"calibrating the {backend.name} backend ({threads} threads, {kernels} kernels): prefill chunks up to "
+        f"{chunk} tokens, decode batches up to {batch}")
+
+    def progress(i: int, n: int, what: str) -> None:
+        say(f"calibrating: {i}/{n} {what}")
+
+    m = measure(backend, chunk=chunk, max_batch=batch, context=CONTEXT, progress=progress)
+    cal = Calibration(m.cost, fingerprint, backend.name, device, threads, kernels, seconds=m.seconds,
+                      fit_error=m.max_error(), points=tuple(p.to_dict() for p in m.points))
+    store.save(cal)
+    say(f"calibrated in {m.seconds:.1f} s (the fit is within {m.max_error():.0%} of every measured step)")
+    return cal
+
+
+def apply_rates(profile: Profile, pools: dict[str, Pool], fingerprint: str, store: CalibrationStore,
+                say: Callable[[str], None]) -> tuple[Profile, Rates | None]:
+    """The profile with the routing rates in use, and where they come from (None: no CPU pool)."""
+    cpu = [p for p in pools.values() if p.config.backend == "cpu" and p.config.strategy == "standard"]
+    if not cpu:
+        return profile, None
+    th = profile.routing
+    if th.cpu_prefill_tokens_per_s is not None and th.cpu_decode_tokens_per_s is not None:
+        rates = Rates(th.cpu_prefill_tokens_per_s, th.cpu_decode_tokens_per_s, "profile")
+    else:
+        cal = calibration_of(cpu[0].backend, fingerprint, cpu, store, say)
+        prefill, decode = cal.rates(cpu[0].config.prefill_chunk, cpu[0].config.max_batch)
+        rates = Rates(th.cpu_prefill_tokens_per_s or prefill, th.cpu_decode_tokens_per_s or decode,
+                      "calibrated", cal)
+        profile = dataclasses.replace(profile, routing=dataclasses.replace(
+            th, cpu_prefill_tokens_per_s=rates.prefill_tokens_per_s, cpu_decode_tokens_per_s=rates.decode_tokens_per_s))
+        for p in cpu:  # each pool's admission starts from the decode rate at its own batch
+            cap = p.engine.capacity
+            if cap is not None:
+                cap.prior_tps = cal.cost.decode_tokens_per_s(p.config.max_batch)
+                cap.prefill_cost = cap.prior_tps / cal.cost.prefill_tokens_per_s(p.config.prefill_chunk)
+    return profile, rates
