@@ -119,12 +119,26 @@ def register(app: typer.Typer, run: Runner | None = None,
         clients: Annotated[
             int | None, typer.Option("--clients", min=1, help="load: concurrent clients (default 64, 16 with --quick).")
         ] = None,
+        simulate: Annotated[
+            str | None,
+            typer.Option("--simulate", metavar="HOST",
+                         help="agents: simulate HOST (this-host, l40s-epyc, h100-epyc) serving --shape (a shape "
+                              "name: nothing is built) in virtual time - the daemon's own router, admission, "
+                              "scheduler and engines over a cost model: this host's CPU calibration moved to the "
+                              "shape and the host, a roofline for its GPU.  Every result is marked simulated."),
+        ] = None,
     ) -> None:
         """Measure Weave and llama.cpp on the same model and threads; print both and their ratio.
         With --scenario agents: replay the reference agent workload against Weave and its baselines."""
         if scenario not in ("llama", "agents", "ring", "load", "grammar", "prefix"):
             raise typer.BadParameter(f"unknown scenario {scenario!r}; choose llama, agents, ring, load, grammar or "
                                      "prefix", param_hint="--scenario")
+        if simulate is not None:
+            if scenario != "agents":
+                raise typer.BadParameter("--simulate applies to --scenario agents", param_hint="--simulate")
+            _agents_simulated(simulate, shape, model, threads, quick, json_out, only,
+                              (agents, duration, seed, configs, capacity))
+            return
         if shape is not None:
             if model is not None:
                 raise typer.BadParameter("give --model or --shape, not both", param_hint="--shape")
@@ -218,6 +232,34 @@ def _agents(model: Path | None, threads: int | None, quick: bool, json_out: bool
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     text, ok = run_and_format(opts, json_out, run_agents)
+    typer.echo(text)
+    if not ok:
+        raise typer.Exit(1)
+
+
+def _agents_simulated(host: str, shape: str | None, model: Path | None, threads: int | None, quick: bool,
+                      json_out: bool, only: str | None, agent_opts: tuple) -> None:
+    """``weave bench --scenario agents --simulate HOST --shape NAME`` (weaved.sim)."""
+    from weaved.bench.agents.cli import parse_configs
+    from weaved.sim.run import simulate_and_format
+
+    if only is not None:
+        raise typer.BadParameter("--only applies to the llama scenario")
+    if shape is None:
+        raise typer.BadParameter("--simulate needs --shape: the model the simulated host serves",
+                                 param_hint="--shape")
+    agents, duration, seed, configs, capacity = agent_opts
+    try:
+        names = parse_configs(configs)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--configs") from None
+    say = lambda msg: typer.echo(msg, err=True)
+    try:
+        text, ok = simulate_and_format(host, shape, _model_file(model, say), threads=threads or default_threads(),
+                                       quick=quick, json_out=json_out, agents=agents, duration=duration, seed=seed,
+                                       configs=names, capacity=capacity, say=say)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     typer.echo(text)
     if not ok:
         raise typer.Exit(1)

@@ -68,8 +68,9 @@ def register(app: typer.Typer) -> None:
         pools, _ = build_pools(only_cpu, gguf, cfg, commit=lambda *a: None, reserve=lambda *a: None,
                                on_event=lambda *a: None, progress=_say)
         store = CalibrationStore(data_dir or prof.host.data_dir, cache_dir() / "calibration")
-        cal = calibration_of(next(iter(pools.values())).backend, model_fingerprint(cfg), list(pools.values()),
-                             store, _say, force=True)
+        cal = calibration_of(next(iter(pools.values())).backend, model_fingerprint(cfg),
+                             max(p.config.prefill_chunk for p in pools.values()),
+                             max(p.config.max_batch for p in pools.values()), store, _say, force=True)
         typer.echo(f"{'pool':10s} {'prefill tok/s':>14s} {'decode tok/s':>13s}  (a 1,024-token prompt in the "
                    f"pool's chunks; its full batch at 1,024 positions)")
         for p in pools.values():

@@ -135,6 +135,11 @@ class Backend(ABC):
         """Bytes of its own KV memory that releasing ``kv`` would free (0 for the host backend)."""
         return 0
 
+    def device_info(self) -> dict | None:
+        """The device this backend computes on, for status (index, name, memory_total, memory_used);
+        None for the host's CPU."""
+        return None
+
     def device_kv_free_bytes(self) -> int | None:
         """Bytes of its own KV memory a session could still take (None: its KV is the host's files)."""
         return None

@@ -107,6 +107,13 @@ class TorchBackend(Backend):
     def device_kv_bytes(self) -> int:
         return self._kv.nbytes()
 
+    def device_info(self) -> dict | None:
+        if self.device.type != "cuda":
+            return None  # torch's CPU device standing in for a GPU: the host's CPU
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {"index": self.device.index, "name": torch.cuda.get_device_name(self.device),
+                "memory_total": total, "memory_used": total - free}
+
     def device_kv_capacity(self) -> int:
         """Bytes of the paged KV pool (used or free)."""
         return self._kv.capacity_bytes()

@@ -86,7 +86,11 @@ class ModelShape:
         return self.n_layers * per_layer + self.vocab * self.d_model * (1 if self.tied else 2)
 
 
+SMOLLM2 = Specials({0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}, bos=1, eos=2, add_bos=False,
+                   pre="smollm")
+
 SHAPES: dict[str, ModelShape] = {s.name: s for s in (
+    ModelShape("smollm2-135m", "llama", 30, 576, 9, 3, 64, 1536, 49152, 8192, 100000.0, 1e-5, SMOLLM2),
     ModelShape("llama-3.2-1b", "llama", 16, 2048, 32, 8, 64, 8192, 128256, 131072, 500000.0, 1e-5, LLAMA3,
                llama3_rope=(32.0, 1.0, 4.0, 8192)),
     ModelShape("llama-3.2-3b", "llama", 28, 3072, 24, 8, 128, 8192, 128256, 131072, 500000.0, 1e-5, LLAMA3,
@@ -98,6 +102,10 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
                yarn=(4.0, 32768)),
     ModelShape("qwen3-0.6b", "qwen3", 28, 1024, 16, 8, 128, 3072, 151936, 40960, 1e6, 1e-6, QWEN3),
     ModelShape("qwen3-1.7b", "qwen3", 28, 2048, 16, 8, 128, 6144, 151936, 40960, 1e6, 1e-6, QWEN3),
+    # larger models, for the capacity simulator (weaved.sim) more than for files on a 24 GB machine
+    ModelShape("llama-3.1-8b", "llama", 32, 4096, 32, 8, 128, 14336, 128256, 131072, 500000.0, 1e-5, LLAMA3,
+               tied=False, llama3_rope=(8.0, 1.0, 4.0, 8192)),
+    ModelShape("qwen3-32b", "qwen3", 64, 5120, 64, 8, 128, 25600, 151936, 40960, 1e6, 1e-6, QWEN3, tied=False),
 )}
 
 

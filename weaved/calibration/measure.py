@@ -19,7 +19,7 @@ from weaved.backends.base import Backend, Logits, SeqChunk
 from weaved.calibration.cost import Linear, StepCost
 from weaved.kv.cache import KVCache
 
-REPS = 2
+REPS = {"prefill": 2, "decode": 5}  # timed repetitions per point (decode steps are short and noisier)
 
 
 @dataclass(frozen=True)
@@ -65,10 +65,10 @@ def _kv(be: Backend, context: int, room: int, rng: np.random.Generator) -> KVCac
     return kv
 
 
-def _timed(be: Backend, chunks: list[SeqChunk]) -> float:
+def _timed(be: Backend, chunks: list[SeqChunk], reps: int) -> float:
     lengths = [c.kv.length for c in chunks]
     times = []
-    for i in range(REPS + 1):  # the first is a warm-up
+    for i in range(reps + 1):  # the first is a warm-up
         t0 = time.perf_counter()
         be.forward(chunks)
         if i:
@@ -101,7 +101,7 @@ def measure(be: Backend, *, chunk: int, max_batch: int, context: int = 2048,
             progress(i, len(todo), f"{kind} {n if kind == 'prefill' else batch} x at context {ctx}")
         kvs = [_kv(be, ctx, n, rng) for _ in range(batch)]
         chunks = [SeqChunk(kv, rng.integers(10, min(vocab, 30000), n).astype(np.int32), Logits.LAST) for kv in kvs]
-        secs = _timed(be, chunks)
+        secs = _timed(be, chunks, REPS[kind])
         for kv in kvs:
             be.release(kv)
         points.append(Point(kind, n * batch, ctx, batch, secs))

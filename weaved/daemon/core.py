@@ -22,12 +22,13 @@ from pathlib import Path
 
 from weaved.agent.grammar import GrammarEngine
 from weaved.agent.plan import AnswerPlan, AnswerSpec
-from weaved.config.profile import Profile
+from weaved.backends.base import Backend
+from weaved.config.profile import PoolConfig, Profile
 from weaved.daemon.choices import TurnChoices
 from weaved.daemon.device_room import DeviceRoom
 from weaved.daemon.events import EventBus
 from weaved.daemon.forks import SessionForks
-from weaved.daemon.housekeeping import Housekeeper
+from weaved.daemon.housekeeping import Housekeeper, InlineExecutor
 from weaved.daemon.moves import SessionMoves
 from weaved.daemon.recovery import unfed_tail, unfinished_answer
 from weaved.daemon.session import Session, transcript_entry
@@ -48,6 +49,7 @@ from weaved.engine.sequence import Sequence, SLARank
 from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound, Overloaded, WeaveError
 from weaved.kv.cache import KVCache
 from weaved.kv.prefixes import BLOCK as PREFIX_BLOCK
+from weaved.model.config import ModelConfig
 from weaved.routing.tree import place
 from weaved.routing.types import SLA, Placement, RoutingError, SessionRequest, SLAClass, SystemState
 
@@ -60,8 +62,12 @@ CANCEL_WAIT_S = 30.0  # how long a new turn waits for its session's cancelled tu
 
 class Daemon(SessionForks, TurnChoices, DeviceRoom):
     def __init__(self, profile: Profile, model_path: Path, *, data_dir: Path | None = None,
-                 log_fn: Callable[[str], None] = print, federation=None, chat_template: str | None = None):
+                 log_fn: Callable[[str], None] = print, federation=None, chat_template: str | None = None,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
+        """``clock`` (deadlines, token times) and ``wall`` (activity stamps, idle demotion) are the real
+        clocks but in a simulation (weaved.sim), which runs the daemon on virtual time."""
         self.profile = profile
+        self.clock, self.wall = clock, wall
         # where this daemon serves its control plane (weaved.federation.service.FederationListen), or
         # None: it then neither homes rings nor joins its peers' groups
         self.federation = federation
@@ -80,10 +86,17 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
         self.events = EventBus()
         self.moves: SessionMoves | None = None
         self.housekeeper: Housekeeper | None = None
-        self.started = time.time()
+        self.started = wall()
 
     # ---- life cycle ------------------------------------------------------------------------------
-    def load(self, progress: Callable[[str], None] | None = None) -> None:
+    def load(self, progress: Callable[[str], None] | None = None, *, config: ModelConfig | None = None,
+             make_backend: Callable[[PoolConfig], Backend] | None = None, drive: bool = True) -> None:
+        """Open the model, the KV store and the journal, build the pools, recover the sessions and start.
+
+        A simulation (weaved.sim) replaces three things: ``config`` is the KV layout to keep (the model
+        file then only gives the tokenizer), ``make_backend`` makes each pool's backend, and with
+        ``drive`` False no thread is started - engines, housekeeper, peers' health checks - and prefixes
+        are published inline: the caller steps the engines (``BatchEngine.run_once``)."""
         from weaved.calibration.store import CalibrationStore
         from weaved.daemon.journal import Journal
         from weaved.daemon.migration import Mover
@@ -96,7 +109,8 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
 
         say = progress or (lambda m: None)
         say(f"opening {self.model_path.name}")
-        gguf, self.config = open_model(self.model_path)
+        gguf, file_config = open_model(self.model_path)
+        self.config = config or file_config
         self.model_name = served_name(self.model_path)
         self.tokenizer = Tokenizer(self.model_path, gguf, chat_template=self.chat_template)
         self.grammar = GrammarEngine(self.tokenizer)  # builds its tokenizer on the first constrained turn
@@ -110,13 +124,17 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
         self.fsync = self.profile.host.durability == "fsync"
         self.journal = Journal(self.data_dir / "journal.sqlite", fsync=self.fsync)
         self.peers = fed.peer_registry(self)  # profile and run-time peers, health-checked in the background
-        if any(p.backend == "cpu" for p in self.profile.pools):
+        if make_backend is None and any(p.backend == "cpu" for p in self.profile.pools):
             self._check_memory()
+        if not drive:
+            self._publisher.shutdown()
+            self._publisher = InlineExecutor()
         say("loading weights and kernels")
         ring = fed.ring_factory(self, self.federation) if self.federation is not None else None
         self.pools, self.pool_notes = build_pools(self.profile, gguf, self.config, commit=self._commit,
                                                   reserve=self._reserve, on_event=self.publish, ring=ring,
-                                                  progress=say, make_room=self.make_device_room)
+                                                  progress=say, make_room=self.make_device_room,
+                                                  make_backend=make_backend, clock=self.clock)
         self.engines = {name: p.engine for name, p in self.pools.items()}
         self.profile, self.rates = apply_rates(self.profile, self.pools, model_fingerprint(self.config),
                                                CalibrationStore(self.data_dir, cache_dir() / "calibration"), say)
@@ -125,12 +143,14 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
                              + "; ".join(self.pool_notes or ["it names none with the standard strategy"]))
         if self.federation is not None:
             self.member_groups = fed.member_groups(self, self.federation)
-        self.mover = Mover(self.publish)
+        self.mover = Mover(self.publish, self.clock)
         self.moves = SessionMoves(pools=self.pools, routing=self.profile.routing, journal=self.journal,
                                   store=self.store, peers=self.peers, mover=self.mover, publish=self.publish,
                                   system_state=self._system_state, lock=self._lock, make_room=self.make_device_room)
         say("recovering sessions")
         self._recover()
+        if not drive:
+            return
         self.peers.start()
         for e in self.engines.values():
             e.start()
@@ -223,7 +243,8 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
             context = max_context or min(self.profile.host.default_context, limit)
             cap = -(-context // KV_ALIGN) * KV_ALIGN
             kv = self._new_kv(sid, placement, cap)
-            s = Session(sid, sla, context, system, placement, kv, [], [], ephemeral=ephemeral)
+            s = Session(sid, sla, context, system, placement, kv, [], [], ephemeral=ephemeral,
+                        last_active=self.wall())
             self.sessions[sid] = s
             if not ephemeral:
                 self.journal.create_session(sid, sla.to_dict(), s.max_context, system, placement.to_dict())
@@ -380,12 +401,13 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
                         self.journal.add_message(s.id, m["role"], m["content"], ids, extra=message_extra(m))
             elif not s.ephemeral:
                 self.journal.add_message(s.id, "prompt", prompt if isinstance(prompt, str) else "", list(new))
-            seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, default_ttlt_s=self._default_ttlt(s.sla),
+            seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, arrival=self.clock(),
+                                default_ttlt_s=self._default_ttlt(s.sla),
                                 constraint=constraint)
             n_prompt = len(s.committed) + len(new)
             seq.emit = lambda ev, s=s, seq=seq: self._on_turn_event(s, seq, ev, emit, n_prompt, first)
             s.turn = seq
-            s.last_active = time.time()
+            s.last_active = self.wall()
             run_in = self.moves.prepare_turn(s, seq, len(new))
         handle = TurnHandle(s.id, n_prompt, keep, cancel=lambda sid=s.id: self.cancel_turn(sid),
                             placement=s.placement.to_dict(), answer=plan,
@@ -531,7 +553,7 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
                 s.messages.append(transcript_entry("assistant", text, seq.finish_reason))
                 if not s.ephemeral:
                     self.journal.finish_message(s.id, "assistant", text, list(seq.generated), seq.finish_reason)
-            s.last_active = time.time()
+            s.last_active = self.wall()
 
     # ---- SLA changes ---------------------------------------------------------------------------------
     def promote(self, sid: str) -> dict:
@@ -576,13 +598,13 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
     def status(self) -> dict:
         """``/v1/status``: everything ``weave top`` shows."""
         pools = list(self.pools.values())
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             sessions = [session_status(s, self.pools, now) for s in self.sessions.values()]
         return {
             "model": {"name": self.model_name, "path": str(self.model_path), "arch": self.config.arch,
                       "context_length": self.config.context_length},
-            "profile": self.profile.name, "uptime_s": round(time.time() - self.started, 1),
+            "profile": self.profile.name, "uptime_s": round(self.wall() - self.started, 1),
             "pools": [pool_status(p) for p in pools], "pool_notes": self.pool_notes, "sessions": sessions,
             "kv": {**self.store.tiers(), "device_bytes": device_kv_bytes(pools),
                    "device_free_bytes": device_kv_free_bytes(pools)},

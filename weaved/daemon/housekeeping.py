@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 log = logging.getLogger("weave.daemon")
 
@@ -41,3 +42,19 @@ class Housekeeper:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+class InlineExecutor:
+    """``ThreadPoolExecutor``'s ``submit`` and ``shutdown``, running each job at once in the caller's
+    thread: the daemon's background jobs when it runs without threads of its own (a simulation)."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - delivered through the future, as a pool would
+            f.set_exception(exc)
+        return f
+
+    def shutdown(self, wait: bool = True) -> None:
+        return None

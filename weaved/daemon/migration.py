@@ -36,8 +36,10 @@ class MigrationCounters:
 
 
 class Mover:
-    def __init__(self, publish: Callable[[str, dict], None]):
+    def __init__(self, publish: Callable[[str, dict], None], clock: Callable[[], float] = time.perf_counter):
+        """``clock`` times the copies (a simulation's virtual clock, which its backends advance by them)."""
         self._publish = publish
+        self._clock = clock
         self._lock = threading.Lock()
         self.counters = MigrationCounters()
 
@@ -54,9 +56,9 @@ class Mover:
             if pool is None:
                 continue
             with pool.lock:  # the lock waits for a step in flight; only the copies are timed
-                t0 = time.perf_counter()
+                t0 = self._clock()
                 nbytes += getattr(pool.backend, op)(kv)
-                dt += time.perf_counter() - t0
+                dt += self._clock() - t0
                 n_tokens = kv.length  # the rows this copy moved (a step may append more once unlocked)
         if src is not None or nbytes:
             self._record(session_id, src, dst, nbytes, n_tokens, reason, dt)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -129,6 +130,13 @@ class _Backends:
         return self.made[key]
 
 
+    def shared(self, backend: Backend) -> tuple[Backend, threading.Lock]:
+        """A backend made elsewhere, with the one lock every pool on it shares."""
+        key = ("made", str(id(backend)))
+        if key not in self.made:
+            self.made[key] = (backend, threading.Lock())
+        return self.made[key]
+
     def _device_kv(self, cfg: PoolConfig) -> Callable[[int], int] | None:
         """The KV pool's size for the torch backend on ``cfg.device``, as a function of its weights' bytes:
         the device's budget (the pools' smallest ``device_memory``, or what a CUDA device has free now)
@@ -187,12 +195,15 @@ def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
                 commit: Callable, reserve: Callable, on_event: Callable,
                 ring: Callable[[PoolConfig, Backend], Backend] | None = None,
                 progress: Callable[[str], None] | None = None,
-                make_room: Callable[[Backend, int], bool] | None = None) -> tuple[dict[str, Pool], list[str]]:
+                make_room: Callable[[Backend, int], bool] | None = None,
+                make_backend: Callable[[PoolConfig], Backend] | None = None,
+                clock: Callable[[], float] = time.monotonic) -> tuple[dict[str, Pool], list[str]]:
     """One ``Pool`` per pool of the profile this daemon can run, and notes on those it cannot (but for
     the expected ones, which are only logged).
     ``ring(cfg, cpu_backend)`` makes a ``qring`` pool's backend (None: this daemon does not federate);
     ``progress`` hears how loading the weights goes; ``make_room(backend, bytes)`` frees a GPU's KV memory
-    for a step that lacks it (``weaved.daemon.device_room``)."""
+    for a step that lacks it (``weaved.daemon.device_room``).  A simulation gives ``make_backend`` (each
+    pool's backend; pools on one backend share its lock as for real) and its ``clock``."""
     backends = _Backends(gguf, config, profile, progress or (lambda m: None))
     pools: dict[str, Pool] = {}
     notes: list[str] = []
@@ -207,18 +218,18 @@ def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
             notes.append(f"pool {cfg.name!r} (qring) left out: {config.arch} has sliding-window layers, which "
                          f"Q-Ring decode does not run")
             continue
-        missing = cuda_missing(cfg)
+        missing = cuda_missing(cfg) if make_backend is None else None
         if missing is not None:
             notes.append(f"pool {cfg.name!r} left out: device {cfg.device!r} unavailable ({missing})")
             continue
-        backend, lock = backends.get(cfg)
+        backend, lock = backends.get(cfg) if make_backend is None else backends.shared(make_backend(cfg))
         if cfg.strategy == "qring":
             backend, lock = ring(cfg, backend), threading.Lock()
         order = "fifo" if profile.routing.policy == "fifo" else "sla"
         sched = SchedulerConfig(cfg.token_budget, cfg.max_batch, cfg.prefill_chunk, order, cfg.interactive_token_budget)
         engine = BatchEngine(cfg.name, backend, sched, commit=commit, reserve=reserve, on_event=on_event,
                              forward_lock=lock, speculative=_speculative(cfg), capacity=_capacity(cfg, profile),
-                             make_room=make_room)
+                             make_room=make_room, clock=clock)
         pools[cfg.name] = Pool(cfg, backend, engine, lock)
         if pools[cfg.name].stand_in:
             notes.append(f"pool {cfg.name!r}: the torch backend on the CPU device stands in for a GPU pool")

@@ -41,10 +41,10 @@ class Rates:
         return out
 
 
-def calibration_of(backend: Backend, fingerprint: str, pools: list[Pool], store: CalibrationStore,
+def calibration_of(backend: Backend, fingerprint: str, chunk: int, batch: int, store: CalibrationStore,
                    say: Callable[[str], None], force: bool = False) -> Calibration:
     """The stored calibration of ``backend`` for this model and host, or one measured now (``force``:
-    always measured), over the chunks and batches of ``pools`` (the pools on it)."""
+    always measured) with prefill chunks up to ``chunk`` and decode batches up to ``batch``."""
     from weaved.kernels.matmul import kernel_path
 
     kernels = kernel_path() if backend.name == "cpu" else getattr(backend, "kernels", backend.name)
@@ -54,8 +54,6 @@ def calibration_of(backend: Backend, fingerprint: str, pools: list[Pool], store:
         found = store.load(calibration_key(fingerprint, backend.name, device, threads, kernels))
         if found is not None:
             return found
-    chunk = max(p.config.prefill_chunk for p in pools)
-    batch = max(p.config.max_batch for p in pools)
     say(f"calibrating the {backend.name} backend ({threads} threads, {kernels} kernels): prefill chunks up to "
         f"{chunk} tokens, decode batches up to {batch}")
 
@@ -80,7 +78,8 @@ def apply_rates(profile: Profile, pools: dict[str, Pool], fingerprint: str, stor
     if th.cpu_prefill_tokens_per_s is not None and th.cpu_decode_tokens_per_s is not None:
         rates = Rates(th.cpu_prefill_tokens_per_s, th.cpu_decode_tokens_per_s, "profile")
     else:
-        cal = calibration_of(cpu[0].backend, fingerprint, cpu, store, say)
+        cal = calibration_of(cpu[0].backend, fingerprint, max(p.config.prefill_chunk for p in cpu),
+                             max(p.config.max_batch for p in cpu), store, say)
         prefill, decode = cal.rates(cpu[0].config.prefill_chunk, cpu[0].config.max_batch)
         rates = Rates(th.cpu_prefill_tokens_per_s or prefill, th.cpu_decode_tokens_per_s or decode,
                       "calibrated", cal)

@@ -7,14 +7,13 @@ themselves; ``Daemon.status`` assembles them, holding its session lock while it 
 from __future__ import annotations
 
 import os
-import time
 
 from weaved.daemon.pools import Pool
 from weaved.daemon.session import Session
 
 
 def _tps(engine, window_s: float = 10.0) -> float:
-    now = time.monotonic()
+    now = engine.now()
     recent = [(t, n) for t, n in list(engine.tps_window) if now - t <= window_s]
     if not recent:
         return 0.0
@@ -23,18 +22,10 @@ def _tps(engine, window_s: float = 10.0) -> float:
 
 
 def _gpus(pools: list[Pool]) -> list[dict]:
-    """The CUDA devices GPU pools run on (torch is already imported when there are any)."""
-    devices = sorted({p.config.cuda_device for p in pools if p.config.cuda_device is not None})
-    if not devices:
-        return []
-    import torch
-
-    out = []
-    for i in devices:
-        free, total = torch.cuda.mem_get_info(i)
-        out.append({"index": i, "name": torch.cuda.get_device_name(i), "memory_total": total,
-                    "memory_used": total - free})
-    return out
+    """The devices GPU pools run on, as their backends describe them (each backend once)."""
+    backends = {id(p.backend): p.backend for p in pools if p.device_kind == "gpu"}
+    out = [info for b in backends.values() if (info := b.device_info()) is not None]
+    return sorted(out, key=lambda g: g.get("index", 0))
 
 
 def hardware_status(pools: list[Pool]) -> dict:

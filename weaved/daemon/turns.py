@@ -116,14 +116,15 @@ def check_fits(s: Session, keep: int, new: list[int], max_tokens: int) -> None:
             f"{cap} tokens", param="max_tokens")
 
 
-def turn_sequence(s: Session, new: list[int], params: SamplingParams, tok: Tokenizer, *, echo: bool,
+def turn_sequence(s: Session, new: list[int], params: SamplingParams, tok: Tokenizer, *, echo: bool, arrival: float,
                   default_ttlt_s: float | None = None, constraint: TokenConstraint | None = None) -> Sequence:
     """The engine's sequence for a turn of ``s`` feeding ``new``: its sampler, stops and SLA deadlines
-    (``default_ttlt_s``: the TTLT budget when the session's SLA names none)."""
+    (``default_ttlt_s``: the TTLT budget when the session's SLA names none; ``arrival``: now, on the
+    engines' clock)."""
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tok.eog_ids))
     return Sequence(
         session_id=s.id, kv=s.kv, pending=list(new), params=params, rank=s.rank,
         ttft_s=s.sla.ttft_ms / 1000 if s.sla.ttft_ms else None, ttlt_s=s.sla.ttlt_s or default_ttlt_s,
         history=list(s.committed), decoder=tok.stream_decoder(),
-        stops=StopChecker(params.stop, stop_ids), prompt_logprobs=echo, constraint=constraint,
+        stops=StopChecker(params.stop, stop_ids), prompt_logprobs=echo, constraint=constraint, arrival=arrival,
     )

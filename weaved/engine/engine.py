@@ -78,6 +78,7 @@ class BatchEngine:
         speculative: SpecConfig | None = None,
         capacity: Capacity | None = None,
         make_room: Callable[[Backend, int], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.name = name
         self.backend = backend
@@ -101,6 +102,7 @@ class BatchEngine:
         # (backend, bytes) -> whether it freed that much of the backend's own KV memory (a GPU's, by
         # demoting idle sessions): tried once before a step that lacks the room fails a turn
         self._make_room = make_room
+        self._clock = clock  # seconds: deadlines, token times, step durations (a simulation's virtual clock)
 
     # ---- control (any thread) ----------------------------------------------------------------
     def start(self) -> None:
@@ -129,7 +131,7 @@ class BatchEngine:
             return None
         with self._cond:
             live = list(self._active) + list(self._incoming)
-        return judge(live, seq, self.capacity, time.monotonic())
+        return judge(live, seq, self.capacity, self._clock())
 
     def cancel(self, session_id: str) -> None:
         with self._cond:
@@ -167,49 +169,64 @@ class BatchEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while (not self._stopping and not self._incoming and not self._active and not self._cancel
-                       and not self._detach):
+                while not self._stopping and not self.has_work():
                     self._cond.wait()
                 if self._stopping:
                     break
-                self._active.extend(self._incoming)
-                self._incoming.clear()
-                cancelled, self._cancel = self._cancel, set()
-                detach, self._detach = self._detach, []
-                admitted = [s for s in self._active if s.on_admit is not None]
-                outside = [s for s in self._active if s.prefill_outside is not None]
-            for s in admitted:
-                admit, s.on_admit = s.on_admit, None
-                try:
-                    admit()
-                except Exception as exc:  # e.g. no device memory for its KV: that turn fails
-                    log.exception("engine %s: admitting %s failed", self.name, s.session_id)
-                    self._fail(s, f"could not bring the session's KV to pool {self.name!r}: {exc}",
-                               getattr(exc, "http_status", None))
-            for s in outside:
-                self._prefill_outside(s)
-            for sid, callback in detach:
-                self._hand_over(sid, callback)
-            for s in self._active:
-                if s.session_id in cancelled and not s.status.done:
-                    self._finish(s, SeqStatus.CANCELLED, "cancelled")
-            self._active = [s for s in self._active if not s.status.done]
-            if self._active:
-                try:
-                    self.step()
-                except Exception as exc:  # a bug in one step must not kill the pool: fail its turns
-                    status = getattr(exc, "http_status", None)  # the server's capacity (a ring lost its room)
-                    if status is None:
-                        log.exception("engine %s: step failed", self.name)
-                    for s in self._active:
-                        self._fail(s, str(exc) if status else f"internal error: {exc}", status)
-                self._active = [s for s in self._active if not s.status.done]
+            self.run_once()
         with self._cond:
             rest = self._active + self._incoming
             self._active, self._incoming = [], []
         for s in rest:
             if not s.status.done:
                 self._finish(s, SeqStatus.CANCELLED, "shutdown")
+
+    def now(self) -> float:
+        """The engine's clock (seconds; its token times and the tokens/s window are on it)."""
+        return self._clock()
+
+    def has_work(self) -> bool:
+        """Turns to run, or cancellations and hand-overs to carry out."""
+        return bool(self._incoming or self._active or self._cancel or self._detach)
+
+    def run_once(self) -> None:
+        """One pass of the engine loop: take in new turns, carry out cancellations and hand-overs, admit,
+        then run one step.  The engine thread calls it in a loop; a simulation calls it instead of
+        starting the thread (weaved.sim.driver), on its own clock."""
+        with self._cond:
+            self._active.extend(self._incoming)
+            self._incoming.clear()
+            cancelled, self._cancel = self._cancel, set()
+            detach, self._detach = self._detach, []
+            admitted = [s for s in self._active if s.on_admit is not None]
+            outside = [s for s in self._active if s.prefill_outside is not None]
+        for s in admitted:
+            admit, s.on_admit = s.on_admit, None
+            try:
+                admit()
+            except Exception as exc:  # e.g. no device memory for its KV: that turn fails
+                status = getattr(exc, "http_status", None)  # the server's capacity, not a bug: no traceback
+                if status is None:
+                    log.exception("engine %s: admitting %s failed", self.name, s.session_id)
+                self._fail(s, f"could not bring the session's KV to pool {self.name!r}: {exc}", status)
+        for s in outside:
+            self._prefill_outside(s)
+        for sid, callback in detach:
+            self._hand_over(sid, callback)
+        for s in self._active:
+            if s.session_id in cancelled and not s.status.done:
+                self._finish(s, SeqStatus.CANCELLED, "cancelled")
+        self._active = [s for s in self._active if not s.status.done]
+        if self._active:
+            try:
+                self.step()
+            except Exception as exc:  # a bug in one step must not kill the pool: fail its turns
+                status = getattr(exc, "http_status", None)  # the server's capacity (a ring lost its room)
+                if status is None:
+                    log.exception("engine %s: step failed", self.name)
+                for s in self._active:
+                    self._fail(s, str(exc) if status else f"internal error: {exc}", status)
+            self._active = [s for s in self._active if not s.status.done]
 
     def _prefill_outside(self, s: Sequence) -> None:
         """Let ``s.prefill_outside`` write the KV of the turn's first prompt tokens (a pipeline prefill
@@ -244,7 +261,7 @@ class BatchEngine:
 
     def step(self) -> None:
         """One scheduling step over the active sequences (engine thread only)."""
-        now = time.monotonic()
+        now = self._clock()
         before = {id(s): s.status for s in self._active}
         work = schedule(self._active, self.config, now)
         for s in self._active:
@@ -266,10 +283,10 @@ class BatchEngine:
         for w, c in zip(work, chunks, strict=True):  # masks of the rows this step samples, during the forward
             if w.seq.constraint is not None and c.logits is not Logits.NONE:
                 w.seq.constraint.prefetch()
-        t0 = time.perf_counter()
+        t0 = self._clock()
         with self._forward_lock:
             outs = self.backend.forward(chunks)
-        took = time.perf_counter() - t0
+        took = self._clock() - t0
         self.counters.busy_s += took
         if self.capacity is not None:
             decoding = sum(1 for w in work if not w.seq.prefilling)
@@ -284,7 +301,7 @@ class BatchEngine:
                 handoff, s.handoff = s.handoff, None
                 self._active.remove(s)
                 self._hand_over_to(s, handoff)
-        self.tps_window.append((time.monotonic(), generated))
+        self.tps_window.append((self._clock(), generated))
         if len(self.tps_window) > 256:
             del self.tps_window[:128]
 
@@ -353,7 +370,7 @@ class BatchEngine:
         self._emit(s, {"type": "prompt_logprobs", "items": items})
 
     def _sample(self, s: Sequence, row: np.ndarray) -> int:
-        now = time.monotonic()
+        now = self._clock()
         try:
             tok = s.sample(row)
         except (ValueError, ConstraintError) as exc:  # nothing may be sampled: this turn ends, not the step

@@ -9,9 +9,10 @@
 - ``gpu-only``: Weave's router over the GPU pool alone - against ``weave``, the co-execution claim
   (nearly +50 % capacity).
 
-A GPU pool is a torch pool; on a host without CUDA it runs on torch's CPU device, standing in for a
-GPU (a functional check, not a performance claim).  Without the torch backend in this build, the
-configurations that can fall back to the CPU pool alone do so (and say so); ``gpu-only`` cannot.
+A GPU pool is a torch pool on CUDA.  On a host without one, the configurations that can fall back to
+the CPU pool alone do so (and say so) and ``gpu-only`` does not run: a torch pool on the CPU device
+beside the real CPU pool would compare two kinds of hardware, not the policies.  GPU hosts are
+simulated (``weaved.sim``, ``--simulate``).
 Every configuration starts from the shipped ``cpu-only`` profile (its CPU pool and its calibrated
 routing rates) and changes only the pools, the policy and the thread budget.
 """
@@ -61,16 +62,11 @@ class GpuSupport:
 
     @property
     def pool_possible(self) -> bool:
-        return self.torch_backend
+        """A real GPU pool: the torch backend on CUDA.  Torch's CPU device standing in for a GPU beside
+        the real CPU pool would compare two kinds of hardware, not the policies (``--simulate`` does
+        GPU hosts)."""
+        return self.torch_backend and self.cuda
 
-    @property
-    def stand_in(self) -> bool:
-        """A GPU pool here is the torch backend on the CPU device."""
-        return self.torch_backend and not self.cuda
-
-    @property
-    def device(self) -> str:
-        return "cuda" if self.cuda else "cpu"
 
 
 def detect_gpu_support() -> GpuSupport:
@@ -99,28 +95,23 @@ def resolve(name: str, gpu: GpuSupport) -> ResolvedConfig | str:
     """The configuration as this host can run it, or why it cannot."""
     spec = SPECS[name]
     if "gpu" in spec.pools and not gpu.pool_possible:
+        why = "no CUDA GPU here" if gpu.torch_backend else "no torch backend in this build"
         if not spec.cpu_fallback:
-            return "needs a GPU (torch) pool, and this build has no torch backend (weaved/backends/torch.py)"
-        return ResolvedConfig(spec, ("cpu",), "no torch backend in this build: runs on the CPU pool alone")
+            return f"needs a GPU pool ({why}; --simulate l40s-epyc simulates a GPU host)"
+        return ResolvedConfig(spec, ("cpu",), f"{why}: runs on the CPU pool alone")
     return ResolvedConfig(spec, spec.pools)
 
 
-def gpu_pool(cpu: PoolConfig, gpu: GpuSupport) -> PoolConfig:
-    """The GPU pool.  On CUDA: the L40S profile's plain GPU variant (wide batch, 2,048-token prefill
-    chunks).  As a stand-in on the CPU device: the CPU pool's variant, so that its steps stay as short as
-    the CPU pool's and a functional run keeps its shape."""
-    if gpu.cuda:
-        return PoolConfig(name="gpu", backend="torch", device="cuda", max_batch=64, prefill_chunk=2048,
-                          token_budget=4096)
-    return PoolConfig(name="gpu", backend="torch", device="cpu", max_batch=cpu.max_batch,
-                      prefill_chunk=cpu.prefill_chunk, token_budget=cpu.token_budget)
+def gpu_pool() -> PoolConfig:
+    """The GPU pool: the L40S profile's plain GPU variant (wide batch, 2,048-token prefill chunks)."""
+    return PoolConfig(name="gpu", backend="torch", device="cuda", max_batch=64, prefill_chunk=2048, token_budget=4096)
 
 
-def build_profile(cfg: ResolvedConfig, data_dir: Path, gpu: GpuSupport, threads: int | None = None,
+def build_profile(cfg: ResolvedConfig, data_dir: Path, threads: int | None = None,
                   base: Profile | None = None) -> Profile:
     base = base or load_profile(BASE_PROFILE)
     cpu = base.pool("cpu")
-    pools = tuple(gpu_pool(cpu, gpu) if p == "gpu" else cpu for p in cfg.pools)
+    pools = tuple(gpu_pool() if p == "gpu" else cpu for p in cfg.pools)
     routing = dataclasses.replace(base.routing, policy=cfg.spec.policy)
     budget = base.threads
     if threads is not None and threads != budget.kernels:

@@ -20,6 +20,7 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from weaved.bench.agents.agent_turns import AgentState, AgentTurns
@@ -38,7 +39,10 @@ class ReplayResult:
 
 
 class Replay:
-    def __init__(self, daemon, plan: Plan, tokens: TokenPool, *, max_iterations: int = 1_000_000):
+    def __init__(self, daemon, plan: Plan, tokens: TokenPool, *, max_iterations: int = 1_000_000,
+                 clock: Callable[[], float] = time.monotonic, idle: Callable[[float], None] | None = None):
+        """``clock`` and ``idle(until)`` - wait until that time (from the run's start) or until a turn
+        ends - are real time by default; a simulation gives its virtual clock and its driver."""
         self.d = daemon
         self.plan = plan
         self.w = plan.w
@@ -51,7 +55,11 @@ class Replay:
         self.errors: list[str] = []
         self._heap: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
-        self._ended: queue.Queue[TurnRecord] = queue.Queue()
+        self._ended: queue.Queue[TurnRecord] = queue.Queue()  # from the engines' threads
+        self._ending: list[tuple[float, int, TurnRecord]] = []  # ended turns by end time, not yet handled
+        self._wake = threading.Event()
+        self._clock = clock
+        self.idle = idle or self._idle_real
         self._lock = threading.Lock()  # engine callbacks vs closing the run
         self._closed = False
         self._batch_jobs = [0] * self.w.batch_concurrency
@@ -59,13 +67,28 @@ class Replay:
 
     # ---- clock and actions -----------------------------------------------------------------------
     def now(self) -> float:
-        return time.monotonic() - self._t0
+        return self._clock() - self._t0
+
+    def _idle_real(self, until: float) -> None:
+        if self._ended.empty():
+            self._wake.wait(max(0.0, until - self.now()))
+        self._wake.clear()
+
+    def next_end(self) -> float | None:
+        """When the earliest ended turn not yet handled ended (seconds from the start), or None."""
+        while True:
+            try:
+                rec = self._ended.get_nowait()
+            except queue.Empty:
+                break
+            heapq.heappush(self._ending, (rec.ended if rec.ended is not None else 0.0, next(self._order), rec))
+        return self._ending[0][0] if self._ending else None
 
     def _at(self, t: float, kind: str, arg: object) -> None:
         heapq.heappush(self._heap, (t, next(self._order), kind, arg))
 
     def run(self) -> ReplayResult:
-        self._t0 = time.monotonic()
+        self._t0 = self._clock()
         for a in self.agents:
             a.heartbeat_due = self.plan.heartbeat(a.index, 0).gap_s
             self._at(a.heartbeat_due, "heartbeat", a)
@@ -79,13 +102,11 @@ class Replay:
             if now >= end:
                 break
             due = self._heap[0][0] if self._heap else end
-            try:
-                rec = self._ended.get(timeout=max(0.0, min(due, end) - now))
-                self._on_end(rec)
-                while True:
-                    self._on_end(self._ended.get_nowait())
-            except queue.Empty:
-                pass
+            self.idle(min(due, end))
+            # turns are handled in the order they ended, once the clock has reached their end (a
+            # simulation's engines run side by side: one may have ended a turn later than another's)
+            while self.next_end() is not None and self._ending[0][0] <= self.now():
+                self._on_end(heapq.heappop(self._ending)[2])
             while self._heap and self._heap[0][0] <= self.now() < end:
                 _, _, kind, arg = heapq.heappop(self._heap)
                 self._fire(kind, arg)
@@ -226,6 +247,7 @@ class Replay:
                     if kind == "error":
                         rec.error = str(ev.get("message"))
                     self._ended.put(rec)
+                    self._wake.set()
         return emit
 
     def _on_end(self, rec: TurnRecord) -> None:

@@ -37,6 +37,9 @@ def _migrations(m: dict | None) -> str:
 def format_table(report: dict) -> str:
     w = report["workload"]
     lines = [f"agents scenario  model {report['model']}  threads {report['threads'] or 'profile'}"]
+    sim = report.get("simulated")
+    if sim:
+        lines += _simulated(sim)
     if report.get("notice"):
         lines.append(f"NOTE: {report['notice']}")
     lines.append(f"workload: {w['agents']} agents, {w['duration_s']:g} s, seed {w['seed']}; "
@@ -81,6 +84,21 @@ def format_table(report: dict) -> str:
 
         lines += ["", f"speculative variant: failed - {spec['error']}" if "error" in spec else format_result(spec)]
     return "\n".join(lines)
+
+
+def _simulated(sim: dict) -> list[str]:
+    """The banner of a simulated report: what was simulated, and with which cost model."""
+    host = sim["host"]
+    gpus = ", ".join(f"{g['name']} ({g['mem_bw'] / 1e9:.0f} GB/s, {g['matmul_flops'] / 1e12:.0f} Tops, "
+                     f"link {g['link_bw'] / 1e9:.0f} GB/s)" for g in host["gpus"]) or "none"
+    cpu = host["cpu"] if isinstance(host["cpu"], str) else (
+        f"{host['cpu']['name']}: {host['cpu']['threads']} threads x {host['cpu']['speed']:g} of a calibrated thread, "
+        f"{host['cpu']['mem_bw'] / 1e9:.0f} GB/s")
+    cal = sim["cpu_calibration"]
+    return [f"SIMULATED (virtual time, no tokens computed): host {host['name']}, shape {sim['shape']}",
+            f"  GPU: {gpus}",
+            f"  CPU: {cpu}; from this host's calibration on {cal['measured_on']} ({cal['threads']} threads)",
+            f"  {sim['claim']}"]
 
 
 def _latency_header() -> str:

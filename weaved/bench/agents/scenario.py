@@ -28,10 +28,8 @@ from weaved.bench.agents.metrics import SLATargets, summarize
 from weaved.bench.agents.workload import AgentWorkload, Plan
 
 Progress = Callable[[str], None]
-STAND_IN_NOTICE = ("no CUDA device: the torch backend on the CPU device stands in for the GPU pool; the figures "
-                   "are a functional check, not a performance claim")
-NO_GPU_NOTICE = ("no GPU pool in this run (no torch backend in this build): every configuration runs on the CPU "
-                 "pool; the figures are a functional check of the CPU pool and the policies, not of co-execution")
+NO_GPU_NOTICE = ("no GPU pool in this run (no CUDA GPU): every configuration runs on the CPU pool - the policies "
+                 "on this host's CPU, not co-execution (--simulate l40s-epyc --shape NAME simulates a GPU host)")
 
 
 @dataclass(frozen=True)
@@ -68,8 +66,7 @@ class ScenarioOptions:
         return cls(model=model, **{**base, **overrides})
 
 
-def run_once(opts: ScenarioOptions, cfg: ResolvedConfig, workload: AgentWorkload, gpu: GpuSupport,
-             progress: Progress) -> dict:
+def run_once(opts: ScenarioOptions, cfg: ResolvedConfig, workload: AgentWorkload, progress: Progress) -> dict:
     """One replay of ``workload`` on a fresh daemon running ``cfg``: its summary and the daemon's figures."""
     from weaved.bench.agents.figures import daemon_figures
     from weaved.bench.agents.replay import Replay
@@ -78,7 +75,7 @@ def run_once(opts: ScenarioOptions, cfg: ResolvedConfig, workload: AgentWorkload
     from weaved.daemon.core import Daemon
 
     with tempfile.TemporaryDirectory(prefix="weave-agents-", dir=opts.data_root) as tmp:
-        profile = build_profile(cfg, Path(tmp), gpu, opts.threads)
+        profile = build_profile(cfg, Path(tmp), opts.threads)
         d = Daemon(profile, opts.model, data_dir=Path(tmp) / "data", log_fn=lambda m: None)
         try:
             d.load()
@@ -120,7 +117,7 @@ def run_scenario(opts: ScenarioOptions, progress: Progress = lambda m: None, *, 
     """The scenario's report (a JSON-able dict; see ``report.py`` for its shape).  ``run`` and ``spec``
     replace the real replay and the speculative measurement (tests)."""
     gpu = gpu or detect_gpu_support()
-    run = run or (lambda cfg, w: run_once(opts, cfg, w, gpu, progress))
+    run = run or (lambda cfg, w: run_once(opts, cfg, w, progress))
     w = opts.workload
     configs: dict[str, dict] = {}
     resolved: dict[str, ResolvedConfig] = {}
@@ -143,8 +140,8 @@ def run_scenario(opts: ScenarioOptions, progress: Progress = lambda m: None, *, 
             capacity[name] = _capacity(opts, r, run, progress)
     return {
         "scenario": "agents", "model": str(opts.model), "threads": opts.threads,
-        "gpu": {"torch_backend": gpu.torch_backend, "cuda": gpu.cuda, "stand_in": gpu.stand_in},
-        "notice": STAND_IN_NOTICE if gpu.stand_in else (NO_GPU_NOTICE if not gpu.torch_backend else None),
+        "gpu": {"torch_backend": gpu.torch_backend, "cuda": gpu.cuda},
+        "notice": NO_GPU_NOTICE if not gpu.pool_possible else None,
         "workload": dataclasses.asdict(w), "plan": {"checkins": len(Plan(w).checkins)},
         "configs": configs,
         "capacity": _capacity_report(opts, capacity),
