@@ -119,6 +119,11 @@ def register(app: typer.Typer, run: Runner | None = None,
         clients: Annotated[
             int | None, typer.Option("--clients", min=1, help="load: concurrent clients (default 64, 16 with --quick).")
         ] = None,
+        validate: Annotated[
+            bool, typer.Option("--validate", help="agents: replay the workload for real on this host's CPU pool and "
+                                                  "simulated with this host's calibration of the same model, and "
+                                                  "compare them (TTFT p50/p99, SLA share, tokens/s: 15 % bar).")
+        ] = False,
         simulate: Annotated[
             str | None,
             typer.Option("--simulate", metavar="HOST",
@@ -133,6 +138,12 @@ def register(app: typer.Typer, run: Runner | None = None,
         if scenario not in ("llama", "agents", "ring", "load", "grammar", "prefix"):
             raise typer.BadParameter(f"unknown scenario {scenario!r}; choose llama, agents, ring, load, grammar or "
                                      "prefix", param_hint="--scenario")
+        if validate:
+            if scenario != "agents" or simulate is not None or shape is not None:
+                raise typer.BadParameter("--validate runs --scenario agents on this host's model (--model), "
+                                         "without --simulate or --shape", param_hint="--validate")
+            _agents_validated(model, threads, json_out, (agents, duration, seed, configs, capacity))
+            return
         if simulate is not None:
             if scenario != "agents":
                 raise typer.BadParameter("--simulate applies to --scenario agents", param_hint="--simulate")
@@ -260,6 +271,26 @@ def _agents_simulated(host: str, shape: str | None, model: Path | None, threads:
                                        configs=names, capacity=capacity, say=say)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    typer.echo(text)
+    if not ok:
+        raise typer.Exit(1)
+
+
+def _agents_validated(model: Path | None, threads: int | None, json_out: bool, agent_opts: tuple) -> None:
+    """``weave bench --scenario agents --validate`` (weaved.sim.run)."""
+    from weaved.bench.agents.cli import parse_configs
+    from weaved.sim.run import validate_and_format
+
+    agents, duration, seed, configs, capacity = agent_opts
+    if capacity:
+        raise typer.BadParameter("--validate compares single runs: no --capacity", param_hint="--capacity")
+    try:
+        names = parse_configs(configs)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--configs") from None
+    say = lambda msg: typer.echo(msg, err=True)
+    text, ok = validate_and_format(_model_file(model, say), threads=threads or default_threads(), json_out=json_out,
+                                   agents=agents, duration=duration, seed=seed, configs=names, say=say)
     typer.echo(text)
     if not ok:
         raise typer.Exit(1)

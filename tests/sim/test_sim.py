@@ -98,7 +98,7 @@ def test_engines_run_on_the_virtual_clock():
 def setup(smollm2_q4_0):
     cal = Calibration(StepCost(Linear(0.004, 4e-4, 1e-6), Linear(0.005, 6e-4, 2.3e-6)), "fp", "cpu", "cpu", 2,
                       "vnni")
-    return SimSetup.named("l40s-epyc", "llama-3.1-8b", cal, SMOL, smollm2_q4_0)
+    return dataclasses.replace(SimSetup.named("l40s-epyc", "llama-3.1-8b", cal, SMOL, smollm2_q4_0), engine_time=False)
 
 
 def test_a_simulated_run_uses_the_daemon_router_and_is_deterministic(setup):
@@ -147,3 +147,21 @@ def test_the_bench_command_simulates_a_gpu_host(tiny_llama, tmp_path, monkeypatc
     assert bad.exit_code != 0 and "unknown simulated host 'mars'" in bad.output
     no_shape = CliRunner().invoke(app, ["bench", "--scenario", "agents", "--simulate", "l40s-epyc"])
     assert no_shape.exit_code != 0 and "--simulate needs --shape" in no_shape.output
+
+
+@pytest.mark.slow
+def test_the_validation_replays_for_real_and_simulated_and_compares(tiny_llama, tmp_path, monkeypatch):
+    """The command runs both and prints the comparison; whether a run lands within the bar is a
+    measurement (docs/benchmarks.md), not something a test can promise."""
+    from typer.testing import CliRunner
+    from weaved.cli.app import app
+
+    monkeypatch.setenv("WEAVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    out = CliRunner().invoke(app, ["bench", "--scenario", "agents", "--validate", "--model", str(tiny_llama),
+                                   "--configs", "fifo", "--agents", "2", "--duration", "15", "--threads", "1"])
+    assert out.exit_code in (0, 1), out.output
+    assert "SIMULATED (virtual time" in out.output and "fifo: simulation vs this host" in out.output
+    assert "background TTFT p50 ms" in out.output
+    bad = CliRunner().invoke(app, ["bench", "--scenario", "agents", "--validate", "--simulate", "l40s-epyc"])
+    assert bad.exit_code == 2 and "--validate runs" in bad.output

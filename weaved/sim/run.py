@@ -49,3 +49,36 @@ def simulate_and_format(host: str, shape: str, model: Path, *, threads: int, qui
     report = {**simulated_report(setup, report), "threads": None}
     text = json.dumps(report) if json_out else format_table(report)
     return text, all("error" not in c for c in report["configs"].values())
+
+
+def validate_and_format(model: Path, *, threads: int, json_out: bool, agents: int | None, duration: float | None,
+                        seed: int | None, configs: tuple[str, ...] | None, say: Callable[[str], None]
+                        ) -> tuple[str, bool]:
+    """The workload replayed for real on this host and simulated with this host's calibration of the same
+    model, for each configuration: both reports and their comparison (``validate.py``).  (text, whether
+    every held figure is within the bar)."""
+    from weaved.bench.agents.report import format_table
+    from weaved.bench.agents.scenario import ScenarioOptions, run_scenario
+    from weaved.config.load import load_profile
+    from weaved.sim.hardware import HOSTS
+    from weaved.sim.scenario import SimSetup, run_simulated, simulated_report, this_host_calibration
+    from weaved.sim.validate import compare, format_comparison
+
+    base = ScenarioOptions(model=model, capacity=False, speculative=False, threads=threads)
+    w = dataclasses.replace(base.workload, **{k: v for k, v in (("agents", agents), ("duration_s", duration),
+                                                                ("seed", seed)) if v is not None})
+    opts = dataclasses.replace(base, workload=w, **({"configs": configs} if configs is not None else {}))
+    cal, cfg = this_host_calibration(model, threads, load_profile("cpu-only").host.data_dir, say)
+    real = run_scenario(opts, lambda m: say(f"[real] {m}"))
+    setup = SimSetup(HOSTS["this-host"], cfg, cal, cfg, model, opts.data_root)
+    sim = {**simulated_report(setup, run_scenario(opts, lambda m: say(f"[simulated] {m}"), gpu=setup.gpu,
+                                                  run=lambda c, wl: run_simulated(setup, c, wl), spec=lambda: None)),
+           "threads": threads}
+    comparisons = {name: compare(real["configs"][name], sim["configs"][name]) for name in real["configs"]
+                   if "summary" in real["configs"][name] and "summary" in sim["configs"].get(name, {})}
+    ok = bool(comparisons) and all(c["passed"] for c in comparisons.values())
+    if json_out:
+        return json.dumps({"real": real, "simulated": sim, "comparison": comparisons}), ok
+    parts = [format_table(real), "", format_table(sim)]
+    parts += [f"\n{name}: {format_comparison(c)}" for name, c in comparisons.items()]
+    return "\n".join(parts), ok

@@ -36,6 +36,7 @@ class SimSetup:
     measured_on: ModelConfig  # the model the calibration was measured with
     tokenizer_model: Path  # a GGUF whose tokenizer the simulated daemon uses (turns are token ids)
     data_root: Path | None = None
+    engine_time: bool = True  # add the engines' own measured work to each step (driver.py); off: reproducible
 
     @classmethod
     def named(cls, host: str, shape: str, calibration: Calibration, measured_on: ModelConfig,
@@ -71,7 +72,7 @@ def run_simulated(setup: SimSetup, cfg: ResolvedConfig, workload: AgentWorkload)
         try:
             tokens = TokenPool.from_tokenizer(lambda t: d.tokenizer.encode(t, add_bos=False, special=False),
                                               workload.seed)
-            driver = Driver(sim)
+            driver = Driver(sim, engine_time=setup.engine_time)
             replay = Replay(d, Plan(workload), tokens, clock=sim.clock.now)
             replay.idle = lambda until: driver.run_until(until, replay.next_end)
             result = replay.run()
@@ -81,7 +82,9 @@ def run_simulated(setup: SimSetup, cfg: ResolvedConfig, workload: AgentWorkload)
     summary = summarize(result.records, SLATargets.from_workload(workload), result.t_end)
     return {"agents": workload.agents, "duration_s": round(result.t_end, 2), "pools": list(cfg.pools),
             "summary": summary, **figures, "replay": result.counts, "errors": result.errors,
-            "pool_notes": list(d.pool_notes), "simulated": {"steps": driver.steps, **sim.parameters()}}
+            "pool_notes": list(d.pool_notes),
+            "simulated": {"steps": driver.steps, "engine_s": round(driver.engine_s, 3),
+                          "engine_time": setup.engine_time, **sim.parameters()}}
 
 
 def simulated_report(setup: SimSetup, report: dict) -> dict:
