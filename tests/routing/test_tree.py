@@ -451,3 +451,30 @@ def test_place_and_promote_are_pure():
     assert "open" in control
     assert results[0] == results[1] and isinstance(results[0], Placement)
     assert all(isinstance(x, Placement | str) for x in results)
+
+
+# --- throughput-tolerant is not "never": a CPU that would miss the TTLT budget -------------------
+
+SLOW = dataclasses.replace(TH, cpu_prefill_tokens_per_s=100.0, cpu_decode_tokens_per_s=40.0)  # e.g. an 8B model
+
+
+def test_background_goes_to_the_gpu_when_the_cpu_would_miss_its_ttlt():
+    p = place(req(BG, prompt=2000), state(*HOST), SLOW)  # 20 s prefill + 256 tokens x 16 / 40 tok/s: 122 s
+    assert p.decode_pool == "cpu" and not said(p, "predicts")  # within the default 600 s budget
+    short = SessionRequest(SLA(BG, ttlt_s=60.0), 2000)
+    p = place(short, state(*HOST), SLOW)
+    assert p.decode_pool == "gpu" and p.priority == PRIORITY[BG]
+    assert said(p, "CPU pool 'cpu' predicts 122 s", "over 80% of its 60 s budget")
+    assert place(SessionRequest(SLA(BG, ttlt_s=60.0), 2000), state(*HOST), TH).decode_pool == "cpu"  # fast CPU
+    full = place(short, state(gpu("gpu-spec", spec=True, **FULL_GPU), gpu(**FULL_GPU), cpu()), SLOW)
+    assert full.decode_pool == "cpu" and said(full, "no GPU pool has room: the CPU pool all the same")
+    only_cpu = place(short, state(cpu()), SLOW)  # no GPU at all: nothing to say
+    assert only_cpu.decode_pool == "cpu" and not said(only_cpu, "predicts")
+
+
+def test_a_demotion_stays_on_the_gpu_when_the_cpu_would_miss_the_ttlt():
+    on_gpu = Placement("standard", "standard", "gpu", "gpu", PRIORITY[IA], ())
+    slow = promote(on_gpu, SessionRequest(SLA(BG, ttlt_s=60.0), 3000), state(*HOST), SLOW, turn_tokens=500)
+    assert slow.decode_pool == "gpu" and said(slow, "stays on GPU pool 'gpu'")
+    fast = promote(on_gpu, SessionRequest(SLA(BG, ttlt_s=60.0), 3000), state(*HOST), TH, turn_tokens=500)
+    assert fast.decode_pool == "cpu"

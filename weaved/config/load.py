@@ -240,7 +240,7 @@ def _routing(t: Table, threads: ThreadBudget) -> RoutingThresholds:
     node_kv = t.integer("node_kv_tokens", AUTO, auto=True)
     d = RoutingThresholds.__dataclass_fields__
     kw = {k: t.integer(k, d[k].default) for k in ("long_prompt_tokens", "ring_batch_depth",
-                                                  "pipeline_min_prompt_tokens")}
+                                                  "pipeline_min_prompt_tokens", "answer_tokens")}
     scale = threads.kernels if unit == "thread" else 1  # per-thread estimates scale with the budget
     prefill, decode = t.number("cpu_prefill_tokens_per_s", None), t.number("cpu_decode_tokens_per_s", None)
     th = t.build(RoutingThresholds, **kw,

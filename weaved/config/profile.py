@@ -152,6 +152,9 @@ class RoutingThresholds:
     # "never" - the scheduler paces such a turn to end within it, and admission refuses what cannot
     background_ttlt_s: float = 600.0
     batch_ttlt_s: float = 3600.0
+    # the answer a throughput-tolerant turn is assumed to generate when the router predicts whether the
+    # CPU pool would meet its TTLT budget (a turn that it would not is decoded on a GPU pool with room)
+    answer_tokens: int = 256
     # "sla": the decision tree.  The baselines of the agents benchmark (docs/benchmarks.md):
     # "isolation" binds a session to a pool by its class at creation and never moves it or changes
     # its priority; "fifo" puts every session in the first standard pool, first come first served.
@@ -163,7 +166,7 @@ class RoutingThresholds:
             if getattr(self, rate) is not None:
                 _positive(self, rate)
         _positive(self, "long_prompt_tokens", "ttft_margin", "ring_batch_depth", "pipeline_min_prompt_tokens",
-                  "background_ttlt_s", "batch_ttlt_s")
+                  "background_ttlt_s", "batch_ttlt_s", "answer_tokens")
         _check(self.ttft_margin <= 1.0, "ttft_margin", f"must be in (0, 1], got {self.ttft_margin}")
         if self.node_kv_tokens is not None:
             _positive(self, "node_kv_tokens")

@@ -160,12 +160,41 @@ def _latency(req: SessionRequest, state: SystemState, reasons: list[str]) -> Pla
     return Placement("standard", "standard", c.name, c.name, TOP_PRIORITY, tuple(reasons))
 
 
+def predict_cpu_ttlt_s(pool: PoolState, prompt_tokens: int, th: RoutingThresholds) -> float:
+    """Seconds a turn takes on a CPU pool: its time to first token, then ``answer_tokens`` decode steps
+    of a full batch (a decode step reads every weight whatever its batch, so its time hardly shrinks
+    with a smaller one)."""
+    return (predict_cpu_ttft_s(pool, prompt_tokens, th)
+            + th.answer_tokens * pool.max_batch / th.cpu_decode_tokens_per_s)
+
+
+def _cpu_too_slow(sla: SLA, prompt_tokens: int, cpu: PoolState, state: SystemState, th: RoutingThresholds,
+                  reasons: list[str]) -> bool:
+    """Whether a throughput-tolerant turn would miss its TTLT budget on ``cpu`` (the budget the SLA names,
+    else its class's default) while the host has a GPU pool - throughput-tolerant is not "never"."""
+    if not pools_of(state, "gpu"):
+        return False
+    budget = sla.ttlt_s or (th.batch_ttlt_s if sla.cls is SLAClass.BATCH else th.background_ttlt_s)
+    s = predict_cpu_ttlt_s(cpu, prompt_tokens, th)
+    if s <= budget * th.ttft_margin:
+        return False
+    reasons.append(f"CPU pool {cpu.name!r} predicts {s:.0f} s for a turn ({prompt_tokens} prompt + "
+                   f"{th.answer_tokens} answer tokens), over {th.ttft_margin:.0%} of its {budget:g} s budget")
+    return True
+
+
 def _throughput(req: SessionRequest, state: SystemState, th: RoutingThresholds,
                 reasons: list[str]) -> Placement:
     need = max(1, req.prompt_tokens)
     reasons.append(f"{req.sla.cls.value}: throughput-tolerant")
     ring = _ring(state)
     cpu = with_room(pools_of(state, "cpu"), need)
+    if cpu is not None and _cpu_too_slow(req.sla, req.prompt_tokens, cpu, state, th, reasons):
+        g = with_room(pools_of(state, "gpu"), need, plain_first=True)
+        if g is not None:
+            reasons.append(f"decode on GPU pool {g.describe()}")
+            return Placement("standard", "standard", g.name, g.name, PRIORITY[req.sla.cls], tuple(reasons))
+        reasons.append("no GPU pool has room: the CPU pool all the same")
     if ring is not None and state.ring_batch_depth >= th.ring_batch_depth:
         decode, strategy = ring, "qring"
         reasons.append(f"Q-Ring decode on {ring.name!r}: the ring batches {state.ring_batch_depth} sessions "
@@ -266,6 +295,8 @@ def promote(current: Placement, req: SessionRequest, state: SystemState, thresho
     if here.device_kind == "cpu":
         return stay(prio, f"stays on {here.describe()} at priority {prio}")
     c = with_room(pools_of(state, "cpu"), need)
+    if c is not None and _cpu_too_slow(req.sla, turn_tokens, c, state, thresholds, reasons):
+        return stay(prio, f"stays on GPU pool {here.name!r} at priority {prio}")
     if c is not None:
         reasons.append(f"moves from GPU pool {here.name!r} to CPU pool {c.describe()}, freeing the GPU (its "
                        f"KV is written back to the session's file)")

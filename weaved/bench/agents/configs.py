@@ -103,8 +103,10 @@ def resolve(name: str, gpu: GpuSupport) -> ResolvedConfig | str:
 
 
 def gpu_pool() -> PoolConfig:
-    """The GPU pool: the L40S profile's plain GPU variant (wide batch, 2,048-token prefill chunks)."""
-    return PoolConfig(name="gpu", backend="torch", device="cuda", max_batch=64, prefill_chunk=2048, token_budget=4096)
+    """The GPU pool: the L40S profile's plain GPU variant (wide batch, 512-token prefill chunks, short
+    steps while an interactive turn decodes)."""
+    return PoolConfig(name="gpu", backend="torch", device="cuda", max_batch=64, prefill_chunk=512, token_budget=1024,
+                      interactive_token_budget=256)
 
 
 def build_profile(cfg: ResolvedConfig, data_dir: Path, threads: int | None = None,
