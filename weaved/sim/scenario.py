@@ -48,7 +48,7 @@ class SimSetup:
     @property
     def gpu(self) -> GpuSupport:
         """What the configurations may use: a GPU pool where the simulated host has a GPU."""
-        return GpuSupport(torch_backend=bool(self.host.gpus), cuda=bool(self.host.gpus))
+        return GpuSupport(torch_backend=True, cuda=bool(self.host.gpus))
 
 
 def run_simulated(setup: SimSetup, cfg: ResolvedConfig, workload: AgentWorkload) -> dict:
