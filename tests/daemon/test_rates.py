@@ -61,3 +61,26 @@ def test_rates_the_profile_gives_override_calibration(tiny_llama, tmp_path, cach
         assert d.pools["cpu"].engine.capacity.prior_tps == 45.0
     finally:
         d.shutdown()
+
+
+def test_gpu_pools_on_cuda_calibrate_their_steps_and_link(tiny_llama, tmp_path, cache):
+    """A GPU pool's backend on CUDA is calibrated as the CPU pool is, with the host-to-device bandwidth
+    of a promotion's copy; torch's CPU device standing in for a GPU is not (the daemon's default) - the
+    same path is run here on it by asking for stand-ins."""
+    pytest.importorskip("torch")
+    from tests.daemon.test_coexec import coexec_profile
+    from weaved.calibration.store import CalibrationStore
+    from weaved.daemon.device_rates import calibrate_devices
+    from weaved.kv.store import model_fingerprint
+
+    d = _daemon(tiny_llama, tmp_path / "a", coexec_profile())
+    try:
+        assert d.device_rates == [] and d.status()["device_rates"] == []  # a stand-in: nothing measured
+        store = CalibrationStore(tmp_path / "a", cache / "calibration")
+        out = calibrate_devices(d.pools, model_fingerprint(d.config), store, lambda m: None, stand_ins=True)
+        assert [r.pools for r in out] == [("gpu",)] and out[0].calibration.backend == "torch"
+        assert out[0].link_bytes_per_s > 0 and out[0].calibration.cost.decode_tokens_per_s(4) > 0
+        shown = out[0].to_dict()
+        assert shown["device"] == "cpu" and shown["link_gb_s"] > 0 and "step_cost" in shown
+    finally:
+        d.shutdown()

@@ -98,6 +98,7 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
         ``drive`` False no thread is started - engines, housekeeper, peers' health checks - and prefixes
         are published inline: the caller steps the engines (``BatchEngine.run_once``)."""
         from weaved.calibration.store import CalibrationStore
+        from weaved.daemon.device_rates import calibrate_devices
         from weaved.daemon.journal import Journal
         from weaved.daemon.migration import Mover
         from weaved.daemon.pools import build_pools
@@ -136,8 +137,10 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
                                                   progress=say, make_room=self.make_device_room,
                                                   make_backend=make_backend, clock=self.clock)
         self.engines = {name: p.engine for name, p in self.pools.items()}
-        self.profile, self.rates = apply_rates(self.profile, self.pools, model_fingerprint(self.config),
-                                               CalibrationStore(self.data_dir, cache_dir() / "calibration"), say)
+        calibrations = CalibrationStore(self.data_dir, cache_dir() / "calibration")
+        self.profile, self.rates = apply_rates(self.profile, self.pools, model_fingerprint(self.config), calibrations,
+                                               say)
+        self.device_rates = calibrate_devices(self.pools, model_fingerprint(self.config), calibrations, say)
         if not any(p.config.strategy == "standard" for p in self.pools.values()):
             raise WeaveError("the profile has no pool this daemon can run: "
                              + "; ".join(self.pool_notes or ["it names none with the standard strategy"]))
@@ -612,6 +615,7 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
             "peers": self.peers.list() if getattr(self, "peers", None) is not None else [],
             "migrations": self.mover.counters.to_dict() if hasattr(self, "mover") else None,
             "rates": self.rates.to_dict() if getattr(self, "rates", None) is not None else None,
+            "device_rates": [r.to_dict() for r in getattr(self, "device_rates", ())],
             # the groups this daemon serves for its peers' rings (it is their home's member)
             "groups": self.member_groups.status() if self.member_groups is not None else [],
         }

@@ -5,7 +5,8 @@ unless the profile gives its own rates (``[routing] cpu_prefill_tokens_per_s`` a
 
 The router's thresholds get the calibrated prefill rate (a 1,024-token prompt in the first CPU pool's
 chunks) and decode rate (its full batch at 1,024 positions each); each CPU pool's admission capacity
-starts from the decode rate at its own batch until it has measured its own steps.
+starts from the decode rate at its own batch until it has measured its own steps, and a Q-Ring pool
+splits pipeline prefills across peers by the prefill rate until it has measured its own.
 """
 
 from __future__ import annotations
@@ -90,4 +91,7 @@ def apply_rates(profile: Profile, pools: dict[str, Pool], fingerprint: str, stor
             if cap is not None:
                 cap.prior_tps = cal.cost.decode_tokens_per_s(p.config.max_batch)
                 cap.prefill_cost = cap.prior_tps / cal.cost.prefill_tokens_per_s(p.config.prefill_chunk)
+    for p in pools.values():  # a Q-Ring pool splits pipeline prefills by this node's speed until it measures it
+        if p.config.strategy == "qring" and hasattr(p.backend, "default_speed"):
+            p.backend.default_speed = rates.prefill_tokens_per_s
     return profile, rates
