@@ -140,7 +140,8 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
         calibrations = CalibrationStore(self.data_dir, cache_dir() / "calibration")
         self.profile, self.rates = apply_rates(self.profile, self.pools, model_fingerprint(self.config), calibrations,
                                                say)
-        self.device_rates = calibrate_devices(self.pools, model_fingerprint(self.config), calibrations, say)
+        self.device_rates = [] if make_backend is not None else calibrate_devices(  # (a simulation's are modelled)
+            self.pools, model_fingerprint(self.config), calibrations, say)
         if not any(p.config.strategy == "standard" for p in self.pools.values()):
             raise WeaveError("the profile has no pool this daemon can run: "
                              + "; ".join(self.pool_notes or ["it names none with the standard strategy"]))
