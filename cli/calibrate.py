@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 from weaved.cli.fmt import printable
+from weaved.cli.serve import ModelOpt, ProfileOpt
 
 HELP = (
     "Measure how long the CPU pool's engine steps take for a model on this host - prefill chunks and "
@@ -31,11 +32,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command("calibrate", help=HELP)
     def calibrate(
-        model: Annotated[Path | None, typer.Option("--model", "-m", help="GGUF model (default: "
-                                                   "SmolLM2-135M-Instruct).", show_default=False)] = None,
-        profile: Annotated[str | None, typer.Option("--profile", "-p", help="Shipped profile name or a TOML "
-                                                    "file (default: detected from the hardware).",
-                                                    show_default=False)] = None,
+        model: ModelOpt = None,
+        profile: ProfileOpt = None,
         data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Where the calibration is stored "
                                                       "(default: the profile's data directory).",
                                                       show_default=False)] = None,

@@ -28,6 +28,13 @@ HELP = (
 )
 
 
+# the model and profile options of the commands that load a model in-process (serve, calibrate)
+ModelOpt = Annotated[Path | None, typer.Option("--model", "-m", help="GGUF model (default: SmolLM2-135M-Instruct).",
+                                               show_default=False)]
+ProfileOpt = Annotated[str | None, typer.Option("--profile", "-p", help="Shipped profile name or a TOML file "
+                                                "(default: detected from the hardware).", show_default=False)]
+
+
 def _say(message: str) -> None:
     typer.echo(printable(f"weave: {message}"))
 
@@ -72,11 +79,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command("serve", help=HELP)
     def serve(
-        model: Annotated[Path | None, typer.Option("--model", "-m", help="GGUF model to serve (default: "
-                                                   "SmolLM2-135M-Instruct).", show_default=False)] = None,
-        profile: Annotated[str | None, typer.Option("--profile", "-p", help="Shipped profile name or a TOML "
-                                                    "file (default: detected from the hardware).",
-                                                    show_default=False)] = None,
+        model: ModelOpt = None,
+        profile: ProfileOpt = None,
         socket: Annotated[Path | None, typer.Option("--socket", help="Unix socket path.",
                                                     show_default=False)] = None,
         listen: Annotated[str | None, typer.Option("--listen", metavar="HOST:PORT",

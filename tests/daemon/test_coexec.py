@@ -104,6 +104,20 @@ def daemon_factory(tiny_llama, tmp_path):
         d.shutdown()
 
 
+def record_migrations(d: Daemon) -> list[dict]:
+    """The daemon's migration events from now on, as its mover publishes them."""
+    moves: list[dict] = []
+    publish = d.mover._publish
+
+    def record(kind: str, data: dict) -> None:
+        if kind == "migration":
+            moves.append(data)
+        publish(kind, data)
+
+    d.mover._publish = record
+    return moves
+
+
 def kv_digest(kv, n: int) -> str:
     return hashlib.sha256(np.ascontiguousarray(kv.data[:, :, :, :n]).tobytes()).hexdigest()
 
@@ -137,15 +151,7 @@ def test_promotion_mid_generation_moves_bytes_and_recomputes_nothing(daemon_fact
     n_gen = 36
     t = start(d, sid, prompt, SamplingParams(max_tokens=n_gen, temperature=0, ignore_eos=True))
     s = d.sessions[sid]
-    moves: list[dict] = []  # the migration events, as published
-    publish = d.mover._publish
-
-    def record(kind: str, data: dict) -> None:
-        if kind == "migration":
-            moves.append(data)
-        publish(kind, data)
-
-    d.mover._publish = record
+    moves = record_migrations(d)
     t.wait_tokens(8)
     d.promote(sid)
     deadline = time.monotonic() + 60

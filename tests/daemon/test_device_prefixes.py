@@ -8,7 +8,14 @@ import time
 
 import pytest
 
-from tests.daemon.test_coexec import BG, backends, daemon_factory, prompt_ids, start  # noqa: F401 (fixture)
+from tests.daemon.test_coexec import (  # noqa: F401 (daemon_factory: a fixture)
+    BG,
+    backends,
+    daemon_factory,
+    prompt_ids,
+    record_migrations,
+    start,
+)
 from weaved.engine.sampling import SamplingParams
 from weaved.kv.prefixes import BLOCK as PBLOCK
 
@@ -26,15 +33,7 @@ def _wait(cond, what: str, timeout: float = 60) -> None:
 
 def test_promotions_copy_a_shared_prefix_once_per_device(daemon_factory):  # noqa: F811
     d = daemon_factory()
-    moves: list[dict] = []
-    publish = d.mover._publish
-
-    def record(kind: str, data: dict) -> None:
-        if kind == "migration":
-            moves.append(data)
-        publish(kind, data)
-
-    d.mover._publish = record
+    moves = record_migrations(d)
     base = prompt_ids(2 * PBLOCK + 30, 7)
     sids = []
     for i in range(3):  # background sessions on the CPU pool, the later ones mapping the first's prefix

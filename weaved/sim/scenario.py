@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weaved.bench.agents.configs import GpuSupport, ResolvedConfig, build_profile
-from weaved.bench.agents.metrics import SLATargets, summarize
+from weaved.bench.agents.scenario import run_result
 from weaved.bench.agents.workload import AgentWorkload, Plan
 from weaved.calibration.store import Calibration
 from weaved.config.load import load_profile
@@ -79,10 +79,7 @@ def run_simulated(setup: SimSetup, cfg: ResolvedConfig, workload: AgentWorkload)
         finally:
             d.shutdown()
         figures = daemon_figures(result.status, d)
-    summary = summarize(result.records, SLATargets.from_workload(workload), result.t_end)
-    return {"agents": workload.agents, "duration_s": round(result.t_end, 2), "pools": list(cfg.pools),
-            "summary": summary, **figures, "replay": result.counts, "errors": result.errors,
-            "pool_notes": list(d.pool_notes),
+    return {**run_result(cfg, workload, result, figures, d.pool_notes),
             "simulated": {"steps": driver.steps, "engine_s": round(driver.engine_s, 3),
                           "engine_time": setup.engine_time, **sim.parameters()}}
 

@@ -90,10 +90,15 @@ def run_once(opts: ScenarioOptions, cfg: ResolvedConfig, workload: AgentWorkload
         finally:
             d.shutdown()
         figures = daemon_figures(result.status, d)
+    return run_result(cfg, workload, result, figures, d.pool_notes)
+
+
+def run_result(cfg: ResolvedConfig, workload: AgentWorkload, result, figures: dict, pool_notes) -> dict:
+    """One run's entry in the report: the replay's ``ReplayResult`` summarized, the daemon's figures."""
     summary = summarize(result.records, SLATargets.from_workload(workload), result.t_end)
     return {"agents": workload.agents, "duration_s": round(result.t_end, 2), "pools": list(cfg.pools),
             "summary": summary, **figures, "replay": result.counts, "errors": result.errors,
-            "pool_notes": list(d.pool_notes)}
+            "pool_notes": list(pool_notes)}
 
 
 RunOnce = Callable[[ResolvedConfig, AgentWorkload], dict]
