@@ -38,6 +38,10 @@ def test_a_first_daemon_calibrates_and_later_ones_read_the_result(tiny_llama, tm
                                                                                   rel=1e-3))
         assert pool.engine.capacity.prior_tps == pytest.approx(th.cpu_decode_tokens_per_s)
         assert d.moves.routing is d.profile.routing  # what the router decides with
+        # the router predicts turns on the pool with its step model, and interactive steps are sized by it
+        cost = pool.step_cost
+        assert cost is not None and cost.to_dict() == rates["step_cost"]
+        assert pool.engine.config.step_cost is cost and pool.engine.config.step_target_s == pytest.approx(0.08)
     finally:
         d.shutdown()
     again = _daemon(tiny_llama, tmp_path / "b")  # another data directory on this host: nothing measured
@@ -77,8 +81,11 @@ def test_gpu_pools_on_cuda_calibrate_their_steps_and_link(tiny_llama, tmp_path, 
     try:
         assert d.device_rates == [] and d.status()["device_rates"] == []  # a stand-in: nothing measured
         store = CalibrationStore(tmp_path / "a", cache / "calibration")
-        out = calibrate_devices(d.pools, model_fingerprint(d.config), store, lambda m: None, stand_ins=True)
+        out = calibrate_devices(d.pools, model_fingerprint(d.config), store, lambda m: None, stand_ins=True,
+                                step_target_s=0.05)
         assert [r.pools for r in out] == [("gpu",)] and out[0].calibration.backend == "torch"
+        gpu = d.pools["gpu"]
+        assert gpu.step_cost == out[0].calibration.cost and gpu.engine.config.step_target_s == 0.05
         assert out[0].link_bytes_per_s > 0 and out[0].calibration.cost.decode_tokens_per_s(4) > 0
         shown = out[0].to_dict()
         assert shown["device"] == "cpu" and shown["link_gb_s"] > 0 and "step_cost" in shown

@@ -90,3 +90,39 @@ def test_cancel_frees_the_slot_and_reserve_failure_fails_one_turn(backend):
     assert long.status.value == "cancelled" and len(long.generated) < 100
     assert eng.depth == 0
     assert np.isfinite(ok.kv.data[:, :, :, : ok.kv.length].astype(np.float32)).all()
+
+
+def test_the_pool_learns_its_pace_and_how_late_its_turns_end_against_their_forecasts(backend):
+    """A turn that carries the router's forecast (seconds to first token, per answer token) moves the
+    pool's lateness toward its time over the forecast for what it generated (one turn's ratio clipped
+    to [0.5, 4]); the pool's pace is a moving mean of its steps' times."""
+    now = [0.0]
+
+    class Timed:  # the backend, each forward taking 0.5 s of the engine's clock
+        config = backend.config
+
+        def forward(self, chunks):
+            now[0] += 0.5
+            return backend.forward(chunks)
+
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+    eng = BatchEngine("cpu", Timed(), SchedulerConfig(token_budget=64, max_batch=4, prefill_chunk=64),
+                      clock=lambda: now[0])
+
+    def run(name: str, forecast) -> None:
+        s = _seq(backend, name, SLARank.BACKGROUND, [], {}, n_prompt=8, max_tokens=4)
+        s.arrival, s.forecast = now[0], forecast
+        eng.submit(s)
+        while not s.status.done:
+            eng.run_once()
+        assert s.status.name == "FINISHED"
+
+    assert eng.lateness == 1.0 and eng.recent_step_s == 0.0
+    run("slow", (0.0, 0.01))  # forecast 4 x 10 ms; it took seconds: clipped to 4
+    assert eng.lateness == pytest.approx(0.8 + 0.2 * 4.0) and eng.recent_step_s == pytest.approx(0.5)
+    run("unforecast", None)  # no forecast: nothing learned
+    assert eng.lateness == pytest.approx(1.6)
+    run("early", (0.0, 100.0))  # far quicker than forecast: clipped to 0.5
+    assert eng.lateness == pytest.approx(0.8 * 1.6 + 0.2 * 0.5)

@@ -113,3 +113,28 @@ def test_a_throughput_prefill_without_a_ttft_target_is_due_after_a_share_of_its_
     assert [w.seq.session_id for w in schedule([*inter, bg], cfg, now=1.0)] == ["i0", "i1", "i2", "i3"]
     work = schedule([*inter, bg], cfg, now=PREFILL_SHARE * 40.0 + 0.1)
     assert work[0].seq is bg and work[0].n_tokens == 4  # due: first, with the whole budget
+
+
+def test_with_a_step_model_an_interactive_decode_keeps_the_step_within_its_target():
+    """The step model sizes the prefill share while an interactive turn decodes: the decode rows' time
+    first, the prompt tokens fill what is left of the target; no room left: decodes only."""
+    from weaved.calibration.cost import Linear, StepCost
+    from weaved.engine.step_budget import interactive_step_tokens
+
+    cost = StepCost(prefill=Linear(0.01, 0.001, 0.0), decode=Linear(0.02, 0.002, 0.0))
+    bg = _seq("bg", SLARank.BACKGROUND, pending=300, arrival=0.0)
+    ia = _seq("ia", SLARank.INTERACTIVE, decoding=True, arrival=1.0)
+    # 80 ms: the decode row takes 22 ms, 58 ms buys 58 prompt tokens at 1 ms each
+    assert interactive_step_tokens(cost, 0.08, [bg, ia], 8) == 1 + 58
+    cfg = SchedulerConfig(token_budget=256, max_batch=8, prefill_chunk=256, step_cost=cost, step_target_s=0.08)
+    assert {w.seq.session_id: w.n_tokens for w in schedule([bg, ia], cfg, 2.0)} == {"ia": 1, "bg": 58}
+    assert [w.n_tokens for w in schedule([bg], cfg, 0.0)] == [256]  # no interactive decode: the whole budget
+    capped = dataclasses.replace(cfg, interactive_budget=16)  # the profile's cap still holds
+    assert {w.seq.session_id: w.n_tokens for w in schedule([bg, ia], capped, 2.0)} == {"ia": 1, "bg": 15}
+    tight = dataclasses.replace(cfg, step_target_s=0.02)  # the decode row alone fills it
+    assert {w.seq.session_id: w.n_tokens for w in schedule([bg, ia], tight, 2.0)} == {"ia": 1}
+    # attention: a prompt far into its context buys fewer tokens (per token-key cost)
+    quad = StepCost(prefill=Linear(0.01, 0.001, 1e-6), decode=Linear(0.02, 0.002, 0.0))
+    bg.kv.length = 7
+    n = interactive_step_tokens(quad, 0.08, [bg, ia], 8) - 1
+    assert 0.001 * n + 1e-6 * n * (7 + n / 2) <= 0.058 < 0.001 * (n + 1) + 1e-6 * (n + 1) * (7 + (n + 1) / 2)

@@ -11,7 +11,8 @@ import pytest
 
 from weaved.config.load import load_profile
 from weaved.config.profile import PoolConfig, RoutingThresholds
-from weaved.routing.tree import place, predict_cpu_ttft_s, promote
+from weaved.routing.predict import predict_ttft_s
+from weaved.routing.tree import place, place_turn, promote
 from weaved.routing.types import (
     PRIORITY,
     SLA,
@@ -181,8 +182,8 @@ def test_a_ttft_target_without_any_cpu_pool_takes_the_latency_path():
 
 def test_cpu_ttft_prediction():
     # (300 queued + 700) tokens at 1000 tok/s = 1 s; 4 chunks of 256, each with 8 decode tokens at 2000 tok/s
-    assert predict_cpu_ttft_s(cpu(batch=8, queued=300), 700, TH) == pytest.approx(1.0 + 4 * 8 / 2000)
-    assert predict_cpu_ttft_s(cpu(batch=8, chunk=0), 1000, TH) == pytest.approx(1.0 + 8 / 2000)
+    assert predict_ttft_s(cpu(batch=8, queued=300), 700, TH) == pytest.approx(1.0 + 4 * 8 / 2000)
+    assert predict_ttft_s(cpu(batch=8, chunk=0), 1000, TH) == pytest.approx(1.0 + 8 / 2000)
 
 
 # --- rule 3: throughput-tolerant ------------------------------------------------------------------
@@ -478,3 +479,48 @@ def test_a_demotion_stays_on_the_gpu_when_the_cpu_would_miss_the_ttlt():
     assert slow.decode_pool == "gpu" and said(slow, "stays on GPU pool 'gpu'")
     fast = promote(on_gpu, SessionRequest(SLA(BG, ttlt_s=60.0), 3000), state(*HOST), TH, turn_tokens=500)
     assert fast.decode_pool == "cpu"
+
+
+# --- each turn of a live throughput-tolerant session: spill to the GPU, return to the CPU ----------
+
+ON_CPU = Placement("standard", "standard", "cpu", "cpu", PRIORITY[BG], ())
+ON_GPU = Placement("standard", "standard", "gpu", "gpu", PRIORITY[BG], ())
+MINUTE = SLA(BG, ttlt_s=60.0)
+
+
+def test_a_turn_the_loaded_cpu_would_finish_late_spills_to_the_gpu():
+    # 500 tokens after 3,000 then 256 answer tokens: 5 s + 256 x 16 / 40 tok/s = 107 s, over 48 s
+    p = place_turn(ON_CPU, MINUTE, 500, 3000, 256, state(*HOST), SLOW)
+    assert p is not None and p.decode_pool == "gpu" and p.priority == PRIORITY[BG]
+    assert said(p, "over 80% of its 60 s budget", "spills to GPU pool 'gpu'")
+    assert place_turn(ON_CPU, MINUTE, 500, 3000, 256, state(*HOST), TH) is None  # a fast CPU keeps it
+    full = state(gpu("gpu-spec", spec=True, **FULL_GPU), gpu(**FULL_GPU), cpu())
+    assert place_turn(ON_CPU, MINUTE, 500, 3000, 256, full, SLOW) is None  # no GPU room: stays
+
+
+def test_a_cpu_pool_running_late_sheds_turns_it_would_otherwise_keep():
+    late = dataclasses.replace(cpu(), lateness=4.0)
+    fast = dataclasses.replace(TH, cpu_prefill_tokens_per_s=500.0, cpu_decode_tokens_per_s=200.0)
+    assert place_turn(ON_CPU, MINUTE, 500, 3000, 256, state(gpu(), cpu()), fast) is None  # 21.5 s
+    assert place_turn(ON_CPU, MINUTE, 500, 3000, 256, state(gpu(), late), fast).decode_pool == "gpu"  # x4
+
+
+def test_a_spilled_session_returns_to_a_cpu_well_within_its_budget():
+    p = place_turn(ON_GPU, MINUTE, 500, 3000, 64, state(*HOST), TH)  # 0.5 s + 64 x 16 / 2,000: 1 s
+    assert p is not None and p.decode_pool == "cpu" and said(p, "back on the CPU", "nothing is copied")
+    # 36 s is the bar (75 % of the 80 % margin): 40 s of prefill + 0.5 s stays on the GPU, though on the
+    # CPU it would not have spilled (under 48 s): the band between keeps a session from bouncing
+    slowish = dataclasses.replace(TH, cpu_prefill_tokens_per_s=100.0)
+    assert place_turn(ON_GPU, MINUTE, 4000, 3000, 64, state(*HOST), slowish) is None
+    assert place_turn(ON_CPU, MINUTE, 4000, 3000, 64, state(*HOST), slowish) is None
+    assert place_turn(ON_GPU, MINUTE, 500, 3000, 64, state(gpu(), cpu(batch=16)), TH) is None  # CPU full
+
+
+@pytest.mark.parametrize("sla,placement,th", [
+    (SLA(IA), ON_CPU, SLOW),  # interactive turns are placed by the latency rules
+    (MINUTE, Placement("standard", "qring", "cpu", "ring", PRIORITY[BG], ()), SLOW),  # bound to its ring
+    (MINUTE, ON_CPU, dataclasses.replace(SLOW, policy="isolation")),  # baselines never move a session
+    (MINUTE, Placement("standard", "standard", "elsewhere", "elsewhere", 1, ()), SLOW),  # not in this state
+])
+def test_sessions_the_turn_rule_leaves_where_they_are(sla, placement, th):
+    assert place_turn(placement, sla, 500, 3000, 256, state(*HOST, ring()), th) is None

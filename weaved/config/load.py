@@ -249,6 +249,7 @@ def _routing(t: Table, threads: ThreadBudget) -> RoutingThresholds:
                  ttft_margin=t.number("ttft_margin", d["ttft_margin"].default),
                  background_ttlt_s=t.number("background_ttlt_s", d["background_ttlt_s"].default),
                  batch_ttlt_s=t.number("batch_ttlt_s", d["batch_ttlt_s"].default),
+                 interactive_itl_ms=t.number("interactive_itl_ms", d["interactive_itl_ms"].default),
                  policy=t.text("policy", "sla", POLICIES),
                  node_kv_tokens=None if node_kv == AUTO else node_kv)
     t.done()

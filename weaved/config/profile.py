@@ -155,10 +155,19 @@ class RoutingThresholds:
     # the answer a throughput-tolerant turn is assumed to generate when the router predicts whether the
     # CPU pool would meet its TTLT budget (a turn that it would not is decoded on a GPU pool with room)
     answer_tokens: int = 256
+    # the inter-token gap an interactive turn is promised: while one decodes, a pool whose step-time model
+    # is known cuts its steps' prefill share so a step is predicted within ttft_margin of this
+    interactive_itl_ms: float = 100.0
     # "sla": the decision tree.  The baselines of the agents benchmark (docs/benchmarks.md):
     # "isolation" binds a session to a pool by its class at creation and never moves it or changes
     # its priority; "fifo" puts every session in the first standard pool, first come first served.
     policy: str = "sla"
+
+    @property
+    def step_target_s(self) -> float:
+        """The step time a pool aims for while an interactive turn decodes: the promised gap, with the
+        margin the predictions keep."""
+        return self.interactive_itl_ms / 1000.0 * self.ttft_margin
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
@@ -166,7 +175,7 @@ class RoutingThresholds:
             if getattr(self, rate) is not None:
                 _positive(self, rate)
         _positive(self, "long_prompt_tokens", "ttft_margin", "ring_batch_depth", "pipeline_min_prompt_tokens",
-                  "background_ttlt_s", "batch_ttlt_s", "answer_tokens")
+                  "background_ttlt_s", "batch_ttlt_s", "answer_tokens", "interactive_itl_ms")
         _check(self.ttft_margin <= 1.0, "ttft_margin", f"must be in (0, 1], got {self.ttft_margin}")
         if self.node_kv_tokens is not None:
             _positive(self, "node_kv_tokens")

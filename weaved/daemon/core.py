@@ -141,7 +141,8 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
         self.profile, self.rates = apply_rates(self.profile, self.pools, model_fingerprint(self.config), calibrations,
                                                say)
         self.device_rates = [] if make_backend is not None else calibrate_devices(  # (a simulation's are modelled)
-            self.pools, model_fingerprint(self.config), calibrations, say)
+            self.pools, model_fingerprint(self.config), calibrations, say,
+            step_target_s=self.profile.routing.step_target_s)
         if not any(p.config.strategy == "standard" for p in self.pools.values()):
             raise WeaveError("the profile has no pool this daemon can run: "
                              + "; ".join(self.pool_notes or ["it names none with the standard strategy"]))
@@ -358,13 +359,16 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
                     new, keep = chat_turn_tokens(self.tokenizer, s, messages, render=plan.render)
                 else:
                     new, keep = prompt_turn_tokens(self.tokenizer, s, prompt)
+                # the answer the router budgets for: what max_tokens allows, or a typical one when unset
+                answer = min(params.max_tokens, self.profile.routing.answer_tokens) if params.fit_context \
+                    else params.max_tokens
                 params = fitted(params, s, keep, new)
                 check_fits(s, keep, new, params.max_tokens)
                 constraint = turn_constraint(plan, params)
                 # a fresh session's prompt may start with a stored prefix: its prefill cost is the rest
                 cached = self.store.prefixes.covered(new[:-1]) if (
                     not s.committed and isinstance(s.kv, KVCache) and self.store.share) else 0
-                self._admit(s, new[cached:], params, sla or s.sla)
+                moved, predicted = self._admit(s, new[cached:], params, sla or s.sla, answer)
             except WeaveError:
                 if s.ephemeral:
                     self._drop_ephemeral(s)
@@ -393,6 +397,9 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
             if resla or self.moves.misplaced(s):  # a check-in: the router re-places the session first
                 new_pl = self.moves.replace(s, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion")
                 self.publish("placement", {"session": s.id, "placement": new_pl.to_dict()})
+            elif moved is not None:  # a throughput-tolerant turn spills to a GPU pool, or returns to the CPU
+                self.moves.send(s, moved, "spill" if self.pools[moved.decode_pool].device_kind == "gpu" else "return")
+                self.publish("placement", {"session": s.id, "placement": moved.to_dict()})
             elif first:  # its first turn: the router sees the real prompt now (what a stored prefix leaves)
                 new_pl = self.moves.place_first_turn(s, len(new))
                 if new_pl is not None:
@@ -408,6 +415,7 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
             seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, arrival=self.clock(),
                                 default_ttlt_s=self._default_ttlt(s.sla),
                                 constraint=constraint)
+            seq.forecast = predicted
             n_prompt = len(s.committed) + len(new)
             seq.emit = lambda ev, s=s, seq=seq: self._on_turn_event(s, seq, ev, emit, n_prompt, first)
             s.turn = seq
@@ -419,18 +427,22 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
         self.engines[run_in].submit(seq)
         return handle
 
-    def _admit(self, s: Session, new: list[int], params: SamplingParams, sla: SLA) -> None:
-        """Refuse (Overloaded: 503 with Retry-After) a turn the session's pool cannot take without missing
-        an SLA it has accepted (``weaved.engine.admission``); nothing has changed yet when it does."""
+    def _admit(self, s: Session, new: list[int], params: SamplingParams, sla: SLA, answer: int
+               ) -> tuple[Placement | None, tuple[float, float] | None]:
+        """Where the turn runs (``SessionMoves.route_turn``: a placement to move the session to, or None to
+        stay) and the router's forecast for it there, or Overloaded (503 with Retry-After) for a turn no
+        pool can take without missing an SLA it has accepted (``weaved.engine.admission``); nothing has
+        changed yet when it refuses."""
         probe = Sequence(session_id=s.id, kv=s.kv, pending=list(new), params=params,
                          rank=SLA_RANK[sla.cls], ttft_s=sla.ttft_ms / 1000 if sla.ttft_ms else None,
                          ttlt_s=sla.ttlt_s or self._default_ttlt(sla))
-        refusal = self.engines[s.pool].refusal(probe)
+        moved, pool, refusal = self.moves.route_turn(s, probe, sla, answer)
         if refusal is not None:
-            self.publish("refusal", {"session": s.id, "pool": s.pool, "class": sla.cls.value,
+            self.publish("refusal", {"session": s.id, "pool": pool, "class": sla.cls.value,
                                      "reason": refusal.reason, "retry_after_s": round(refusal.retry_after_s, 1)})
-            raise Overloaded(f"pool {s.pool!r} is at capacity: {refusal.reason}; retry in "
+            raise Overloaded(f"pool {pool!r} is at capacity: {refusal.reason}; retry in "
                              f"{refusal.retry_after_s:.0f} s", retry_after_s=refusal.retry_after_s)
+        return moved, probe.forecast
 
     def _default_ttlt(self, sla: SLA) -> float | None:
         """The TTLT budget of a throughput-tolerant turn whose SLA names none (the profile's)."""

@@ -63,8 +63,9 @@ def _sync(backend: Backend) -> Callable[[], None]:
 
 
 def calibrate_devices(pools: dict[str, Pool], fingerprint: str, store: CalibrationStore, say: Callable[[str], None],
-                      *, stand_ins: bool = False) -> list[DeviceRates]:
-    """The calibration of every GPU pool's backend on a CUDA device (each backend once)."""
+                      *, stand_ins: bool = False, step_target_s: float | None = None) -> list[DeviceRates]:
+    """The calibration of every GPU pool's backend on a CUDA device (each backend once); each pool then
+    uses it (``Pool.use_step_model``, with ``step_target_s`` for the steps an interactive turn decodes in)."""
     by_backend: dict[int, list[Pool]] = {}
     for p in pools.values():
         if p.device_kind == "gpu" and p.config.strategy == "standard" and (stand_ins or not p.stand_in):
@@ -74,6 +75,8 @@ def calibrate_devices(pools: dict[str, Pool], fingerprint: str, store: Calibrati
         backend = group[0].backend
         cal = calibration_of(backend, fingerprint, max(p.config.prefill_chunk for p in group),
                              max(p.config.max_batch for p in group), store, say)
+        for p in group:  # turns predicted and steps sized by it
+            p.use_step_model(cal.cost, step_target_s)
         out.append(DeviceRates(tuple(p.name for p in group), str(getattr(backend, "device", "?")), cal,
                                link_bandwidth(backend)))
     return out

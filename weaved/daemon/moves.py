@@ -22,9 +22,21 @@ from weaved.config.profile import RoutingThresholds
 from weaved.daemon.migration import Mover
 from weaved.daemon.pools import Pool
 from weaved.daemon.session import Session
+from weaved.engine.admission import Refusal
 from weaved.engine.sequence import Sequence
-from weaved.routing.tree import place, promote
-from weaved.routing.types import Placement, RoutingError, SessionRequest, SLAClass, SystemState, pools_of, with_room
+from weaved.routing.predict import forecast
+from weaved.routing.tree import place, place_turn, promote
+from weaved.routing.types import (
+    SLA,
+    Placement,
+    RoutingError,
+    SessionRequest,
+    SLAClass,
+    SystemState,
+    least_loaded,
+    pools_of,
+    with_room,
+)
 
 
 class SessionMoves:
@@ -135,6 +147,52 @@ class SessionMoves:
             self.journal.set_placement(s.id, new.to_dict())
         self._move_to(s, new.decode_pool, "first turn")
         return new
+
+    def route_turn(self, s: Session, probe: Sequence, sla: SLA, answer_tokens: int
+                   ) -> tuple[Placement | None, str, Refusal | None]:
+        """Where this turn of ``s`` runs, before anything changes (caller holds ``self.lock``): (the
+        placement to move the session to, or None to stay; the pool that runs it; the refusal of that
+        pool's admission, or None).  A throughput-tolerant session spills from a CPU pool to a GPU pool
+        when the router predicts the CPU would miss its budget (``routing.tree.place_turn``) or the CPU's
+        admission refuses the turn and a GPU pool takes it; it returns to the CPU when that has room.
+        ``probe.forecast`` is set to the router's forecast where it runs (a throughput-tolerant turn)."""
+        new = None
+        state = self.system_state()
+        if s.committed and sla == s.sla:  # a first turn or a changed SLA is placed by the router itself
+            new = place_turn(s.placement, sla, len(probe.pending), len(s.committed), answer_tokens, state,
+                             self.routing)
+        pool = new.decode_pool if new is not None else s.pool
+        refusal = self.pools[pool].engine.refusal(probe)
+        if refusal is not None and self._may_spill(s, sla, pool):
+            room = [p for p in pools_of(state, "gpu")
+                    if p.has_room(len(s.committed) + len(probe.pending) + answer_tokens)]
+            while room:
+                g = least_loaded(room, plain_first=True)
+                room.remove(g)
+                if self.pools[g.name].engine.refusal(probe) is None:
+                    why = (f"CPU pool {pool!r} cannot take the turn ({refusal.reason}): spills to GPU pool "
+                           f"{g.describe()}, one host-to-device KV copy")
+                    old = new or s.placement
+                    new, pool, refusal = Placement("standard", "standard", g.name, g.name, old.priority, (why,)), \
+                        g.name, None
+                    break
+        here = next((p for p in state.pools if p.name == pool), None)
+        if sla.cls is not SLAClass.INTERACTIVE and here is not None and here.strategy == "standard":
+            f = forecast(here, len(probe.pending), answer_tokens, self.routing, len(s.committed))
+            probe.forecast = (f.ttft_s, f.step_s)
+        return new, pool, refusal
+
+    def _may_spill(self, s: Session, sla: SLA, pool: str) -> bool:
+        return (self.routing.policy == "sla" and sla.cls is not SLAClass.INTERACTIVE
+                and s.placement.decode_strategy == "standard" and self.pools[pool].device_kind == "cpu")
+
+    def send(self, s: Session, new: Placement, reason: str) -> None:
+        """Run the session's turns where ``new`` says from this turn on: record it and move the session
+        (caller holds ``self.lock``; the session has no turn running)."""
+        s.placement = new
+        if not s.ephemeral:
+            self.journal.set_placement(s.id, new.to_dict())
+        self._move_to(s, new.decode_pool, reason)
 
     def replace(self, s: Session, reason: str) -> Placement:
         """Let the router place the session again for its (new) SLA, record it and send the session

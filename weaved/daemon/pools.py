@@ -18,6 +18,7 @@ one it is left out with a note.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 from weaved.backends.base import Backend
 from weaved.backends.device_memory import DevicePlan, plan
+from weaved.calibration.cost import StepCost
 from weaved.config.profile import PoolConfig, Profile
 from weaved.engine.admission import Capacity
 from weaved.engine.engine import BatchEngine
@@ -44,6 +46,7 @@ class Pool:
     backend: Backend
     engine: BatchEngine
     lock: threading.Lock  # shared by every pool on the same backend
+    step_cost: StepCost | None = None  # the backend's calibrated step-time model, once known
 
     @property
     def name(self) -> str:
@@ -57,6 +60,12 @@ class Pool:
     def stand_in(self) -> bool:
         """A torch pool on the CPU device standing in for a GPU pool."""
         return self.config.backend == "torch" and self.config.cuda_device is None
+
+    def use_step_model(self, cost: StepCost, itl_target_s: float | None) -> None:
+        """The backend's calibrated step-time model: the router predicts turns on this pool with it, and
+        while an interactive turn decodes the scheduler keeps steps within ``itl_target_s`` by it."""
+        self.step_cost = cost
+        self.engine.config = dataclasses.replace(self.engine.config, step_cost=cost, step_target_s=itl_target_s)
 
     def turns(self) -> tuple[list[Sequence], list[Sequence]]:
         """(decoding, waiting or preempted) turns of the pool now."""
@@ -75,7 +84,10 @@ class Pool:
         return pool_state(self.config, free_kv_tokens=free_kv_tokens, batch_depth=len(running),
                           queue_depth=len(waiting), queued_prefill_tokens=sum(len(s.pending) for s in waiting
                                                                                if s.prefilling),
-                          device_kind=self.device_kind)
+                          device_kind=self.device_kind, context_tokens=sum(s.kv.length for s in running + waiting),
+                          step_cost=self.step_cost,
+                          step_s=self.engine.recent_step_s if running or waiting else 0.0,
+                          lateness=self.engine.lateness)
 
 
 def _capacity(cfg: PoolConfig, profile: Profile) -> Capacity | None:

@@ -87,6 +87,7 @@ def apply_rates(profile: Profile, pools: dict[str, Pool], fingerprint: str, stor
         profile = dataclasses.replace(profile, routing=dataclasses.replace(
             th, cpu_prefill_tokens_per_s=rates.prefill_tokens_per_s, cpu_decode_tokens_per_s=rates.decode_tokens_per_s))
         for p in cpu:  # each pool's admission starts from the decode rate at its own batch
+            p.use_step_model(cal.cost, th.step_target_s)  # turns predicted and steps sized by it
             cap = p.engine.capacity
             if cap is not None:
                 cap.prior_tps = cal.cost.decode_tokens_per_s(p.config.max_batch)

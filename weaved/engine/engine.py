@@ -26,6 +26,9 @@ from weaved.engine.speculative import Drafter, SpecConfig, verify
 
 log = logging.getLogger("weave.engine")
 
+PACE_WEIGHT = 0.2  # of the latest step (turn) in the pool's moving mean step time (lateness)
+LATENESS_BOUNDS = (0.5, 4.0)  # one turn's ratio to its forecast is clipped to these: one outlier moves little
+
 
 class EngineStopping(RuntimeError):
     """The engine is shutting down and takes no more work."""
@@ -99,6 +102,12 @@ class BatchEngine:
         self.counters = PoolCounters()
         self.tps_window: list[tuple[float, int]] = []  # (time, tokens generated) per step, recent
         self.capacity = capacity  # None: every turn is admitted (admission.judge)
+        # the pool's pace now: a moving mean of its steps' durations (the router predicts a turn's answer
+        # with it, since it holds the prefill chunks other turns feed beside the decodes)
+        self.recent_step_s = 0.0
+        # how late its turns end against the router's forecasts: a moving mean of (time taken) / (forecast
+        # for the tokens generated) over the turns that carried one (``routing.predict``)
+        self.lateness = 1.0
         # (backend, bytes) -> whether it freed that much of the backend's own KV memory (a GPU's, by
         # demoting idle sessions): tried once before a step that lacks the room fails a turn
         self._make_room = make_room
@@ -288,6 +297,8 @@ class BatchEngine:
             outs = self.backend.forward(chunks)
         took = self._clock() - t0
         self.counters.busy_s += took
+        r = self.recent_step_s
+        self.recent_step_s = took if not r else (1 - PACE_WEIGHT) * r + PACE_WEIGHT * took
         if self.capacity is not None:
             decoding = sum(1 for w in work if not w.seq.prefilling)
             self.capacity.record(decoding, sum(w.n_tokens for w in work if w.seq.prefilling), took)
@@ -415,7 +426,16 @@ class BatchEngine:
                 self._emit(s, {"type": "token", "token": None, "text": tail})
         s.status = status
         s.finish_reason = reason
+        if status == SeqStatus.FINISHED and s.forecast is not None:
+            self._learn_lateness(s)
         self._emit(s, {"type": "done", "finish_reason": reason})
+
+    def _learn_lateness(self, s: Sequence) -> None:
+        ttft, step = s.forecast
+        expected = ttft + step * len(s.generated)
+        if expected > 0:
+            ratio = min(LATENESS_BOUNDS[1], max(LATENESS_BOUNDS[0], (self._clock() - s.arrival) / expected))
+            self.lateness = (1 - PACE_WEIGHT) * self.lateness + PACE_WEIGHT * ratio
 
     def _fail(self, s: Sequence, message: str, status: int | None = None) -> None:
         """End the turn with an error; ``status`` the HTTP status its answer takes (None: 500)."""

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from weaved.calibration.cost import StepCost
 from weaved.engine.sequence import SeqStatus, Sequence, SLARank
+from weaved.engine.step_budget import interactive_step_tokens
 
 
 @dataclass(frozen=True)
@@ -23,8 +25,13 @@ class SchedulerConfig:
     prefill_chunk: int = 256  # the most prompt tokens one sequence feeds in a step
     order: str = "sla"  # "sla" (the order above) or "fifo": arrival order only (the benchmark's baseline)
     # tokens per step while an interactive turn is decoding: a step's time is that turn's inter-token
-    # gap, so prefill chunks of other turns shrink to keep it short (None: token_budget always)
+    # gap, so prefill chunks of other turns shrink to keep it short (None: token_budget always; with a
+    # step model below, a cap on what the model allows)
     interactive_budget: int | None = None
+    # the pool's step-time model and the step time an interactive turn's gap allows: while one decodes,
+    # the budget is also cut to what the model predicts within it (``step_budget``; None: not known)
+    step_cost: StepCost | None = None
+    step_target_s: float | None = None
 
     def __post_init__(self) -> None:
         for k in ("token_budget", "max_batch", "prefill_chunk"):
@@ -32,6 +39,8 @@ class SchedulerConfig:
                 raise ValueError(f"scheduler {k} must be >= 1")
         if self.interactive_budget is not None and self.interactive_budget < 1:
             raise ValueError("scheduler interactive_budget must be >= 1")
+        if self.step_target_s is not None and not self.step_target_s > 0:
+            raise ValueError("scheduler step_target_s must be > 0")
         if self.order not in ("sla", "fifo"):
             raise ValueError(f"scheduler order must be 'sla' or 'fifo', got {self.order!r}")
 
@@ -58,9 +67,12 @@ def schedule(active: list[Sequence], cfg: SchedulerConfig, now: float) -> list[W
     ``prefill_chunk``); a prefill that gets no tokens waits for a later step.
     """
     budget = cfg.token_budget
-    if cfg.interactive_budget is not None and cfg.order == "sla" and any(
-            s.rank == SLARank.INTERACTIVE and not s.prefilling and not s.status.done for s in active):
-        budget = min(budget, cfg.interactive_budget)
+    if cfg.order == "sla" and any(s.rank == SLARank.INTERACTIVE and not s.prefilling and not s.status.done
+                                  for s in active):
+        if cfg.interactive_budget is not None:
+            budget = min(budget, cfg.interactive_budget)
+        if cfg.step_cost is not None and cfg.step_target_s is not None:
+            budget = min(budget, interactive_step_tokens(cfg.step_cost, cfg.step_target_s, active, cfg.max_batch))
     picked: list[Work] = []
     key = (lambda s: s.arrival) if cfg.order == "fifo" else (lambda s: priority_key(s, now))
     for seq in sorted(active, key=key):

@@ -88,6 +88,9 @@ class Sequence:
     # n < len(pending), so the engine still feeds the last token and samples the first from its logits
     prefill_outside: Callable[[Sequence], int] | None = None
     cancel_requested: bool = False  # a cancel is on its way to the engine (it lands at the next step)
+    # the router's forecast for this turn where it runs (seconds to the first token, then per answer
+    # token), which the pool compares with what the turn took once it ends (``BatchEngine.lateness``)
+    forecast: tuple[float, float] | None = None
     # set by the daemon once the turn is over for good: its end recorded and its last event emitted
     ended: threading.Event = field(default_factory=threading.Event)
 

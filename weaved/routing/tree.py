@@ -20,10 +20,9 @@ Every number comes from ``RoutingThresholds`` (the profile's [routing] table); n
 
 from __future__ import annotations
 
-import math
-
 from weaved.config.profile import RoutingThresholds
 from weaved.routing.baselines import keep_isolated, place_fifo, place_isolated
+from weaved.routing.predict import predict_ttft_s, predict_ttlt_s
 from weaved.routing.types import (
     PRIORITY,
     SLA,
@@ -76,14 +75,6 @@ def _cpu(state: SystemState, need: int, reasons: list[str] | None) -> PoolState:
     return c
 
 
-def predict_cpu_ttft_s(pool: PoolState, prompt_tokens: int, th: RoutingThresholds) -> float:
-    """Seconds until the first token on a CPU pool: the queued prompts and this one at the pool's prefill
-    rate, plus the decode tokens the running batch takes in each step the prefill spans."""
-    tokens = pool.queued_prefill_tokens + prompt_tokens
-    steps = math.ceil(tokens / pool.prefill_chunk) if pool.prefill_chunk else 1
-    return tokens / th.cpu_prefill_tokens_per_s + steps * pool.batch_depth / th.cpu_decode_tokens_per_s
-
-
 def _needs_latency(sla: SLA, prefill_tokens: int, need: int, state: SystemState, th: RoutingThresholds,
                    reasons: list[str]) -> bool:
     if sla.cls is SLAClass.INTERACTIVE:
@@ -95,7 +86,7 @@ def _needs_latency(sla: SLA, prefill_tokens: int, need: int, state: SystemState,
     if c is None:
         reasons.append(f"TTFT target {sla.ttft_ms:g} ms and no CPU pool: latency path")
         return True
-    ms = predict_cpu_ttft_s(c, prefill_tokens, th) * 1000.0
+    ms = predict_ttft_s(c, prefill_tokens, th) * 1000.0
     ok = ms <= sla.ttft_ms * th.ttft_margin
     reasons.append(f"TTFT target {sla.ttft_ms:g} ms: CPU pool {c.name!r} predicts {ms:.0f} ms, "
                    f"{'within' if ok else 'over'} {th.ttft_margin:.0%} of the target")
@@ -160,26 +151,24 @@ def _latency(req: SessionRequest, state: SystemState, reasons: list[str]) -> Pla
     return Placement("standard", "standard", c.name, c.name, TOP_PRIORITY, tuple(reasons))
 
 
-def predict_cpu_ttlt_s(pool: PoolState, prompt_tokens: int, th: RoutingThresholds) -> float:
-    """Seconds a turn takes on a CPU pool: its time to first token, then ``answer_tokens`` decode steps
-    of a full batch (a decode step reads every weight whatever its batch, so its time hardly shrinks
-    with a smaller one)."""
-    return (predict_cpu_ttft_s(pool, prompt_tokens, th)
-            + th.answer_tokens * pool.max_batch / th.cpu_decode_tokens_per_s)
+def budget_s(sla: SLA, th: RoutingThresholds) -> float:
+    """A throughput-tolerant turn's TTLT budget: its SLA's, else its class's default."""
+    return sla.ttlt_s or (th.batch_ttlt_s if sla.cls is SLAClass.BATCH else th.background_ttlt_s)
 
 
 def _cpu_too_slow(sla: SLA, prompt_tokens: int, cpu: PoolState, state: SystemState, th: RoutingThresholds,
-                  reasons: list[str]) -> bool:
+                  reasons: list[str], answer_tokens: int | None = None, context: int = 0) -> bool:
     """Whether a throughput-tolerant turn would miss its TTLT budget on ``cpu`` (the budget the SLA names,
     else its class's default) while the host has a GPU pool - throughput-tolerant is not "never"."""
     if not pools_of(state, "gpu"):
         return False
-    budget = sla.ttlt_s or (th.batch_ttlt_s if sla.cls is SLAClass.BATCH else th.background_ttlt_s)
-    s = predict_cpu_ttlt_s(cpu, prompt_tokens, th)
+    budget = budget_s(sla, th)
+    answer = th.answer_tokens if answer_tokens is None else answer_tokens
+    s = predict_ttlt_s(cpu, prompt_tokens, answer, th, context)
     if s <= budget * th.ttft_margin:
         return False
     reasons.append(f"CPU pool {cpu.name!r} predicts {s:.0f} s for a turn ({prompt_tokens} prompt + "
-                   f"{th.answer_tokens} answer tokens), over {th.ttft_margin:.0%} of its {budget:g} s budget")
+                   f"{answer} answer tokens), over {th.ttft_margin:.0%} of its {budget:g} s budget")
     return True
 
 
@@ -211,6 +200,48 @@ def _throughput(req: SessionRequest, state: SystemState, th: RoutingThresholds,
     prefill_strategy, prefill_pool = _prefill(req, state, th, decode, reasons)
     return Placement(prefill_strategy, strategy, prefill_pool, decode.name, PRIORITY[req.sla.cls],
                      tuple(reasons))
+
+
+RETURN_SHARE = 0.75  # of the budget's margin: a session back on the CPU must be predicted well within it,
+# so a session does not bounce between pools on a small change of load
+
+
+def place_turn(current: Placement, sla: SLA, prompt_tokens: int, context: int, answer_tokens: int,
+               state: SystemState, th: RoutingThresholds) -> Placement | None:
+    """Where the next turn of a live throughput-tolerant session runs, when not where it is (None: stays).
+
+    The turn feeds ``prompt_tokens`` after ``context`` positions, then ``answer_tokens``.  A session
+    decoding on a CPU pool predicted to finish the turn past its TTLT budget (with the pool's load now)
+    spills to a GPU pool with room; a session a GPU pool holds returns to a CPU pool predicted to finish
+    it well within the budget (``RETURN_SHARE`` of the margin): the CPU takes the throughput work it
+    can, the GPU what it cannot.  Interactive sessions, Q-Ring sessions and the baselines stay.
+    """
+    if th.policy != "sla" or sla.cls is SLAClass.INTERACTIVE or current.decode_strategy != "standard":
+        return None
+    here = next((p for p in state.pools if p.name == current.decode_pool), None)
+    if here is None:
+        return None
+    need = context + prompt_tokens + answer_tokens
+    reasons = [f"{sla.cls.value} turn: {prompt_tokens} prompt tokens after {context}, {answer_tokens} to answer"]
+    if here.device_kind == "cpu":
+        if not _cpu_too_slow(sla, prompt_tokens, here, state, th, reasons, answer_tokens, context):
+            return None
+        g = with_room(pools_of(state, "gpu"), need, plain_first=True)
+        if g is None:
+            return None
+        reasons.append(f"spills to GPU pool {g.describe()}: one host-to-device KV copy")
+        return Placement("standard", "standard", g.name, g.name, current.priority, tuple(reasons))
+    c = with_room(pools_of(state, "cpu"), need)
+    if c is None:
+        return None
+    budget = budget_s(sla, th)
+    s = predict_ttlt_s(c, prompt_tokens, answer_tokens, th, context)
+    if s > budget * th.ttft_margin * RETURN_SHARE:
+        return None
+    reasons.append(f"CPU pool {c.describe()} predicts {s:.1f} s, within {th.ttft_margin * RETURN_SHARE:.0%} of its "
+                   f"{budget:g} s budget: back on the CPU, freeing the GPU (nothing is copied: its rows are in "
+                   f"its file)")
+    return Placement("standard", "standard", c.name, c.name, current.priority, tuple(reasons))
 
 
 def _beyond_node(req: SessionRequest, state: SystemState, th: RoutingThresholds, limit: int) -> Placement:

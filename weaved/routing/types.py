@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from weaved.calibration.cost import StepCost
 from weaved.config.profile import PoolConfig
 
 
@@ -102,13 +103,22 @@ class PoolState:
     spec_max_concurrency: int = 0  # the speculative variant's threshold (from the pool's profile entry)
     queued_prefill_tokens: int = 0  # prompt tokens waiting in the queue ahead of a new session
     prefill_chunk: int = 0  # prompt tokens per sequence per step; 0: a prompt prefills in one step
+    context_tokens: int = 0  # positions the running and queued turns' sequences hold, summed
+    step_cost: StepCost | None = None  # the backend's calibrated step-time model (``routing.predict``)
+    step_s: float = 0.0  # the pool's recent mean step time while it holds turns (0: idle or unknown)
+    lateness: float = 1.0  # its recent turns' times over their forecasts (``routing.predict``)
 
     def __post_init__(self) -> None:
         if self.device_kind not in ("cpu", "gpu") or self.strategy not in ("standard", "qring"):
             raise ValueError(f"pool {self.name!r}: bad device_kind {self.device_kind!r} "
                              f"or strategy {self.strategy!r}")
+        if not (isinstance(self.step_s, int | float) and math.isfinite(self.step_s) and self.step_s >= 0):
+            raise ValueError(f"pool {self.name!r}: step_s must be a finite number >= 0, got {self.step_s!r}")
+        _finite_positive(self.lateness, f"pool {self.name!r} lateness")
+        if self.step_cost is not None and not isinstance(self.step_cost, StepCost):
+            raise ValueError(f"pool {self.name!r}: step_cost must be a StepCost, got {self.step_cost!r}")
         for f in ("batch_depth", "queue_depth", "free_kv_tokens", "spec_max_concurrency",
-                  "queued_prefill_tokens", "prefill_chunk"):
+                  "queued_prefill_tokens", "prefill_chunk", "context_tokens"):
             _count(getattr(self, f), f"pool {self.name!r} {f}")
         _count(self.max_batch, f"pool {self.name!r} max_batch", 1)
 
@@ -130,7 +140,8 @@ class PoolState:
 
 
 def pool_state(cfg: PoolConfig, *, free_kv_tokens: int, batch_depth: int = 0, queue_depth: int = 0,
-               queued_prefill_tokens: int = 0, device_kind: str | None = None) -> PoolState:
+               queued_prefill_tokens: int = 0, device_kind: str | None = None, context_tokens: int = 0,
+               step_cost: StepCost | None = None, step_s: float = 0.0, lateness: float = 1.0) -> PoolState:
     """A PoolState from a profile's pool and its live counters.  ``device_kind`` defaults to "gpu" for a
     pool on a cuda device; pass "gpu" to let a torch pool on the CPU stand in for one (tests, benches)."""
     return PoolState(
@@ -139,6 +150,7 @@ def pool_state(cfg: PoolConfig, *, free_kv_tokens: int, batch_depth: int = 0, qu
         batch_depth=batch_depth, queue_depth=queue_depth, free_kv_tokens=free_kv_tokens,
         max_batch=cfg.max_batch, spec_max_concurrency=cfg.spec_max_concurrency,
         queued_prefill_tokens=queued_prefill_tokens, prefill_chunk=cfg.prefill_chunk,
+        context_tokens=context_tokens, step_cost=step_cost, step_s=step_s, lateness=lateness,
     )
 
 

@@ -90,4 +90,6 @@ def build(profile: Profile, *, shape: ModelConfig, host: HostSpec, cpu_cost: Ste
 
     d = Daemon(prof, tokenizer_model, data_dir=data_dir, log_fn=lambda m: None, clock=clock.now, wall=clock.now)
     d.load(config=kv, make_backend=make_backend, drive=False)
+    for pool in d.pools.values():  # what a real daemon calibrates, the simulated host's cost model gives
+        pool.use_step_model(costs[pool.config.backend], prof.routing.step_target_s)
     return SimHost(d, clock, shape, host, costs, device_positions)

@@ -1,0 +1,110 @@
+"""A throughput-tolerant session's turns beside a GPU pool (the torch backend, on torch's CPU device
+here): a turn the CPU pool cannot take - its admission refuses it, or the router predicts it would end
+past its budget - spills to the GPU pool with one KV copy and the same tokens; the session returns to
+the CPU once the CPU has room again, copying nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.daemon.test_coexec import (  # noqa: F401 (daemon_factory: a fixture)
+    backends,
+    daemon_factory,
+    prompt_ids,
+    record_migrations,
+    start,
+)
+from weaved.calibration.cost import Linear, StepCost
+from weaved.engine.admission import Capacity
+from weaved.engine.sampling import SamplingParams
+from weaved.routing.types import SLA, SLAClass
+
+pytest.importorskip("torch")
+
+TURN = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+MINUTE = SLA(SLAClass.BACKGROUND, ttlt_s=60.0)
+PROMPTS = [prompt_ids(24, 40), prompt_ids(9, 41)[1:], prompt_ids(9, 42)[1:]]
+
+
+def _placements(d) -> list[dict]:
+    seen: list[dict] = []
+    publish = d.publish
+
+    def record(kind: str, data: dict) -> None:
+        if kind == "placement" and "placement" in data:
+            seen.append(data["placement"])
+        publish(kind, data)
+
+    d.publish = record
+    return seen
+
+
+def _run(d, sid: str, prompt: list[int]) -> list[int]:
+    t = start(d, sid, prompt, TURN)
+    t.finish()
+    return t.tokens
+
+
+def test_a_turn_the_cpu_refuses_spills_to_the_gpu_and_the_session_returns(daemon_factory):  # noqa: F811
+    d = daemon_factory()
+    twin = d.create_session(MINUTE)["id"]  # the same turns, all on the CPU pool
+    want = [_run(d, twin, p) for p in PROMPTS]
+    assert d.get_session(twin)["pool"] == "cpu"
+
+    moves, placed = record_migrations(d), _placements(d)
+    sid = d.create_session(MINUTE)["id"]
+    got = [_run(d, sid, PROMPTS[0])]
+    assert d.get_session(sid)["pool"] == "cpu"
+    cpu = d.pools["cpu"].engine
+    kept = cpu.capacity
+    cpu.capacity = Capacity(1, 1e-3, 1.0)  # the CPU pool has no decode rate to spare for a paced turn
+    got.append(_run(d, sid, PROMPTS[1]))
+    info = d.get_session(sid)
+    assert info["pool"] == "gpu" and info["placement"]["decode_pool"] == "gpu"
+    assert "cannot take the turn" in info["placement"]["reasons"][0]
+    spill = [m for m in moves if m["reason"] == "spill"]
+    assert len(spill) == 1 and spill[0]["bytes"] == spill[0]["kv_tokens"] * d.config.kv_bytes_per_token > 0
+
+    cpu.capacity = kept  # room again: the router brings the session back, nothing copied
+    got.append(_run(d, sid, PROMPTS[2]))
+    info = d.get_session(sid)
+    assert info["pool"] == "cpu" and "back on the CPU" in info["placement"]["reasons"][-1]
+    back = [m for m in moves if m["reason"] == "return"]
+    assert len(back) == 1 and back[0]["bytes"] == 0 and back[0]["to"] == "file"
+    # created, placed again by its first prompt, spilled, returned
+    assert [p["decode_pool"] for p in placed] == ["cpu", "cpu", "gpu", "cpu"]
+    assert got == want  # bit-equal backends: the same greedy tokens wherever each turn ran
+    gpu, _ = backends(d)
+    assert gpu.device_kv_bytes() == 0  # the device copy was released on the way back
+
+
+def test_a_turn_the_cpu_would_finish_late_spills_before_it_runs(daemon_factory):  # noqa: F811
+    d = daemon_factory()
+    placed = _placements(d)
+    sid = d.create_session(MINUTE)["id"]
+    _run(d, sid, PROMPTS[0])
+    pool = d.pools["cpu"]
+    kept = pool.step_cost
+    # a step model of a CPU far too slow for a minute's budget (e.g. a large model on few cores)
+    pool.step_cost = StepCost(Linear(1.0, 0.1, 0.0), Linear(10.0, 0.5, 0.0))
+    _run(d, sid, PROMPTS[1])
+    assert d.get_session(sid)["pool"] == "gpu"
+    assert "over 80% of its 60 s budget" in " ".join(placed[-1]["reasons"])
+    pool.step_cost = kept
+    d.pools["cpu"].engine.lateness = 1.0
+    _run(d, sid, PROMPTS[2])
+    assert d.get_session(sid)["pool"] == "cpu"
+
+
+def test_the_baselines_never_spill(daemon_factory):  # noqa: F811
+    d = daemon_factory()
+    d.profile = dataclasses.replace(d.profile, routing=dataclasses.replace(d.profile.routing, policy="isolation"))
+    d.moves.routing = d.profile.routing
+    sid = d.create_session(MINUTE)["id"]
+    _run(d, sid, PROMPTS[0])
+    pool = d.pools["cpu"]
+    pool.step_cost = StepCost(Linear(1.0, 0.1, 0.0), Linear(10.0, 0.5, 0.0))
+    _run(d, sid, PROMPTS[1])
+    assert d.get_session(sid)["pool"] == "cpu"  # the isolation baseline keeps it where its class put it
