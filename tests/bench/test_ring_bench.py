@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -100,6 +101,10 @@ def test_broadcast_computes_what_the_ring_computes(tiny_llama):
             for g, w in zip(got, want, strict=True):
                 assert np.argmax(g) == np.argmax(w)
                 assert np.abs(g - w).max() < 0.05 * max(1.0, float(np.abs(w).max()))
+        # a member commits its rows after it has sent the step's last result: wait (bounded) for that
+        deadline = time.monotonic() + 30
+        while [m.shards.lengths for m in members] != [{0: 10, 1: 7}] * 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert [m.shards.lengths for m in members] == [{0: 10, 1: 7}] * 2
     finally:
         home.stop()
