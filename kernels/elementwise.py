@@ -189,6 +189,12 @@ def _softmax_rows(x, y):
         _softmax_row(x[t], y[t])
 
 
+@njit(**OPTS)
+def softmax_drive(x, y):
+    """y = the softmax of each row of x (float32 [T, N], compiled callers)."""
+    _softmax_rows(x, y)
+
+
 def softmax(x: np.ndarray) -> np.ndarray:
     """Softmax of each row (max-subtracted, float32): x float32 [N] or [T, N] -> a new array."""
     if not isinstance(x, np.ndarray) or x.ndim not in (1, 2):
@@ -223,5 +229,5 @@ def add_(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 __all__ = [
     "exp_f32", "rmsnorm", "rmsnorm_heads", "rmsnorm_ref", "plain_rope", "rope", "rope_cos_sin", "rope_params",
     "rope_ref", "rope_ref64", "rope_angles64", "rotate64", "swiglu", "swiglu_ref", "geglu", "geglu_ref", "gelu_ref",
-    "softmax", "softmax_ref", "add_",
+    "softmax", "softmax_drive", "softmax_ref", "add_",
 ]

@@ -69,3 +69,23 @@ def gemma3_270m() -> Path:
     from weaved.model.default import ensure_native
 
     return ensure_native(assemble(), log=lambda m: None)
+
+
+# mixtures of experts: qwen3moe with 8 experts (2 a token) and 16 (4 a token), and a Mixtral-style llama
+# file (4 experts, 2 a token); a context of 4,096 for the long-context comparisons
+@pytest.fixture(scope="session")
+def tiny_qwen3moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "qwen3moe.gguf", "qwen3moe", head_dim=32,
+                           experts=(8, 2, 32), output_norm_scale=4.0, context_length=4096)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3moe_wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "qwen3moe-wide.gguf", "qwen3moe", head_dim=32,
+                           experts=(16, 4, 32), output_norm_scale=4.0, context_length=4096, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "mixtral.gguf", "llama", experts=(4, 2, 64),
+                           output_norm_scale=4.0, context_length=4096, seed=2)

@@ -2,7 +2,8 @@
 
 No activation quantization, no float16 KV, no fused anything: the function the weights define, for
 every architecture Weave runs (RoPE frequency factors and YaRN from the metadata, gemma3's embedding
-scale, sliding windows, post norms and GELU).  Slow but simple; used teacher-forced.  Layers are
+scale, sliding windows, post norms and GELU, a mixture of experts' router and experts).  Slow but
+simple; used teacher-forced.  Layers are
 dequantized when they run (and kept only for a small model), so a real-size model fits in memory.
 """
 
@@ -77,6 +78,27 @@ class ReferenceModel:
             out[:, h] = (s / s.sum(-1, keepdims=True)) @ v[:, h // g]
         return out.reshape(T, H * D)
 
+    def route(self, p: str, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The router of layer prefix ``p`` on h [T, d_model]: (experts [T, k], weights [T, k]) - the k
+        most probable by softmax over every expert, most probable first, weights renormalized to 1."""
+        z = h @ self.w(p + "ffn_gate_inp.weight").T  # [T, E]
+        prob = np.exp(z - z.max(-1, keepdims=True))
+        prob /= prob.sum(-1, keepdims=True)
+        top = np.argsort(-prob, axis=-1, kind="stable")[:, : self.cfg.n_experts_used]
+        wt = np.take_along_axis(prob, top, -1)
+        return top, wt / wt.sum(-1, keepdims=True)
+
+    def _experts(self, p: str, h: np.ndarray) -> np.ndarray:
+        """A mixture-of-experts FFN: each token's k experts (SwiGLU), weighted and summed."""
+        top, wt = self.route(p, h)
+        gate, up, down = (self.w(p + f"ffn_{m}_exps.weight") for m in ("gate", "up", "down"))
+        y = np.zeros_like(h)
+        for t in range(h.shape[0]):
+            for e, c in zip(top[t], wt[t], strict=True):
+                g, u = gate[e] @ h[t], up[e] @ h[t]
+                y[t] += c * (down[e] @ (g / (1 + np.exp(-g)) * u))
+        return y
+
     def logits(self, tokens: list[int]) -> np.ndarray:
         """Next-token logits after every prefix: [T, vocab] float64."""
         return self.hidden(tokens) @ self._output().T
@@ -123,8 +145,11 @@ class ReferenceModel:
             y = self._attention(q, k, v, cfg.layer_window(i)) @ w(p + "attn_output.weight").T
             x = x + (self._rms(y, w(p + "post_attention_norm.weight")) if cfg.post_norms else y)
             h = self._rms(x, w(p + "ffn_norm.weight"))
-            gate, up = h @ w(p + "ffn_gate.weight").T, h @ w(p + "ffn_up.weight").T
-            act = gelu64(gate) if cfg.act == "gelu" else gate / (1 + np.exp(-gate))
-            y = (act * up) @ w(p + "ffn_down.weight").T
+            if cfg.moe:
+                y = self._experts(p, h)
+            else:
+                gate, up = h @ w(p + "ffn_gate.weight").T, h @ w(p + "ffn_up.weight").T
+                act = gelu64(gate) if cfg.act == "gelu" else gate / (1 + np.exp(-gate))
+                y = (act * up) @ w(p + "ffn_down.weight").T
             x = x + (self._rms(y, w(p + "post_ffw_norm.weight")) if cfg.post_norms else y)
         return self._rms(x, w("output_norm.weight"))

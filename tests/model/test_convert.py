@@ -32,6 +32,7 @@ SOURCES = [
     ("llama", Q.Q4_1, Q.Q8_0, True),
     ("qwen2", Q.Q8_0, Q.Q8_0, False),
     ("qwen3", Q.F16, Q.F16, True),
+    ("qwen3moe", Q.F16, Q.F16, True),  # a mixture of experts: a router, 3-D expert stacks
     ("llama", Q.F32, Q.F32, False),
     ("qwen2", Q.Q5_1, Q.Q5_0, False),
 ]
@@ -40,7 +41,9 @@ SOURCES = [
 def _tiny(tmp_path: Path, arch: str, wtype: Q, embd_type: Q, tied: bool, norm_type: Q = Q.F32) -> Path:
     return write_tiny_gguf(
         tmp_path / f"{arch}-{wtype.name}.gguf", arch, wtype=wtype, embd_type=embd_type, tied=tied,
-        norm_type=norm_type, head_dim=32 if arch == "qwen3" else None,
+        norm_type=norm_type, head_dim=32 if arch.startswith("qwen3") else None,
+        # 16 experts: llama.cpp's quantizer keeps attn_k/attn_v of 8-expert models at 8 bits (Mixtral's rule)
+        experts=(16, 4, 32) if arch == "qwen3moe" else None,
     )
 
 
@@ -64,7 +67,7 @@ def check_shared_format(src: Path, dst: Path) -> None:
     for name, (src_type, x) in src_w.items():
         dst_type, y = dst_w[name]
         assert y.shape == x.shape, name
-        if x.ndim == 1:
+        if x.ndim == 1 or name.endswith("ffn_gate_inp.weight"):  # norms, biases and a router stay float
             assert dst_type == Q.F32, name
             assert np.array_equal(x, y), name  # F16 -> F32 is exact
             continue
@@ -140,7 +143,7 @@ def test_unsupported_architecture(tmp_path):
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'.*llama, qwen2, qwen3"):
         convert_gguf(src, tmp_path / "out.gguf")
     assert not (tmp_path / "out.gguf").exists()
-    assert SUPPORTED_ARCHS == ("llama", "qwen2", "qwen3", "gemma3")
+    assert SUPPORTED_ARCHS == ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
 
 
 def _write_minimal(path: Path, tensors: dict[str, np.ndarray], extra_meta: dict | None = None) -> Path:
@@ -165,8 +168,8 @@ def test_unsupported_tensor_type_and_shape(tmp_path):
     src = _write_minimal(tmp_path / "odd.gguf", {"blk.0.attn_q.weight": np.ones((4, 48), np.float32)})
     with pytest.raises(ValueError, match="rows of 48 weights"):
         convert_gguf(src, tmp_path / "out.gguf")
-    src = _write_minimal(tmp_path / "3d.gguf", {"blk.0.ffn_up_exps.weight": np.ones((2, 4, 32), np.float32)})
-    with pytest.raises(ValueError, match="3 dimensions"):
+    src = _write_minimal(tmp_path / "3d.gguf", {"blk.0.attn_q.weight": np.ones((2, 4, 32), np.float32)})
+    with pytest.raises(ValueError, match="3 dimensions"):  # only a mixture's expert stacks are 3-D
         convert_gguf(src, tmp_path / "out.gguf")
     assert not (tmp_path / "out.gguf").exists()
 
@@ -228,7 +231,8 @@ def check_same_bytes_as_llama_cpp(src: Path, ours: Path, tmp_path: Path) -> None
     compared = 0
     for name, (qtype, data) in our_raw.items():
         their_type, their_data = their_raw[name]
-        if data.ndim == 1 and their_type != qtype:  # llama.cpp keeps F16 norms F16; we widen them
+        # llama.cpp keeps F16 norms and routers F16; we widen them
+        if (data.ndim == 1 or name.endswith("ffn_gate_inp.weight")) and their_type != qtype:
             assert np.array_equal(dequantize(data, qtype), dequantize(their_data, their_type)), name
             compared += 1
             continue
@@ -241,7 +245,7 @@ def check_same_bytes_as_llama_cpp(src: Path, ours: Path, tmp_path: Path) -> None
 
 
 @pytest.mark.llama
-@pytest.mark.parametrize(("arch", "wtype", "embd_type", "tied"), SOURCES[:4])
+@pytest.mark.parametrize(("arch", "wtype", "embd_type", "tied"), SOURCES[:5])
 def test_tiny_same_bytes_as_llama_cpp_and_runs(tmp_path, arch, wtype, embd_type, tied):
     src = _tiny(tmp_path, arch, wtype, embd_type, tied)
     dst = convert_gguf(src, tmp_path / "out.gguf")

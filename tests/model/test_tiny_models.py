@@ -32,10 +32,13 @@ def test_metadata_is_what_llama_cpp_reads(tmp_path, arch):
     assert meta[f"{arch}.rope.dimension_count"] == 16
     assert meta[f"{arch}.attention.layer_norm_rms_epsilon"] > 0
     assert meta[f"{arch}.vocab_size"] == 49152
-    if arch in ("qwen3", "gemma3"):
+    if arch in ("qwen3", "qwen3moe", "gemma3"):
         assert meta[f"{arch}.attention.key_length"] == meta[f"{arch}.attention.value_length"] == 16
     else:
         assert f"{arch}.attention.key_length" not in meta
+    if arch == "qwen3moe":  # its default experts: 8, 2 a token, 32 long
+        assert (meta["qwen3moe.expert_count"], meta["qwen3moe.expert_used_count"],
+                meta["qwen3moe.expert_feed_forward_length"]) == (8, 2, 32)
 
 
 def test_tokenizer_is_smollm2s(tiny_llama):
@@ -59,16 +62,22 @@ def test_tensors_per_architecture(tmp_path, arch):
     assert shapes["blk.1.attn_q.weight"] == (4 * hd, 64)
     assert shapes["blk.1.attn_k.weight"] == shapes["blk.1.attn_v.weight"] == (2 * hd, 64)
     assert shapes["blk.1.attn_output.weight"] == (64, 4 * hd)
-    assert shapes["blk.1.ffn_gate.weight"] == shapes["blk.1.ffn_up.weight"] == (128, 64)
-    assert shapes["blk.1.ffn_down.weight"] == (64, 128)
-    assert types["blk.0.ffn_up.weight"] == Q.Q4_0 and types["token_embd.weight"] == Q.Q8_0
+    if arch == "qwen3moe":  # a router (kept F32, as llama.cpp's quantizer keeps it) and stacked experts
+        assert shapes["blk.1.ffn_gate_inp.weight"] == (8, 64) and types["blk.1.ffn_gate_inp.weight"] == Q.F32
+        assert shapes["blk.1.ffn_gate_exps.weight"] == shapes["blk.1.ffn_up_exps.weight"] == (8, 32, 64)
+        assert shapes["blk.1.ffn_down_exps.weight"] == (8, 64, 32) and "blk.1.ffn_up.weight" not in shapes
+        assert types["blk.0.ffn_up_exps.weight"] == Q.Q4_0 and types["token_embd.weight"] == Q.Q8_0
+    else:
+        assert shapes["blk.1.ffn_gate.weight"] == shapes["blk.1.ffn_up.weight"] == (128, 64)
+        assert shapes["blk.1.ffn_down.weight"] == (64, 128)
+        assert types["blk.0.ffn_up.weight"] == Q.Q4_0 and types["token_embd.weight"] == Q.Q8_0
     assert types["blk.0.attn_norm.weight"] == Q.F32
     has_bias = {n for n in shapes if n.endswith(".bias")}
     has_qk_norm = {n for n in shapes if "_q_norm" in n or "_k_norm" in n}
     if arch == "qwen2":
         assert shapes["blk.0.attn_q.bias"] == (64,) and shapes["blk.0.attn_k.bias"] == (32,)
         assert len(has_bias) == 6 and not has_qk_norm
-    elif arch in ("qwen3", "gemma3"):
+    elif arch in ("qwen3", "qwen3moe", "gemma3"):
         hd_ = 32 if arch == "qwen3" else 16
         assert shapes["blk.0.attn_q_norm.weight"] == shapes["blk.0.attn_k_norm.weight"] == (hd_,)
         assert len(has_qk_norm) == 4 and not has_bias

@@ -5,6 +5,7 @@ load into the kernel's layout; q|k|v and gate|up are fused into one matrix each 
 quantizes each activation once per fused product.  Dense layers run as one product over all
 tokens of the step; attention runs per sequence over that sequence's KV array (over the last
 ``window`` positions on a sliding-window layer; the KV file keeps every position of every layer).
+A mixture of experts' FFN (``kernels.moe``) runs each expert once over the tokens routed to it.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from pathlib import Path
 import numpy as np
 
 from weaved.backends.base import Backend, BackendStats, Logits, SeqChunk
+from weaved.backends.experts import load_experts
 from weaved.backends.rope import kernel_rope
 from weaved.kernels import attention as ka
 from weaved.kernels import elementwise as ke
 from weaved.kernels import layer_loop, matmul
 from weaved.kernels import threads as kthreads
 from weaved.kernels.elementwise import geglu, swiglu
+from weaved.kernels.moe import ExpertWeights, moe_ffn
 from weaved.kernels.residual import linear_residual
 from weaved.kv.cache import KVCache
 from weaved.model.config import ModelConfig
@@ -39,10 +42,11 @@ class _Layer:
     k_norm: np.ndarray | None
     wo: object  # PackedWeight [d_model, q_dim]
     ffn_norm: np.ndarray
-    wgu: object  # PackedWeight [2*d_ff, d_model]
+    wgu: object  # PackedWeight [2*d_ff, d_model] (None: a mixture of experts)
     wdown: object  # PackedWeight [d_model, d_ff]
     post_attn_norm: np.ndarray | None = None  # [d_model] f32 (gemma3)
     post_ffn_norm: np.ndarray | None = None
+    experts: ExpertWeights | None = None  # a mixture of experts' router and experts (qwen3moe)
 
 
 class CPUBackend(Backend):
@@ -95,10 +99,11 @@ class CPUBackend(Backend):
                     k_norm=f32(p + "attn_k_norm.weight") if cfg.qk_norm else None,
                     wo=packed([p + "attn_output.weight"]),
                     ffn_norm=f32(p + "ffn_norm.weight"),
-                    wgu=packed_or_split([p + "ffn_gate.weight", p + "ffn_up.weight"]),
-                    wdown=packed([p + "ffn_down.weight"]),
+                    wgu=None if cfg.moe else packed_or_split([p + "ffn_gate.weight", p + "ffn_up.weight"]),
+                    wdown=None if cfg.moe else packed([p + "ffn_down.weight"]),
                     post_attn_norm=f32(p + "post_attention_norm.weight") if cfg.post_norms else None,
                     post_ffn_norm=f32(p + "post_ffw_norm.weight") if cfg.post_norms else None,
+                    experts=load_experts(gguf, cfg, i) if cfg.moe else None,
                 )
             )
         self.layers = layers
@@ -139,10 +144,13 @@ class CPUBackend(Backend):
 
     @property
     def decode_bytes(self) -> int:
-        """Bytes of weights one decode step reads: every layer matrix and the output matrix."""
-        mats = [w for L in self.layers for m in (L.wqkv, L.wo, L.wgu, L.wdown) for w in (m if isinstance(m, list)
-                                                                                      else [m])]
-        return sum(w.nbytes for w in mats) + self.wout.nbytes
+        """Bytes of weights one decode step of one token reads: every layer matrix (of a mixture of
+        experts: the router and the experts one token uses) and the output matrix."""
+        mats = [w for L in self.layers for m in (L.wqkv, L.wo, L.wgu, L.wdown) if m is not None
+                for w in (m if isinstance(m, list) else [m])]
+        experts = sum(L.experts.router.nbytes + self.config.n_experts_used * L.experts.nbytes_per_expert
+                      for L in self.layers if L.experts is not None)
+        return sum(w.nbytes for w in mats) + experts + self.wout.nbytes
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """Token embeddings of ``ids`` int32 [T] (checked against the vocabulary by the caller), times the
@@ -203,8 +211,11 @@ class CPUBackend(Backend):
         y = self._linear(L.wo, att.reshape(x.shape[0], cfg.q_dim))
         x += ke.rmsnorm(y, L.post_attn_norm, cfg.rms_eps) if L.post_attn_norm is not None else y
         h = ke.rmsnorm(x, L.ffn_norm, cfg.rms_eps)
-        act = geglu if cfg.act == "gelu" else swiglu
-        y = self._linear(L.wdown, act(self._linear(L.wgu, h)))
+        if L.experts is not None:
+            y = moe_ffn(h, L.experts, cfg.n_experts_used)
+        else:
+            act = geglu if cfg.act == "gelu" else swiglu
+            y = self._linear(L.wdown, act(self._linear(L.wgu, h)))
         x += ke.rmsnorm(y, L.post_ffn_norm, cfg.rms_eps) if L.post_ffn_norm is not None else y
 
     def _layers_python(self, x: np.ndarray, positions: np.ndarray, kvs, seq_starts: np.ndarray,

@@ -10,6 +10,11 @@ before their residuals, and a GELU-gated FFN.  (Its GGUF norm weights already ho
 RoPE comes from the metadata as llama.cpp reads it: ``rope.freq_base``, ``rope.scaling.type``
 (none, linear or yarn, with ``factor``, ``original_context_length`` and ``attn_factor``) and, for
 Llama 3.x, the ``rope_freqs.weight`` tensor of per-pair frequency divisors.
+
+qwen3moe is qwen3's attention with a mixture-of-experts FFN in every layer (``expert_count`` experts of
+``expert_feed_forward_length``, ``expert_used_count`` picked per token by the ``ffn_gate_inp`` router,
+the experts stacked in 3-D ``ffn_{gate,up,down}_exps`` tensors); a llama file with ``expert_count``
+(Mixtral's layout) has the same FFN.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class ArchSpec:
     attn_bias: bool = False
     qk_norm: bool = False
     gemma: bool = False  # gemma3's block (see the module docstring)
+    moe: bool = False  # every layer's FFN is a mixture of experts (a llama file may have them too)
 
 
 # llama.cpp: LLM_ARCH_LLAMA uses LLAMA_ROPE_TYPE_NORM; QWEN2, QWEN3 and GEMMA3 use LLAMA_ROPE_TYPE_NEOX.
@@ -35,10 +41,14 @@ ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec(RopeStyle.NORM),
     "qwen2": ArchSpec(RopeStyle.NEOX, attn_bias=True),
     "qwen3": ArchSpec(RopeStyle.NEOX, qk_norm=True),
+    "qwen3moe": ArchSpec(RopeStyle.NEOX, qk_norm=True, moe=True),
     "gemma3": ArchSpec(RopeStyle.NEOX, qk_norm=True, gemma=True),
 }
 
-LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+ATTN_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output")
+FFN_MATRICES = ("ffn_gate", "ffn_up", "ffn_down")
+EXPERT_MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # [n_experts, rows, cols] each
+LAYER_MATRICES = ATTN_MATRICES + FFN_MATRICES
 ROPE_SCALING = ("none", "linear", "yarn")
 GEMMA_SWA_PATTERN = 6  # llama.cpp's default: layers 5, 11, 17, ... attend globally
 GEMMA_SWA_ROPE_BASE = 10000.0
@@ -108,6 +118,18 @@ def read_config(f: GGUFFile) -> ModelConfig:
         gemma = dict(window=window, swa_pattern=pattern, rope_swa=RopeSpec(base=swa_base) if window else None,
                      embed_scale=float(np.sqrt(np.float32(d_model))),
                      attn_scale=float(_f32(1.0) / np.sqrt(_f32(q_size))), post_norms=True, act="gelu")
+    n_experts = int(f.get(f"{arch}.expert_count", 0) or 0)
+    if spec.moe and not n_experts:
+        raise ValueError(f"{f.path.name}: {arch} needs {arch}.expert_count")
+    moe = {}
+    if n_experts:
+        used = int(f.require(f"{arch}.expert_used_count"))
+        n_ff = int(f.require(f"{arch}.feed_forward_length"))
+        # llama.cpp: a llama file's experts are feed_forward_length long; qwen3moe has a key of its own
+        # (without it, the dense length over the experts used)
+        d_ff_expert = n_ff if arch == "llama" else int(f.get(f"{arch}.expert_feed_forward_length", 0) or 0) or (
+            n_ff // used)
+        moe = dict(n_experts=n_experts, n_experts_used=used, d_ff_expert=d_ff_expert)
     return ModelConfig(
         arch=arch,
         name=str(f.get("general.name", f.path.stem)),
@@ -116,7 +138,8 @@ def read_config(f: GGUFFile) -> ModelConfig:
         n_heads=n_heads,
         n_kv_heads=int(f.get(f"{arch}.attention.head_count_kv", n_heads)),
         head_dim=head_dim,
-        d_ff=int(f.require(f"{arch}.feed_forward_length")),
+        d_ff=int(f.get(f"{arch}.feed_forward_length", 0) or 0) if n_experts else int(
+            f.require(f"{arch}.feed_forward_length")),
         vocab_size=vocab_size,
         context_length=context_length,
         rms_eps=float(f.require(f"{arch}.attention.layer_norm_rms_epsilon")),
@@ -127,6 +150,7 @@ def read_config(f: GGUFFile) -> ModelConfig:
         qk_norm=spec.qk_norm,
         tied_output="output.weight" not in f.tensors,
         **gemma,
+        **moe,
     )
 
 
@@ -136,7 +160,11 @@ def required_tensors(cfg: ModelConfig) -> list[str]:
         names.append("output.weight")
     for i in range(cfg.n_layers):
         names += [f"blk.{i}.attn_norm.weight", f"blk.{i}.ffn_norm.weight"]
-        names += [f"blk.{i}.{m}.weight" for m in LAYER_MATRICES]
+        names += [f"blk.{i}.{m}.weight" for m in ATTN_MATRICES]
+        if cfg.moe:
+            names += [f"blk.{i}.ffn_gate_inp.weight"] + [f"blk.{i}.{m}.weight" for m in EXPERT_MATRICES]
+        else:
+            names += [f"blk.{i}.{m}.weight" for m in FFN_MATRICES]
         if cfg.attn_bias:
             names += [f"blk.{i}.attn_{x}.bias" for x in "qkv"]
         if cfg.qk_norm:
@@ -155,12 +183,27 @@ def check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
     if cfg.rope.freq_factors is not None and len(cfg.rope.freq_factors) < cfg.n_rot // 2:
         raise ValueError(f"{f.path.name}: rope_freqs.weight has {len(cfg.rope.freq_factors)} values, "
                          f"the model rotates {cfg.n_rot // 2} pairs")
+    if cfg.moe:
+        _check_experts(f, cfg)
     bad = sorted({t.type_name for n in required_tensors(cfg) if (t := f.tensors[n]).type_id not in NATIVE_TYPE_IDS})
     if bad:
         raise ValueError(
             f"{f.path.name}: tensor types {', '.join(bad)} are not run natively "
             f"(native: {', '.join(NATIVE_TYPE_IDS.values())}); convert the file with `weave convert`"
         )
+
+
+def _check_experts(f: GGUFFile, cfg: ModelConfig) -> None:
+    """The expert tensors' shapes (numpy order) agree with the metadata."""
+    E, d, ff = cfg.n_experts, cfg.d_model, cfg.d_ff_expert
+    want = {"ffn_gate_inp": (E, d), "ffn_gate_exps": (E, ff, d), "ffn_up_exps": (E, ff, d),
+            "ffn_down_exps": (E, d, ff)}
+    for i in range(cfg.n_layers):
+        for m, shape in want.items():
+            t = f.tensors[f"blk.{i}.{m}.weight"]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{f.path.name}: blk.{i}.{m}.weight has shape {tuple(t.shape)}, the metadata "
+                                 f"says {shape} ({E} experts of {ff})")
 
 
 def check_supported(f: GGUFFile) -> None:

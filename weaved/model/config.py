@@ -50,7 +50,7 @@ class RopeSpec:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama" | "qwen2" | "qwen3" | "gemma3"
+    arch: str  # "llama" | "qwen2" | "qwen3" | "qwen3moe" | "gemma3"
     name: str
     n_layers: int
     d_model: int  # embedding length
@@ -76,6 +76,20 @@ class ModelConfig:
     attn_scale: float = 0.0  # the scores' scale; 0: 1 / sqrt(head_dim)
     post_norms: bool = False  # gemma3: RMSNorm of the attention and FFN outputs before each residual
     act: str = "silu"  # the gated FFN's activation: "silu" (SwiGLU) or "gelu" (GeGLU, tanh form)
+    # mixture of experts (qwen3moe; llama files with experts, Mixtral-style): every layer's FFN is
+    # n_experts SwiGLU experts of d_ff_expert, of which a router picks n_experts_used per token
+    n_experts: int = 0  # 0: a dense FFN of d_ff
+    n_experts_used: int = 0
+    d_ff_expert: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n_experts and not (0 < self.n_experts_used <= self.n_experts and self.d_ff_expert > 0):
+            raise ValueError(f"a mixture of experts needs 0 < experts used ({self.n_experts_used}) <= experts "
+                             f"({self.n_experts}) and an expert feed-forward length, got {self.d_ff_expert}")
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
 
     @property
     def n_rot(self) -> int:

@@ -5,7 +5,9 @@ The shared format is a normal GGUF file in which
   * except the token embedding and the output matrix (``token_embd.weight``, ``output.weight``), which
     stay Q4_0 when the source has them Q4_0 and become Q8_0 otherwise (llama.cpp's own Q4_0
     quantization keeps them at higher precision too: they feed every token's logits);
-  * 1-D tensors (norms, biases) are F32.
+  * 1-D tensors (norms, biases) and a mixture of experts' router (``ffn_gate_inp``) are F32;
+  * a mixture of experts' stacked expert matrices (``ffn_{gate,up,down}_exps``, 3-D) are Q4_0 like
+    any matrix, row by row.
 Every metadata key is copied as it is, except ``general.file_type`` (set to MOSTLY_Q4_0;
 ``general.quantization_version`` is added if the source has none). The CPU and GPU backends compute
 on the same bytes, and llama.cpp loads the file as well, which is how we check it: the tensors come
@@ -39,6 +41,9 @@ SUPPORTED_ARCHS = tuple(ARCHS)
 NATIVE_TYPES = frozenset({Q.F32, Q.F16, Q.Q4_0, Q.Q8_0})
 # Matrices that may stay at 8 bits: the embedding lookup and the logits projection.
 EMBEDDING_TENSORS = ("token_embd.weight", "output.weight")
+# A mixture of experts' router stays F32, as llama.cpp's quantizer keeps it: it picks which experts run
+ROUTER_SUFFIX = "ffn_gate_inp.weight"
+EXPERTS_SUFFIX = "_exps.weight"  # [n_experts, rows, cols]: each expert's rows quantized like a matrix
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: the block layouts of Q4_0 / Q8_0 written here
 
 # Rows are dequantized and requantized in slabs of about this many weights, which bounds the float32
@@ -96,7 +101,7 @@ class TensorPlan:
 
 def target_type(name: str, src_type: GGMLQuantizationType, n_dims: int) -> GGMLQuantizationType:
     """The shared format's type for a tensor of ``n_dims`` dimensions stored as ``src_type``."""
-    if n_dims == 1:
+    if n_dims == 1 or name.endswith(ROUTER_SUFFIX):
         return Q.F32
     if name in EMBEDDING_TENSORS and src_type != Q.Q4_0:
         return Q.Q8_0
@@ -123,8 +128,9 @@ def plan_conversion(header: GGUFHeader, views: dict[str, np.ndarray]) -> list[Te
         raise ValueError(f"unsupported architecture {arch!r}: Weave runs {', '.join(SUPPORTED_ARCHS)}")
     plans = []
     for t in header.tensors:
-        if len(t.shape) > 2:
-            raise ValueError(f"tensor {t.name} has {len(t.shape)} dimensions; only 1-D and 2-D convert")
+        if len(t.shape) > 2 and not (len(t.shape) == 3 and t.name.endswith(EXPERTS_SUFFIX)):
+            raise ValueError(f"tensor {t.name} has {len(t.shape)} dimensions; only 1-D and 2-D tensors and "
+                             f"3-D expert stacks (*{EXPERTS_SUFFIX}) convert")
         dst = target_type(t.name, t.type, len(t.shape))
         block = GGML_QUANT_SIZES[dst][0]
         if t.shape[-1] % block:

@@ -1,0 +1,208 @@
+"""A mixture-of-experts FFN on the CPU: the router, then each expert's products over the tokens routed
+to it, weighted and summed in a fixed order.
+
+The router is llama.cpp's (``build_moe_ffn`` with softmax gating and normalized weights, as qwen3moe
+and Mixtral-style llama files ask): logits ``h @ W_inp.T``; a softmax over every expert; the
+``k`` most probable, most probable first; their probabilities divided by their sum (clamped below at
+6.103515625e-5 as ggml does).  Here a logit is the float32 rounding of an exact float64 sum of the
+float32 products, added by a fixed tree (``tree_sum64``: the torch backend's ``tree_sum``), and the
+softmax is ``elementwise``'s (exp_f32, float64 sum in 16 lanes) - the bits depend on the token's row
+alone.  Equal probabilities go to the lower expert index (llama.cpp's ``std::sort`` leaves their
+order unspecified; only exact ties can differ).
+
+The experts: the step's (token, slot) pairs are grouped by expert, and each expert's fused gate|up
+product, SwiGLU and down product run once over all the tokens routed to it (its weights read once
+per step), through the dense kernels' gemm - each output element is computed by the same per-column
+recipe whatever else is in the product, so a token's result does not depend on the batch.  Each
+token's k outputs are scaled by their weights and added in selection order, ``((y0 + y1) + y2) ...``,
+as llama.cpp's chain of ``ggml_add``s does.  Experts run in parallel, each on one thread.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+from numba.typed import List as TypedList
+
+from . import _gemm_driver
+from ._rowwise import OPTS
+from .elementwise import softmax_drive, swiglu_drive
+from .matmul import PackedWeight, gemm_marker
+
+WEIGHT_SUM_MIN = np.float32(6.103515625e-5)  # ggml_clamp of the selected weights' sum (llama.cpp)
+_F64 = np.float64
+
+
+@njit(**OPTS)
+def tree_sum64(buf, n):
+    """Sum of buf[:n] (float64) by the fixed tree of ``torch_rowwise.tree_sum``: element i is added to
+    element i + P/2 (P the next power of two >= n), halving until one is left.  Overwrites buf."""
+    if n == 0:
+        return 0.0
+    while n > 1:
+        half = 1
+        while 2 * half < n:
+            half *= 2
+        for i in range(n - half):
+            buf[i] += buf[half + i]
+        n = half
+    return buf[0]
+
+
+@njit(**OPTS)
+def _route_row(h, w, k, z, p, buf, ids, wts):
+    """One token: h float32 [d], w float32 [E, d] -> ids int32 [k] (most probable first), wts float32 [k]."""
+    E, d = w.shape
+    for e in range(E):
+        for j in range(d):
+            buf[j] = _F64(h[j]) * _F64(w[e, j])  # exact: a float32 product fits a float64
+        z[e] = np.float32(tree_sum64(buf, d))
+    softmax_drive(z.reshape(1, E), p.reshape(1, E))
+    for i in range(k):  # the i-th largest; ties to the lower index
+        best = -1
+        for e in range(E):
+            taken = False
+            for j in range(i):
+                if ids[j] == e:
+                    taken = True
+            if not taken and (best < 0 or p[e] > p[best]):
+                best = e
+        ids[i] = best
+    s = 0.0
+    for i in range(k):
+        s += _F64(p[ids[i]])
+    total = max(np.float32(s), WEIGHT_SUM_MIN)
+    for i in range(k):
+        wts[i] = p[ids[i]] / total
+
+
+@njit(parallel=True, **OPTS)
+def route_drive(h, w, k, ids, wts):
+    """Every token's experts and weights: h float32 [T, d], w float32 [E, d] -> ids int32 [T, k],
+    wts float32 [T, k].  Tokens run in parallel (each row's bits are its own)."""
+    T = h.shape[0]
+    E, d = w.shape
+    for t in prange(T):
+        z = np.empty(E, np.float32)
+        p = np.empty(E, np.float32)
+        buf = np.empty(d, np.float64)
+        _route_row(h[t], w, k, z, p, buf, ids[t], wts[t])
+
+
+@njit(**OPTS)
+def _expert(mk, gu, down, qk_gu, qk_down, ff, rows, h, wts_flat, out_flat):
+    """One expert over its (token, slot) rows: gate|up, SwiGLU, down, each row scaled by its weight into
+    out_flat [T * k, d] (row = token * k + slot)."""
+    n = rows.shape[0]
+    d = h.shape[1]
+    k = wts_flat.shape[0] // h.shape[0]
+    x = np.empty((n, d), np.float32)
+    for r in range(n):
+        x[r] = h[rows[r] // k]
+    noq, nod, nos = np.empty((0, 0, 32), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0), np.int32)
+    g = np.empty((n, 2 * ff), np.float32)
+    _gemm_driver.run_serial(mk, gu, qk_gu, 2 * ff, x, noq, nod, nos, g)
+    a = np.empty((n, ff), np.float32)
+    swiglu_drive(g, a)
+    y = np.empty((n, d), np.float32)
+    _gemm_driver.run_serial(mk, down, qk_down, d, a, noq, nod, nos, y)
+    for r in range(n):
+        c = wts_flat[rows[r]]
+        dst = out_flat[rows[r]]
+        for j in range(d):
+            dst[j] = y[r, j] * c
+
+
+@njit(parallel=True, **OPTS)
+def experts_drive(mk, h, ids, wts, gu_mats, down_mats, qk_gu, qk_down, ff, out):
+    """out float32 [T, d] = each token's k experts (packed gate|up and down matrices ``gu_mats[e]``,
+    ``down_mats[e]``) on h float32 [T, d], weighted by wts [T, k] and added in slot order."""
+    T, k = ids.shape
+    d = h.shape[1]
+    E = len(gu_mats)
+    flat = ids.reshape(T * k)
+    counts = np.zeros(E, np.int64)
+    for r in range(T * k):
+        counts[flat[r]] += 1
+    starts = np.zeros(E + 1, np.int64)
+    for e in range(E):
+        starts[e + 1] = starts[e] + counts[e]
+    order = np.empty(T * k, np.int64)  # (token, slot) rows grouped by expert, in row order
+    fill = starts[:-1].copy()
+    for r in range(T * k):
+        e = flat[r]
+        order[fill[e]] = r
+        fill[e] += 1
+    used = np.empty(E, np.int64)
+    n_used = 0
+    for e in range(E):
+        if counts[e]:
+            used[n_used] = e
+            n_used += 1
+    ys = np.empty((T * k, d), np.float32)
+    wflat = wts.reshape(T * k)
+    for u in prange(n_used):
+        e = used[u]
+        _expert(mk, gu_mats[e], down_mats[e], qk_gu, qk_down, ff, order[starts[e]:starts[e + 1]], h, wflat, ys)
+    for t in range(T):
+        out[t] = ys[t * k]
+        for i in range(1, k):
+            out[t] += ys[t * k + i]
+
+
+class ExpertWeights:
+    """One layer's experts in the kernels' layout: the router (float32 [E, d]), each expert's fused
+    gate|up and down matrices (``PackedWeight``s, one type per kind)."""
+
+    def __init__(self, router: np.ndarray, gate_up: list[PackedWeight], down: list[PackedWeight]):
+        E = router.shape[0]
+        if router.dtype != np.float32 or router.ndim != 2 or len(gate_up) != E or len(down) != E:
+            raise ValueError(f"ExpertWeights: a float32 [E, d] router and E gate|up and down matrices, got "
+                             f"{router.dtype} {router.shape}, {len(gate_up)} and {len(down)}")
+        kinds = {(w.qk, w.n_out, w.n_in) for w in gate_up}, {(w.qk, w.n_out, w.n_in) for w in down}
+        if len(kinds[0]) != 1 or len(kinds[1]) != 1 or not all(kind[0] for s in kinds for kind in s):
+            raise ValueError("ExpertWeights: every expert's matrices must be Q4_0/Q8_0 of one shape per kind")
+        (qk_gu, n_gu, d_in), (qk_down, d_out, ff) = next(iter(kinds[0])), next(iter(kinds[1]))
+        if n_gu != 2 * ff or d_in != d_out or d_in != router.shape[1]:
+            raise ValueError(f"ExpertWeights: gate|up [{n_gu}, {d_in}] and down [{d_out}, {ff}] do not fit a "
+                             f"router over {router.shape[1]}")
+        self.router = np.ascontiguousarray(router)
+        self.gate_up, self.down = gate_up, down
+        self.gu_data, self.down_data = TypedList([w.data for w in gate_up]), TypedList([w.data for w in down])
+        self.qk_gu, self.qk_down, self.ff, self.d = qk_gu, qk_down, ff, d_in
+
+    @property
+    def n_experts(self) -> int:
+        return self.router.shape[0]
+
+    @property
+    def nbytes_per_expert(self) -> int:
+        return self.gate_up[0].nbytes + self.down[0].nbytes
+
+
+def route(h: np.ndarray, w: ExpertWeights, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(experts int32 [T, k], weights float32 [T, k]) of h float32 [T, d] (C-contiguous)."""
+    _check_h(h, w)
+    if not 1 <= k <= w.n_experts:
+        raise ValueError(f"route: k must be in [1, {w.n_experts}], got {k}")
+    T = h.shape[0]
+    ids, wts = np.empty((T, k), np.int32), np.empty((T, k), np.float32)
+    if T:
+        route_drive(h, w.router, k, ids, wts)
+    return ids, wts
+
+
+def moe_ffn(h: np.ndarray, w: ExpertWeights, k: int) -> np.ndarray:
+    """The FFN of a mixture of experts on h float32 [T, d] (the FFN norm's output) -> float32 [T, d]."""
+    ids, wts = route(h, w, k)
+    out = np.empty_like(h)
+    if h.shape[0]:
+        experts_drive(gemm_marker(), h, ids, wts, w.gu_data, w.down_data, w.qk_gu, w.qk_down, w.ff, out)
+    return out
+
+
+def _check_h(h: np.ndarray, w: ExpertWeights) -> None:
+    if not (isinstance(h, np.ndarray) and h.dtype == np.float32 and h.ndim == 2 and h.shape[1] == w.d
+            and h.flags.c_contiguous):
+        raise ValueError(f"moe: h must be a C-contiguous float32 [T, {w.d}] array, got "
+                         f"{getattr(h, 'dtype', type(h))} {getattr(h, 'shape', '')}")
