@@ -13,7 +13,7 @@ from weaved.backends.cpu import CPUBackend
 
 torch_backend = pytest.importorskip("weaved.backends.torch")
 
-MODELS = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "smollm2_q4_0"]
+MODELS = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3moe", "smollm2_q4_0"]
 
 
 def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:

@@ -296,11 +296,12 @@ def _both_backends_agree(path, steps) -> None:
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_untied_f16", "tiny_llama3",
-                                   "tiny_qwen2_yarn", "tiny_gemma3"])
+                                   "tiny_qwen2_yarn", "tiny_gemma3", "tiny_qwen3moe", "tiny_qwen3moe_wide",
+                                   "tiny_mixtral"])
 def test_architectures_match_the_cpu_backend(model, request):
     """llama, qwen2 (qkv biases), qwen3 (q/k norms, head_dim != d_model / n_heads), F16 layers with a
-    separate F32 output, rope factors, YaRN, gemma3: the CPU backend's logits and KV, in a ragged batch
-    with decode steps."""
+    separate F32 output, rope factors, YaRN, gemma3, mixtures of experts (the same experts picked, the
+    same products): the CPU backend's logits and KV, in a ragged batch with decode steps."""
     def steps(be):
         kvs = [be.new_kv(32) for _ in PROMPTS]
         out = be.forward([SeqChunk(kv, np.array(p, np.int32), Logits.ALL) for kv, p in zip(kvs, PROMPTS, strict=True)])

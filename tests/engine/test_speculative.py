@@ -162,7 +162,7 @@ def test_verify_stops_at_the_token_that_finishes_the_turn():
 # --- exactness in the engine --------------------------------------------------------------------------
 
 BACKENDS = ["cpu", "torch"]
-MODELS = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "smollm2_q4_0"]
+MODELS = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3moe", "smollm2_q4_0"]
 _backends: dict[tuple[str, str], object] = {}
 
 

@@ -23,7 +23,7 @@ from weaved.federation.shards import ShardTable, join_shards, shard_length, spli
 PROMPTS = [[1, 504, 3458, 282, 4649, 314, 253], [1, 19556, 905, 30], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
 
 
-@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3moe"])
 def backend(request):
     return CPUBackend.from_file(request.getfixturevalue(request.param), threads=2)
 

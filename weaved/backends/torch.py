@@ -31,6 +31,7 @@ import torch
 
 from weaved.backends.base import Backend, BackendStats, Logits, SeqChunk
 from weaved.backends.rope import kernel_rope
+from weaved.backends.torch_experts import experts_ffn
 from weaved.backends.torch_paged import PagedKV
 from weaved.backends.torch_weights import upload_model
 from weaved.kernels.torch_attention import attend
@@ -211,8 +212,11 @@ class TorchBackend(Backend):
             y = self._project((L.wo,), self._attention(li, q, new_kv, tables, slots, starts, pos0, window))
             x = x + (rmsnorm(y, L.post_attn_norm, cfg.rms_eps) if L.post_attn_norm is not None else y)
             h = rmsnorm(x, L.ffn_norm, cfg.rms_eps)
-            gu = self._project(L.wgu, h)
-            y = self._project((L.wdown,), geglu(gu, self._gelu) if self._gelu is not None else swiglu(gu))
+            if L.experts is not None:
+                y = experts_ffn(h, L.experts, cfg.n_experts_used, self._project)
+            else:
+                gu = self._project(L.wgu, h)
+                y = self._project((L.wdown,), geglu(gu, self._gelu) if self._gelu is not None else swiglu(gu))
             x = x + (rmsnorm(y, L.post_ffn_norm, cfg.rms_eps) if L.post_ffn_norm is not None else y)
 
         logits = self._logits(chunks, x, starts)

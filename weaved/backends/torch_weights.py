@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from weaved.backends.torch_experts import DeviceExperts, upload_experts
 from weaved.kernels.torch_q4 import DeviceWeight
 from weaved.model.config import ModelConfig
 from weaved.model.gguf_file import GGUFFile
@@ -27,10 +28,11 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     wo: DeviceWeight  # [d_model, q_dim]
     ffn_norm: torch.Tensor  # [d_model] f32
-    wgu: tuple[DeviceWeight, ...]  # fused [2*d_ff, d_model], or gate, up
-    wdown: DeviceWeight  # [d_model, d_ff]
+    wgu: tuple[DeviceWeight, ...]  # fused [2*d_ff, d_model], or gate, up (empty: a mixture of experts)
+    wdown: DeviceWeight | None  # [d_model, d_ff]
     post_attn_norm: torch.Tensor | None = None  # [d_model] f32 (gemma3)
     post_ffn_norm: torch.Tensor | None = None
+    experts: DeviceExperts | None = None  # a mixture of experts' router and experts (qwen3moe)
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,13 +45,14 @@ class ModelWeights:
     @property
     def nbytes(self) -> int:
         """Device bytes of every weight (what the upload copied)."""
-        mats = {id(w): w for L in self.layers for w in (*L.wqkv, L.wo, *L.wgu, L.wdown)}
+        mats = {id(w): w for L in self.layers for w in (*L.wqkv, L.wo, *L.wgu, L.wdown) if w is not None}
         mats[id(self.embedding)] = self.embedding
         mats[id(self.output)] = self.output
         vecs = [self.output_norm] + [v for L in self.layers for v in (L.attn_norm, L.ffn_norm, L.bqkv, L.q_norm,
                                                                        L.k_norm, L.post_attn_norm, L.post_ffn_norm)
                                      if v is not None]
-        return sum(w.nbytes for w in mats.values()) + sum(v.numel() * v.element_size() for v in vecs)
+        experts = sum(L.experts.nbytes for L in self.layers if L.experts is not None)
+        return sum(w.nbytes for w in mats.values()) + sum(v.numel() * v.element_size() for v in vecs) + experts
 
 
 def upload_model(gguf: GGUFFile, cfg: ModelConfig, device: torch.device) -> ModelWeights:
@@ -78,10 +81,11 @@ def upload_model(gguf: GGUFFile, cfg: ModelConfig, device: torch.device) -> Mode
             k_norm=vec(p + "attn_k_norm.weight") if cfg.qk_norm else None,
             wo=matrix([p + "attn_output.weight"])[0],
             ffn_norm=vec(p + "ffn_norm.weight"),
-            wgu=matrix([p + "ffn_gate.weight", p + "ffn_up.weight"]),
-            wdown=matrix([p + "ffn_down.weight"])[0],
+            wgu=() if cfg.moe else matrix([p + "ffn_gate.weight", p + "ffn_up.weight"]),
+            wdown=None if cfg.moe else matrix([p + "ffn_down.weight"])[0],
             post_attn_norm=vec(p + "post_attention_norm.weight") if cfg.post_norms else None,
             post_ffn_norm=vec(p + "post_ffw_norm.weight") if cfg.post_norms else None,
+            experts=upload_experts(gguf, cfg, i, device) if cfg.moe else None,
         ))
     embedding = matrix(["token_embd.weight"])[0]
     output = embedding if cfg.tied_output else matrix(["output.weight"])[0]

@@ -1,0 +1,68 @@
+"""The mixture-of-experts kernels: the router's fixed-order sums, its ties, the CPU and torch routers
+giving the same experts and weights bit for bit, and the wrappers' checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from weaved.kernels import matmul
+from weaved.kernels.moe import ExpertWeights, moe_ffn, route, tree_sum64
+
+torch = pytest.importorskip("torch")
+from weaved.kernels import torch_moe  # noqa: E402
+from weaved.kernels.torch_rowwise import tree_sum  # noqa: E402
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 37, 64, 2048])
+def test_the_tree_is_torchs_tree(n):
+    x = np.random.default_rng(n).standard_normal(n) * 10.0 ** np.random.default_rng(n + 1).integers(-8, 8, n)
+    want = float(tree_sum(torch.from_numpy(x.copy()), -1))
+    assert tree_sum64(x.copy(), n) == want
+    assert tree_sum64(np.zeros(0), 0) == 0.0
+
+
+def _experts(rng, E=8, d=64, ff=32, router=None) -> ExpertWeights:
+    def packed(n_out, n_in):
+        from gguf import GGMLQuantizationType as Q
+        from gguf import quants
+
+        w = rng.standard_normal((n_out, n_in), dtype=np.float32) * n_in ** -0.5
+        return matmul.pack_weight(quants.quantize(w, Q.Q4_0), Q.Q4_0, n_out, n_in)
+
+    router = router if router is not None else rng.standard_normal((E, d), dtype=np.float32) * d ** -0.5
+    return ExpertWeights(router, [packed(2 * ff, d) for _ in range(E)], [packed(d, ff) for _ in range(E)])
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_the_cpu_and_torch_routers_agree_bit_for_bit(k):
+    rng = np.random.default_rng(k)
+    router = rng.standard_normal((24, 128), dtype=np.float32) * 128 ** -0.5
+    router[7] = router[3]  # two experts always tie: the lower index goes first
+    ex = _experts(rng, E=24, d=128, router=router)
+    h = rng.standard_normal((37, 128), dtype=np.float32)
+    ids, wts = route(h, ex, k)
+    t_ids, t_wts = torch_moe.route(torch.from_numpy(h), torch.from_numpy(router), k)
+    assert np.array_equal(ids, t_ids.numpy()) and np.array_equal(wts, t_wts.numpy())
+    assert np.allclose(wts.sum(-1), 1.0, atol=1e-6) and (np.diff(wts, axis=-1) <= 0).all()  # most probable first
+    both = (ids == 3).any(-1) & (ids == 7).any(-1)
+    for t in np.nonzero(both)[0]:
+        assert list(ids[t]).index(3) < list(ids[t]).index(7)  # equal probabilities: the lower index first
+    alone = [route(h[t:t + 1], ex, k) for t in range(0, 37, 5)]  # a token's routing is its own
+    for j, t in enumerate(range(0, 37, 5)):
+        assert np.array_equal(alone[j][0][0], ids[t]) and np.array_equal(alone[j][1][0], wts[t])
+
+
+def test_the_wrappers_check_their_inputs():
+    rng = np.random.default_rng(0)
+    ex = _experts(rng)
+    with pytest.raises(ValueError, match="C-contiguous float32"):
+        moe_ffn(np.zeros((3, 64), np.float64), ex, 2)
+    with pytest.raises(ValueError, match="k must be in"):
+        route(np.zeros((3, 64), np.float32), ex, 9)
+    assert moe_ffn(np.zeros((0, 64), np.float32), ex, 2).shape == (0, 64)
+    with pytest.raises(ValueError, match="float32 \\[E, d\\] router and E gate"):
+        ExpertWeights(ex.router[:4], ex.gate_up, ex.down)
+    with pytest.raises(ValueError, match="do not fit a router"):
+        ExpertWeights(ex.router, ex.down, ex.gate_up)
+    with pytest.raises(ValueError, match="route"):
+        torch_moe.route(torch.zeros(3, 64), torch.zeros(8, 32), 2)
