@@ -138,3 +138,17 @@ def test_with_a_step_model_an_interactive_decode_keeps_the_step_within_its_targe
     bg.kv.length = 7
     n = interactive_step_tokens(quad, 0.08, [bg, ia], 8) - 1
     assert 0.001 * n + 1e-6 * n * (7 + n / 2) <= 0.058 < 0.001 * (n + 1) + 1e-6 * (n + 1) * (7 + (n + 1) / 2)
+
+
+def test_with_a_step_model_an_interactive_prompt_is_never_cut_and_others_wait_behind_it():
+    """A step holding an interactive turn's prompt is that turn's time to first token: its own chunk
+    always fits, other turns' prompts get what the target leaves."""
+    from weaved.calibration.cost import Linear, StepCost
+
+    cost = StepCost(prefill=Linear(0.0, 0.001, 0.0), decode=Linear(0.0, 0.002, 0.0))
+    cfg = SchedulerConfig(token_budget=512, max_batch=8, prefill_chunk=256, step_cost=cost, step_target_s=0.08)
+    bg = _seq("bg", SLARank.BACKGROUND, pending=300, arrival=0.0)
+    short = _seq("ask", SLARank.INTERACTIVE, pending=20, arrival=1.0, ttft=0.5)
+    assert {w.seq.session_id: w.n_tokens for w in schedule([bg, short], cfg, 2.0)} == {"ask": 20, "bg": 60}
+    long = _seq("compact", SLARank.INTERACTIVE, pending=400, arrival=1.0, ttft=0.5)
+    assert {w.seq.session_id: w.n_tokens for w in schedule([bg, long], cfg, 2.0)} == {"compact": 256}

@@ -32,6 +32,7 @@ SHAPES = [
     ("qwen2.5-0.5b-yarn", 8),
     ("qwen3-0.6b", 8),
     ("qwen3-1.7b", 4),
+    ("qwen3-30b-a3b", 2),  # a mixture of experts: 128 experts, 8 a token (the full 48 layers: 17 GB)
 ]
 LONG_TOKENS = 3200
 

@@ -1,7 +1,8 @@
 """Models in the exact shapes of the ones people run, without their weights, for tests and benchmarks.
 
 A shape is a real model's architecture, sizes, RoPE and vocabulary (Llama 3.2 1B/3B, Qwen 2.5
-0.5B/1.5B, Qwen 3 0.6B/1.7B, ...).  ``shape_gguf`` writes one as a GGUF with random F16 weights and
+0.5B/1.5B, Qwen 3 0.6B/1.7B, the Qwen3-30B-A3B mixture of experts, ...).  ``shape_gguf`` writes one
+as a GGUF with random F16 weights and
 quantizes it to Q4_0 with llama.cpp's own quantizer (every matrix, the token embedding included, so
 Weave and llama.cpp read the same bytes), once per machine into the cache.  The weights are well
 conditioned like a trained model's - token embeddings of std 0.05, matrices of std 1/sqrt(fan-in),
@@ -76,14 +77,28 @@ class ModelShape:
     tied: bool = True
     llama3_rope: tuple[float, float, float, int] | None = None  # (factor, low, high, original context)
     yarn: tuple[float, int] | None = None  # (factor, original context)
+    experts: tuple[int, int, int] | None = None  # a mixture of experts: (experts, used a token, expert FFN)
     extra: dict = field(default_factory=dict)
 
     @property
     def params(self) -> int:
         """Weights (matrices and embeddings)."""
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        per_layer = self.d_model * (q + 2 * kv) + q * self.d_model + 3 * self.d_model * self.d_ff
+        per_layer = self.d_model * (q + 2 * kv) + q * self.d_model + self._ffn(self.experts[0] if self.experts else 0)
         return self.n_layers * per_layer + self.vocab * self.d_model * (1 if self.tied else 2)
+
+    @property
+    def active_params(self) -> int:
+        """Weights one token reads (a mixture of experts: the router and the experts it picks)."""
+        if self.experts is None:
+            return self.params
+        dense = self.params - self.n_layers * self._ffn(self.experts[0])
+        return dense + self.n_layers * self._ffn(self.experts[1])
+
+    def _ffn(self, experts: int) -> int:
+        if self.experts is None:
+            return 3 * self.d_model * self.d_ff
+        return self.experts[0] * self.d_model + experts * 3 * self.d_model * self.experts[2]
 
 
 SMOLLM2 = Specials({0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}, bos=1, eos=2, add_bos=False,
@@ -106,6 +121,9 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("llama-3.1-8b", "llama", 32, 4096, 32, 8, 128, 14336, 128256, 131072, 500000.0, 1e-5, LLAMA3,
                tied=False, llama3_rope=(8.0, 1.0, 4.0, 8192)),
     ModelShape("qwen3-32b", "qwen3", 64, 5120, 64, 8, 128, 25600, 151936, 40960, 1e6, 1e-6, QWEN3, tied=False),
+    # the mixture of experts people run on CPUs: 30B weights, 3B read per token (128 experts, 8 a token)
+    ModelShape("qwen3-30b-a3b", "qwen3moe", 48, 2048, 32, 4, 128, 6144, 151936, 40960, 1e6, 1e-6, QWEN3, tied=False,
+               experts=(128, 8, 768)),
 )}
 
 
@@ -242,11 +260,17 @@ def _tensors(shape: ModelShape, n_layers: int) -> list[tuple[str, tuple[int, ...
         if shape.arch == "qwen2":
             out += [(b + "attn_q.bias", (q,), "bias"), (b + "attn_k.bias", (kv,), "bias"),
                     (b + "attn_v.bias", (kv,), "bias")]
-        if shape.arch == "qwen3":
+        if shape.arch in ("qwen3", "qwen3moe"):
             out += [(b + "attn_q_norm.weight", (shape.head_dim,), "norm"),
                     (b + "attn_k_norm.weight", (shape.head_dim,), "norm")]
-        out += [(b + "attn_output.weight", (d, q), "matrix"), (b + "ffn_norm.weight", (d,), "norm"),
-                (b + "ffn_gate.weight", (shape.d_ff, d), "matrix"), (b + "ffn_up.weight", (shape.d_ff, d), "matrix"),
+        out += [(b + "attn_output.weight", (d, q), "matrix"), (b + "ffn_norm.weight", (d,), "norm")]
+        if shape.experts is not None:  # the router (F32, as llama.cpp keeps it) and the stacked experts
+            E, _, ff = shape.experts
+            out += [(b + "ffn_gate_inp.weight", (E, d), "router"), (b + "ffn_gate_exps.weight", (E, ff, d), "matrix"),
+                    (b + "ffn_up_exps.weight", (E, ff, d), "matrix"),
+                    (b + "ffn_down_exps.weight", (E, d, ff), "matrix")]
+            continue
+        out += [(b + "ffn_gate.weight", (shape.d_ff, d), "matrix"), (b + "ffn_up.weight", (shape.d_ff, d), "matrix"),
                 (b + "ffn_down.weight", (d, shape.d_ff), "matrix")]
     return out
 
@@ -254,8 +278,9 @@ def _tensors(shape: ModelShape, n_layers: int) -> list[tuple[str, tuple[int, ...
 def _values(shape: ModelShape, name: str, dims: tuple[int, ...], kind: str, rng: np.random.Generator) -> np.ndarray:
     if kind == "embed":
         return (rng.standard_normal(dims, dtype=np.float32) * np.float32(0.05)).astype(np.float16)
-    if kind == "matrix":
-        return (rng.standard_normal(dims, dtype=np.float32) * np.float32(dims[1] ** -0.5)).astype(np.float16)
+    if kind in ("matrix", "router"):  # std 1 / sqrt(fan-in): a row's length (an expert stack's last axis)
+        w = rng.standard_normal(dims, dtype=np.float32) * np.float32(dims[-1] ** -0.5)
+        return w if kind == "router" else w.astype(np.float16)
     if kind == "norm":
         return (1.0 + 0.1 * rng.standard_normal(dims)).astype(np.float32)
     if kind == "bias":
@@ -286,6 +311,10 @@ def write_f16(shape: ModelShape, path: Path, n_layers: int, seed: int = 0, token
     w.add_rope_freq_base(shape.rope_base)
     w.add_layer_norm_rms_eps(shape.rms_eps)
     w.add_vocab_size(shape.vocab)
+    if shape.experts is not None:
+        w.add_expert_count(shape.experts[0])
+        w.add_expert_used_count(shape.experts[1])
+        w.add_uint32(f"{arch}.expert_feed_forward_length", shape.experts[2])
     if shape.yarn is not None:
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(shape.yarn[0])

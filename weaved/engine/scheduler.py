@@ -67,12 +67,17 @@ def schedule(active: list[Sequence], cfg: SchedulerConfig, now: float) -> list[W
     ``prefill_chunk``); a prefill that gets no tokens waits for a later step.
     """
     budget = cfg.token_budget
-    if cfg.order == "sla" and any(s.rank == SLARank.INTERACTIVE and not s.prefilling and not s.status.done
-                                  for s in active):
-        if cfg.interactive_budget is not None:
+    interactive = [s for s in active if s.rank == SLARank.INTERACTIVE and not s.status.done and s.pending]
+    if cfg.order == "sla" and interactive:
+        if cfg.interactive_budget is not None and any(not s.prefilling for s in interactive):
             budget = min(budget, cfg.interactive_budget)
         if cfg.step_cost is not None and cfg.step_target_s is not None:
-            budget = min(budget, interactive_step_tokens(cfg.step_cost, cfg.step_target_s, active, cfg.max_batch))
+            # the interactive turns' own prompt chunks always fit: a step that holds one is its time to
+            # first token, so other turns' prompts get only what the target leaves
+            own = sum(min(len(s.pending), cfg.prefill_chunk) for s in interactive if s.prefilling)
+            rows = min(cfg.max_batch, sum(1 for s in active if not s.status.done and s.pending and not s.prefilling))
+            fit = interactive_step_tokens(cfg.step_cost, cfg.step_target_s, active, cfg.max_batch)
+            budget = min(budget, max(fit, own + rows))
     picked: list[Work] = []
     key = (lambda s: s.arrival) if cfg.order == "fifo" else (lambda s: priority_key(s, now))
     for seq in sorted(active, key=key):
