@@ -211,7 +211,8 @@ def _model_file(model: Path | None, say: Callable[[str], None]) -> Path:
 
 def _shape_model(spec: str) -> Path:
     """The cached GGUF of ``NAME[:LAYERS]`` (built on first use, with its progress on stderr)."""
-    from weaved.bench.shapes import SHAPES, shape_gguf
+    from weaved.bench.shape_files import shape_gguf
+    from weaved.bench.shapes import SHAPES
 
     name, _, layers = spec.partition(":")
     if name not in SHAPES:

@@ -114,7 +114,7 @@ def test_predictions_land_within_a_quarter_of_real_steps_on_smollm2(smollm2_q4_0
 
 @pytest.mark.slow
 def test_predictions_land_within_a_quarter_of_real_steps_on_a_1b_shape():
-    from weaved.bench.shapes import shape_gguf
+    from weaved.bench.shape_files import shape_gguf
 
     path = shape_gguf("llama-3.2-1b", layers=2)  # the real width; fewer layers keep it short
     _check_predictions(CPUBackend.from_file(path, threads=2), chunk=128, batch=4, prompt=300, context=400)

@@ -15,7 +15,7 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
-from weaved.bench.shapes import shape_gguf
+from weaved.bench.shape_files import shape_gguf
 from weaved.model.tokenizer import Tokenizer
 
 TEMPLATES = Path(__file__).parents[1] / "data" / "templates"

@@ -18,7 +18,7 @@ from tests.api.conftest import uds_client
 from tests.api.serve_proc import weave_serve
 from tests.model.real_models import LONG_TEXT_PATH, api_stats, llama_stats
 from tests.oracles import NATURAL_TEXT_PATH
-from weaved.bench.shapes import shape_gguf
+from weaved.bench.shape_files import shape_gguf
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow]
 

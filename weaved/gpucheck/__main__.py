@@ -40,7 +40,8 @@ def _model(a: argparse.Namespace, say) -> Path:
     work = a.work or Path(tempfile.mkdtemp(prefix="gpucheck-"))
     work.mkdir(parents=True, exist_ok=True)
     if a.shape:
-        from weaved.bench.shapes import SHAPES, write_f16
+        from weaved.bench.shape_files import write_f16
+        from weaved.bench.shapes import SHAPES
 
         if a.shape not in SHAPES:
             raise SystemExit(f"unknown shape {a.shape!r} (known: {', '.join(SHAPES)})")
