@@ -6,7 +6,8 @@ decode step on SmolLM2 (30 layers, ~330 calls).  ``run_layers`` runs the same ke
 order and on the same arrays, from one numba function: RMSNorm, the fused q|k|v product (+ biases,
 q/k norms), RoPE (each layer's: global or sliding-window), KV stores, attention (over a window on
 sliding-window layers), the output product (+ its RMSNorm, gemma3) and residual, RMSNorm, the fused
-gate|up product, SwiGLU or GeGLU, the down product (+ its RMSNorm) and residual.  The results are the Python loop's bits
+gate|up product, SwiGLU or GeGLU, the down product (+ its RMSNorm) and residual - or, for a mixture of
+experts, the router and the experts (``moe``).  The results are the Python loop's bits
 (``CPUBackend.forward`` keeps that loop for layers this one does not take, and tests compare the
 two).
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
+from numba import njit, types
 from numba.typed import List as TypedList
 
 from . import _gemm_driver
@@ -30,6 +31,10 @@ from ._rope import rope_drive
 from ._rowwise import OPTS
 from .elementwise import rmsnorm_drive, swiglu_drive
 from .matmul import PAR_MIN_US, US_PER_BYTE, US_PER_TBLOCK, PackedWeight, gemm_marker
+from .moe import experts_drive, route_drive
+
+_EMPTY = np.zeros(0, np.uint8)  # a mixture of experts' dense FFN slots
+_PACKED = types.Array(types.uint8, 1, "C", readonly=True)  # a PackedWeight's data (read-only once built)
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,6 +54,15 @@ class LayerWeights:
     post_ffn_norm: np.ndarray  # float32 [L, d_model] or [0, 0]
     window: np.ndarray  # int64 [L]: keys a query attends (0: all)
     gelu: bool  # GeGLU (else SwiGLU)
+    # a mixture of experts (``kernels.moe``; gate|up and down above are then placeholders): every layer's
+    # router float32 [L, E, d] ([0, 0, 0]: dense), each layer's experts' packed gate|up and down data
+    # (expert e of layer li at li * E + e), their types (Q4_0: 4, Q8_0: 8), experts a token, expert FFN length
+    moe_router: np.ndarray
+    moe_gu: TypedList
+    moe_down: TypedList
+    moe_qk: np.ndarray  # int64 [2]
+    moe_k: int
+    moe_ff: int
 
     @classmethod
     def build(cls, layers: list, cfg) -> LayerWeights | None:
@@ -56,15 +70,32 @@ class LayerWeights:
         run (split products of mixed types, float weights) - the Python loop runs those models."""
         mats = TypedList()
         qk, est = [], []
+        moe = cfg.n_experts > 0
+        gu, down = TypedList.empty_list(_PACKED), TypedList.empty_list(_PACKED)
         for L in layers:
-            ws = (L.wqkv, L.wo, L.wgu, L.wdown)
+            ws = (L.wqkv, L.wo) if moe else (L.wqkv, L.wo, L.wgu, L.wdown)
             if not all(isinstance(w, PackedWeight) and w.qk for w in ws):
                 return None
             for w in ws:
                 mats.append(w.data)
-            qk.append([w.qk for w in ws])
-            est.append([[w.data.nbytes * US_PER_BYTE, w.tblocks * US_PER_TBLOCK, w.nt] for w in ws])
+            qk.append([w.qk for w in ws] + ([4, 4] if moe else []))
+            est.append([[w.data.nbytes * US_PER_BYTE, w.tblocks * US_PER_TBLOCK, w.nt] for w in ws]
+                       + ([[0.0, 0.0, 1.0]] * 2 if moe else []))
+            if moe:  # the dense FFN's two slots stay empty
+                mats.append(_EMPTY)
+                mats.append(_EMPTY)
+                for e in range(L.experts.n_experts):
+                    gu.append(L.experts.gu_data[e])
+                    down.append(L.experts.down_data[e])
         L0 = layers[0]
+        if moe:
+            n_out = np.array([L0.wqkv.n_out, L0.wo.n_out, 2, 1], np.int64)
+            router = np.ascontiguousarray(np.stack([L.experts.router for L in layers]), np.float32)
+            moe_qk = np.array([L0.experts.qk_gu, L0.experts.qk_down], np.int64)
+            moe_args = (router, gu, down, moe_qk, cfg.n_experts_used, cfg.d_ff_expert)
+        else:
+            n_out = np.array([w.n_out for w in (L0.wqkv, L0.wo, L0.wgu, L0.wdown)], np.int64)
+            moe_args = (np.zeros((0, 0, 0), np.float32), gu, down, np.zeros(2, np.int64), 0, 0)
 
         def stack(name):
             v = getattr(L0, name)
@@ -72,11 +103,11 @@ class LayerWeights:
                 return np.zeros((0, 0), np.float32)
             return np.ascontiguousarray(np.stack([getattr(L, name) for L in layers]), np.float32)
 
-        return cls(mats, np.array(qk, np.int64), np.array([w.n_out for w in (L0.wqkv, L0.wo, L0.wgu, L0.wdown)],
-                                                          np.int64),
+        return cls(mats, np.array(qk, np.int64), n_out,
                    np.array(est, np.float64), stack("attn_norm"), stack("ffn_norm"), stack("bqkv"),
                    stack("q_norm"), stack("k_norm"), stack("post_attn_norm"), stack("post_ffn_norm"),
-                   np.array([cfg.layer_window(i) for i in range(len(layers))], np.int64), cfg.act == "gelu")
+                   np.array([cfg.layer_window(i) for i in range(len(layers))], np.int64), cfg.act == "gelu",
+                   *moe_args)
 
 
 @njit(**OPTS)
@@ -112,7 +143,8 @@ def _layers(mk, w, x, positions, kvs, seq_starts, pos0, n_heads, n_kv, head_dim,
     """Layers 0..L-1 in place on x float32 [T, d_model]; returns (error code, sequence) of the first
     KV check that failed (``_attention_rows._check_batch``), (0, -1) when all ran.  w: the fields of
     ``LayerWeights`` as a tuple; rope_g / rope_s: ``rope_params`` of global / sliding-window layers."""
-    mats, qk, n_out, est, attn_norm, ffn_norm, bias, q_norm, k_norm, post_attn, post_ffn, window, gelu = w
+    mats, qk, n_out, est, attn_norm, ffn_norm, bias, q_norm, k_norm, post_attn, post_ffn, window, gelu = w[:13]
+    moe_router, moe_gu, moe_down, moe_qk, moe_k, moe_ff = w[13:]
     T = x.shape[0]
     qd, kd = n_heads * head_dim, n_kv * head_dim
     noq, nod, nos = np.empty((0, 0, 32), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0), np.int32)
@@ -123,6 +155,7 @@ def _layers(mk, w, x, positions, kvs, seq_starts, pos0, n_heads, n_kv, head_dim,
     act = np.empty((T, n_out[2] // 2), np.float32)
     att = np.empty((T, n_heads, head_dim), np.float32)
     lse = np.empty((T, n_heads), np.float32)
+    ids, wts = np.empty((T, max(1, moe_k)), np.int32), np.empty((T, max(1, moe_k)), np.float32)
     for li in range(attn_norm.shape[0]):
         rmsnorm_drive(x, attn_norm[li], eps, h)
         _product(mk, mats, qk, n_out, est, li, 0, h, nthreads, qkv, noq, nod, nos)
@@ -150,12 +183,18 @@ def _layers(mk, w, x, positions, kvs, seq_starts, pos0, n_heads, n_kv, head_dim,
         _product(mk, mats, qk, n_out, est, li, 1, att.reshape(T, qd), nthreads, y, noq, nod, nos)
         _residual(x, y, post_attn, li, eps, h)
         rmsnorm_drive(x, ffn_norm[li], eps, h)
-        _product(mk, mats, qk, n_out, est, li, 2, h, nthreads, gu, noq, nod, nos)
-        if gelu:
-            geglu_drive(gu, act, gelu_table)
+        if moe_k:
+            route_drive(h, moe_router[li], moe_k, ids, wts)
+            n_exp = moe_router.shape[1]
+            experts_drive(mk, h, ids, wts, moe_gu, moe_down, li * n_exp, n_exp, moe_qk[0], moe_qk[1], moe_ff,
+                          nthreads, y)
         else:
-            swiglu_drive(gu, act)
-        _product(mk, mats, qk, n_out, est, li, 3, act, nthreads, y, noq, nod, nos)
+            _product(mk, mats, qk, n_out, est, li, 2, h, nthreads, gu, noq, nod, nos)
+            if gelu:
+                geglu_drive(gu, act, gelu_table)
+            else:
+                swiglu_drive(gu, act)
+            _product(mk, mats, qk, n_out, est, li, 3, act, nthreads, y, noq, nod, nos)
         _residual(x, y, post_ffn, li, eps, h)
     return 0, -1
 
@@ -172,6 +211,6 @@ def run_layers(w: LayerWeights, x: np.ndarray, positions: np.ndarray, kvs: Typed
     to raise."""
     H, Hkv, D = shape
     fields = (w.mats, w.qk, w.n_out, w.est, w.attn_norm, w.ffn_norm, w.bias, w.q_norm, w.k_norm, w.post_attn_norm,
-              w.post_ffn_norm, w.window, w.gelu)
+              w.post_ffn_norm, w.window, w.gelu, w.moe_router, w.moe_gu, w.moe_down, w.moe_qk, w.moe_k, w.moe_ff)
     return _layers(gemm_marker(), fields, x, positions, kvs, seq_starts, pos0, H, Hkv, D, np.float32(eps), rope,
                    rope_swa, np.float32(scale), attention[0], attention[1], threads, GELU_TABLE)

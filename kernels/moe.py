@@ -15,7 +15,8 @@ product, SwiGLU and down product run once over all the tokens routed to it (its 
 per step), through the dense kernels' gemm - each output element is computed by the same per-column
 recipe whatever else is in the product, so a token's result does not depend on the batch.  Each
 token's k outputs are scaled by their weights and added in selection order, ``((y0 + y1) + y2) ...``,
-as llama.cpp's chain of ``ggml_add``s does.  Experts run in parallel, each on one thread.
+as llama.cpp's chain of ``ggml_add``s does.  Experts run in parallel, each on one thread, shared out
+largest first to the least loaded thread (a decode step's 8 experts: 4 a thread on 2).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from . import _gemm_driver
 from ._rowwise import OPTS
 from .elementwise import softmax_drive, swiglu_drive
 from .matmul import PackedWeight, gemm_marker
+from .threads import get_threads
 
 WEIGHT_SUM_MIN = np.float32(6.103515625e-5)  # ggml_clamp of the selected weights' sum (llama.cpp)
+TOKEN_SHARE = 0.25  # an expert's cost per token routed to it, against reading its weights (1.0)
 _F64 = np.float64
 
 
@@ -113,13 +116,32 @@ def _expert(mk, gu, down, qk_gu, qk_down, ff, rows, h, wts_flat, out_flat):
             dst[j] = y[r, j] * c
 
 
+@njit(**OPTS)
+def _share(counts, nthreads):
+    """The used experts split over ``nthreads`` threads, largest first to the least loaded (an expert
+    costs its weights' read, the same for all, plus a little per token): int64 [threads, experts],
+    each row an expert list ended by -1."""
+    E = counts.shape[0]
+    used = np.argsort(-counts, kind="mergesort")
+    lanes = np.full((nthreads, E + 1), -1, np.int64)
+    fill = np.zeros(nthreads, np.int64)
+    load = np.zeros(nthreads, np.float64)
+    for e in used:
+        if counts[e] == 0:
+            break
+        c = np.argmin(load)
+        lanes[c, fill[c]] = e
+        fill[c] += 1
+        load[c] += TOKEN_SHARE * counts[e] + 1.0
+    return lanes
+
+
 @njit(parallel=True, **OPTS)
-def experts_drive(mk, h, ids, wts, gu_mats, down_mats, qk_gu, qk_down, ff, out):
-    """out float32 [T, d] = each token's k experts (packed gate|up and down matrices ``gu_mats[e]``,
-    ``down_mats[e]``) on h float32 [T, d], weighted by wts [T, k] and added in slot order."""
+def experts_drive(mk, h, ids, wts, gu_mats, down_mats, base, E, qk_gu, qk_down, ff, nthreads, out):
+    """out float32 [T, d] = each token's k experts (packed gate|up and down matrices ``gu_mats[base + e]``,
+    ``down_mats[base + e]``, e < E) on h float32 [T, d], weighted by wts [T, k] and added in slot order."""
     T, k = ids.shape
     d = h.shape[1]
-    E = len(gu_mats)
     flat = ids.reshape(T * k)
     counts = np.zeros(E, np.int64)
     for r in range(T * k):
@@ -133,17 +155,16 @@ def experts_drive(mk, h, ids, wts, gu_mats, down_mats, qk_gu, qk_down, ff, out):
         e = flat[r]
         order[fill[e]] = r
         fill[e] += 1
-    used = np.empty(E, np.int64)
-    n_used = 0
-    for e in range(E):
-        if counts[e]:
-            used[n_used] = e
-            n_used += 1
+    lanes = _share(counts, nthreads)
     ys = np.empty((T * k, d), np.float32)
     wflat = wts.reshape(T * k)
-    for u in prange(n_used):
-        e = used[u]
-        _expert(mk, gu_mats[e], down_mats[e], qk_gu, qk_down, ff, order[starts[e]:starts[e + 1]], h, wflat, ys)
+    for c in prange(lanes.shape[0]):
+        for j in range(lanes.shape[1]):
+            e = lanes[c, j]
+            if e < 0:
+                break
+            _expert(mk, gu_mats[base + e], down_mats[base + e], qk_gu, qk_down, ff, order[starts[e]:starts[e + 1]],
+                    h, wflat, ys)
     for t in range(T):
         out[t] = ys[t * k]
         for i in range(1, k):
@@ -197,7 +218,8 @@ def moe_ffn(h: np.ndarray, w: ExpertWeights, k: int) -> np.ndarray:
     ids, wts = route(h, w, k)
     out = np.empty_like(h)
     if h.shape[0]:
-        experts_drive(gemm_marker(), h, ids, wts, w.gu_data, w.down_data, w.qk_gu, w.qk_down, w.ff, out)
+        experts_drive(gemm_marker(), h, ids, wts, w.gu_data, w.down_data, 0, w.n_experts, w.qk_gu, w.qk_down, w.ff,
+                      get_threads(), out)
     return out
 
 

@@ -27,7 +27,7 @@ def _steps(be: CPUBackend, fused: bool, seed: int) -> tuple[list[np.ndarray], li
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_llama3", "tiny_qwen2_yarn",
-                                   "tiny_gemma3"])
+                                   "tiny_gemma3", "tiny_qwen3moe", "tiny_qwen3moe_wide", "tiny_mixtral"])
 def test_compiled_loop_is_the_python_loop(model, request):
     be = CPUBackend.from_file(request.getfixturevalue(model), threads=2)
     assert be._loop is not None

@@ -54,6 +54,7 @@ def _hidden_states(be: CPUBackend, tokens: list[int], monkeypatch) -> list[np.nd
         return moe_ffn(h, w, k)
 
     monkeypatch.setattr(cpu, "moe_ffn", record)
+    monkeypatch.setattr(be, "fused_layers", False)  # the Python loop: the compiled one's bits (test_layer_loop)
     teacher_forced(be, tokens)
     return seen
 
