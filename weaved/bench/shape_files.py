@@ -10,17 +10,15 @@ is ever written.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import fcntl
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from weaved.bench.shapes import SHAPES, ModelShape, llama3_rope_freqs
-from weaved.model.default import cache_dir, shipped_smollm2_path
+from weaved.model.default import cache_dir, exclusive, shipped_smollm2_path
 
 CONTROL, NORMAL = 3, 1  # llama.cpp token types
 FORMAT_VERSION = 1  # bump when the files this writes change
@@ -47,7 +45,7 @@ def shape_gguf(name: str, layers: int | None = None, progress: Callable[[str], N
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(target.with_name(target.name + ".lock")):
+    with exclusive(target.with_name(target.name + ".lock")):
         if target.is_file():
             return target
         say = progress or (lambda m: None)
@@ -75,16 +73,6 @@ def f16_bytes(shape: ModelShape, n_layers: int) -> int:
     """The size of the shape's F16 file cut to ``n_layers``."""
     per_layer = (shape.params - shape.vocab * shape.d_model * (1 if shape.tied else 2)) // shape.n_layers
     return 2 * (per_layer * n_layers + shape.vocab * shape.d_model * (1 if shape.tied else 2))
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def llama_quantize_q4_0(src: Path, dst: Path, threads: int | None = None) -> None:

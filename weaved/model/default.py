@@ -133,7 +133,7 @@ def _converted_copy(src: Path, progress: ProgressFn | None, log: Callable[[str],
     target.parent.mkdir(parents=True, exist_ok=True)
     lock = target.with_name(target.name + ".lock")
     try:
-        with _exclusive(lock):
+        with exclusive(lock):
             if target.is_file():  # another process converted it while we waited for the lock
                 return target
             from weaved.model.convert import ConversionStats, convert_gguf
@@ -153,7 +153,7 @@ def _converted_copy(src: Path, progress: ProgressFn | None, log: Callable[[str],
 
 
 @contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
+def exclusive(lock_path: Path) -> Iterator[None]:
     """Hold an exclusive advisory lock on ``lock_path`` (the file is left in place: removing it would
     let a waiting process and a newcomer lock two different files)."""
     with open(lock_path, "a+b") as f:
