@@ -72,6 +72,8 @@ def test_the_cost_models():
     epyc = scaled_cpu(COST, SMOL, 2, big, HOSTS["l40s-epyc"].cpu)
     assert epyc.decode.base >= weights / HOSTS["l40s-epyc"].cpu.mem_bw  # never faster than reading the weights
     assert epyc.prefill.per_token > COST.prefill.per_token  # a 32B token costs more than 8.4x threads win back
+    with pytest.raises(ValueError, match="mixture of experts; the simulator's cost model covers dense"):
+        shape_config("qwen3-30b-a3b")
 
 
 def test_engines_run_on_the_virtual_clock():

@@ -11,6 +11,9 @@ def shape_config(name: str) -> ModelConfig:
     if name not in SHAPES:
         raise ValueError(f"unknown model shape {name!r} (known: {', '.join(SHAPES)})")
     s: ModelShape = SHAPES[name]
+    if s.experts is not None:  # a step's weight reads depend on the experts its tokens touch
+        raise ValueError(f"{name} is a mixture of experts; the simulator's cost model covers dense models "
+                         f"(known dense shapes: {', '.join(n for n, x in SHAPES.items() if x.experts is None)})")
     return ModelConfig(arch=s.arch, name=s.name, n_layers=s.n_layers, d_model=s.d_model, n_heads=s.n_heads,
                        n_kv_heads=s.n_kv_heads, head_dim=s.head_dim, d_ff=s.d_ff, vocab_size=s.vocab,
                        context_length=s.context, rms_eps=s.rms_eps,
