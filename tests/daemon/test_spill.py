@@ -52,6 +52,8 @@ def test_a_turn_the_cpu_refuses_spills_to_the_gpu_and_the_session_returns(daemon
     twin = d.create_session(MINUTE)["id"]  # the same turns, all on the CPU pool
     want = [_run(d, twin, p) for p in PROMPTS]
     assert d.get_session(twin)["pool"] == "cpu"
+    # each turn carried the router's forecast, and the pool learned from what its turns took against it
+    assert d.pools["cpu"].engine.lateness != 1.0
 
     moves, placed = record_migrations(d), _placements(d)
     sid = d.create_session(MINUTE)["id"]
