@@ -4,9 +4,10 @@ to it, weighted and summed in a fixed order.
 The router is llama.cpp's (``build_moe_ffn`` with softmax gating and normalized weights, as qwen3moe
 and Mixtral-style llama files ask): logits ``h @ W_inp.T``; a softmax over every expert; the
 ``k`` most probable, most probable first; their probabilities divided by their sum (clamped below at
-6.103515625e-5 as ggml does).  Here a logit is the float32 rounding of an exact float64 sum of the
-float32 products, added by a fixed tree (``tree_sum64``: the torch backend's ``tree_sum``), and the
-softmax is ``elementwise``'s (exp_f32, float64 sum in 16 lanes) - the bits depend on the token's row
+6.103515625e-5 as ggml does).  Here a logit is a float32 dot product in 16 interleaved lanes added
+by a fixed tree (``_logit``; llama.cpp's sgemm sums in float32 too, in its own order), and the softmax
+is ``elementwise``'s (exp_f32, float64 sum in 16 lanes) - plain float32 and float64 adds and
+multiplies that torch reproduces op for op (``torch_moe``), and the bits depend on the token's row
 alone.  Equal probabilities go to the lower expert index (llama.cpp's ``std::sort`` leaves their
 order unspecified; only exact ties can differ).
 
@@ -32,34 +33,36 @@ from .matmul import PackedWeight, gemm_marker
 from .threads import get_threads
 
 WEIGHT_SUM_MIN = np.float32(6.103515625e-5)  # ggml_clamp of the selected weights' sum (llama.cpp)
+LANES = 16  # the router's dot products: float32 lanes, as a 512-bit vector holds them
+PAR_MIN_ROUTE_TOKENS = 4  # a token's routing takes tens of us: fewer run serially
 TOKEN_SHARE = 0.25  # an expert's cost per token routed to it, against reading its weights (1.0)
 _F64 = np.float64
 
 
 @njit(**OPTS)
-def tree_sum64(buf, n):
-    """Sum of buf[:n] (float64) by the fixed tree of ``torch_rowwise.tree_sum``: element i is added to
-    element i + P/2 (P the next power of two >= n), halving until one is left.  Overwrites buf."""
-    if n == 0:
-        return 0.0
+def _logit(h, w, lanes):
+    """h . w (float32 [d]; d a multiple of 32, as Q4_0 rows are) in 16 interleaved float32 lanes -
+    each lane[l] = lane[l] + h[16 b + l] * w[16 b + l], block after block (two roundings: no fma,
+    which torch's CPU ops lack) - then the lanes by the fixed tree l + l+8, +4, +2, +1."""
+    for i in range(LANES):
+        lanes[i] = 0.0
+    for b in range(0, h.shape[0], LANES):
+        for i in range(LANES):
+            lanes[i] = lanes[i] + h[b + i] * w[b + i]
+    n = LANES
     while n > 1:
-        half = 1
-        while 2 * half < n:
-            half *= 2
-        for i in range(n - half):
-            buf[i] += buf[half + i]
-        n = half
-    return buf[0]
+        n //= 2
+        for i in range(n):
+            lanes[i] = lanes[i] + lanes[n + i]
+    return lanes[0]
 
 
 @njit(**OPTS)
-def _route_row(h, w, k, z, p, buf, ids, wts):
+def _route_row(h, w, k, z, p, lanes, ids, wts):
     """One token: h float32 [d], w float32 [E, d] -> ids int32 [k] (most probable first), wts float32 [k]."""
-    E, d = w.shape
+    E = w.shape[0]
     for e in range(E):
-        for j in range(d):
-            buf[j] = _F64(h[j]) * _F64(w[e, j])  # exact: a float32 product fits a float64
-        z[e] = np.float32(tree_sum64(buf, d))
+        z[e] = _logit(h, w[e], lanes)
     softmax_drive(z.reshape(1, E), p.reshape(1, E))
     for i in range(k):  # the i-th largest; ties to the lower index
         best = -1
@@ -79,17 +82,31 @@ def _route_row(h, w, k, z, p, buf, ids, wts):
         wts[i] = p[ids[i]] / total
 
 
+@njit(**OPTS)
+def _route_serial(h, w, k, ids, wts):
+    E = w.shape[0]
+    z, p, lanes = np.empty(E, np.float32), np.empty(E, np.float32), np.empty(LANES, np.float32)
+    for t in range(h.shape[0]):
+        _route_row(h[t], w, k, z, p, lanes, ids[t], wts[t])
+
+
 @njit(parallel=True, **OPTS)
+def _route_parallel(h, w, k, ids, wts):
+    E = w.shape[0]
+    for t in prange(h.shape[0]):
+        z, p, lanes = np.empty(E, np.float32), np.empty(E, np.float32), np.empty(LANES, np.float32)
+        _route_row(h[t], w, k, z, p, lanes, ids[t], wts[t])
+
+
+@njit(**OPTS)
 def route_drive(h, w, k, ids, wts):
     """Every token's experts and weights: h float32 [T, d], w float32 [E, d] -> ids int32 [T, k],
-    wts float32 [T, k].  Tokens run in parallel (each row's bits are its own)."""
-    T = h.shape[0]
-    E, d = w.shape
-    for t in prange(T):
-        z = np.empty(E, np.float32)
-        p = np.empty(E, np.float32)
-        buf = np.empty(d, np.float64)
-        _route_row(h[t], w, k, z, p, buf, ids[t], wts[t])
+    wts float32 [T, k].  Few tokens run on the calling thread (a decode step's one token costs less
+    than a parallel region's start), more in parallel: each row's bits are its own either way."""
+    if h.shape[0] < PAR_MIN_ROUTE_TOKENS:
+        _route_serial(h, w, k, ids, wts)
+    else:
+        _route_parallel(h, w, k, ids, wts)
 
 
 @njit(**OPTS)

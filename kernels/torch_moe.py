@@ -1,8 +1,8 @@
 """A mixture of experts' router in torch: ``moe.route``'s recipe op for op, so the torch backend picks
 the CPU backend's experts with its weights' bits.
 
-Logits are the float32 rounding of the exact float64 products summed by ``tree_sum`` (the CPU kernel's
-``tree_sum64``); the softmax takes ``exp_f32`` of the max-subtracted logits and sums them in float64 in
+Logits are float32 dot products in 16 interleaved lanes then a fixed tree (the CPU kernel's ``_logit``);
+the softmax takes ``exp_f32`` of the max-subtracted logits and sums them in float64 in
 16 interleaved lanes, then the lanes in order (``elementwise``'s softmax row); the top k go by a stable
 descending sort (equal probabilities: the lower index first); their sum, in float64 in slot order, is
 rounded to float32 and clamped below as ggml does before the division.
@@ -16,17 +16,19 @@ from .torch_rowwise import check_tensor, exp_f32, tree_sum
 
 WEIGHT_SUM_MIN = 6.103515625e-5  # float32-exact: ggml's clamp of the selected weights' sum
 LANES = 16
-ROWS_PER_PASS = 16  # tokens whose [tokens, experts, d] float64 products are formed at once
 
 
 def router_logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """h float32 [T, d], w float32 [E, d] -> float32 [T, E]."""
-    w64 = w.to(torch.float64)
-    out = torch.empty((h.shape[0], w.shape[0]), dtype=torch.float32, device=h.device)
-    for a in range(0, h.shape[0], ROWS_PER_PASS):
-        prod = h[a:a + ROWS_PER_PASS].to(torch.float64).unsqueeze(1) * w64.unsqueeze(0)  # exact products
-        out[a:a + ROWS_PER_PASS] = tree_sum(prod, -1).to(torch.float32)
-    return out
+    """h float32 [T, d], w float32 [E, d] (d a multiple of 16) -> float32 [T, E], as ``moe._logit``: 16
+    interleaved float32 lanes, block after block (a multiply and an add, two roundings), then the lanes
+    by the tree l + l+8, +4, +2, +1."""
+    T, d = h.shape
+    hb = h.reshape(T, 1, d // LANES, LANES)
+    wb = w.reshape(1, w.shape[0], d // LANES, LANES)
+    lanes = torch.zeros((T, w.shape[0], LANES), dtype=torch.float32, device=h.device)
+    for b in range(d // LANES):
+        lanes = lanes + hb[:, :, b] * wb[:, :, b]
+    return tree_sum(lanes, -1)
 
 
 def softmax_lanes(z: torch.Tensor) -> torch.Tensor:
@@ -50,7 +52,7 @@ def route(h: torch.Tensor, w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     router w float32 [E, d]."""
     check_tensor("h", h, torch.float32, 2)
     check_tensor("w", w, torch.float32, 2)
-    if h.shape[1] != w.shape[1] or not 1 <= k <= w.shape[0]:
+    if h.shape[1] != w.shape[1] or h.shape[1] % LANES or not 1 <= k <= w.shape[0]:
         raise ValueError(f"route: h [T, {h.shape[1]}] against a router {tuple(w.shape)} with k = {k}")
     p = softmax_lanes(router_logits(h, w))
     ids = torch.sort(p, dim=-1, descending=True, stable=True).indices[:, :k]

@@ -6,19 +6,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from weaved.kernels import matmul
-from weaved.kernels.moe import ExpertWeights, moe_ffn, route, tree_sum64
+from weaved.kernels.moe import ExpertWeights, moe_ffn, route
 
 torch = pytest.importorskip("torch")
 from weaved.kernels import torch_moe  # noqa: E402
-from weaved.kernels.torch_rowwise import tree_sum  # noqa: E402
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 37, 64, 2048])
-def test_the_tree_is_torchs_tree(n):
-    x = np.random.default_rng(n).standard_normal(n) * 10.0 ** np.random.default_rng(n + 1).integers(-8, 8, n)
-    want = float(tree_sum(torch.from_numpy(x.copy()), -1))
-    assert tree_sum64(x.copy(), n) == want
-    assert tree_sum64(np.zeros(0), 0) == 0.0
+def test_the_router_logits_are_a_float32_dot_in_sixteen_lanes():
+    """The CPU's logits are torch's, and within float32 rounding of the exact dot products."""
+    rng = np.random.default_rng(1)
+    h = rng.standard_normal((5, 2048), dtype=np.float32)
+    w = rng.standard_normal((32, 2048), dtype=np.float32) * 2048 ** -0.5
+    ex = _experts(rng, E=32, d=2048, ff=32, router=w)
+    t_logits = torch_moe.router_logits(torch.from_numpy(h), torch.from_numpy(w)).numpy()
+    exact = h.astype(np.float64) @ w.astype(np.float64).T
+    assert np.abs(t_logits - exact).max() < 1e-5 * np.abs(exact).max()
+    ids, _ = route(h, ex, 32)  # every expert, ordered by its probability: the CPU's logits' order
+    t_ids, _ = torch_moe.route(torch.from_numpy(h), torch.from_numpy(w), 32)
+    assert np.array_equal(ids, t_ids.numpy())
 
 
 def _experts(rng, E=8, d=64, ff=32, router=None) -> ExpertWeights:
