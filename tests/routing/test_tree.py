@@ -524,3 +524,17 @@ def test_a_spilled_session_returns_to_a_cpu_well_within_its_budget():
 ])
 def test_sessions_the_turn_rule_leaves_where_they_are(sla, placement, th):
     assert place_turn(placement, sla, 500, 3000, 256, state(*HOST, ring()), th) is None
+
+
+def test_a_spill_leaves_the_gpus_interactive_reserve_free():
+    """A throughput-tolerant turn spills only into what a GPU pool has beyond the share of its device KV
+    kept for interactive sessions (``gpu_interactive_reserve``, a quarter by default)."""
+    # the turn needs 3,756 positions (3,000 of context, 500 of prompt, 256 to answer)
+    tight = dataclasses.replace(gpu(free=28_000), device_kv_tokens=100_000)  # 25,000 kept: 3,000 to give
+    assert place_turn(ON_CPU, MINUTE, 500, 3000, 256, state(tight, cpu()), SLOW) is None
+    roomy = dataclasses.replace(gpu(free=28_000), device_kv_tokens=20_000)  # 5,000 kept: 23,000 to give
+    assert place_turn(ON_CPU, MINUTE, 500, 3000, 256, state(roomy, cpu()), SLOW).decode_pool == "gpu"
+    none_kept = dataclasses.replace(SLOW, gpu_interactive_reserve=0.0)
+    assert place_turn(ON_CPU, MINUTE, 500, 3000, 256, state(tight, cpu()), none_kept).decode_pool == "gpu"
+    with pytest.raises(ValueError, match="gpu_interactive_reserve"):
+        dataclasses.replace(TH, gpu_interactive_reserve=1.0)

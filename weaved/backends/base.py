@@ -143,3 +143,7 @@ class Backend(ABC):
     def device_kv_free_bytes(self) -> int | None:
         """Bytes of its own KV memory a session could still take (None: its KV is the host's files)."""
         return None
+
+    def device_kv_capacity(self) -> int | None:
+        """Bytes of its own KV memory in all, used or free (None: its KV is the host's files)."""
+        return None

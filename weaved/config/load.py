@@ -250,6 +250,8 @@ def _routing(t: Table, threads: ThreadBudget) -> RoutingThresholds:
                  background_ttlt_s=t.number("background_ttlt_s", d["background_ttlt_s"].default),
                  batch_ttlt_s=t.number("batch_ttlt_s", d["batch_ttlt_s"].default),
                  interactive_itl_ms=t.number("interactive_itl_ms", d["interactive_itl_ms"].default),
+                 return_share=t.number("return_share", d["return_share"].default),
+                 gpu_interactive_reserve=t.number("gpu_interactive_reserve", d["gpu_interactive_reserve"].default),
                  policy=t.text("policy", "sla", POLICIES),
                  node_kv_tokens=None if node_kv == AUTO else node_kv)
     t.done()

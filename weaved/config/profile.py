@@ -158,6 +158,12 @@ class RoutingThresholds:
     # the inter-token gap an interactive turn is promised: while one decodes, a pool whose step-time model
     # is known cuts its steps' prefill share so a step is predicted within ttft_margin of this
     interactive_itl_ms: float = 100.0
+    # a throughput-tolerant session spilled to a GPU pool returns to a CPU pool predicted to end its turn
+    # within this share of ttft_margin x its budget (below 1: a band in which it stays where it is)
+    return_share: float = 0.75
+    # the share of a GPU pool's device KV a spilling throughput-tolerant turn must leave free, for the
+    # interactive sessions promoted to it
+    gpu_interactive_reserve: float = 0.25
     # "sla": the decision tree.  The baselines of the agents benchmark (docs/benchmarks.md):
     # "isolation" binds a session to a pool by its class at creation and never moves it or changes
     # its priority; "fifo" puts every session in the first standard pool, first come first served.
@@ -177,6 +183,9 @@ class RoutingThresholds:
         _positive(self, "long_prompt_tokens", "ttft_margin", "ring_batch_depth", "pipeline_min_prompt_tokens",
                   "background_ttlt_s", "batch_ttlt_s", "answer_tokens", "interactive_itl_ms")
         _check(self.ttft_margin <= 1.0, "ttft_margin", f"must be in (0, 1], got {self.ttft_margin}")
+        _check(0 < self.return_share <= 1.0, "return_share", f"must be in (0, 1], got {self.return_share}")
+        _check(0 <= self.gpu_interactive_reserve < 1.0, "gpu_interactive_reserve",
+               f"must be in [0, 1), got {self.gpu_interactive_reserve}")
         if self.node_kv_tokens is not None:
             _positive(self, "node_kv_tokens")
 

@@ -164,8 +164,8 @@ class SessionMoves:
         pool = new.decode_pool if new is not None else s.pool
         refusal = self.pools[pool].engine.refusal(probe)
         if refusal is not None and self._may_spill(s, sla, pool):
-            room = [p for p in pools_of(state, "gpu")
-                    if p.has_room(len(s.committed) + len(probe.pending) + answer_tokens)]
+            need = len(s.committed) + len(probe.pending) + answer_tokens
+            room = [p for p in pools_of(state, "gpu") if p.has_room(need, self.routing.gpu_interactive_reserve)]
             while room:
                 g = least_loaded(room, plain_first=True)
                 room.remove(g)

@@ -77,9 +77,12 @@ class Pool:
         """The router's view; ``free_kv_tokens`` is the host's, which a device's own KV pool may cap (its
         free bytes, and ``reclaimable_bytes`` held for idle sessions, which leave when room is needed)."""
         device_free = self.backend.device_kv_free_bytes()
+        device_tokens = 0
         if device_free is not None:
             device_free += reclaimable_bytes
-            free_kv_tokens = min(free_kv_tokens, device_free // self.backend.config.kv_bytes_per_token)
+            bpt = self.backend.config.kv_bytes_per_token
+            free_kv_tokens = min(free_kv_tokens, device_free // bpt)
+            device_tokens = (self.backend.device_kv_capacity() or 0) // bpt
         running, waiting = self.turns()
         return pool_state(self.config, free_kv_tokens=free_kv_tokens, batch_depth=len(running),
                           queue_depth=len(waiting), queued_prefill_tokens=sum(len(s.pending) for s in waiting
@@ -87,7 +90,7 @@ class Pool:
                           device_kind=self.device_kind, context_tokens=sum(s.kv.length for s in running + waiting),
                           step_cost=self.step_cost,
                           step_s=self.engine.recent_step_s if running or waiting else 0.0,
-                          lateness=self.engine.lateness)
+                          lateness=self.engine.lateness, device_kv_tokens=device_tokens)
 
 
 def _capacity(cfg: PoolConfig, profile: Profile) -> Capacity | None:

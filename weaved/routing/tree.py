@@ -202,18 +202,15 @@ def _throughput(req: SessionRequest, state: SystemState, th: RoutingThresholds,
                      tuple(reasons))
 
 
-RETURN_SHARE = 0.75  # of the budget's margin: a session back on the CPU must be predicted well within it,
-# so a session does not bounce between pools on a small change of load
-
-
 def place_turn(current: Placement, sla: SLA, prompt_tokens: int, context: int, answer_tokens: int,
                state: SystemState, th: RoutingThresholds) -> Placement | None:
     """Where the next turn of a live throughput-tolerant session runs, when not where it is (None: stays).
 
     The turn feeds ``prompt_tokens`` after ``context`` positions, then ``answer_tokens``.  A session
     decoding on a CPU pool predicted to finish the turn past its TTLT budget (with the pool's load now)
-    spills to a GPU pool with room; a session a GPU pool holds returns to a CPU pool predicted to finish
-    it well within the budget (``RETURN_SHARE`` of the margin): the CPU takes the throughput work it
+    spills to a GPU pool with room (beyond the ``gpu_interactive_reserve`` of its device KV, which stays
+    free for interactive sessions); a session a GPU pool holds returns to a CPU pool predicted to finish
+    it well within the budget (``return_share`` of the margin): the CPU takes the throughput work it
     can, the GPU what it cannot.  Interactive sessions, Q-Ring sessions and the baselines stay.
     """
     if th.policy != "sla" or sla.cls is SLAClass.INTERACTIVE or current.decode_strategy != "standard":
@@ -226,8 +223,9 @@ def place_turn(current: Placement, sla: SLA, prompt_tokens: int, context: int, a
     if here.device_kind == "cpu":
         if not _cpu_too_slow(sla, prompt_tokens, here, state, th, reasons, answer_tokens, context):
             return None
-        g = with_room(pools_of(state, "gpu"), need, plain_first=True)
-        if g is None:
+        room = [p for p in pools_of(state, "gpu") if p.has_room(need, th.gpu_interactive_reserve)]
+        g = least_loaded(room, plain_first=True)
+        if g is None:  # none has room beyond what it keeps for interactive sessions
             return None
         reasons.append(f"spills to GPU pool {g.describe()}: one host-to-device KV copy")
         return Placement("standard", "standard", g.name, g.name, current.priority, tuple(reasons))
@@ -236,9 +234,9 @@ def place_turn(current: Placement, sla: SLA, prompt_tokens: int, context: int, a
         return None
     budget = budget_s(sla, th)
     s = predict_ttlt_s(c, prompt_tokens, answer_tokens, th, context)
-    if s > budget * th.ttft_margin * RETURN_SHARE:
+    if s > budget * th.ttft_margin * th.return_share:
         return None
-    reasons.append(f"CPU pool {c.describe()} predicts {s:.1f} s, within {th.ttft_margin * RETURN_SHARE:.0%} of its "
+    reasons.append(f"CPU pool {c.describe()} predicts {s:.1f} s, within {th.ttft_margin * th.return_share:.0%} of its "
                    f"{budget:g} s budget: back on the CPU, freeing the GPU (nothing is copied: its rows are in "
                    f"its file)")
     return Placement("standard", "standard", c.name, c.name, current.priority, tuple(reasons))

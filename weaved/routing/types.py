@@ -107,6 +107,7 @@ class PoolState:
     step_cost: StepCost | None = None  # the backend's calibrated step-time model (``routing.predict``)
     step_s: float = 0.0  # the pool's recent mean step time while it holds turns (0: idle or unknown)
     lateness: float = 1.0  # its recent turns' times over their forecasts (``routing.predict``)
+    device_kv_tokens: int = 0  # a GPU pool: the positions its device's KV pool holds in all (0: host KV)
 
     def __post_init__(self) -> None:
         if self.device_kind not in ("cpu", "gpu") or self.strategy not in ("standard", "qring"):
@@ -118,7 +119,7 @@ class PoolState:
         if self.step_cost is not None and not isinstance(self.step_cost, StepCost):
             raise ValueError(f"pool {self.name!r}: step_cost must be a StepCost, got {self.step_cost!r}")
         for f in ("batch_depth", "queue_depth", "free_kv_tokens", "spec_max_concurrency",
-                  "queued_prefill_tokens", "prefill_chunk", "context_tokens"):
+                  "queued_prefill_tokens", "prefill_chunk", "context_tokens", "device_kv_tokens"):
             _count(getattr(self, f), f"pool {self.name!r} {f}")
         _count(self.max_batch, f"pool {self.name!r} max_batch", 1)
 
@@ -130,9 +131,11 @@ class PoolState:
     def load(self) -> float:
         return self.concurrency / self.max_batch
 
-    def has_room(self, kv_tokens: int) -> bool:
-        """A free batch slot and free KV for ``kv_tokens``."""
-        return self.concurrency < self.max_batch and self.free_kv_tokens >= kv_tokens
+    def has_room(self, kv_tokens: int, reserve: float = 0.0) -> bool:
+        """A free batch slot and free KV for ``kv_tokens`` - leaving ``reserve`` of the device's KV free,
+        on a GPU pool."""
+        keep = int(reserve * self.device_kv_tokens)
+        return self.concurrency < self.max_batch and self.free_kv_tokens - keep >= kv_tokens
 
     def describe(self) -> str:
         return (f"{self.name!r} ({self.batch_depth}/{self.max_batch} running, {self.queue_depth} queued, "
@@ -141,7 +144,8 @@ class PoolState:
 
 def pool_state(cfg: PoolConfig, *, free_kv_tokens: int, batch_depth: int = 0, queue_depth: int = 0,
                queued_prefill_tokens: int = 0, device_kind: str | None = None, context_tokens: int = 0,
-               step_cost: StepCost | None = None, step_s: float = 0.0, lateness: float = 1.0) -> PoolState:
+               step_cost: StepCost | None = None, step_s: float = 0.0, lateness: float = 1.0,
+               device_kv_tokens: int = 0) -> PoolState:
     """A PoolState from a profile's pool and its live counters.  ``device_kind`` defaults to "gpu" for a
     pool on a cuda device; pass "gpu" to let a torch pool on the CPU stand in for one (tests, benches)."""
     return PoolState(
@@ -151,6 +155,7 @@ def pool_state(cfg: PoolConfig, *, free_kv_tokens: int, batch_depth: int = 0, qu
         max_batch=cfg.max_batch, spec_max_concurrency=cfg.spec_max_concurrency,
         queued_prefill_tokens=queued_prefill_tokens, prefill_chunk=cfg.prefill_chunk,
         context_tokens=context_tokens, step_cost=step_cost, step_s=step_s, lateness=lateness,
+        device_kv_tokens=device_kv_tokens,
     )
 
 

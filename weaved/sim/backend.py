@@ -106,6 +106,9 @@ class SimBackend(Backend):
             return None
         return (self.device_positions - self._used()) * self.config.kv_bytes_per_token
 
+    def device_kv_capacity(self) -> int | None:
+        return self.device_positions * self.config.kv_bytes_per_token if self._device() else None
+
     def device_kv_bytes_of(self, kv: KVCache) -> int:
         return self._held.get(kv, 0) * self.config.kv_bytes_per_token
 
