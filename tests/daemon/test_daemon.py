@@ -141,6 +141,12 @@ def test_bad_turns_change_nothing(daemon):
         run_turn(daemon, sid, "hi", SamplingParams(max_tokens=60))
     with pytest.raises(InvalidRequest):
         daemon.start_turn(session_id=sid, messages=[], params=GREEDY, emit=lambda ev: None)
+    template, daemon.tokenizer.chat_template = daemon.tokenizer.chat_template, None  # e.g. a base model
+    try:
+        with pytest.raises(InvalidRequest, match="no chat template.*--chat-template FILE.*/v1/completions"):
+            run_turn(daemon, sid, "hi")
+    finally:
+        daemon.tokenizer.chat_template = template
     assert daemon.get_session(sid)["context_tokens"] == 0
     ev, _ = run_turn(daemon, sid, "hi")
     assert ev[-1]["type"] == "done"

@@ -343,6 +343,10 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
             raise InvalidRequest("a turn needs either messages or a prompt")
         if messages is not None and not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
+        if messages is not None and not self.tokenizer.chat_template:
+            raise InvalidRequest(f"the model {self.model_name} has no chat template, so it cannot take messages: "
+                                 f"serve it with --chat-template FILE, or send a prompt to /v1/completions",
+                                 param="messages")
         plan = AnswerPlan(answer or AnswerSpec(), self.tokenizer, self.grammar) if messages is not None else answer_plan
         if plan is not None and plan.spec.constrained:
             _ = self.grammar.lltokenizer  # built once (seconds for a large vocabulary), not under the lock
