@@ -125,7 +125,7 @@ def test_with_a_step_model_an_interactive_decode_keeps_the_step_within_its_targe
     bg = _seq("bg", SLARank.BACKGROUND, pending=300, arrival=0.0)
     ia = _seq("ia", SLARank.INTERACTIVE, decoding=True, arrival=1.0)
     # 80 ms: the decode row takes 22 ms, 58 ms buys 58 prompt tokens at 1 ms each
-    assert interactive_step_tokens(cost, 0.08, [bg, ia], 8) == 1 + 58
+    assert interactive_step_tokens(cost, 0.08, [0], 0) == 1 + 58
     cfg = SchedulerConfig(token_budget=256, max_batch=8, prefill_chunk=256, step_cost=cost, step_target_s=0.08)
     assert {w.seq.session_id: w.n_tokens for w in schedule([bg, ia], cfg, 2.0)} == {"ia": 1, "bg": 58}
     assert [w.n_tokens for w in schedule([bg], cfg, 0.0)] == [256]  # no interactive decode: the whole budget
@@ -135,8 +135,7 @@ def test_with_a_step_model_an_interactive_decode_keeps_the_step_within_its_targe
     assert {w.seq.session_id: w.n_tokens for w in schedule([bg, ia], tight, 2.0)} == {"ia": 1}
     # attention: a prompt far into its context buys fewer tokens (per token-key cost)
     quad = StepCost(prefill=Linear(0.01, 0.001, 1e-6), decode=Linear(0.02, 0.002, 0.0))
-    bg.kv.length = 7
-    n = interactive_step_tokens(quad, 0.08, [bg, ia], 8) - 1
+    n = interactive_step_tokens(quad, 0.08, [0], 7) - 1
     assert 0.001 * n + 1e-6 * n * (7 + n / 2) <= 0.058 < 0.001 * (n + 1) + 1e-6 * (n + 1) * (7 + (n + 1) / 2)
 
 
@@ -152,3 +151,22 @@ def test_with_a_step_model_an_interactive_prompt_is_never_cut_and_others_wait_be
     assert {w.seq.session_id: w.n_tokens for w in schedule([bg, short], cfg, 2.0)} == {"ask": 20, "bg": 60}
     long = _seq("compact", SLARank.INTERACTIVE, pending=400, arrival=1.0, ttft=0.5)
     assert {w.seq.session_id: w.n_tokens for w in schedule([bg, long], cfg, 2.0)} == {"compact": 256}
+
+
+def test_with_a_step_model_background_decodes_past_the_target_wait_for_a_later_step():
+    """Forty background decodes beside an interactive one: the step keeps the rows that fit the target
+    (the interactive one first), the rest are paused - but a background turn already due still runs."""
+    from weaved.calibration.cost import Linear, StepCost
+
+    cost = StepCost(prefill=Linear(0.0, 0.001, 0.0), decode=Linear(0.02, 0.002, 0.0))  # 20 ms + 2 ms a row
+    cfg = SchedulerConfig(token_budget=512, max_batch=64, prefill_chunk=256, step_cost=cost, step_target_s=0.08)
+    ia = _seq("ia", SLARank.INTERACTIVE, decoding=True, arrival=1.0)
+    bgs = [_seq(f"bg{i:02d}", SLARank.BACKGROUND, decoding=True, arrival=0.0, ttlt=600.0) for i in range(40)]
+    work = [w.seq.session_id for w in schedule([*bgs, ia], cfg, 2.0)]
+    assert work[0] == "ia" and len(work) == 30  # (80 - 20) / 2 rows
+    assert sum(s.status == SeqStatus.PAUSED for s in bgs) == 11
+    late = _seq("late", SLARank.BACKGROUND, decoding=True, arrival=0.0, ttlt=10.0)  # due: behind its pace
+    late.last_token_at = 0.0
+    late.generated = [0] * 9
+    work = [w.seq.session_id for w in schedule([*bgs, ia, late], cfg, 9.9)]
+    assert work[0] == "late" and "ia" in work and len(work) == 30

@@ -67,20 +67,16 @@ def schedule(active: list[Sequence], cfg: SchedulerConfig, now: float) -> list[W
     ``prefill_chunk``); a prefill that gets no tokens waits for a later step.
     """
     budget = cfg.token_budget
+    key = (lambda s: s.arrival) if cfg.order == "fifo" else (lambda s: priority_key(s, now))
+    ordered = sorted(active, key=key)
     interactive = [s for s in active if s.rank == SLARank.INTERACTIVE and not s.status.done and s.pending]
     if cfg.order == "sla" and interactive:
         if cfg.interactive_budget is not None and any(not s.prefilling for s in interactive):
             budget = min(budget, cfg.interactive_budget)
         if cfg.step_cost is not None and cfg.step_target_s is not None:
-            # the interactive turns' own prompt chunks always fit: a step that holds one is its time to
-            # first token, so other turns' prompts get only what the target leaves
-            own = sum(min(len(s.pending), cfg.prefill_chunk) for s in interactive if s.prefilling)
-            rows = min(cfg.max_batch, sum(1 for s in active if not s.status.done and s.pending and not s.prefilling))
-            fit = interactive_step_tokens(cfg.step_cost, cfg.step_target_s, active, cfg.max_batch)
-            budget = min(budget, max(fit, own + rows))
+            budget = min(budget, _interactive_budget(ordered, interactive, cfg, now))
     picked: list[Work] = []
-    key = (lambda s: s.arrival) if cfg.order == "fifo" else (lambda s: priority_key(s, now))
-    for seq in sorted(active, key=key):
+    for seq in ordered:
         if seq.status.done or not seq.pending:
             continue
         if len(picked) >= cfg.max_batch or budget <= 0:
@@ -91,6 +87,22 @@ def schedule(active: list[Sequence], cfg: SchedulerConfig, now: float) -> list[W
         budget -= n
         seq.status = SeqStatus.WAITING if seq.prefilling else SeqStatus.RUNNING
     return picked
+
+
+def _interactive_budget(ordered: list[Sequence], interactive: list[Sequence], cfg: SchedulerConfig,
+                        now: float) -> int:
+    """The step's tokens while an interactive turn is live, by the step model (``step_budget``) - never
+    fewer than the rows that must run (interactive decodes, throughput-tolerant decodes already due)
+    and the interactive turns' own prompt chunks, which always fit: a step that holds one is that
+    turn's time to first token, so other turns' prompts get only what the target leaves."""
+    live = [s for s in ordered if not s.status.done and s.pending]
+    decodes = [s for s in live if not s.prefilling][:cfg.max_batch]
+    must = sum(1 for s in decodes if s.rank == SLARank.INTERACTIVE or priority_key(s, now)[0] == 0)
+    own = sum(min(len(s.pending), cfg.prefill_chunk) for s in interactive if s.prefilling)
+    prompts = [s.kv.length for s in live if s.prefilling]
+    fit = interactive_step_tokens(cfg.step_cost, cfg.step_target_s, [s.kv.length for s in decodes],
+                                  max(prompts) if prompts else None)
+    return max(fit, own + must)
 
 
 def _pause(seq: Sequence) -> None:

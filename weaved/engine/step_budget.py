@@ -1,11 +1,13 @@
-"""The tokens a step may hold while an interactive turn decodes, from the pool's step-time model.
+"""The tokens a step may hold while an interactive turn is live, from the pool's step-time model.
 
-A step's time is that turn's inter-token gap, so the prefill chunks other turns feed in it are cut to
-what keeps the step within the target: the step's decode rows (every decoding sequence, one token each,
-at its context) take their predicted time first, and the prefill tokens get what is left - the largest
-n with ``per_token * n + per_token_context * n * (c + n / 2)`` within it (``calibration.cost``: a chunk
-of n tokens after c positions), c the longest context a waiting prompt has reached.  When the decode
-rows alone already fill the target, no prefill runs until the interactive turn ends.
+A step's time is that turn's inter-token gap (or, while its prompt is fed, part of its time to first
+token), so the step is cut to what the model predicts within the target: decode rows first, in the
+order the scheduler takes them (each one token at its sequence's context), while they fit; then
+prompt tokens get what is left - the largest n with ``per_token * n + per_token_context * n * (c + n
+/ 2)`` within it (``calibration.cost``: a chunk of n tokens after c positions), c the longest context
+a waiting prompt has reached.  Decode rows past the target wait for a later step (pausing costs
+nothing: their KV stays where it is); ``schedule`` never cuts below the rows that must run - the
+interactive turns' and the throughput-tolerant turns already due - nor an interactive prompt's chunk.
 """
 
 from __future__ import annotations
@@ -13,22 +15,26 @@ from __future__ import annotations
 import math
 
 from weaved.calibration.cost import StepCost
-from weaved.engine.sequence import Sequence
 
 
-def interactive_step_tokens(cost: StepCost, target_s: float, active: list[Sequence], max_batch: int) -> int:
-    """Tokens (decode rows plus prefill tokens) of a step predicted to take at most ``target_s``."""
-    live = [s for s in active if not s.status.done and s.pending]
-    decodes = [s for s in live if not s.prefilling][:max_batch]
-    prompts = [s for s in live if s.prefilling]
-    rows = len(decodes)
-    left = target_s - (cost.decode.s(rows, sum(s.kv.length for s in decodes)) if rows else 0.0)
-    left -= max(0.0, cost.prefill.base - cost.decode.base)  # a mixed step pays the larger fixed part once
-    if left <= 0 or not prompts:
+def interactive_step_tokens(cost: StepCost, target_s: float, decode_contexts: list[int],
+                            prompt_context: int | None) -> int:
+    """Tokens of a step predicted to take at most ``target_s``: decode rows (``decode_contexts``: their
+    sequences' positions, in the scheduler's order) while they fit, then prompt tokens after
+    ``prompt_context`` positions (None: no prompt waits)."""
+    rows, ctx = 0, 0
+    for c in decode_contexts:
+        if cost.decode.s(rows + 1, ctx + c) > target_s:
+            break
+        rows, ctx = rows + 1, ctx + c
+    if rows < len(decode_contexts) or prompt_context is None:  # the rows fill the step: no prompt beside them
         return max(1, rows)
-    c = max(s.kv.length for s in prompts)
+    left = target_s - (cost.decode.s(rows, ctx) if rows else 0.0)
+    left -= max(0.0, cost.prefill.base - cost.decode.base) if rows else cost.prefill.base
+    if left <= 0:
+        return max(1, rows)
     a = cost.prefill.per_token_context / 2  # seconds per n^2
-    b = cost.prefill.per_token + cost.prefill.per_token_context * c  # seconds per n
+    b = cost.prefill.per_token + cost.prefill.per_token_context * prompt_context  # seconds per n
     if a > 0:
         n = (-b + math.sqrt(b * b + 4 * a * left)) / (2 * a)
     else:
