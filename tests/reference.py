@@ -3,8 +3,8 @@
 No activation quantization, no float16 KV, no fused anything: the function the weights define, for
 every architecture Weave runs (RoPE frequency factors and YaRN from the metadata, gemma3's embedding
 scale, sliding windows, post norms and GELU, a mixture of experts' router and experts).  Slow but
-simple; used teacher-forced.  Layers are
-dequantized when they run (and kept only for a small model), so a real-size model fits in memory.
+simple; used teacher-forced.  Layers are dequantized when they run (and kept only for a small model),
+so a real-size model fits in memory.
 """
 
 from __future__ import annotations
