@@ -26,7 +26,7 @@ from weaved.engine.speculative import Drafter, SpecConfig, verify
 
 log = logging.getLogger("weave.engine")
 
-PACE_WEIGHT = 0.2  # of the latest step (turn) in the pool's moving mean step time (lateness)
+PACE_WEIGHT = 0.2  # of the latest step in the moving mean step time, and of the latest turn in the lateness
 LATENESS_BOUNDS = (0.5, 4.0)  # one turn's ratio to its forecast is clipped to these: one outlier moves little
 
 

@@ -28,7 +28,7 @@ class SchedulerConfig:
     # gap, so prefill chunks of other turns shrink to keep it short (None: token_budget always; with a
     # step model below, a cap on what the model allows)
     interactive_budget: int | None = None
-    # the pool's step-time model and the step time an interactive turn's gap allows: while one decodes,
+    # the pool's step-time model and the step time an interactive turn's gap allows: while one is live,
     # the budget is also cut to what the model predicts within it (``step_budget``; None: not known)
     step_cost: StepCost | None = None
     step_target_s: float | None = None
