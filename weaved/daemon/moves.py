@@ -25,7 +25,7 @@ from weaved.daemon.session import Session
 from weaved.engine.admission import Refusal
 from weaved.engine.sequence import Sequence
 from weaved.routing.predict import forecast
-from weaved.routing.tree import place, place_turn, promote
+from weaved.routing.tree import place, place_turn, promote, spill_targets
 from weaved.routing.types import (
     SLA,
     Placement,
@@ -33,7 +33,6 @@ from weaved.routing.types import (
     SessionRequest,
     SLAClass,
     SystemState,
-    least_loaded,
     pools_of,
     with_room,
 )
@@ -165,15 +164,12 @@ class SessionMoves:
         refusal = self.pools[pool].engine.refusal(probe)
         if refusal is not None and self._may_spill(s, sla, pool):
             need = len(s.committed) + len(probe.pending) + answer_tokens
-            room = [p for p in pools_of(state, "gpu") if p.has_room(need, self.routing.gpu_interactive_reserve)]
-            while room:
-                g = least_loaded(room, plain_first=True)
-                room.remove(g)
+            for g in spill_targets(state, need, self.routing):
                 if self.pools[g.name].engine.refusal(probe) is None:
                     why = (f"CPU pool {pool!r} cannot take the turn ({refusal.reason}): spills to GPU pool "
                            f"{g.describe()}, one host-to-device KV copy")
-                    old = new or s.placement
-                    new, pool, refusal = Placement("standard", "standard", g.name, g.name, old.priority, (why,)), \
+                    priority = (new or s.placement).priority
+                    new, pool, refusal = Placement("standard", "standard", g.name, g.name, priority, (why,)), \
                         g.name, None
                     break
         here = next((p for p in state.pools if p.name == pool), None)

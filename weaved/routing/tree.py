@@ -33,6 +33,7 @@ from weaved.routing.types import (
     SessionRequest,
     SLAClass,
     SystemState,
+    by_load,
     least_loaded,
     pools_of,
     with_room,
@@ -202,6 +203,13 @@ def _throughput(req: SessionRequest, state: SystemState, th: RoutingThresholds,
                      tuple(reasons))
 
 
+def spill_targets(state: SystemState, need: int, th: RoutingThresholds) -> list[PoolState]:
+    """The GPU pools a throughput-tolerant turn needing ``need`` positions may spill to, least loaded
+    first: a free batch slot, and KV beyond the ``gpu_interactive_reserve`` kept for interactive sessions."""
+    return by_load([p for p in pools_of(state, "gpu") if p.has_room(need, th.gpu_interactive_reserve)],
+                   plain_first=True)
+
+
 def place_turn(current: Placement, sla: SLA, prompt_tokens: int, context: int, answer_tokens: int,
                state: SystemState, th: RoutingThresholds) -> Placement | None:
     """Where the next turn of a live throughput-tolerant session runs, when not where it is (None: stays).
@@ -223,10 +231,10 @@ def place_turn(current: Placement, sla: SLA, prompt_tokens: int, context: int, a
     if here.device_kind == "cpu":
         if not _cpu_too_slow(sla, prompt_tokens, here, state, th, reasons, answer_tokens, context):
             return None
-        room = [p for p in pools_of(state, "gpu") if p.has_room(need, th.gpu_interactive_reserve)]
-        g = least_loaded(room, plain_first=True)
-        if g is None:  # none has room beyond what it keeps for interactive sessions
+        targets = spill_targets(state, need, th)
+        if not targets:  # none has room beyond what it keeps for interactive sessions
             return None
+        g = targets[0]
         reasons.append(f"spills to GPU pool {g.describe()}: one host-to-device KV copy")
         return Placement("standard", "standard", g.name, g.name, current.priority, tuple(reasons))
     c = with_room(pools_of(state, "cpu"), need)

@@ -206,11 +206,16 @@ def pools_of(state: SystemState, kind: str, strategy: str = "standard") -> list[
     return [p for p in state.pools if p.strategy == strategy and (kind == "any" or p.device_kind == kind)]
 
 
+def by_load(pools: list[PoolState], plain_first: bool = False) -> list[PoolState]:
+    """Least loaded first, then most free KV; non-speculative pools first when ``plain_first``
+    (throughput work leaves the speculative variant to latency-sensitive sessions)."""
+    return sorted(pools, key=lambda p: (plain_first and p.speculative, p.load, -p.free_kv_tokens, p.name))
+
+
 def least_loaded(pools: list[PoolState], plain_first: bool = False) -> PoolState | None:
-    """Least loaded, then most free KV; non-speculative pools first when ``plain_first`` (throughput work
-    leaves the speculative variant to latency-sensitive sessions)."""
-    key = lambda p: (plain_first and p.speculative, p.load, -p.free_kv_tokens, p.name)
-    return min(pools, key=key, default=None)
+    """The first of ``by_load``, or None."""
+    ordered = by_load(pools, plain_first)
+    return ordered[0] if ordered else None
 
 
 def with_room(pools: list[PoolState], need: int, plain_first: bool = False) -> PoolState | None:
