@@ -235,6 +235,24 @@ def test_delete_lets_go_of_the_file_while_its_cache_is_still_held(tmp_path):
                    for line in Path("/proc/self/maps").read_text().splitlines())
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+def test_a_delete_that_does_not_wait_lets_go_of_the_file_on_the_release_thread(tmp_path):
+    store = KVStore(tmp_path, CFG, chunk=CHUNK)
+    paths = []
+    for i in range(8):
+        kv = store.create(f"e{i}", 1024)
+        store.reserve(kv, 300)
+        fill(kv, 0, 300, seed=i)
+        paths.append(tmp_path / f"e{i}.kv")
+        store.delete(f"e{i}", wait=False)
+        # the names and the reservation go at once: the id can be reused, nothing counts against the cap
+        assert not paths[-1].exists() and store.reserved_bytes() == 0
+        kv.data[:, :, :, :2] = 1.0  # the caller's cache stays usable whenever the release lands
+    assert store.settle(timeout=10.0)
+    assert [held_by_process(p) for p in paths] == [[]] * 8
+    assert store.session_ids() == []
+
+
 def test_tiers_numbers(tmp_path):
     store = KVStore(tmp_path, CFG, chunk=CHUNK)
     kv = store.create("a", capacity=8192)

@@ -215,6 +215,8 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
             self.member_groups.stop()
         if hasattr(self, "journal"):
             self.journal.close()
+        if hasattr(self, "store"):
+            self.store.settle(timeout=10.0)
 
     # ---- sessions --------------------------------------------------------------------------------
     def _system_state(self) -> SystemState:
@@ -468,18 +470,19 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
     def _drop_ephemeral(self, s: Session) -> None:
         with self._lock:
             self.sessions.pop(s.id, None)
-        self._free_kv(s)
+        self._free_kv(s, wait=False)  # often on an engine thread, between two steps
 
-    def _free_kv(self, s: Session) -> None:
+    def _free_kv(self, s: Session, wait: bool = True) -> None:
         """A deleted session's KV goes now: its copy on a GPU pool (not whenever it is garbage-collected),
-        its shards on a ring's nodes, its file."""
+        its shards on a ring's nodes, its file (``wait=False``: the file's blocks are freed on the
+        store's release thread, moments later)."""
         held = self.pools.get(s.kv_at) if s.kv_at else None
         if held is not None:
             with held.lock:
                 held.backend.drop(s.kv)
             s.kv_at = None
         if isinstance(s.kv, KVCache):
-            self.store.delete(s.id)
+            self.store.delete(s.id, wait=wait)
         elif s.placement.decode_pool in self.pools:
             self.pools[s.placement.decode_pool].backend.drop(s.kv)
 

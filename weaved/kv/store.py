@@ -38,6 +38,7 @@ import numpy as np
 from weaved.kv.cache import KVCache, SharedRows
 from weaved.kv.mapping import FileMapping
 from weaved.kv.prefixes import PrefixStore
+from weaved.kv.releaser import Releaser
 from weaved.kv.tiers import allocated_bytes, file_resident_bytes, punch_hole, resident_bytes
 from weaved.model.config import ModelConfig
 
@@ -95,6 +96,7 @@ class KVStore:
                                     cap_bytes=None if cap_bytes is None else cap_bytes // 4)
         self.share = share  # False: no prefix is published or mapped (what reuse saves can be measured)
         self._lock = threading.Lock()
+        self._releaser = Releaser("kv-release")  # deleted files let go of off the deleting thread
         self._open: dict[str, _Session] = {}
         self._ids: weakref.WeakKeyDictionary[KVCache, str] = weakref.WeakKeyDictionary()
         # Files left by an earlier run count against the cap by their allocated blocks until opened.
@@ -220,20 +222,30 @@ class KVStore:
         self._ids[kv] = session_id
         return kv
 
-    def delete(self, session_id: str) -> None:
-        """Remove the session's files and free its reservation, its file's mapping and its disk blocks
-        now.  A KVCache still held (an engine's step in flight) stays readable and writable, over
-        anonymous memory that is freed with it (``FileMapping.release``)."""
+    def delete(self, session_id: str, wait: bool = True) -> None:
+        """Remove the session's files and free its reservation, its file's mapping and its disk blocks.
+        A KVCache still held (an engine's step in flight) stays readable and writable, over anonymous
+        memory that is freed with it (``FileMapping.release``).  With ``wait=False`` the mapping is let
+        go of (and the disk blocks freed) on the store's release thread moments later, so a thread that
+        must not stall - an engine between two steps - does not do the kernel's work; ``settle`` waits
+        for it.  The reservation and the files' names go at once either way."""
         self._check_id(session_id)
         with self._lock:
             s = self._open.pop(session_id, None)
             self._unopened.pop(session_id, None)
             self._kv_path(session_id).unlink(missing_ok=True)
             self._meta_path(session_id).unlink(missing_ok=True)
-            if s is not None:
+            if s is not None and s.prefix is not None:
+                self.prefixes.drop_user(s.prefix, session_id)
+        if s is not None:
+            if wait:
                 s.mm.release()
-                if s.prefix is not None:
-                    self.prefixes.drop_user(s.prefix, session_id)
+            else:
+                self._releaser.submit(s.mm.release)
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until the files of sessions deleted with ``wait=False`` are let go of."""
+        return self._releaser.settle(timeout)
 
     # -- shared prefixes (weaved.kv.prefixes) -------------------------------------------------------
 
