@@ -1,9 +1,10 @@
 """One turn in flight as the API sees it: started on the daemon, its events bridged to the event loop.
 
-The daemon calls ``emit`` from an engine thread; ``loop.call_soon_threadsafe`` moves each event into
-an asyncio queue that the request's coroutine reads.  A watcher task waits for the client to hang up
-and cancels the generation then, so an abandoned request frees its slot at the engine's next step.
-Timing (time to first token, gaps between tokens) and token counts go to the metrics here.
+The daemon calls ``emit`` from an engine thread; the loop's ``Outbox`` moves each event into an asyncio
+queue that the request's coroutine reads, waking the loop once for all the events of a step.  A watcher
+task waits for the client to hang up and cancels the generation then, so an abandoned request frees its
+slot at the engine's next step.  Timing (time to first token, gaps between tokens) and token counts go
+to the metrics here.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from starlette.requests import Request
 
 from weaved.agent.plan import AnswerSpec
 from weaved.api.models import SLABody
+from weaved.api.outbox import outbox
 from weaved.api.params import sla_from
 from weaved.api.state import ApiState
 from weaved.engine.sampling import SamplingParams
@@ -175,13 +177,9 @@ class Turn:
 
 
 def emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
-    def emit(ev: dict) -> None:  # engine thread
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, ev)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-    return emit
+    """``emit(ev)`` for an engine thread: ``ev`` reaches ``queue`` on ``loop`` (through the loop's outbox,
+    which wakes it once for a step's events)."""
+    return partial(outbox(loop).put, queue)
 
 
 async def resolve(state: ApiState, session_id: str | None, sla_body: SLABody | None,
