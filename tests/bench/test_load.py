@@ -3,14 +3,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import httpx
 import pytest
+from prometheus_client import generate_latest
 from typer.testing import CliRunner
 
 from weaved.bench.load import LoadOptions
 from weaved.bench.load.clients import Outcome
+from weaved.bench.load.daemon import Served
 from weaved.bench.load.report import build, format_table
+from weaved.metrics import Metrics
 
 
 def test_figures_by_class_after_the_warm_up():
@@ -36,6 +41,30 @@ def test_figures_by_class_after_the_warm_up():
     assert (m["rss_mb_start"], m["rss_mb_end"], m["fds_start"], m["fds_end"]) == (400.0, 410.0, 40, 40)
     text = format_table(r)
     assert "interactive" in text and "errors: {'error 500': 1}" in text and "+2.5%" in text
+
+
+def test_what_the_engine_computed_counts_fed_prompt_tokens_and_generated_ones():
+    r = build([], [], warmup_s=10.0, duration_s=110.0, batched_tps=100.0, clients=8,
+              daemon_tokens={"prompt": 5000.0, "cached": 1000.0, "completion": 3000.0})
+    e = r["engine"]
+    assert (e["prompt_fed_per_s"], e["generated_per_s"], e["computed_per_s"]) == (40.0, 30.0, 70.0)
+    assert e["vs_batched"] == pytest.approx(0.7)
+    assert "40.0 prompt tokens fed + 30.0 generated (70% of the batched rate)" in format_table(r)
+    assert build([], [], warmup_s=10.0, duration_s=110.0, batched_tps=None, clients=8)["engine"] is None
+
+
+def test_the_daemons_token_counts_come_from_its_metrics():
+    metrics = Metrics()
+    metrics.observe_turn("interactive", "stop", 50, 10, 64)
+    metrics.observe_turn("batch", "length", 30, 0, 16)
+    text = generate_latest(metrics.registry).decode()  # the exposition /metrics serves
+
+    async def go() -> dict:
+        transport = httpx.MockTransport(lambda req: httpx.Response(200, text=text))
+        async with httpx.AsyncClient(transport=transport, base_url="http://weave") as http:
+            return await Served(proc=None, socket=None, log=None).tokens(http)
+
+    assert asyncio.run(go()) == {"prompt": 80.0, "cached": 10.0, "completion": 80.0}
 
 
 def test_options_are_checked():

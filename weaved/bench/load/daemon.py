@@ -34,6 +34,19 @@ class Served:
             self.sample(since)
             await asyncio.sleep(seconds)
 
+    async def tokens(self, http: httpx.AsyncClient) -> dict[str, float]:
+        """The daemon's own token counts since it started, summed over SLA classes, by kind (``prompt``,
+        ``cached`` - prompt tokens served from a stored prefix or the session's KV -, ``completion``):
+        from its /metrics, as each turn ends."""
+        text = (await http.get("/metrics")).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("weave_tokens_total{"):
+                labels, value = line[len("weave_tokens_total{"):].rsplit("} ", 1)
+                kind = dict(kv.split("=", 1) for kv in labels.split(","))["kind"].strip('"')
+                out[kind] = out.get(kind, 0.0) + float(value)
+        return out
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -15,10 +15,13 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def build(outcomes: list[Outcome], samples: list[tuple[float, float, int]], *, warmup_s: float, duration_s: float,
-          batched_tps: float | None, clients: int) -> dict:
+          batched_tps: float | None, clients: int, daemon_tokens: dict[str, float] | None = None) -> dict:
     """Figures over what started after the warm-up: per class, outcomes by status, TTFT and latency
     percentiles, the share served within the class's SLA; overall, tokens per second against the engine's
-    batched rate; the daemon's memory and descriptors at the end of the warm-up and at the end."""
+    batched rate; the daemon's memory and descriptors at the end of the warm-up and at the end.
+    ``daemon_tokens``: the daemon's own counts over the measured span, by kind (prompt, cached,
+    completion): what the engine computed - the prompt tokens it fed (prompt less cached) and the tokens it
+    generated - against the same batched rate."""
     measured = [o for o in outcomes if o.start >= warmup_s]
     classes = {}
     for cls in SLAS:
@@ -47,10 +50,16 @@ def build(outcomes: list[Outcome], samples: list[tuple[float, float, int]], *, w
                   "rss_mb_max": max(s[1] for s in after), "fds_max": max(s[2] for s in after)}
     errors = sum(1 for o in measured if o.status.startswith("error"))
     tps = tokens / span if span > 0 else 0.0
+    engine = None
+    if daemon_tokens is not None and span > 0:
+        fed = max(0.0, daemon_tokens.get("prompt", 0.0) - daemon_tokens.get("cached", 0.0)) / span
+        gen = daemon_tokens.get("completion", 0.0) / span
+        engine = {"prompt_fed_per_s": fed, "generated_per_s": gen, "computed_per_s": fed + gen,
+                  "vs_batched": (fed + gen) / batched_tps if batched_tps else None}
     return {"clients": clients, "duration_s": duration_s, "warmup_s": warmup_s, "classes": classes,
             "errors": errors, "error_kinds": dict(Counter(o.status for o in measured if o.status.startswith("error"))),
             "tokens_per_s": tps, "batched_tps": batched_tps,
-            "vs_batched": tps / batched_tps if batched_tps else None, "memory": memory,
+            "vs_batched": tps / batched_tps if batched_tps else None, "engine": engine, "memory": memory,
             "samples": [list(s) for s in samples]}
 
 
@@ -72,6 +81,11 @@ def format_table(r: dict) -> str:
     batched = _f(r["batched_tps"], "{:.1f}")
     lines += ["", f"generated {r['tokens_per_s']:.1f} tokens/s; the engine's batched rate {batched} "
                   f"({_f(r['vs_batched'], '{:.0%}')})"]
+    e = r.get("engine")
+    if e:
+        lines.append(f"the engine computed {e['computed_per_s']:.1f} tokens/s: {e['prompt_fed_per_s']:.1f} prompt "
+                     f"tokens fed + {e['generated_per_s']:.1f} generated ({_f(e['vs_batched'], '{:.0%}')} of the "
+                     f"batched rate)")
     m = r["memory"]
     if m:
         lines.append(f"daemon: {m['rss_mb_start']:.0f} -> {m['rss_mb_end']:.0f} MB resident ({m['rss_growth']:+.1%}), "

@@ -44,9 +44,18 @@ async def _drive(opts: LoadOptions, served: served_daemon.Served, say: Callable[
         end = t0 + opts.duration_s
         clients = [Client(i, opts, http, sdk, model, t0) for i in range(opts.clients)]
         say(f"{opts.clients} clients for {opts.duration_s:.0f} s")
-        await asyncio.gather(served.sample_every(opts.sample_s, t0, end), *(c.run(end) for c in clients))
+
+        async def counts_over_the_measured_span() -> dict[str, float]:
+            await asyncio.sleep(opts.warmup_s)
+            before = await served.tokens(http)
+            await asyncio.sleep(max(0.0, end - time.monotonic()))
+            after = await served.tokens(http)
+            return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+        counted, *_ = await asyncio.gather(counts_over_the_measured_span(), served.sample_every(opts.sample_s, t0, end),
+                                           *(c.run(end) for c in clients))
         served.sample(t0)
-    return [o for c in clients for o in c.outcomes]
+    return [o for c in clients for o in c.outcomes], counted
 
 
 def run_load(opts: LoadOptions, say: Callable[[str], None]) -> dict:
@@ -55,11 +64,11 @@ def run_load(opts: LoadOptions, say: Callable[[str], None]) -> dict:
         say("starting weave serve")
         served = served_daemon.start(opts.model, Path(tmp))
         try:
-            outcomes = asyncio.run(_drive(opts, served, say))
+            outcomes, counted = asyncio.run(_drive(opts, served, say))
         finally:
             code = served.stop()
         report = build(outcomes, served.samples, warmup_s=opts.warmup_s, duration_s=opts.duration_s,
-                       batched_tps=batched, clients=opts.clients)
+                       batched_tps=batched, clients=opts.clients, daemon_tokens=counted)
         report["daemon_exit"] = code
         log = served.log.read_text().splitlines()
         report["daemon_log_problems"] = [line for line in log if "Traceback" in line or "error" in line.lower()][:20]
