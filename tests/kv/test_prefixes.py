@@ -168,3 +168,26 @@ def test_sessions_push_unused_prefixes_out_of_a_full_cap(tmp_path):
     b = store.create("b", capacity=4 * BLOCK)
     store.reserve(b, 3 * BLOCK)  # the whole cap: the stored prefix is a cache, it goes
     assert store.prefixes.status()["files"] == 0
+
+
+def test_a_memory_only_session_shares_publishes_and_unshares_prefixes_without_a_file(tmp_path):
+    store = KVStore(tmp_path, CFG)
+    prompt = tokens(2 * BLOCK + 40)
+    a = store.create("a", capacity=1024, memory_only=True)  # an ephemeral request's KV
+    store.reserve(a, len(prompt))
+    rows = fill(a, 0, len(prompt), seed=1)
+    assert store.publish_prefix(a, prompt) == 2 * BLOCK  # adopted: a now maps the prefix file's pages
+    assert np.array_equal(a.data[:, :, :, : len(prompt)], rows)
+    b = store.create("b", capacity=1024, memory_only=True)
+    assert store.share_prefix(b, prompt[: 2 * BLOCK] + tokens(30, seed=9)) == 2 * BLOCK
+    assert np.array_equal(b.data[:, :, :, : 2 * BLOCK], rows[:, :, :, : 2 * BLOCK])
+    store.unshare(b, BLOCK + 5)  # a template rewrite: b's own copy of what it keeps, in fresh memory
+    b.data[:, :, :, BLOCK + 5] = 7
+    assert np.array_equal(b.data[:, :, :, : BLOCK + 5], rows[:, :, :, : BLOCK + 5])
+    assert np.array_equal(a.data[:, :, :, : 2 * BLOCK], rows[:, :, :, : 2 * BLOCK])  # the prefix is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prefixes"]  # no session file, no sidecar
+    assert store.session_ids() == [] and store.tiers()["sessions"] == 2
+    store.delete("a", wait=False)
+    store.delete("b")
+    assert store.settle(5.0) and store.reserved_bytes() == store.prefixes.nbytes()
+    assert store.prefixes.status()["in_use"] == 0

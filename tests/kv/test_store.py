@@ -287,3 +287,22 @@ def test_rewrite_after_truncate_persists(tmp_path):
     del kv, store
     kv2 = KVStore(tmp_path, CFG).open("s", length=90)
     np.testing.assert_array_equal(kv2.data[:, :, :, 40:90], rows)
+
+
+def test_a_memory_only_session_has_no_file_and_counts_against_the_cap(tmp_path):
+    store = KVStore(tmp_path, CFG, cap_bytes=1000 * BPT, chunk=CHUNK)
+    kv = store.create("tmp-1", 1024, memory_only=True)
+    assert kv.data.shape == (2, 2, 2, 1024, 64) and not (tmp_path / "tmp-1.kv").exists()
+    store.reserve(kv, 300)
+    rows = fill(kv, 0, 300, seed=4)
+    assert store.reserved_bytes() == 512 * BPT  # whole chunks, as for a file
+    with pytest.raises(KVCapExceeded):
+        store.reserve(kv, 1001)
+    store.flush(kv)  # durability has nothing to do for it
+    assert np.array_equal(kv.data[:, :, :, :300], rows)
+    assert store.tiers()["ram_bytes"] >= 300 * BPT
+    with pytest.raises(KVStoreError, match="already exists"):
+        store.create("tmp-1", 16)
+    store.delete("tmp-1")
+    assert store.reserved_bytes() == 0 and store.tiers()["sessions"] == 0
+    kv.data[:, :, :, :2] = 1.0  # a step still in flight may write: fresh memory, no crash

@@ -249,7 +249,7 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
             sid = ("tmp-" if ephemeral else "s-") + secrets.token_hex(8)
             context = max_context or min(self.profile.host.default_context, limit)
             cap = -(-context // KV_ALIGN) * KV_ALIGN
-            kv = self._new_kv(sid, placement, cap)
+            kv = self._new_kv(sid, placement, cap, memory_only=ephemeral)
             s = Session(sid, sla, context, system, placement, kv, [], [], ephemeral=ephemeral,
                         last_active=self.wall())
             self.sessions[sid] = s
@@ -260,14 +260,16 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
             self.log(f"session {sid}: {sla.cls.value} -> {placement.decode_pool} ({'; '.join(placement.reasons)})")
         return self.get_session(sid)
 
-    def _new_kv(self, sid: str, placement, capacity: int, tokens: list[int] | None = None):
-        """A session's KV: its file here, or for Q-Ring decode its ring handle (the rows live on the
-        ring's nodes; the transcript ``tokens`` rebuild them)."""
+    def _new_kv(self, sid: str, placement, capacity: int, tokens: list[int] | None = None,
+                memory_only: bool = False):
+        """A session's KV: its file here (``memory_only``: in memory, for an ephemeral session, which
+        never outlives its request), or for Q-Ring decode its ring handle (the rows live on the ring's
+        nodes; the transcript ``tokens`` rebuild them)."""
         if placement.decode_strategy == "qring":
             return self.pools[placement.decode_pool].backend.new_kv(capacity, tokens or (), label=sid)
         if tokens is not None:
             return self.store.open(sid, len(tokens))
-        return self.store.create(sid, capacity)
+        return self.store.create(sid, capacity, memory_only=memory_only)
 
     def _get(self, sid: str) -> Session:
         s = self.sessions.get(sid)

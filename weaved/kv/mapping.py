@@ -33,19 +33,22 @@ _NATIVE = None not in (_mmap, _munmap, _madvise)
 
 class FileMapping:
     """``length`` bytes of the file open as ``fd``, mapped shared and writable (the caller may close
-    ``fd`` right after: the mapping does not need it)."""
+    ``fd`` right after: the mapping does not need it); with ``fd`` -1, private anonymous memory instead
+    (``anonymous``): a session that never outlives the process, with no file at all."""
 
     def __init__(self, fd: int, length: int):
         if length < 1:
             raise ValueError(f"cannot map {length} bytes")
         self.length = length
         self.released = False
+        self.anonymous = fd == -1
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if self.anonymous else mmap.MAP_SHARED
         if not _NATIVE:
-            self._mm: mmap.mmap | None = mmap.mmap(fd, length, flags=mmap.MAP_SHARED)
+            self._mm: mmap.mmap | None = mmap.mmap(fd, length, flags=flags)
             self._buf = self._mm
             return
         self._mm = None
-        addr = _mmap(None, length, _RW, mmap.MAP_SHARED, fd, 0)
+        addr = _mmap(None, length, _RW, flags, fd, 0)
         if addr is None or addr == _MAP_FAILED:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
@@ -53,6 +56,25 @@ class FileMapping:
         self._buf = (ctypes.c_char * length).from_address(addr)
         # unmapped when the buffer goes: after this object and every array over it
         weakref.finalize(self._buf, _munmap, addr, length)
+
+    @classmethod
+    def anonymous_memory(cls, length: int) -> FileMapping:
+        """``length`` bytes of private anonymous memory, zero until written, with the same interface: its
+        pages are allocated as they are first written, and ``alias`` and ``release`` work on it too
+        (pages a call replaces are freed then - private memory, not a shared object that keeps them)."""
+        return cls(-1, length)
+
+    def renew(self, start: int, length: int) -> None:
+        """Fresh private zero pages over bytes [start, start + length) of an anonymous mapping (whole
+        pages), in place of what was there - e.g. another file's pages ``alias`` mapped."""
+        if not self.anonymous or not self.can_alias:
+            raise OSError("only a native anonymous mapping can be renewed in place")
+        if (start | length) % mmap.PAGESIZE or start + length > self.length:
+            raise ValueError(f"{length} bytes at {start} are not whole pages inside the mapping")
+        got = _mmap(self.addr + start, length, _RW, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
+        if got != self.addr + start:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
 
     def array(self, shape: tuple[int, ...], dtype) -> np.ndarray:
         """A writable array of ``shape`` over the mapping's first bytes (it keeps the mapping alive)."""
