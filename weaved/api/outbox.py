@@ -2,9 +2,10 @@
 
 An engine step ends with an event for every sequence in it (a token each): handing each over with its
 own ``call_soon_threadsafe`` wakes the loop once per token - a write to its self-pipe from the engine
-thread, and on the loop a select and a callback each.  An ``Outbox`` queues events and wakes the loop
-only when nothing is queued yet; the loop then moves everything queued meanwhile into the requests'
-queues in one callback, in the order the events were put.
+thread, the GIL handed to the loop thread and back, and on the loop a select and a callback each.  An
+``Outbox`` queues events and wakes the loop only when nothing is queued yet, and a thread inside a
+``bursts.burst()`` (an engine's pass) wakes it once when the burst ends; the loop then moves everything
+queued meanwhile into the requests' queues in one callback, in the order the events were put.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import asyncio
 import threading
 import weakref
 from collections import deque
+
+from weaved.bursts import at_burst_end
 
 _outboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Outbox] = weakref.WeakKeyDictionary()
 _outboxes_lock = threading.Lock()
@@ -34,6 +37,10 @@ class Outbox:
             if self._armed:
                 return
             self._armed = True
+        if not at_burst_end(self._wake):
+            self._wake()
+
+    def _wake(self) -> None:
         try:
             self._loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the loop is closed

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from weaved.backends.base import Backend, Logits, SeqChunk
+from weaved.bursts import burst
 from weaved.engine.admission import Capacity, Refusal, judge
 from weaved.engine.constraint import ConstraintError
 from weaved.engine.sampling import logprobs_of
@@ -201,7 +202,12 @@ class BatchEngine:
     def run_once(self) -> None:
         """One pass of the engine loop: take in new turns, carry out cancellations and hand-overs, admit,
         then run one step.  The engine thread calls it in a loop; a simulation calls it instead of
-        starting the thread (weaved.sim.driver), on its own clock."""
+        starting the thread (weaved.sim.driver), on its own clock.  Its events are handed over as one burst
+        (``weaved.bursts``): whoever listens is woken once, after the pass."""
+        with burst():
+            self._run_once()
+
+    def _run_once(self) -> None:
         with self._cond:
             self._active.extend(self._incoming)
             self._incoming.clear()
