@@ -9,6 +9,7 @@ import socket
 import stat
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -215,3 +216,10 @@ def test_keep_alive_survives_bad_requests(fake: FakeDaemon, sock_path):
                 assert status == b"200" and payload["choices"][0]["message"]["content"] == "He"
             else:
                 assert status == b"400" and payload["error"]["type"] == "invalid_request_error", payload
+
+
+def test_idle_connections_outlive_the_clients_keep_alive(fake: FakeDaemon):
+    """The server keeps an idle connection open longer than httpx lets one sit in its pool (5 s): the
+    client always closes first, so it never sends a request on a connection the server is closing."""
+    server = Server(fake, Path("/nonexistent/weave.sock"))
+    assert server._uvicorn(server.app).config.timeout_keep_alive > httpx.Limits().keepalive_expiry

@@ -25,6 +25,10 @@ import uvicorn
 from weaved.api.app import create_app
 from weaved.api.auth import BearerAuth
 
+# An idle keep-alive connection is closed by the client first: httpx (and the openai SDK over it) lets
+# one go after 5 s, uvicorn's default is also 5 s, and when both fire together a client sends its next
+# request on a connection the server is closing (RemoteProtocolError under load).
+KEEP_ALIVE_S = 65.0
 GRACE_S = 10.0  # how long in-flight responses may take to finish once the daemon has stopped
 
 
@@ -140,7 +144,8 @@ class Server:
 
     def _uvicorn(self, app) -> uvicorn.Server:
         config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, log_level="warning",
-                                proxy_headers=False, server_header=False, timeout_graceful_shutdown=GRACE_S)
+                                proxy_headers=False, server_header=False, timeout_graceful_shutdown=GRACE_S,
+                                timeout_keep_alive=KEEP_ALIVE_S)
         config.load()
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)  # what uvicorn's own serve() sets up (lifespan off)
