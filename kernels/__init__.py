@@ -29,6 +29,10 @@ The torch backend's kernels (torch tensors on any device; they do not touch numb
 ``torch_rowwise``   RMSNorm, RoPE and SwiGLU in the CPU kernels' operation order.
 ``torch_attention`` per-row causal attention with the CPU kernel's chunking and summation order.
 ``triton_q4``       the Q4_0 x Q8_0 product as a Triton kernel (CUDA; tested in the interpreter).
+``triton_rowwise``  RMSNorm, RoPE, SwiGLU, GeGLU and activation quantization as Triton kernels, the
+                    torch_rowwise / torch_q4 recipes op for op (CUDA; tested in the interpreter).
+``triton_attention`` every row of a step attending over the paged device KV in one launch, with
+                    torch_attention's (the CPU kernel's) chunks, blocks and summation order.
 """
 
 from . import _env  # noqa: F401  (sets NUMBA_CACHE_DIR before numba is first imported)

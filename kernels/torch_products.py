@@ -1,10 +1,11 @@
-"""Which product kernels a torch device gets, and the products the torch backend calls.
+"""Which kernels a torch device gets, and the products and row-wise operations the torch backend calls.
 
-``kernel_path`` picks Triton on CUDA (``triton_q4``) and plain torch ops elsewhere (``torch_q4``);
-``Products`` runs one path's Q4_0 / Q8_0 products: the layers' ``linear`` and the logits'
-``linear_residual`` (the second activation level on each row's candidate logits).  Both paths have
-the same arithmetic, so the choice changes speed, not bits (on a GPU; Triton's interpreter differs
-from a fused multiply-add by a rounding).
+``kernel_path`` picks Triton on CUDA (``triton_q4``, ``triton_rowwise``) and plain torch ops elsewhere
+(``torch_q4``, ``torch_rowwise``); ``Rowwise`` holds one path's RMSNorm, RoPE, SwiGLU, GeGLU and
+activation quantization, and ``Products`` its Q4_0 / Q8_0 products: the layers' ``linear`` and the
+logits' ``linear_residual`` (the second activation level on each row's candidate logits).  Both paths
+have the same arithmetic, so the choice changes speed, not bits (on a GPU; Triton's interpreter differs
+from a fused multiply-add by a rounding, in the products).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 import os
 
 import torch
-from weaved.kernels import torch_q4
+from weaved.kernels import torch_q4, torch_rowwise
 from weaved.kernels.refine_rule import REFINE_MARGIN, REFINE_TOP
-from weaved.kernels.torch_q4 import DeviceWeight, Q8Act, linear_float, quantize_act, quantize_two_level
+from weaved.kernels.torch_q4 import DeviceWeight, Q8Act, linear_float
 
 
 def kernel_path(device: torch.device | str) -> str:
@@ -39,13 +40,37 @@ def kernel_path(device: torch.device | str) -> str:
     return "triton"
 
 
-class Products:
-    """The Q4_0 / Q8_0 products of one kernel path: ``linear(w, x)`` and ``linear_residual(w, x)``."""
+def _check_path(path: str) -> None:
+    if path not in ("torch", "triton"):
+        raise ValueError(f"kernel path must be 'torch' or 'triton', got {path!r}")
+
+
+class Rowwise:
+    """The row-wise operations of one kernel path, each with ``torch_rowwise``'s (or ``torch_q4``'s, for
+    the quantizations) signature and bits: ``rmsnorm``, ``rope``, ``swiglu``, ``geglu``,
+    ``quantize_act``, ``quantize_two_level``."""
 
     def __init__(self, path: str):
-        if path not in ("torch", "triton"):
-            raise ValueError(f"kernel path must be 'torch' or 'triton', got {path!r}")
+        _check_path(path)
         self.path = path
+        if path == "triton":
+            from weaved.kernels import triton_rowwise as rw
+
+            ops, quant = rw, rw
+        else:
+            ops, quant = torch_rowwise, torch_q4
+        self.rmsnorm, self.rope, self.swiglu, self.geglu = ops.rmsnorm, ops.rope, ops.swiglu, ops.geglu
+        self.quantize_act, self.quantize_two_level = quant.quantize_act, quant.quantize_two_level
+
+
+class Products:
+    """The Q4_0 / Q8_0 products of one kernel path: ``linear(w, x)`` and ``linear_residual(w, x)``
+    (activations quantized by ``rows``, the path's ``Rowwise``)."""
+
+    def __init__(self, path: str, rows: Rowwise | None = None):
+        _check_path(path)
+        self.path = path
+        self.rows = rows if rows is not None else Rowwise(path)
         if path == "triton":
             from weaved.kernels import triton_q4
 
@@ -57,7 +82,7 @@ class Products:
         """x float32 [T, n_in] @ W.T -> float32 [T, n_out] (Q8_0 activations for quantized W)."""
         if not w.quantized:
             return linear_float(w, x)
-        return self._linear_q(w, quantize_act(x))
+        return self._linear_q(w, self.rows.quantize_act(x))
 
     def linear_act(self, w: DeviceWeight, a: Q8Act) -> torch.Tensor:
         """``linear`` with activations already quantized (shared by several weights)."""
@@ -72,7 +97,7 @@ class Products:
         if not w.quantized:
             return linear_float(w, x)
         T = x.shape[0]
-        a1, a2 = quantize_two_level(x)
+        a1, a2 = self.rows.quantize_two_level(x)
         y = self._linear_q(w, a1)  # [T, n_out]
         if T == 0:
             return y

@@ -1,6 +1,8 @@
-"""The Triton Q4_0/Q8_0 kernel, run by Triton's interpreter on CPU tensors (the cases are in
-``triton_interp_cases``): a fresh process, because TRITON_INTERPRET must be set before triton is
-first imported, and this one may have imported it already."""
+"""The Triton kernels, run by Triton's interpreter on CPU tensors (the cases are in
+``triton_interp_cases`` - the products and the backend on them -, ``triton_rowwise_cases`` and
+``triton_attention_cases``): a fresh process, because
+TRITON_INTERPRET must be set before triton is first imported, and this one may have imported it
+already."""
 
 from __future__ import annotations
 
@@ -12,14 +14,15 @@ from pathlib import Path
 
 import pytest
 
-CASES = Path(__file__).with_name("triton_interp_cases.py")
+HERE = Path(__file__).parent
+CASES = [HERE / "triton_interp_cases.py", HERE / "triton_rowwise_cases.py", HERE / "triton_attention_cases.py"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_triton_kernel_in_the_interpreter():
+def test_triton_kernels_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("WEAVE_TORCH_KERNELS", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)]
-    r = subprocess.run(cmd, cwd=CASES.parents[2], env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *map(str, CASES)]
+    r = subprocess.run(cmd, cwd=HERE.parents[1], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]

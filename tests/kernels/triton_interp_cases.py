@@ -1,7 +1,7 @@
 """triton_q4 through Triton's interpreter: exact integer block sums, the torch path's arithmetic, and
 the torch backend running on it.
 
-Not collected by default: ``test_triton_q4`` runs this file in a fresh interpreter with
+Not collected by default: ``test_triton_interp`` runs this file in a fresh interpreter with
 TRITON_INTERPRET=1, which Triton reads when it is imported (its own ``tl`` functions are decorated
 then), so it must be set before anything in the process imports triton.
 """
@@ -16,9 +16,12 @@ import torch
 from weaved.kernels import quants
 from weaved.kernels import torch_q4 as tq
 
+from tests.kernels.triton_interp_shim import patch_interpreter
+
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("run by test_triton_q4 with TRITON_INTERPRET=1", allow_module_level=True)
+    pytest.skip("run by test_triton_interp with TRITON_INTERPRET=1", allow_module_level=True)
 triton = pytest.importorskip("triton")
+patch_interpreter()
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +69,9 @@ def test_same_arithmetic_as_the_torch_path(tt, qtype, shape):
     w = tq.DeviceWeight.upload(raw, qtype, N, K, "cpu")
     a = tq.quantize_act(torch.from_numpy((rng.standard_normal((M, K)) * 2).astype(np.float32)))
     got = tt.linear_q(w, a)
-    # the interpreter computes tl.fma as a multiply and an add: the unfused torch path, bit for bit
-    assert torch.equal(got, tq.linear_q(w, a, fused=False))
-    fused = tq.linear_q(w, a)  # a GPU's fma: the CPU kernels' bits; here a few ulps away
-    scale = fused.abs().amax(dim=1, keepdim=True)
-    assert ((got - fused).abs() <= 4 * 2.0**-24 * (K // 32) * scale).all()
+    # with the interpreter's fma rounding once (triton_interp_shim), as a GPU's: the torch path's bits,
+    # which are the CPU kernels'
+    assert torch.equal(got, tq.linear_q(w, a))
     for i in (0, M - 1):  # batch invariant: a row alone
         assert torch.equal(tt.linear_q(w, tq.Q8Act(a.q[i:i + 1], a.d[i:i + 1])), got[i:i + 1])
 
@@ -87,22 +88,25 @@ def test_argument_checks(tt):
     assert tt.linear_q(w, tq.quantize_act(torch.zeros((0, 64)))).shape == (0, 8)
 
 
-def test_torch_backend_on_the_triton_path(tt, tiny_qwen2, monkeypatch):
-    """The backend with its products on the Triton kernel: rows as close to the torch path's as an
-    unfused fma allows (Triton's interpreter), and batch invariant."""
+@pytest.mark.parametrize("model", ["tiny_qwen2", "tiny_gemma3", "tiny_qwen3moe"])
+def test_torch_backend_on_the_triton_path(tt, model, request, monkeypatch):
+    """The backend with every op on Triton (products, row-wise ops, paged attention): the torch path's
+    logits bit for bit (with the interpreter's fma rounding once, as a GPU's), and batch invariant.
+    Gemma 3's sliding windows bite from position 24 on; qwen3moe routes to experts."""
     from tests.oracles import mean_kl, top1_agreement
     from weaved.backends.base import Logits, SeqChunk
     from weaved.backends.torch import TorchBackend
 
-    tokens = np.array([1, 504, 3458, 282, 4649, 314, 253, 1345], np.int32)
-    ref = TorchBackend.from_file(tiny_qwen2, threads=1)
+    path = request.getfixturevalue(model)
+    tokens = (np.arange(28, dtype=np.int32) * 37 + 5) % 400
+    ref = TorchBackend.from_file(path, threads=1)
     monkeypatch.setenv("WEAVE_TORCH_KERNELS", "triton")
-    be = TorchBackend.from_file(tiny_qwen2, threads=1)
-    assert (ref.kernels, be.kernels) == ("torch", "triton")
-    want = ref.forward([SeqChunk(ref.new_kv(16), tokens, Logits.ALL)])[0]
-    got = be.forward([SeqChunk(be.new_kv(16), tokens, Logits.ALL)])[0]
-    assert mean_kl(want, got) < 1e-5 and top1_agreement(want, got) == 1.0
-    kv = be.new_kv(16)
-    be.forward([SeqChunk(kv, tokens[:5], Logits.NONE)])
-    rows = be.forward([SeqChunk(be.new_kv(4), tokens[:2]), SeqChunk(kv, tokens[5:], Logits.ALL)])[1]
-    assert np.array_equal(rows, got[5:])
+    be = TorchBackend.from_file(path, threads=1)
+    assert (ref.kernels, be.kernels, be._paged_kernel, be._ops.path) == ("torch", "triton", True, "triton")
+    want = ref.forward([SeqChunk(ref.new_kv(64), tokens, Logits.ALL)])[0]
+    got = be.forward([SeqChunk(be.new_kv(64), tokens, Logits.ALL)])[0]
+    assert np.array_equal(want, got), (mean_kl(want, got), top1_agreement(want, got))
+    kv = be.new_kv(64)
+    be.forward([SeqChunk(kv, tokens[:22], Logits.NONE)])
+    rows = be.forward([SeqChunk(be.new_kv(8), tokens[:2]), SeqChunk(kv, tokens[22:], Logits.ALL)])[1]
+    assert np.array_equal(rows, got[22:])

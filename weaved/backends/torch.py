@@ -33,11 +33,12 @@ from weaved.backends.base import Backend, BackendStats, Logits, SeqChunk
 from weaved.backends.rope import kernel_rope
 from weaved.backends.torch_experts import experts_ffn
 from weaved.backends.torch_paged import PagedKV
+from weaved.backends.torch_step import PagedStep
 from weaved.backends.torch_weights import upload_model
 from weaved.kernels.torch_attention import attend
 from weaved.kernels.torch_products import Products, kernel_path
-from weaved.kernels.torch_q4 import DeviceWeight, embed_rows, linear_float, quantize_act
-from weaved.kernels.torch_rowwise import RopeTable, geglu, gelu_table, rmsnorm, rope, swiglu
+from weaved.kernels.torch_q4 import DeviceWeight, embed_rows, linear_float
+from weaved.kernels.torch_rowwise import RopeTable, gelu_table
 from weaved.kv.cache import KVCache
 from weaved.model.config import ModelConfig, RopeStyle
 from weaved.model.gguf_file import GGUFFile
@@ -64,6 +65,7 @@ class TorchBackend(Backend):
         self._io_h2d = self._io_d2h = 0  # token ids and positions in, logits out (the mirrors count KV)
         self.kernels = kernel_path(self.device)  # "triton" or "torch"
         self._products = Products(self.kernels)
+        self._ops = self._products.rows  # RMSNorm, RoPE, SwiGLU/GeGLU, quantization of this path
         self.weights = upload_model(gguf, config, self.device)
         self._rope = RopeTable(kernel_rope(config, config.rope), self.device)
         self._rope_swa = (RopeTable(kernel_rope(config, config.rope_swa), self.device) if config.rope_swa is not None
@@ -73,6 +75,9 @@ class TorchBackend(Backend):
             kv_bytes = kv_bytes(self.weights.nbytes)
         self._kv = PagedKV(config, self.device, kv_bytes if kv_bytes is not None else default_kv_bytes(self.device))
         self._scale = config.scores_scale
+        # the Triton attention kernel needs a power-of-two head size of 16 or more (every model served)
+        D = config.head_dim
+        self._paged_kernel = self.kernels == "triton" and D >= 16 and D & (D - 1) == 0
         gguf.release_pages()  # uploaded: the file's pages need not stay in our resident set
 
     @classmethod
@@ -132,7 +137,7 @@ class TorchBackend(Backend):
     # ---- products -------------------------------------------------------------------------------
     def _project(self, ws: tuple[DeviceWeight, ...], h: torch.Tensor) -> torch.Tensor:
         """h float32 [T, n_in] through one or more matrices that read it -> [T, sum of n_out]."""
-        a = quantize_act(h) if any(w.quantized for w in ws) else None  # one quantization for all
+        a = self._ops.quantize_act(h) if any(w.quantized for w in ws) else None  # one quantization for all
         ys = [self._products.linear_act(w, a) if w.quantized else linear_float(w, h) for w in ws]
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
@@ -189,9 +194,13 @@ class TorchBackend(Backend):
         qd, kd = cfg.q_dim, cfg.kv_dim
         neox = cfg.rope_style == RopeStyle.NEOX
         new_kv = torch.empty((cfg.n_layers, 2, Hkv, T, D), dtype=torch.float16, device=dev)  # this step's rows
+        # on the Triton path every row attends in one launch per layer over the pool (torch_step)
+        paged = PagedStep.build(self._kv, tables, slots, pos0, lens, dev) if self._paged_kernel else None
         x = embed_rows(W.embedding, ids)  # [T, d_model]
         if cfg.embed_scale != 1.0:
             x = x * float(np.float32(cfg.embed_scale))
+        ops = self._ops
+        rmsnorm, rope = ops.rmsnorm, ops.rope
         for li, L in enumerate(W.layers):
             h = rmsnorm(x, L.attn_norm, cfg.rms_eps)
             qkv = self._project(L.wqkv, h)  # [T, q_dim + 2*kv_dim]
@@ -209,14 +218,18 @@ class TorchBackend(Backend):
             k = rope(k, c, s_, neox)
             new_kv[li, 0] = k.transpose(0, 1)  # [Hkv, T, D], rounded to float16 (nearest even)
             new_kv[li, 1] = v.transpose(0, 1)
-            y = self._project((L.wo,), self._attention(li, q, new_kv, tables, slots, starts, pos0, window))
+            if paged is not None:
+                att = paged.attend(self._kv.pool[li], new_kv[li], q, window, self._scale)
+            else:
+                att = self._attention(li, q, new_kv, tables, slots, starts, pos0, window)
+            y = self._project((L.wo,), att)
             x = x + (rmsnorm(y, L.post_attn_norm, cfg.rms_eps) if L.post_attn_norm is not None else y)
             h = rmsnorm(x, L.ffn_norm, cfg.rms_eps)
             if L.experts is not None:
-                y = experts_ffn(h, L.experts, cfg.n_experts_used, self._project)
+                y = experts_ffn(h, L.experts, cfg.n_experts_used, self._project, ops.swiglu)
             else:
                 gu = self._project(L.wgu, h)
-                y = self._project((L.wdown,), geglu(gu, self._gelu) if self._gelu is not None else swiglu(gu))
+                y = self._project((L.wdown,), ops.geglu(gu, self._gelu) if self._gelu is not None else ops.swiglu(gu))
             x = x + (rmsnorm(y, L.post_ffn_norm, cfg.rms_eps) if L.post_ffn_norm is not None else y)
 
         logits = self._logits(chunks, x, starts)
@@ -262,7 +275,7 @@ class TorchBackend(Backend):
             rows.extend(sel)
             counts.append(len(sel))
         if rows:
-            hs = rmsnorm(x[torch.tensor(rows, device=x.device)], self.weights.output_norm, cfg.rms_eps)
+            hs = self._ops.rmsnorm(x[torch.tensor(rows, device=x.device)], self.weights.output_norm, cfg.rms_eps)
             logits = self._products.linear_residual(self.weights.output, hs).cpu().numpy()  # [n_rows, vocab]
             self._io_d2h += logits.nbytes
         else:

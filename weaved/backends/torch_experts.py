@@ -44,15 +44,16 @@ def upload_experts(gguf: GGUFFile, cfg: ModelConfig, layer: int, device: torch.d
     return DeviceExperts(router, gu, dn)
 
 
-def experts_ffn(h: torch.Tensor, ex: DeviceExperts, k: int, project: Project) -> torch.Tensor:
-    """h float32 [T, d] (the FFN norm's output) -> float32 [T, d]."""
+def experts_ffn(h: torch.Tensor, ex: DeviceExperts, k: int, project: Project,
+                glu: Callable[[torch.Tensor], torch.Tensor] = swiglu) -> torch.Tensor:
+    """h float32 [T, d] (the FFN norm's output) -> float32 [T, d]; ``glu``: the kernel path's SwiGLU."""
     T, d = h.shape
     ids, wts = route(h, ex.router, k)
     flat, wflat = ids.reshape(-1), wts.reshape(-1)
     ys = torch.empty((T * k, d), dtype=torch.float32, device=h.device)
     for e in torch.unique(flat).tolist():
         rows = torch.nonzero(flat == e).squeeze(1)  # (token, slot) rows routed to expert e
-        y = project((ex.down[e],), swiglu(project((ex.gate_up[e],), h[rows // k])))
+        y = project((ex.down[e],), glu(project((ex.gate_up[e],), h[rows // k])))
         ys[rows] = y * wflat[rows].unsqueeze(-1)
     ys = ys.reshape(T, k, d)
     out = ys[:, 0]

@@ -1,0 +1,52 @@
+"""Two corrections to Triton 3.6's interpreter, so the kernels' tests can hold it to bits.
+
+* Runtime loop bounds under numpy 2: the interpreter holds a scalar as a one-element array and gives
+  Python its ``int`` through ``int(array)``, which numpy 2 refuses for arrays that are not
+  0-dimensional, so ``range(n)`` over a runtime ``n`` (a kernel argument, a value loaded from memory)
+  fails there, though it compiles and runs on a GPU.  ``allow_runtime_loop_bounds`` makes it read the
+  one element.
+* ``tl.fma``: the interpreter computes a multiply and an add, two roundings, where a GPU rounds once.
+  ``exact_fma`` makes it form the product in float64 (exact for float32 operands) and round the sum
+  once - the torch path's own emulation of an fma, so a kernel's results can be compared with it bit
+  for bit.  (Both differ from a true fma only when the float64 sum lands exactly on a float32 rounding
+  midpoint, about 2**-29 of the time.)
+
+They touch only the interpreter (TRITON_INTERPRET=1), which the kernels' tests use.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def allow_runtime_loop_bounds() -> None:
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_weave_index_patch", False):
+        return
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._weave_index_patch = True
+
+
+def exact_fma() -> None:
+    from triton.runtime import interpreter
+
+    def create_fma(self, x, y, z):
+        if z.data.dtype == np.float32:
+            out = (x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64))
+            return interpreter.TensorHandle(out.astype(np.float32), z.dtype.scalar)
+        return interpreter.TensorHandle(x.data * y.data + z.data, z.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_fma = create_fma
+
+
+def patch_interpreter() -> None:
+    """Both corrections."""
+    allow_runtime_loop_bounds()
+    exact_fma()

@@ -1,0 +1,60 @@
+"""A step's rows as the Triton attention kernel reads them (the torch backend's path on CUDA).
+
+``PagedStep`` is built once per step: every sequence's block table as one padded int32 tensor, each
+row's sequence and position, and where each new row's K/V go in the pool.  Per layer ``attend`` stores
+the layer's new rows with one indexed copy and runs ``triton_attention.paged_attention`` over all rows
+in one launch - instead of gathering each sequence's blocks into one run of keys and attending per
+sequence (the torch path, and on torch's CPU device the tests' reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from weaved.backends.torch_paged import PagedKV, Table
+
+
+@dataclass
+class PagedStep:
+    tables: torch.Tensor  # int32 [S, max_blocks]: sequence s's block of positions [i*B, (i+1)*B)
+    seq: torch.Tensor  # int32 [T]: each row's sequence
+    pos: torch.Tensor  # int32 [T]: each row's position
+    blk: torch.Tensor  # int64 [T]: the pool block its new K/V row goes to
+    off: torch.Tensor  # int64 [T]: its offset in that block
+    _lo: dict[int, torch.Tensor] = field(default_factory=dict)  # first key per row, per sliding window
+
+    @classmethod
+    def build(cls, kv: PagedKV, tables: list[Table], slots: list[tuple[torch.Tensor, torch.Tensor]],
+              pos0: list[int], lens: list[int], device: torch.device) -> PagedStep:
+        ids = [kv.ids(t) for t in tables]
+        width = max(int(i.numel()) for i in ids)
+        tab = torch.zeros((len(ids), width), dtype=torch.int32, device=device)
+        for s, i in enumerate(ids):
+            tab[s, :i.numel()] = i
+        seq = torch.cat([torch.full((n,), s, dtype=torch.int32, device=device) for s, n in enumerate(lens)])
+        pos = torch.cat([torch.arange(p, p + n, dtype=torch.int32, device=device)
+                         for p, n in zip(pos0, lens, strict=True)])
+        blk = torch.cat([b for b, _ in slots])
+        off = torch.cat([o for _, o in slots])
+        return cls(tab, seq, pos, blk, off)
+
+    def first_keys(self, window: int) -> torch.Tensor:
+        """Each row's first key: 0, or on a sliding-window layer the first of its last ``window``."""
+        lo = self._lo.get(window)
+        if lo is None:
+            lo = (torch.clamp(self.pos + 1 - window, min=0) if window else torch.zeros_like(self.pos)).to(torch.int32)
+            self._lo[window] = lo
+        return lo
+
+    def attend(self, pool: torch.Tensor, new_rows: torch.Tensor, q: torch.Tensor, window: int, scale: float
+               ) -> torch.Tensor:
+        """Store one layer's new rows (new_rows float16 [2, Hkv, T, D]) in its pool (float16 [n_blocks, 2,
+        Hkv, B, D]), then attend every row: q float32 [T, H, D] -> float32 [T, H * D]."""
+        from weaved.kernels.triton_attention import paged_attention
+
+        pool[self.blk, :, :, self.off] = new_rows.permute(2, 0, 1, 3)  # [T, 2, Hkv, D] into their slots
+        T, H, D = q.shape
+        return paged_attention(q, pool, self.tables, self.seq, self.pos, self.first_keys(window), scale
+                               ).reshape(T, H * D)
