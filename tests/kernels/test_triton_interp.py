@@ -1,8 +1,7 @@
 """The Triton kernels, run by Triton's interpreter on CPU tensors (the cases are in
 ``triton_interp_cases`` - the products and the backend on them -, ``triton_rowwise_cases`` and
-``triton_attention_cases``): a fresh process, because
-TRITON_INTERPRET must be set before triton is first imported, and this one may have imported it
-already."""
+``triton_attention_cases``): a fresh process, because TRITON_INTERPRET must be set before triton is
+first imported, and this one may have imported it already."""
 
 from __future__ import annotations
 
