@@ -75,8 +75,10 @@ class Products:
             from weaved.kernels import triton_q4
 
             self._linear_q = triton_q4.linear_q
+            self._pair_dots = triton_q4.pair_dots
         else:
             self._linear_q = torch_q4.linear_q
+            self._pair_dots = None
 
     def linear(self, w: DeviceWeight, x: torch.Tensor) -> torch.Tensor:
         """x float32 [T, n_in] @ W.T -> float32 [T, n_out] (Q8_0 activations for quantized W)."""
@@ -104,6 +106,10 @@ class Products:
         # the threshold: max - margin (float32), raised to the k-th largest value
         lo = y.max(dim=1).values - margin  # [T]
         thr = torch.maximum(lo, torch.topk(y, min(int(top), w.n_out), dim=1).values[:, -1])
+        if self._pair_dots is not None:  # every row's candidates in one launch, no host sync per row
+            rows, cols = torch.nonzero(y >= thr.unsqueeze(1), as_tuple=True)
+            y[rows, cols] = y[rows, cols] + self._pair_dots(w, a2, rows, cols)
+            return y
         for t in range(T):
             sel = torch.nonzero(y[t] >= thr[t]).flatten()  # [n]
             rows = DeviceWeight(w.qtype, int(sel.numel()), w.n_in, w.data[sel])

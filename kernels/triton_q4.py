@@ -1,4 +1,5 @@
-"""The Q4_0 / Q8_0 x Q8_0 product as a Triton kernel (the torch backend's on CUDA).
+"""The Q4_0 / Q8_0 x Q8_0 product as a Triton kernel (the torch backend's on CUDA), and ``pair_dots``:
+chosen elements of it (the logits' candidates, every row's in one launch).
 
 The arithmetic of the CPU kernels and of ``torch_q4.linear_q``: one program computes a
 [BLOCK_M, BLOCK_N] tile of y = x @ W.T by walking the K blocks in order b = 0, 1, ...; block b's
@@ -80,4 +81,56 @@ def linear_q(w: DeviceWeight, a: Q8Act) -> torch.Tensor:
     return y
 
 
-__all__ = ["linear_q", "Q4_0"]
+
+
+
+@triton.jit
+def _pair_dots(x_ptr, xd_ptr, w_ptr, t_ptr, n_ptr, y_ptr, P, NB: tl.constexpr, QTYPE: tl.constexpr,
+               BSZ: tl.constexpr, BLOCK_P: tl.constexpr):
+    """y[p] = row t[p] of x (int8 [T, NB*32], scales [T, NB]) . row n[p] of W (raw blocks [N, NB, BSZ]),
+    for pairs p of a block of BLOCK_P: every element of ``_q_matmul``'s, by its arithmetic."""
+    pp = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    mp = pp < P
+    t = tl.load(t_ptr + pp, mask=mp, other=0).to(tl.int64)
+    n = tl.load(n_ptr + pp, mask=mp, other=0).to(tl.int64)
+    kk = tl.arange(0, 32)
+    acc = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for b in range(0, NB):
+        x = tl.load(x_ptr + t[:, None] * (NB * 32) + b * 32 + kk[None, :], mask=mp[:, None], other=0).to(tl.int32)
+        dx = tl.load(xd_ptr + t * NB + b, mask=mp, other=0.0)
+        wb = w_ptr + n * (NB * BSZ) + b * BSZ
+        lo = tl.load(wb, mask=mp, other=0).to(tl.uint16)
+        hi = tl.load(wb + 1, mask=mp, other=0).to(tl.uint16)
+        dw = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        if QTYPE == 2:
+            byte = tl.load(wb[:, None] + 2 + (kk[None, :] % 16), mask=mp[:, None], other=0).to(tl.int32)
+            w = ((byte >> ((kk[None, :] // 16) * 4)) & 15) - 8
+        else:
+            w = tl.load(wb[:, None] + 2 + kk[None, :], mask=mp[:, None], other=0).to(tl.int8, bitcast=True).to(tl.int32)
+        isum = tl.sum(x * w, axis=1)  # exact: integers
+        acc = tl.fma(isum.to(tl.float32), dx * dw, acc)
+    tl.store(y_ptr + pp, acc, mask=mp)
+
+
+def pair_dots(w: DeviceWeight, a: Q8Act, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """float32 [P]: element (rows[p], cols[p]) of ``linear_q(w, a)``, the same bits, for P pairs in one
+    launch (the logits' refinement: a row's candidates only).  rows, cols int64 [P]."""
+    if w.qtype not in BLOCK_BYTES:
+        raise ValueError(f"triton pair_dots needs Q4_0 or Q8_0 weights, got type {w.qtype}")
+    check_tensor("a.q", a.q, torch.int8, 3)
+    check_tensor("rows", rows, torch.int64, 1)
+    check_tensor("cols", cols, torch.int64, 1)
+    T, nb = a.q.shape[0], a.q.shape[1]
+    if nb * QK != w.n_in or rows.shape != cols.shape:
+        raise ValueError(f"activations [{T}, {nb * QK}] and weight [{w.n_out}, {w.n_in}], or pairs, do not match")
+    P = rows.shape[0]
+    y = torch.empty((P,), dtype=torch.float32, device=w.data.device)
+    if P:
+        block = 32
+        _pair_dots[(triton.cdiv(P, block),)](a.q.contiguous(), a.d.contiguous(), w.data, rows.contiguous(),
+                                             cols.contiguous(), y, P, nb, QTYPE=w.qtype, BSZ=BLOCK_BYTES[w.qtype],
+                                             BLOCK_P=block, enable_fp_fusion=False)
+    return y
+
+
+__all__ = ["linear_q", "pair_dots", "Q4_0"]

@@ -110,3 +110,24 @@ def test_torch_backend_on_the_triton_path(tt, model, request, monkeypatch):
     be.forward([SeqChunk(kv, tokens[:22], Logits.NONE)])
     rows = be.forward([SeqChunk(be.new_kv(8), tokens[:2]), SeqChunk(kv, tokens[22:], Logits.ALL)])[1]
     assert np.array_equal(rows, got[22:])
+
+
+@pytest.mark.parametrize("qtype", [tq.Q4_0, tq.Q8_0])
+def test_pair_dots_are_elements_of_the_product_and_refine_every_row_in_one_launch(tt, qtype):
+    from weaved.kernels.torch_products import Products
+
+    rng = np.random.default_rng(qtype)
+    N, K, T = 300, 96, 5
+    raw = (quants.quantize_q4_0 if qtype == tq.Q4_0 else quants.quantize_q8_0)(
+        rng.standard_normal((N, K)).astype(np.float32))
+    w = tq.DeviceWeight.upload(raw, qtype, N, K, "cpu")
+    a = tq.quantize_act(torch.from_numpy(rng.standard_normal((T, K)).astype(np.float32)))
+    full = tt.linear_q(w, a)
+    rows = torch.from_numpy(rng.integers(0, T, 77))
+    cols = torch.from_numpy(rng.integers(0, N, 77))
+    assert torch.equal(tt.pair_dots(w, a, rows, cols), full[rows, cols])
+    assert tt.pair_dots(w, a, rows[:0], cols[:0]).shape == (0,)
+    x = torch.from_numpy((rng.standard_normal((T, K)) * 3).astype(np.float32))
+    for margin, top in ((2.0, 40), (0.5, 3), (50.0, 300)):  # a few candidates a row, or all of them
+        assert torch.equal(Products("triton").linear_residual(w, x, margin, top),
+                           Products("torch").linear_residual(w, x, margin, top))
