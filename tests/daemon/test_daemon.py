@@ -440,3 +440,23 @@ def test_events_keep_a_backlog_for_new_subscribers():
 
     fresh, late = asyncio.run(main())
     assert fresh == [-1] and late == [BACKLOG + 2, BACKLOG + 3, BACKLOG + 4, -1]
+
+
+def test_stateless_requests_copy_the_short_prompt_blocks_they_share(daemon, tiny_llama, tmp_path):
+    """A request without a session whose prompt starts like an earlier one's gets those 16-token blocks'
+    KV rows copied, not computed - and the same answer as a daemon that computes them."""
+    common = "Please answer in one short line, and be kind, and be precise, and be brief, and be clear: "
+    run_turn(daemon, None, common + "what is the sea?")
+    before = prefilled(daemon)
+    ev, h = run_turn(daemon, None, common + "what is bread?")
+    fed = prefilled(daemon) - before
+    assert h.cached_tokens >= 32 and fed == h.prompt_tokens - h.cached_tokens
+    assert daemon.store.hot.status()["hits"] == 1
+    fresh = make_daemon(tiny_llama, tmp_path / "fresh")
+    try:
+        ev_fresh, h_fresh = run_turn(fresh, None, common + "what is bread?")
+    finally:
+        fresh.shutdown()
+    assert h_fresh.cached_tokens == 0
+    tokens = [[e["token"] for e in evs if e["type"] == "token"] for evs in (ev, ev_fresh)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) > 3

@@ -191,3 +191,53 @@ def test_a_memory_only_session_shares_publishes_and_unshares_prefixes_without_a_
     store.delete("b")
     assert store.settle(5.0) and store.reserved_bytes() == store.prefixes.nbytes()
     assert store.prefixes.status()["in_use"] == 0
+
+
+def test_short_prefixes_are_copied_block_by_block_and_leave_a_token_to_feed(tmp_path):
+    from weaved.kv.hot_prefixes import BLOCK as HOT
+
+    store = KVStore(tmp_path, CFG)
+    prompt = tokens(3 * HOT + 5, seed=3)  # 53 tokens: three full short blocks
+    a = store.create("a", capacity=512, memory_only=True)
+    store.reserve(a, len(prompt))
+    rows = fill(a, 0, len(prompt), seed=4)
+    assert store.keep_prefix(a, prompt) == 3 and store.keep_prefix(a, prompt) == 0  # kept once
+    b = store.create("b", capacity=512)
+    other = prompt[: 2 * HOT] + tokens(20, seed=8)  # the same first two blocks, then its own
+    assert store.cached_prefix(other) == 2 * HOT
+    assert store.copy_prefix(b, other, 0) == 2 * HOT and b.length == 2 * HOT
+    assert np.array_equal(b.data[:, :, :, : 2 * HOT], rows[:, :, :, : 2 * HOT])
+    c = store.create("c", capacity=512)
+    assert store.copy_prefix(c, prompt[: 3 * HOT], 0) == 2 * HOT  # all of it would leave nothing to feed
+    d = store.create("d", capacity=512)
+    assert store.copy_prefix(d, tokens(40, seed=9), 0) == 0  # nothing in common
+    assert store.hot.status()["hits"] == 2 and store.hot.status()["copied_tokens"] == 4 * HOT
+    # a changed token early on changes every later block's key
+    changed = list(prompt)
+    changed[3] = (changed[3] + 1) % 100
+    assert store.cached_prefix(changed) == 0
+
+
+def test_short_prefixes_past_a_prefix_file_and_their_memory_bound(tmp_path):
+    from weaved.kv.hot_prefixes import BLOCK as HOT
+
+    bpt = CFG.kv_bytes_per_token
+    store = KVStore(tmp_path, CFG, cap_bytes=16 * 5 * HOT * bpt)  # short prefixes get a sixteenth: 5 blocks
+    prompt = tokens(BLOCK + 2 * HOT + 3, seed=5)
+    a = store.create("a", capacity=1024)
+    store.reserve(a, len(prompt))
+    rows = fill(a, 0, len(prompt), seed=6)
+    assert store.publish_prefix(a, prompt) == BLOCK  # the 128-position block: a prefix file
+    assert store.keep_prefix(a, prompt) == 2  # only what follows it is kept short
+    b = store.create("b", capacity=1024)
+    shared = store.share_prefix(b, prompt)
+    assert shared == BLOCK and store.copy_prefix(b, prompt, shared) == BLOCK + 2 * HOT
+    assert np.array_equal(b.data[:, :, :, : BLOCK + 2 * HOT], rows[:, :, :, : BLOCK + 2 * HOT])
+    for i in range(4):  # more short prompts than fit: the least recently used blocks go
+        p = tokens(HOT + 1, seed=20 + i)
+        kv = store.create(f"s{i}", capacity=64, memory_only=True)
+        store.reserve(kv, len(p))
+        fill(kv, 0, len(p), seed=i)
+        store.keep_prefix(kv, p)
+    assert len(store.hot) == 5 and store.tiers()["short_prefixes"]["blocks"] == 5
+    assert KVStore(tmp_path / "off", CFG, share=False).keep_prefix(a, prompt) == 0

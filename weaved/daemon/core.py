@@ -374,7 +374,7 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
                 check_fits(s, keep, new, params.max_tokens)
                 constraint = turn_constraint(plan, params)
                 # a fresh session's prompt may start with a stored prefix: its prefill cost is the rest
-                cached = self.store.prefixes.covered(new[:-1]) if (
+                cached = self.store.cached_prefix(new[:-1]) if (
                     not s.committed and isinstance(s.kv, KVCache) and self.store.share) else 0
                 moved, predicted = self._admit(s, new[cached:], params, sla or s.sla, answer)
             except WeaveError:
@@ -394,11 +394,14 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
             first = not s.committed  # the session's first turn: its prompt may start with a stored prefix
             if first and isinstance(s.kv, KVCache):
                 shared = self.store.share_prefix(s.kv, new)
-                if shared:  # those rows are mapped, not computed: the turn feeds the rest
-                    s.committed.extend(new[:shared])
+                held = self.store.copy_prefix(s.kv, new, shared)  # kept short blocks past it, copied
+                if held:  # those rows are mapped or copied, not computed: the turn feeds the rest
+                    s.committed.extend(new[:held])
                     if not s.ephemeral:
-                        self.journal.commit_tokens(s.id, new[:shared], shared)
-                    new, keep = new[shared:], shared
+                        if self.fsync and held > shared:
+                            self.store.flush(s.kv)  # the copied rows reach the disk before the journal
+                        self.journal.commit_tokens(s.id, new[:held], held)
+                    new, keep = new[held:], held
             resla = sla is not None and sla.cls != s.sla.cls
             if sla is not None and sla != s.sla:
                 s.sla = sla
@@ -519,7 +522,9 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
         if kind not in ("done", "error"):
             if first and kind == "token" and len(seq.generated) == 1:
                 # the prompt is fed: its blocks can be shared now, while this turn decodes (its rows there
-                # do not change any more), not only once it ends
+                # do not change any more), not only once it ends - its short tail blocks at once (a copy of
+                # a few blocks), its 128-position blocks as a prefix file off this thread
+                self._keep_short_prefix(s)
                 self._publish_later(s, drop=False)
             emit(ev)
             return
@@ -536,6 +541,15 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
             if s.ephemeral and not publishing:  # else the publisher drops it once its rows are copied
                 self._drop_ephemeral(s)
             seq.ended.set()
+
+    def _keep_short_prefix(self, s: Session) -> None:
+        with self._lock:
+            tokens = list(s.committed) if self.sessions.get(s.id) is s else []
+        if tokens and isinstance(s.kv, KVCache):
+            try:
+                self.store.keep_prefix(s.kv, tokens)
+            except Exception:  # not kept is a later prefill, nothing worse
+                log.exception("session %s: keeping its short prefix failed", s.id)
 
     def _publish_later(self, s: Session, drop: bool) -> bool:
         """Queue storing the full blocks of a session's committed context as a shared prefix, off the

@@ -39,7 +39,10 @@ from pathlib import Path
 import numpy as np
 
 from weaved.kv.cache import KVCache, SharedRows
+from weaved.kv.hot_prefixes import BLOCK as HOT_BLOCK
+from weaved.kv.hot_prefixes import HotPrefixes
 from weaved.kv.mapping import FileMapping
+from weaved.kv.prefixes import BLOCK as PREFIX_BLOCK
 from weaved.kv.prefixes import PrefixStore
 from weaved.kv.releaser import Releaser
 from weaved.kv.tiers import allocated_bytes, file_resident_bytes, punch_hole, resident_bytes
@@ -49,6 +52,7 @@ FORMAT_VERSION = 1
 LAYOUT = "[layer][k|v][kv_head][position][head_dim]"
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+HOT_CAP_BYTES = 64 << 20  # memory for short shared prefixes (hot_prefixes)
 
 
 class KVStoreError(Exception):
@@ -99,6 +103,10 @@ class KVStore:
         self.prefixes = PrefixStore(self.dir / "prefixes", config, self.fingerprint,
                                     cap_bytes=None if cap_bytes is None else cap_bytes // 4)
         self.share = share  # False: no prefix is published or mapped (what reuse saves can be measured)
+        # short prefixes (hot_prefixes): blocks of 16 positions copied, beside the mapped 128-position
+        # files; HOT_CAP_BYTES of memory, or a sixteenth of a smaller KV cap
+        hot = min(HOT_CAP_BYTES, cap_bytes // 16) if cap_bytes is not None else HOT_CAP_BYTES
+        self.hot = HotPrefixes(self.fingerprint, HOT_BLOCK * config.kv_bytes_per_token, hot if share else 0)
         self._lock = threading.Lock()
         self._releaser = Releaser("kv-release")  # deleted files let go of off the deleting thread
         self._open: dict[str, _Session] = {}
@@ -305,6 +313,39 @@ class KVStore:
         s.reserved = max(s.reserved, n)
         self.prefixes.use(key, session_id)
         return True
+
+    def copy_prefix(self, kv: KVCache, tokens: list[int], start: int) -> int:
+        """Past the ``start`` positions a new session holds (0, or a mapped prefix's), copy in the kept
+        16-token blocks of ``tokens`` that follow (``hot_prefixes``; at least one token is left to feed);
+        the positions it holds then.  Nothing is copied when the KV cap has no room for them."""
+        if not self.share or kv.length != start:
+            return kv.length
+        blocks = self.hot.take(tokens, start, len(tokens) - 1)
+        if not blocks:
+            return start
+        end = start + len(blocks) * HOT_BLOCK
+        try:
+            self.reserve(kv, end)
+        except KVStoreError:
+            return start
+        for i, rows in enumerate(blocks):
+            kv.data[:, :, :, start + i * HOT_BLOCK:start + (i + 1) * HOT_BLOCK] = rows
+        kv.length = end
+        return end
+
+    def keep_prefix(self, kv: KVCache, tokens: list[int]) -> int:
+        """Keep the short blocks of a first turn's fed prompt ``tokens`` for later sessions to copy: those
+        past its last full 128-position block (which a prefix file holds), or all of a shorter prompt -
+        a few blocks, so the copy is small; how many were added."""
+        if not self.share or len(tokens) > kv.length:
+            return 0
+        return self.hot.keep(kv.data, tokens, start=(len(tokens) // PREFIX_BLOCK) * PREFIX_BLOCK)
+
+    def cached_prefix(self, tokens: list[int]) -> int:
+        """Positions of ``tokens`` a new session would not compute: a prefix file's, then kept short blocks."""
+        if not self.share:
+            return 0
+        return self.hot.covered(tokens, self.prefixes.covered(tokens))
 
     def unshare(self, kv: KVCache, keep: int) -> None:
         """Before positions from ``keep`` on are rewritten: if a shared prefix covers them, the session
@@ -536,5 +577,6 @@ class KVStore:
                 "cap_bytes": self.cap_bytes,
                 "sessions": len(ids) + len(in_memory),
                 "prefixes": self.prefixes.status(),
+                "short_prefixes": self.hot.status(),
             }
 
