@@ -24,7 +24,9 @@ def batched_rate(opts: LoadOptions, say: Callable[[str], None]) -> float | None:
     from weaved.bench.harness import filler_tokens
     from weaved.bench.runner import measure_in_subprocess
 
-    cfg = BenchConfig.quick(opts.model, opts.threads, ("batch16_tps",))
+    # the median of three repetitions of 32 steps (a second or two): one short repetition swung by a third
+    # from run to run on a shared host, and this rate is the run's yardstick
+    cfg = BenchConfig(opts.model, opts.threads, ("batch16_tps",), rounds=1, reps=3)
     say("measuring the engine's batched rate (16 sequences)")
     try:
         return float(measure_in_subprocess("weave", cfg, filler_tokens(opts.model, cfg.tokens_needed))["batch16_tps"])
