@@ -32,19 +32,21 @@ import os
 import re
 import threading
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from enum import Enum
 from pathlib import Path
 
 import numpy as np
 
-from weaved.kv.cache import KVCache, SharedRows
+from weaved.kv.cache import KVCache
+from weaved.kv.errors import DiskFull, KVCapExceeded, KVStoreError
 from weaved.kv.hot_prefixes import BLOCK as HOT_BLOCK
 from weaved.kv.hot_prefixes import HotPrefixes
 from weaved.kv.mapping import FileMapping
-from weaved.kv.prefixes import BLOCK as PREFIX_BLOCK
+from weaved.kv.open_session import OpenSession
 from weaved.kv.prefixes import PrefixStore
 from weaved.kv.releaser import Releaser
+from weaved.kv.store_prefixes import PrefixSharing
 from weaved.kv.tiers import allocated_bytes, file_resident_bytes, punch_hole, resident_bytes
 from weaved.model.config import ModelConfig
 
@@ -55,39 +57,14 @@ _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 HOT_CAP_BYTES = 64 << 20  # memory for short shared prefixes (hot_prefixes)
 
 
-class KVStoreError(Exception):
-    """A KV file operation failed; the message says which session and why."""
-
-
-class KVCapExceeded(KVStoreError):
-    """Reserving more positions would exceed the store's cap on total KV bytes."""
-
-    http_status = 503  # the node is full: retry later, or free sessions
-
-
-class DiskFull(KVStoreError):
-    """The file system could not allocate blocks for the positions to be written."""
-
-
 def model_fingerprint(config: ModelConfig) -> str:
     """Short hash of every hyper-parameter: KV made under any other config is meaningless."""
     fields = {k: (v.value if isinstance(v, Enum) else v) for k, v in asdict(config).items()}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-@dataclass
-class _Session:
-    capacity: int
-    reserved: int  # positions [0, reserved) are backed by allocated blocks (or a shared prefix)
-    mm: FileMapping
-    data: np.ndarray  # [n_layers, 2, n_kv_heads, capacity, head_dim] float16 over mm
-    prefix: str | None = None  # the shared prefix file mapped over its first positions
-    shared: int = 0  # positions [0, shared) are that prefix's pages (read-only)
-    memory_only: bool = False  # no file: private memory, for a session that never outlives its request
-
-
-class KVStore:
-    """Per-session KV files under ``data_dir`` for one model."""
+class KVStore(PrefixSharing):
+    """Per-session KV files under ``data_dir`` for one model (sharing prefixes: ``store_prefixes``)."""
 
     def __init__(self, data_dir: Path, config: ModelConfig, cap_bytes: int | None = None, chunk: int = 256,
                  share: bool = True):
@@ -109,7 +86,7 @@ class KVStore:
         self.hot = HotPrefixes(self.fingerprint, HOT_BLOCK * config.kv_bytes_per_token, hot if share else 0)
         self._lock = threading.Lock()
         self._releaser = Releaser("kv-release")  # deleted files let go of off the deleting thread
-        self._open: dict[str, _Session] = {}
+        self._open: dict[str, OpenSession] = {}
         self._ids: weakref.WeakKeyDictionary[KVCache, str] = weakref.WeakKeyDictionary()
         # Files left by an earlier run count against the cap by their allocated blocks until opened.
         bpt = config.kv_bytes_per_token
@@ -243,7 +220,7 @@ class KVStore:
         data = mm.array(self._shape(capacity), np.float16)
         kv = KVCache(data, length)
         # Committed rows were written, so their blocks exist; reserve() allocates from there on.
-        self._open[session_id] = _Session(capacity, reserved=length, mm=mm, data=data, memory_only=memory_only)
+        self._open[session_id] = OpenSession(capacity, reserved=length, mm=mm, data=data, memory_only=memory_only)
         self._ids[kv] = session_id
         return kv
 
@@ -271,174 +248,6 @@ class KVStore:
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until the files of sessions deleted with ``wait=False`` are let go of."""
         return self._releaser.settle(timeout)
-
-    # -- shared prefixes (weaved.kv.prefixes) -------------------------------------------------------
-
-    def share_prefix(self, kv: KVCache, tokens: list[int]) -> int:
-        """Map the longest stored prefix of ``tokens`` (leaving at least one token to feed) over a new
-        session's first positions; its length (0 when none applies).  ``kv.length`` becomes that length:
-        those rows are the prefix file's pages, read where they lie."""
-        session_id = self._session_of(kv)
-        with self._lock:
-            s = self._open[session_id]
-            if not self.share or kv.length or s.shared or not s.mm.can_alias or len(tokens) < 2:
-                return 0
-            found = self.prefixes.longest(tokens, len(tokens) - 1)
-            if found is None:
-                return 0
-            prefix, n = found
-            if not self._alias(kv, session_id, s, prefix.key, n):
-                return 0
-            kv.length = n
-            self._write_meta(session_id, s, {"key": prefix.key, "positions": n})
-            return n
-
-    def _alias(self, kv: KVCache, session_id: str, s: _Session, key: str, n: int) -> bool:
-        """Map the prefix file ``key``'s positions [0, n) over the session's; False when the layout's
-        runs are not whole pages (a head size too small for this page size)."""
-        prefix = self.prefixes.get(key)
-        if prefix is None:
-            raise KVStoreError(f"session {session_id}: its shared prefix {key} is gone from {self.prefixes.dir}")
-        row = self.config.head_dim * 2
-        if (s.capacity * row) % mmap.PAGESIZE or (prefix.positions * row) % mmap.PAGESIZE or (n * row) % mmap.PAGESIZE:
-            return False
-        fd = os.open(prefix.path, os.O_RDONLY)
-        try:
-            for r in range(self.prefixes.runs()):
-                s.mm.alias(r * s.capacity * row, fd, r * prefix.positions * row, n * row)
-        finally:
-            os.close(fd)
-        s.prefix, s.shared = key, n
-        kv.shared = SharedRows(tuple(prefix.keys[:n // self.prefixes.block]), self.prefixes.block)
-        s.reserved = max(s.reserved, n)
-        self.prefixes.use(key, session_id)
-        return True
-
-    def copy_prefix(self, kv: KVCache, tokens: list[int], start: int) -> int:
-        """Past the ``start`` positions a new session holds (0, or a mapped prefix's), copy in the kept
-        16-token blocks of ``tokens`` that follow (``hot_prefixes``; at least one token is left to feed);
-        the positions it holds then.  Nothing is copied when the KV cap has no room for them."""
-        if not self.share or kv.length != start:
-            return kv.length
-        blocks = self.hot.take(tokens, start, len(tokens) - 1)
-        if not blocks:
-            return start
-        end = start + len(blocks) * HOT_BLOCK
-        try:
-            self.reserve(kv, end)
-        except KVStoreError:
-            return start
-        for i, rows in enumerate(blocks):
-            kv.data[:, :, :, start + i * HOT_BLOCK:start + (i + 1) * HOT_BLOCK] = rows
-        kv.length = end
-        return end
-
-    def keep_prefix(self, kv: KVCache, tokens: list[int]) -> int:
-        """Keep the short blocks of a first turn's fed prompt ``tokens`` for later sessions to copy: those
-        past its last full 128-position block (which a prefix file holds), or all of a shorter prompt -
-        a few blocks, so the copy is small; how many were added."""
-        if not self.share or len(tokens) > kv.length:
-            return 0
-        return self.hot.keep(kv.data, tokens, start=(len(tokens) // PREFIX_BLOCK) * PREFIX_BLOCK)
-
-    def cached_prefix(self, tokens: list[int]) -> int:
-        """Positions of ``tokens`` a new session would not compute: a prefix file's, then kept short blocks."""
-        if not self.share:
-            return 0
-        return self.hot.covered(tokens, self.prefixes.covered(tokens))
-
-    def unshare(self, kv: KVCache, keep: int) -> None:
-        """Before positions from ``keep`` on are rewritten: if a shared prefix covers them, the session
-        takes its own copy of rows [0, keep) back into its file (the prefix stays as it is)."""
-        session_id = self._session_of(kv)
-        with self._lock:
-            s = self._open[session_id]
-            if not s.shared or keep >= s.shared:
-                return
-            rows = np.array(s.data[:, :, :, :keep])  # [L, 2, H, keep, D] the prefix's rows, copied
-            row = self.config.head_dim * 2
-            if s.memory_only:
-                for r in range(self.prefixes.runs()):
-                    s.mm.renew(r * s.capacity * row, s.shared * row)
-            else:
-                self._allocate(session_id, s, 0, s.shared)
-                fd = os.open(self._kv_path(session_id), os.O_RDWR)
-                try:
-                    for r in range(self.prefixes.runs()):
-                        off = r * s.capacity * row
-                        s.mm.alias(off, fd, off, s.shared * row, writable=True)
-                finally:
-                    os.close(fd)
-            s.data[:, :, :, :keep] = rows
-            self.prefixes.drop_user(s.prefix, session_id)
-            s.prefix, s.shared = None, 0
-            kv.shared = None
-            self._write_meta(session_id, s, None)
-
-    def publish_prefix(self, kv: KVCache, tokens: list[int], *, adopt: bool = True) -> int:
-        """Store the full blocks of ``tokens`` (the session's committed tokens: their rows are written)
-        as a shared prefix, unless one already holds them; the positions it holds (0: nothing new).
-        ``adopt``: the session then maps the prefix file over those positions too and gives its own copy
-        of them back to the file system, so the rows exist once, whoever shares them."""
-        if len(tokens) > kv.length:
-            raise KVStoreError(f"{len(tokens)} tokens but only {kv.length} KV rows")
-        if not self.share:
-            return 0
-        p = self.prefixes.publish(kv.data, tokens)
-        if p is None:
-            return 0
-        if adopt:
-            self._adopt(kv, p.key, p.positions)
-        return p.positions
-
-    def _adopt(self, kv: KVCache, key: str, n: int) -> None:
-        """Map prefix ``key``'s positions [0, n) (equal to the session's own rows) over the session's and
-        punch its own blocks there out."""
-        session_id = self._session_of(kv)
-        with self._lock:
-            s = self._open[session_id]
-            if s.shared >= n or not s.mm.can_alias or kv.length < n:
-                return
-            if s.prefix is not None:
-                self.prefixes.drop_user(s.prefix, session_id)
-            if not self._alias(kv, session_id, s, key, n):
-                return
-            if s.memory_only:  # the pages the alias replaced were private: freed with the mapping's change
-                return
-            row = self.config.head_dim * 2
-            fd = os.open(self._kv_path(session_id), os.O_RDWR)
-            try:
-                for r in range(self.prefixes.runs()):
-                    punch_hole(fd, r * s.capacity * row, n * row)
-            finally:
-                os.close(fd)
-            self._write_meta(session_id, s, {"key": key, "positions": n})
-
-    def copy_rows(self, src: KVCache, dst: KVCache, start: int, stop: int) -> None:
-        """Rows [start, stop) of ``src`` into ``dst`` (a fork's part past the shared prefix)."""
-        if stop > start:
-            self.reserve(dst, stop)
-            dst.data[:, :, :, start:stop] = src.data[:, :, :, start:stop]
-        dst.length = max(dst.length, stop)
-
-    def fork_prefix(self, parent: KVCache, child: KVCache, tokens: list[int]) -> int:
-        """A new session ``child`` starting with ``parent``'s first ``len(tokens)`` rows: the full blocks
-        shared through a prefix file (published from the parent if none holds them yet), the rest
-        copied; the positions shared."""
-        self.publish_prefix(parent, tokens)
-        shared = self.share_prefix(child, tokens + [0])  # (a token to feed after them: share_prefix's rule)
-        self.copy_rows(parent, child, shared, len(tokens))
-        return shared
-
-    def _write_meta(self, session_id: str, s: _Session, prefix: dict | None) -> None:
-        if s.memory_only:  # nothing on disk to describe: it is never reopened
-            return
-        meta = self._meta(s.capacity)
-        if prefix is not None:
-            meta["prefix"] = prefix
-        tmp = self._meta_path(session_id).with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, self._meta_path(session_id))
 
     def session_ids(self) -> list[str]:
         return sorted(p.stem for p in self.dir.glob("*.kv") if _ID_RE.match(p.stem))
@@ -495,7 +304,7 @@ class KVStore:
         n_runs = c.n_layers * 2 * c.n_kv_heads
         return [(r * capacity * row + start * row, (stop - start) * row) for r in range(n_runs)]
 
-    def _allocate(self, session_id: str, s: _Session, start: int, stop: int) -> None:
+    def _allocate(self, session_id: str, s: OpenSession, start: int, stop: int) -> None:
         fd = os.open(self._kv_path(session_id), os.O_RDWR)
         try:
             done: list[tuple[int, int]] = []

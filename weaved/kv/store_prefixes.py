@@ -1,0 +1,192 @@
+"""The KV store's prefix sharing: mapping stored prefix files over a session's first positions, copying
+short kept blocks in, publishing a session's blocks, taking its own copy back before a rewrite, forks.
+
+A mixin of ``KVStore`` (``store.py``), which holds the sessions, their mappings and the lock these
+methods take; ``prefixes.py`` holds the prefix files, ``hot_prefixes.py`` the short blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+
+import numpy as np
+
+from weaved.kv.cache import KVCache, SharedRows
+from weaved.kv.errors import KVStoreError
+from weaved.kv.hot_prefixes import BLOCK as HOT_BLOCK
+from weaved.kv.open_session import OpenSession
+from weaved.kv.prefixes import BLOCK as PREFIX_BLOCK
+from weaved.kv.tiers import punch_hole
+
+
+class PrefixSharing:
+    """Prefix sharing over a ``KVStore``'s sessions (``self._open``, ``self._lock``, ``self.prefixes``,
+    ``self.hot``, ``self.share``)."""
+
+    def share_prefix(self, kv: KVCache, tokens: list[int]) -> int:
+        """Map the longest stored prefix of ``tokens`` (leaving at least one token to feed) over a new
+        session's first positions; its length (0 when none applies).  ``kv.length`` becomes that length:
+        those rows are the prefix file's pages, read where they lie."""
+        session_id = self._session_of(kv)
+        with self._lock:
+            s = self._open[session_id]
+            if not self.share or kv.length or s.shared or not s.mm.can_alias or len(tokens) < 2:
+                return 0
+            found = self.prefixes.longest(tokens, len(tokens) - 1)
+            if found is None:
+                return 0
+            prefix, n = found
+            if not self._alias(kv, session_id, s, prefix.key, n):
+                return 0
+            kv.length = n
+            self._write_meta(session_id, s, {"key": prefix.key, "positions": n})
+            return n
+
+    def _alias(self, kv: KVCache, session_id: str, s: OpenSession, key: str, n: int) -> bool:
+        """Map the prefix file ``key``'s positions [0, n) over the session's; False when the layout's
+        runs are not whole pages (a head size too small for this page size)."""
+        prefix = self.prefixes.get(key)
+        if prefix is None:
+            raise KVStoreError(f"session {session_id}: its shared prefix {key} is gone from {self.prefixes.dir}")
+        row = self.config.head_dim * 2
+        if (s.capacity * row) % mmap.PAGESIZE or (prefix.positions * row) % mmap.PAGESIZE or (n * row) % mmap.PAGESIZE:
+            return False
+        fd = os.open(prefix.path, os.O_RDONLY)
+        try:
+            for r in range(self.prefixes.runs()):
+                s.mm.alias(r * s.capacity * row, fd, r * prefix.positions * row, n * row)
+        finally:
+            os.close(fd)
+        s.prefix, s.shared = key, n
+        kv.shared = SharedRows(tuple(prefix.keys[:n // self.prefixes.block]), self.prefixes.block)
+        s.reserved = max(s.reserved, n)
+        self.prefixes.use(key, session_id)
+        return True
+
+    def copy_prefix(self, kv: KVCache, tokens: list[int], start: int) -> int:
+        """Past the ``start`` positions a new session holds (0, or a mapped prefix's), copy in the kept
+        16-token blocks of ``tokens`` that follow (``hot_prefixes``; at least one token is left to feed);
+        the positions it holds then.  Nothing is copied when the KV cap has no room for them."""
+        if not self.share or kv.length != start:
+            return kv.length
+        blocks = self.hot.take(tokens, start, len(tokens) - 1)
+        if not blocks:
+            return start
+        end = start + len(blocks) * HOT_BLOCK
+        try:
+            self.reserve(kv, end)
+        except KVStoreError:
+            return start
+        for i, rows in enumerate(blocks):
+            kv.data[:, :, :, start + i * HOT_BLOCK:start + (i + 1) * HOT_BLOCK] = rows
+        kv.length = end
+        return end
+
+    def keep_prefix(self, kv: KVCache, tokens: list[int]) -> int:
+        """Keep the short blocks of a first turn's fed prompt ``tokens`` for later sessions to copy: those
+        past its last full 128-position block (which a prefix file holds), or all of a shorter prompt -
+        a few blocks, so the copy is small; how many were added."""
+        if not self.share or len(tokens) > kv.length:
+            return 0
+        return self.hot.keep(kv.data, tokens, start=(len(tokens) // PREFIX_BLOCK) * PREFIX_BLOCK)
+
+    def cached_prefix(self, tokens: list[int]) -> int:
+        """Positions of ``tokens`` a new session would not compute: a prefix file's, then kept short blocks."""
+        if not self.share:
+            return 0
+        return self.hot.covered(tokens, self.prefixes.covered(tokens))
+
+    def unshare(self, kv: KVCache, keep: int) -> None:
+        """Before positions from ``keep`` on are rewritten: if a shared prefix covers them, the session
+        takes its own copy of rows [0, keep) back into its file (the prefix stays as it is)."""
+        session_id = self._session_of(kv)
+        with self._lock:
+            s = self._open[session_id]
+            if not s.shared or keep >= s.shared:
+                return
+            rows = np.array(s.data[:, :, :, :keep])  # [L, 2, H, keep, D] the prefix's rows, copied
+            row = self.config.head_dim * 2
+            if s.memory_only:
+                for r in range(self.prefixes.runs()):
+                    s.mm.renew(r * s.capacity * row, s.shared * row)
+            else:
+                self._allocate(session_id, s, 0, s.shared)
+                fd = os.open(self._kv_path(session_id), os.O_RDWR)
+                try:
+                    for r in range(self.prefixes.runs()):
+                        off = r * s.capacity * row
+                        s.mm.alias(off, fd, off, s.shared * row, writable=True)
+                finally:
+                    os.close(fd)
+            s.data[:, :, :, :keep] = rows
+            self.prefixes.drop_user(s.prefix, session_id)
+            s.prefix, s.shared = None, 0
+            kv.shared = None
+            self._write_meta(session_id, s, None)
+
+    def publish_prefix(self, kv: KVCache, tokens: list[int], *, adopt: bool = True) -> int:
+        """Store the full blocks of ``tokens`` (the session's committed tokens: their rows are written)
+        as a shared prefix, unless one already holds them; the positions it holds (0: nothing new).
+        ``adopt``: the session then maps the prefix file over those positions too and gives its own copy
+        of them back to the file system, so the rows exist once, whoever shares them."""
+        if len(tokens) > kv.length:
+            raise KVStoreError(f"{len(tokens)} tokens but only {kv.length} KV rows")
+        if not self.share:
+            return 0
+        p = self.prefixes.publish(kv.data, tokens)
+        if p is None:
+            return 0
+        if adopt:
+            self._adopt(kv, p.key, p.positions)
+        return p.positions
+
+    def _adopt(self, kv: KVCache, key: str, n: int) -> None:
+        """Map prefix ``key``'s positions [0, n) (equal to the session's own rows) over the session's and
+        punch its own blocks there out."""
+        session_id = self._session_of(kv)
+        with self._lock:
+            s = self._open[session_id]
+            if s.shared >= n or not s.mm.can_alias or kv.length < n:
+                return
+            if s.prefix is not None:
+                self.prefixes.drop_user(s.prefix, session_id)
+            if not self._alias(kv, session_id, s, key, n):
+                return
+            if s.memory_only:  # the pages the alias replaced were private: freed with the mapping's change
+                return
+            row = self.config.head_dim * 2
+            fd = os.open(self._kv_path(session_id), os.O_RDWR)
+            try:
+                for r in range(self.prefixes.runs()):
+                    punch_hole(fd, r * s.capacity * row, n * row)
+            finally:
+                os.close(fd)
+            self._write_meta(session_id, s, {"key": key, "positions": n})
+
+    def copy_rows(self, src: KVCache, dst: KVCache, start: int, stop: int) -> None:
+        """Rows [start, stop) of ``src`` into ``dst`` (a fork's part past the shared prefix)."""
+        if stop > start:
+            self.reserve(dst, stop)
+            dst.data[:, :, :, start:stop] = src.data[:, :, :, start:stop]
+        dst.length = max(dst.length, stop)
+
+    def fork_prefix(self, parent: KVCache, child: KVCache, tokens: list[int]) -> int:
+        """A new session ``child`` starting with ``parent``'s first ``len(tokens)`` rows: the full blocks
+        shared through a prefix file (published from the parent if none holds them yet), the rest
+        copied; the positions shared."""
+        self.publish_prefix(parent, tokens)
+        shared = self.share_prefix(child, tokens + [0])  # (a token to feed after them: share_prefix's rule)
+        self.copy_rows(parent, child, shared, len(tokens))
+        return shared
+
+    def _write_meta(self, session_id: str, s: OpenSession, prefix: dict | None) -> None:
+        if s.memory_only:  # nothing on disk to describe: it is never reopened
+            return
+        meta = self._meta(s.capacity)
+        if prefix is not None:
+            meta["prefix"] = prefix
+        tmp = self._meta_path(session_id).with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, self._meta_path(session_id))
