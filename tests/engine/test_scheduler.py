@@ -170,3 +170,19 @@ def test_with_a_step_model_background_decodes_past_the_target_wait_for_a_later_s
     late.generated = [0] * 9
     work = [w.seq.session_id for w in schedule([*bgs, ia, late], cfg, 9.9)]
     assert work[0] == "late" and "ia" in work and len(work) == 30
+
+
+def test_a_paced_decode_taking_each_token_when_due_ends_at_its_pace_not_at_its_budget():
+    """Steps of 0.5 s; the turn runs only when due.  It ends within PACE of its budget plus a step's
+    lateness per token at most - not near the end of the budget."""
+    from weaved.engine.sequence import PACE
+
+    s = _seq("b", SLARank.BATCH, decoding=True, ttlt=300.0)
+    now = 0.0
+    while len(s.generated) < s.params.max_tokens:
+        now += 0.5
+        if s.deadline(now) <= now:
+            s.last_token_at = now
+            s.generated.append(0)
+    assert now <= PACE * 300.0 + 0.5
+    assert now >= PACE * 300.0 - 0.5 * s.params.max_tokens  # paced, not run as fast as possible
