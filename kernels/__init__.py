@@ -33,6 +33,8 @@ The torch backend's kernels (torch tensors on any device; they do not touch numb
                     torch_rowwise / torch_q4 recipes op for op (CUDA; tested in the interpreter).
 ``triton_attention`` every row of a step attending over the paged device KV in one launch, with
                     torch_attention's (the CPU kernel's) chunks, blocks and summation order.
+``triton_moe``      a mixture of experts' products grouped by expert: every expert's rows of a step in
+                    one launch per product, each element with its expert's ``linear_q`` bits.
 """
 
 from . import _env  # noqa: F401  (sets NUMBA_CACHE_DIR before numba is first imported)

@@ -131,3 +131,27 @@ def test_pair_dots_are_elements_of_the_product_and_refine_every_row_in_one_launc
     for margin, top in ((2.0, 40), (0.5, 3), (50.0, 300)):  # a few candidates a row, or all of them
         assert torch.equal(Products("triton").linear_residual(w, x, margin, top),
                            Products("torch").linear_residual(w, x, margin, top))
+
+
+@pytest.mark.parametrize("qtype", [tq.Q4_0, tq.Q8_0])
+def test_grouped_experts_give_each_experts_product_in_one_launch(tt, qtype):
+    """Pairs routed to 6 experts (one unused, one with more rows than a tile): each output row is its
+    expert's ``linear_q`` of its token's row, bit for bit, and the tiles cover every pair once."""
+    from weaved.kernels import triton_moe
+
+    rng = np.random.default_rng(qtype + 1)
+    E, N, K, T = 6, 70, 64, 25
+    quant = quants.quantize_q4_0 if qtype == tq.Q4_0 else quants.quantize_q8_0
+    raws = [quant(rng.standard_normal((N, K)).astype(np.float32)) for _ in range(E)]
+    stack = torch.from_numpy(np.stack(raws)).reshape(E, N, K // 32, tq.BLOCK_BYTES[qtype])
+    experts = torch.from_numpy(rng.choice([0, 1, 2, 4, 5, 5, 5, 5], size=2 * T))  # expert 3 unused, 5 busy
+    a = tq.quantize_act(torch.from_numpy(rng.standard_normal((T, K)).astype(np.float32)))
+    order, tile_e, r0, r1, counts = triton_moe.plan(experts, E)
+    assert counts.tolist() == [int((experts == e).sum()) for e in range(E)] and counts[5] > triton_moe.BM
+    live = tile_e >= 0
+    assert sorted(int(r) for a_, b_ in zip(r0[live], r1[live], strict=True) for r in range(a_, b_)) == \
+        list(range(2 * T))
+    y = triton_moe.grouped_linear(stack, qtype, a, order // 2, tile_e, r0, r1)
+    for r, p in enumerate(order.tolist()):
+        w = tq.DeviceWeight(qtype, N, K, stack[int(experts[p])])
+        assert torch.equal(y[r], tq.linear_q(w, tq.Q8Act(a.q[p // 2:p // 2 + 1], a.d[p // 2:p // 2 + 1]))[0])

@@ -2,7 +2,9 @@
 products over the tokens routed to it, as the CPU backend computes them (``kernels.moe``): the same
 experts, each token's outputs scaled by its weights and added in slot order.
 
-Each expert's gate and up rows are uploaded fused, in the file's encoding, like a dense FFN's.
+Each expert's gate and up rows are uploaded fused, in the file's encoding, like a dense FFN's; quantized
+experts are stacked in one tensor per product, so on the Triton path every expert's rows of a step run
+in one grouped launch (``kernels.triton_moe``) instead of a host sync and two launches per expert.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 import torch
 
 from weaved.kernels.torch_moe import route
-from weaved.kernels.torch_q4 import DeviceWeight
+from weaved.kernels.torch_q4 import BLOCK_BYTES, QK, DeviceWeight, Q8Act
 from weaved.kernels.torch_rowwise import swiglu
 from weaved.model.config import ModelConfig
 from weaved.model.gguf_file import GGUFFile
@@ -25,12 +27,25 @@ Project = Callable[[tuple[DeviceWeight, ...], torch.Tensor], torch.Tensor]
 @dataclass(frozen=True, eq=False)
 class DeviceExperts:
     router: torch.Tensor  # float32 [E, d]
-    gate_up: tuple[DeviceWeight, ...]  # per expert: fused [2 * ff, d]
-    down: tuple[DeviceWeight, ...]  # per expert: [d, ff]
+    gate_up: tuple[DeviceWeight, ...]  # per expert: fused [2 * ff, d] (views of gate_up_stack)
+    down: tuple[DeviceWeight, ...]  # per expert: [d, ff] (views of down_stack)
+    # Q4_0 / Q8_0 experts: all of them in one tensor uint8 [E, n_out, nb, bytes], for the grouped kernels
+    gate_up_stack: torch.Tensor | None = None
+    down_stack: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         return (self.router.numel() * 4 + sum(w.nbytes for w in self.gate_up) + sum(w.nbytes for w in self.down))
+
+
+def _stack(raws: list[np.ndarray], qtype: int, n_out: int, n_in: int, device: torch.device
+           ) -> tuple[tuple[DeviceWeight, ...], torch.Tensor | None]:
+    """The experts' matrices as one device tensor and per-expert views of it (quantized types), or one
+    upload each (float types)."""
+    if qtype not in BLOCK_BYTES:
+        return tuple(DeviceWeight.upload(r, qtype, n_out, n_in, device) for r in raws), None
+    stack = torch.from_numpy(np.stack(raws)).to(device).reshape(len(raws), n_out, n_in // QK, BLOCK_BYTES[qtype])
+    return tuple(DeviceWeight(qtype, n_out, n_in, stack[e]) for e in range(len(raws))), stack
 
 
 def upload_experts(gguf: GGUFFile, cfg: ModelConfig, layer: int, device: torch.device) -> DeviceExperts:
@@ -38,23 +53,48 @@ def upload_experts(gguf: GGUFFile, cfg: ModelConfig, layer: int, device: torch.d
     E, ff, d = cfg.n_experts, cfg.d_ff_expert, cfg.d_model
     router = torch.from_numpy(np.array(t[p + "ffn_gate_inp.weight"].raw, dtype=np.float32).reshape(E, d)).to(device)
     gate, up, down = (t[p + f"ffn_{m}_exps.weight"] for m in ("gate", "up", "down"))
-    gu = tuple(DeviceWeight.upload(np.concatenate([np.asarray(gate.raw[e]), np.asarray(up.raw[e])]), gate.type_id,
-                                   2 * ff, d, device) for e in range(E))
-    dn = tuple(DeviceWeight.upload(np.asarray(down.raw[e]), down.type_id, d, ff, device) for e in range(E))
-    return DeviceExperts(router, gu, dn)
+    gu, gu_stack = _stack([np.concatenate([np.asarray(gate.raw[e]), np.asarray(up.raw[e])]) for e in range(E)],
+                          gate.type_id, 2 * ff, d, device)
+    dn, dn_stack = _stack([np.asarray(down.raw[e]) for e in range(E)], down.type_id, d, ff, device)
+    return DeviceExperts(router, gu, dn, gu_stack, dn_stack)
 
 
 def experts_ffn(h: torch.Tensor, ex: DeviceExperts, k: int, project: Project,
-                glu: Callable[[torch.Tensor], torch.Tensor] = swiglu) -> torch.Tensor:
-    """h float32 [T, d] (the FFN norm's output) -> float32 [T, d]; ``glu``: the kernel path's SwiGLU."""
+                glu: Callable[[torch.Tensor], torch.Tensor] = swiglu,
+                quantize: Callable[[torch.Tensor], Q8Act] | None = None) -> torch.Tensor:
+    """h float32 [T, d] (the FFN norm's output) -> float32 [T, d]; ``glu``: the kernel path's SwiGLU.
+    With ``quantize`` (the Triton path's) and stacked quantized experts, every expert's rows run in one
+    grouped launch per product (``kernels.triton_moe``), with the same bits."""
     T, d = h.shape
     ids, wts = route(h, ex.router, k)
     flat, wflat = ids.reshape(-1), wts.reshape(-1)
+    if quantize is not None and ex.gate_up_stack is not None and ex.down_stack is not None:
+        return _grouped_ffn(h, ex, k, flat, wflat, glu, quantize)
     ys = torch.empty((T * k, d), dtype=torch.float32, device=h.device)
     for e in torch.unique(flat).tolist():
         rows = torch.nonzero(flat == e).squeeze(1)  # (token, slot) rows routed to expert e
         y = project((ex.down[e],), glu(project((ex.gate_up[e],), h[rows // k])))
         ys[rows] = y * wflat[rows].unsqueeze(-1)
+    ys = ys.reshape(T, k, d)
+    out = ys[:, 0]
+    for i in range(1, k):
+        out = out + ys[:, i]
+    return out
+
+
+def _grouped_ffn(h: torch.Tensor, ex: DeviceExperts, k: int, flat: torch.Tensor, wflat: torch.Tensor,
+                 glu: Callable[[torch.Tensor], torch.Tensor], quantize: Callable[[torch.Tensor], Q8Act]
+                 ) -> torch.Tensor:
+    from weaved.kernels import triton_moe
+
+    T, d = h.shape
+    order, tile_e, r0, r1, _ = triton_moe.plan(flat, ex.router.shape[0])
+    gu = triton_moe.grouped_linear(ex.gate_up_stack, ex.gate_up[0].qtype, quantize(h), order // k, tile_e, r0, r1)
+    g = glu(gu)  # [P, ff] in sorted pair order
+    y = triton_moe.grouped_linear(ex.down_stack, ex.down[0].qtype, quantize(g),
+                                  torch.arange(g.shape[0], device=h.device), tile_e, r0, r1)
+    ys = torch.empty((T * k, d), dtype=torch.float32, device=h.device)
+    ys[order] = y * wflat[order].unsqueeze(-1)
     ys = ys.reshape(T, k, d)
     out = ys[:, 0]
     for i in range(1, k):
