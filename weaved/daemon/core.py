@@ -2,7 +2,8 @@
 
 The API calls only this class.  Methods other than ``load`` and ``shutdown`` do no heavy work and
 are called from the API's event loop; the engines call back from their own threads (``_commit``,
-``_on_turn_event``), so session state shared between the two is guarded by ``self._lock``.
+``_on_turn_event``: ``turn_events.py``), so session state shared between the two is guarded by
+``self._lock``.
 
 Collaborators: ``SessionMoves`` (where a turn runs and how a session moves between pools),
 ``EventBus`` (``/v1/events``), ``Mover`` (KV copies between backends), the ``Journal`` and the
@@ -33,6 +34,7 @@ from weaved.daemon.moves import SessionMoves
 from weaved.daemon.recovery import unfed_tail, unfinished_answer
 from weaved.daemon.session import Session, transcript_entry
 from weaved.daemon.status import device_kv_bytes, device_kv_free_bytes, hardware_status, pool_status, session_status
+from weaved.daemon.turn_events import TurnEvents
 from weaved.daemon.turns import (
     TurnHandle,
     chat_turn_tokens,
@@ -48,7 +50,6 @@ from weaved.engine.sampling import SamplingParams
 from weaved.engine.sequence import Sequence, SLARank
 from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound, Overloaded, WeaveError
 from weaved.kv.cache import KVCache
-from weaved.kv.prefixes import BLOCK as PREFIX_BLOCK
 from weaved.model.config import ModelConfig
 from weaved.routing.tree import place
 from weaved.routing.types import SLA, Placement, RoutingError, SessionRequest, SLAClass, SystemState
@@ -60,7 +61,7 @@ KV_ALIGN = 32  # capacities are multiples of this: keeps the file's per-head run
 CANCEL_WAIT_S = 30.0  # how long a new turn waits for its session's cancelled turn to end (one engine step)
 
 
-class Daemon(SessionForks, TurnChoices, DeviceRoom):
+class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
     def __init__(self, profile: Profile, model_path: Path, *, data_dir: Path | None = None,
                  log_fn: Callable[[str], None] = print, federation=None, chat_template: str | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
@@ -472,25 +473,6 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
         if s is not None and s.publishing is not None:  # its prefix is being copied: its rows must hold still
             s.publishing.wait(CANCEL_WAIT_S)
 
-    def _drop_ephemeral(self, s: Session) -> None:
-        with self._lock:
-            self.sessions.pop(s.id, None)
-        self._free_kv(s, wait=False)  # often on an engine thread, between two steps
-
-    def _free_kv(self, s: Session, wait: bool = True) -> None:
-        """A deleted session's KV goes now: its copy on a GPU pool (not whenever it is garbage-collected),
-        its shards on a ring's nodes, its file (``wait=False``: the file's blocks are freed on the
-        store's release thread, moments later)."""
-        held = self.pools.get(s.kv_at) if s.kv_at else None
-        if held is not None:
-            with held.lock:
-                held.backend.drop(s.kv)
-            s.kv_at = None
-        if isinstance(s.kv, KVCache):
-            self.store.delete(s.id, wait=wait)
-        elif s.placement.decode_pool in self.pools:
-            self.pools[s.placement.decode_pool].backend.drop(s.kv)
-
     def cancel_turn(self, sid: str) -> None:
         with self._lock:
             s = self.sessions.get(sid)
@@ -498,101 +480,6 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom):
                 return
             s.turn.cancel_requested = True
         self.engines[s.pool].cancel(sid)
-
-    # engine-thread callbacks
-    def _reserve(self, seq: Sequence, new_length: int) -> None:
-        if isinstance(seq.kv, KVCache):  # a ring session's shards reserve their room when they open
-            self.store.reserve(seq.kv, new_length)
-
-    def _commit(self, seq: Sequence, fed: list[int]) -> None:
-        s = self.sessions.get(seq.session_id)
-        if s is not None and self.fsync and not s.ephemeral and isinstance(seq.kv, KVCache):
-            self.store.flush(seq.kv)  # the rows reach the disk before the journal says they exist
-        with self._lock:
-            s = self.sessions.get(seq.session_id)
-            if s is None:
-                return
-            s.committed.extend(fed)
-            if not s.ephemeral:
-                self.journal.commit_tokens(s.id, fed, seq.kv.length)
-
-    def _on_turn_event(self, s: Session, seq: Sequence, ev: dict, emit: Callable[[dict], None],
-                       n_prompt: int, first: bool = False) -> None:
-        kind = ev["type"]
-        if kind not in ("done", "error"):
-            if first and kind == "token" and len(seq.generated) == 1:
-                # the prompt is fed: its blocks can be shared now, while this turn decodes (its rows there
-                # do not change any more), not only once it ends - its short tail blocks at once (a copy of
-                # a few blocks), its 128-position blocks as a prefix file off this thread
-                self._keep_short_prefix(s)
-                self._publish_later(s, drop=False)
-            emit(ev)
-            return
-        publishing = False
-        try:
-            self._record_turn_end(s, seq, kind)
-            publishing = kind == "done" and s.ephemeral and self._publish_later(s, drop=True)
-        except Exception:  # the stream must end whatever recording did
-            log.exception("session %s: recording the end of its turn failed", s.id)
-        try:
-            emit({**ev, "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(seq.generated),
-                                  "cached_tokens": n_prompt - seq.prefilled}})
-        finally:
-            if s.ephemeral and not publishing:  # else the publisher drops it once its rows are copied
-                self._drop_ephemeral(s)
-            seq.ended.set()
-
-    def _keep_short_prefix(self, s: Session) -> None:
-        with self._lock:
-            tokens = list(s.committed) if self.sessions.get(s.id) is s else []
-        if tokens and isinstance(s.kv, KVCache):
-            try:
-                self.store.keep_prefix(s.kv, tokens)
-            except Exception:  # not kept is a later prefill, nothing worse
-                log.exception("session %s: keeping its short prefix failed", s.id)
-
-    def _publish_later(self, s: Session, drop: bool) -> bool:
-        """Queue storing the full blocks of a session's committed context as a shared prefix, off the
-        engine thread (the copy takes ~45 ms per 1,000 tokens of SmolLM2's KV): a first turn's prompt
-        once it is fed (a system prompt and tools other sessions start with), and an ephemeral request's
-        whole conversation at its end (what a stateless client sends again, one message longer).  Until
-        it is done, the session's next turn and its deletion wait (``s.publishing``), so the rows it
-        reads cannot change under it; with ``drop`` the publisher then drops the ephemeral session.
-        False when there is nothing to publish."""
-        with self._lock:
-            tokens = list(s.committed) if self.sessions.get(s.id) is s else []
-        if not (self.store.share and isinstance(s.kv, KVCache) and len(tokens) >= PREFIX_BLOCK):
-            return False
-        done = threading.Event()
-        s.publishing = done
-        self.store.prefixes.announce(tokens[: s.kv.length])
-
-        def job() -> None:
-            try:
-                self.store.publish_prefix(s.kv, tokens[: s.kv.length])
-            except Exception:  # a prefix not stored is a later prefill, nothing worse
-                log.exception("session %s: storing its prefix failed", s.id)
-            finally:
-                self.store.prefixes.settle(tokens[: s.kv.length])
-                done.set()
-                if drop:
-                    self._drop_ephemeral(s)
-
-        self._publisher.submit(job)
-        return True
-
-    def _record_turn_end(self, s: Session, seq: Sequence, kind: str) -> None:
-        """The answer into the transcript and the journal - unless the session was deleted meanwhile."""
-        with self._lock:
-            if self.sessions.get(s.id) is not s:
-                return
-            s.tail = list(seq.pending) if kind == "done" else []
-            text = "".join(seq.text)
-            if seq.generated and kind == "done":
-                s.messages.append(transcript_entry("assistant", text, seq.finish_reason))
-                if not s.ephemeral:
-                    self.journal.finish_message(s.id, "assistant", text, list(seq.generated), seq.finish_reason)
-            s.last_active = self.wall()
 
     # ---- SLA changes ---------------------------------------------------------------------------------
     def promote(self, sid: str) -> dict:
