@@ -157,13 +157,18 @@ def _merge(acc_ptr, ml_ptr, pos_ptr, lo_ptr, out_ptr, H, NC, D: tl.constexpr, CH
 
 
 def paged_attention(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, row_seq: torch.Tensor,
-                    row_pos: torch.Tensor, row_lo: torch.Tensor, scale: float) -> torch.Tensor:
+                    row_pos: torch.Tensor, row_lo: torch.Tensor, scale: float, n_chunks: int | None = None
+                    ) -> torch.Tensor:
     """Attention of every row of a step over its sequence's keys in the paged pool.
 
     q float32 [T, H, D]; pool float16 [n_blocks, 2, Hkv, PB, D] (one layer's; the rows' own keys
     already stored); tables int32 [S, max_blocks] (sequence s's block of positions [i*PB, (i+1)*PB));
     row_seq, row_pos, row_lo int32 [T]: each row's sequence, position and first key (0, or its window's
-    first).  Head h reads kv head h // (H // Hkv).  -> float32 [T, H, D]."""
+    first).  Head h reads kv head h // (H // Hkv).  -> float32 [T, H, D].
+
+    ``n_chunks``: the most chunks of keys a row has, when the caller knows it (``torch_step`` does, from
+    its own lists): the rows are then taken as valid, and nothing waits for the device.  Without it the
+    rows are checked and the count found on the device - waits a step should not make per layer."""
     check_tensor("q", q, torch.float32, 3)
     check_tensor("pool", pool, torch.float16, 5)
     for name, x in (("tables", tables), ("row_seq", row_seq), ("row_pos", row_pos), ("row_lo", row_lo)):
@@ -180,12 +185,14 @@ def paged_attention(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, r
     out = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
     if T == 0:
         return out
-    pos, lo = row_pos.to(torch.int64), row_lo.to(torch.int64)
-    if bool((lo < 0).any()) or bool((lo > pos).any()):
-        raise ValueError("every row needs 0 <= first key <= its position")
-    if int(pos.max()) // PB >= tables.shape[1]:
-        raise ValueError(f"a row at position {int(pos.max())} is past its block table ({tables.shape[1]} blocks)")
-    NC = int(((pos - lo) // CHUNK).max()) + 1  # chunks of the longest row
+    if n_chunks is None:
+        pos, lo = row_pos.to(torch.int64), row_lo.to(torch.int64)
+        if bool((lo < 0).any()) or bool((lo > pos).any()):
+            raise ValueError("every row needs 0 <= first key <= its position")
+        if int(pos.max()) // PB >= tables.shape[1]:
+            raise ValueError(f"a row at position {int(pos.max())} is past its block table ({tables.shape[1]} blocks)")
+        n_chunks = int(((pos - lo) // CHUNK).max()) + 1
+    NC = n_chunks  # chunks of the longest row
     acc = torch.empty((T, H, NC, D), dtype=torch.float32, device=q.device)
     ml = torch.empty((T, H, NC, 2), dtype=torch.float32, device=q.device)
     qc = q.contiguous()

@@ -9,11 +9,13 @@ and the caller wakes now.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 _local = threading.local()
+log = logging.getLogger("weave.bursts")
 
 
 @contextmanager
@@ -29,7 +31,10 @@ def burst() -> Iterator[None]:
     finally:
         pending, _local.pending = _local.pending, None
         for fn in pending:
-            fn()
+            try:
+                fn()
+            except Exception:  # one failed wake-up must not keep the others' listeners waiting
+                log.exception("a deferred wake-up failed")
 
 
 def at_burst_end(fn: Callable[[], object]) -> bool:

@@ -23,6 +23,14 @@ def test_a_burst_runs_each_waker_once_at_its_end_and_not_outside_one():
         assert ran == []
     assert ran == ["a", "b"]
 
+    def broken() -> None:
+        raise RuntimeError("a waker that fails")
+
+    with burst():
+        at_burst_end(broken)
+        at_burst_end(a)
+    assert ran == ["a", "b", "a"]  # the failure is logged; the wake-ups after it still run
+
 
 def test_events_put_from_another_thread_arrive_in_order_with_one_wake_per_burst(monkeypatch):
     async def main() -> tuple[list[dict], list[dict], int]:

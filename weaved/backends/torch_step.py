@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weaved.backends.torch_paged import PagedKV, Table
+from weaved.kernels.torch_attention import CHUNK
 
 
 @dataclass
@@ -23,6 +24,7 @@ class PagedStep:
     pos: torch.Tensor  # int32 [T]: each row's position
     blk: torch.Tensor  # int64 [T]: the pool block its new K/V row goes to
     off: torch.Tensor  # int64 [T]: its offset in that block
+    last: int  # the highest position of any row (known here, so no layer waits for the device to say)
     _lo: dict[int, torch.Tensor] = field(default_factory=dict)  # first key per row, per sliding window
 
     @classmethod
@@ -38,7 +40,7 @@ class PagedStep:
                          for p, n in zip(pos0, lens, strict=True)])
         blk = torch.cat([b for b, _ in slots])
         off = torch.cat([o for _, o in slots])
-        return cls(tab, seq, pos, blk, off)
+        return cls(tab, seq, pos, blk, off, max(p + n - 1 for p, n in zip(pos0, lens, strict=True)))
 
     def first_keys(self, window: int) -> torch.Tensor:
         """Each row's first key: 0, or on a sliding-window layer the first of its last ``window``."""
@@ -56,5 +58,6 @@ class PagedStep:
 
         pool[self.blk, :, :, self.off] = new_rows.permute(2, 0, 1, 3)  # [T, 2, Hkv, D] into their slots
         T, H, D = q.shape
-        return paged_attention(q, pool, self.tables, self.seq, self.pos, self.first_keys(window), scale
-                               ).reshape(T, H * D)
+        span = min(self.last, window - 1) if window else self.last  # the most keys before a row's own
+        return paged_attention(q, pool, self.tables, self.seq, self.pos, self.first_keys(window), scale,
+                               n_chunks=span // CHUNK + 1).reshape(T, H * D)
