@@ -67,7 +67,8 @@ def plan(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Ten
     P = experts.numel()
     dev = experts.device
     order = torch.sort(experts, stable=True).indices
-    counts = torch.bincount(experts, minlength=n_experts)  # [E]
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=dev).scatter_add_(
+        0, experts, torch.ones_like(experts))  # [E] (bincount would wait for the device to size its output)
     starts = torch.cumsum(counts, 0) - counts  # [E] first sorted pair of each expert
     tiles = (counts + BM - 1) // BM  # [E]
     first_tile = torch.cumsum(tiles, 0) - tiles  # [E]
