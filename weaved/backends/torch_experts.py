@@ -75,11 +75,7 @@ def experts_ffn(h: torch.Tensor, ex: DeviceExperts, k: int, project: Project,
         rows = torch.nonzero(flat == e).squeeze(1)  # (token, slot) rows routed to expert e
         y = project((ex.down[e],), glu(project((ex.gate_up[e],), h[rows // k])))
         ys[rows] = y * wflat[rows].unsqueeze(-1)
-    ys = ys.reshape(T, k, d)
-    out = ys[:, 0]
-    for i in range(1, k):
-        out = out + ys[:, i]
-    return out
+    return _sum_slots(ys, T, k)
 
 
 def _grouped_ffn(h: torch.Tensor, ex: DeviceExperts, k: int, flat: torch.Tensor, wflat: torch.Tensor,
@@ -95,7 +91,13 @@ def _grouped_ffn(h: torch.Tensor, ex: DeviceExperts, k: int, flat: torch.Tensor,
                                   torch.arange(g.shape[0], device=h.device), tile_e, r0, r1)
     ys = torch.empty((T * k, d), dtype=torch.float32, device=h.device)
     ys[order] = y * wflat[order].unsqueeze(-1)
-    ys = ys.reshape(T, k, d)
+    return _sum_slots(ys, T, k)
+
+
+def _sum_slots(ys: torch.Tensor, T: int, k: int) -> torch.Tensor:
+    """ys float32 [T * k, d], a token's slots in a row -> [T, d]: each token's slot outputs added in slot
+    order, ``((y0 + y1) + y2) ...``, as the CPU kernel adds them."""
+    ys = ys.reshape(T, k, -1)
     out = ys[:, 0]
     for i in range(1, k):
         out = out + ys[:, i]
