@@ -156,6 +156,11 @@ def _merge(acc_ptr, ml_ptr, pos_ptr, lo_ptr, out_ptr, H, NC, D: tl.constexpr, CH
     tl.store(out_ptr + (t * H + h) * D + d, tl.math.div_rn(out, total))
 
 
+def head_dim_supported(D: int) -> bool:
+    """Head sizes the kernel takes: powers of two, multiples of the 16 lanes (every model served)."""
+    return D >= LANES and D & (D - 1) == 0
+
+
 def paged_attention(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, row_seq: torch.Tensor,
                     row_pos: torch.Tensor, row_lo: torch.Tensor, scale: float, n_chunks: int | None = None
                     ) -> torch.Tensor:
@@ -178,7 +183,7 @@ def paged_attention(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, r
     if two != 2 or Dp != D or Hkv == 0 or H % Hkv:
         raise ValueError(f"pool must be [n_blocks, 2, n_kv_heads, block, {D}] with {H} heads a multiple of "
                          f"n_kv_heads, got {tuple(pool.shape)}")
-    if D % LANES or D & (D - 1):
+    if not head_dim_supported(D):
         raise ValueError(f"head_dim must be a power of two and a multiple of {LANES}, got {D}")
     if tables.ndim != 2 or any(x.shape != (T,) for x in (row_seq, row_pos, row_lo)):
         raise ValueError("tables must be [sequences, max_blocks] and row_seq/row_pos/row_lo [T]")

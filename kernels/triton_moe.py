@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from weaved.kernels.torch_q4 import BLOCK_BYTES, QK, Q8Act
 from weaved.kernels.torch_rowwise import check_tensor
+from weaved.kernels.triton_q4 import weight_blocks
 
 BM = 16  # rows per tile (tl.dot needs 16 or more)
 BN = 64  # outputs per tile
@@ -45,15 +46,7 @@ def _grouped(x_ptr, xd_ptr, row_ptr, w_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr
     for b in range(0, NB):
         x = tl.load(x_ptr + src[:, None] * (NB * 32) + b * 32 + kk[None, :], mask=mm[:, None], other=0)
         dx = tl.load(xd_ptr + src * NB + b, mask=mm, other=0.0)
-        wb = w_e + rn.to(tl.int64) * row_bytes + b * BSZ
-        lo = tl.load(wb, mask=mn, other=0).to(tl.uint16)
-        hi = tl.load(wb + 1, mask=mn, other=0).to(tl.uint16)
-        dw = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-        if QTYPE == 2:  # Q4_0: element k in byte k % 16, low nibble for k < 16, high after
-            byte = tl.load(wb[:, None] + 2 + (kk[None, :] % 16), mask=mn[:, None], other=0).to(tl.int32)
-            w = ((byte >> ((kk[None, :] // 16) * 4)) & 15) - 8
-        else:  # Q8_0
-            w = tl.load(wb[:, None] + 2 + kk[None, :], mask=mn[:, None], other=0).to(tl.int8, bitcast=True)
+        w, dw = weight_blocks(w_e + rn.to(tl.int64) * row_bytes + b * BSZ, mn, kk, QTYPE)
         isum = tl.dot(x, tl.trans(w.to(tl.int8)), out_dtype=tl.int32)  # exact
         acc = tl.fma(isum.to(tl.float32), dx[:, None] * dw[None, :], acc)
     tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=mm[:, None] & mn[None, :])

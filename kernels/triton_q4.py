@@ -26,6 +26,21 @@ from weaved.kernels.torch_rowwise import check_tensor
 
 
 @triton.jit
+def weight_blocks(wb, m, kk, QTYPE: tl.constexpr):
+    """Block b of some weight rows, from the raw bytes at ``wb`` [n] (each row's block start; rows where
+    ``m`` is False read as zeros): (the 32 quants int32 [n, 32], the fp16 scale as float32 [n])."""
+    lo = tl.load(wb, mask=m, other=0).to(tl.uint16)
+    hi = tl.load(wb + 1, mask=m, other=0).to(tl.uint16)
+    dw = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    if QTYPE == 2:  # Q4_0: element k in byte k % 16, low nibble for k < 16, high after
+        byte = tl.load(wb[:, None] + 2 + (kk[None, :] % 16), mask=m[:, None], other=0).to(tl.int32)
+        w = ((byte >> ((kk[None, :] // 16) * 4)) & 15) - 8  # in -8..7
+    else:  # Q8_0: 32 int8
+        w = tl.load(wb[:, None] + 2 + kk[None, :], mask=m[:, None], other=0).to(tl.int8, bitcast=True).to(tl.int32)
+    return w, dw
+
+
+@triton.jit
 def _q_matmul(x_ptr, xd_ptr, w_ptr, y_ptr, M, N, NB: tl.constexpr,
               QTYPE: tl.constexpr, BSZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """y [M, N] float32 = x (int8 [M, NB*32], scales xd float32 [M, NB]) @ W.T, W raw blocks
@@ -44,15 +59,7 @@ def _q_matmul(x_ptr, xd_ptr, w_ptr, y_ptr, M, N, NB: tl.constexpr,
     for b in range(0, NB):
         x = tl.load(x_ptr + rm[:, None] * (NB * 32) + b * 32 + kk[None, :], mask=mm[:, None], other=0)  # [BM, 32]
         dx = tl.load(xd_ptr + rm * NB + b, mask=mm, other=0.0)  # [BM]
-        wb = w_ptr + rn.to(tl.int64) * row_bytes + b * BSZ  # [BN] block starts
-        lo = tl.load(wb, mask=mn, other=0).to(tl.uint16)
-        hi = tl.load(wb + 1, mask=mn, other=0).to(tl.uint16)
-        dw = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)  # [BN]
-        if QTYPE == 2:  # Q4_0: element k in byte k % 16, low nibble for k < 16, high after
-            byte = tl.load(wb[:, None] + 2 + (kk[None, :] % 16), mask=mn[:, None], other=0).to(tl.int32)
-            w = ((byte >> ((kk[None, :] // 16) * 4)) & 15) - 8  # [BN, 32] in -8..7
-        else:  # Q8_0: 32 int8
-            w = tl.load(wb[:, None] + 2 + kk[None, :], mask=mn[:, None], other=0).to(tl.int8, bitcast=True)
+        w, dw = weight_blocks(w_ptr + rn.to(tl.int64) * row_bytes + b * BSZ, mn, kk, QTYPE)  # [BN, 32], [BN]
         isum = tl.dot(x, tl.trans(w.to(tl.int8)), out_dtype=tl.int32)  # [BM, BN] exact
         acc = tl.fma(isum.to(tl.float32), dx[:, None] * dw[None, :], acc)  # one rounding, as the CPU's
     tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=mm[:, None] & mn[None, :])
@@ -98,15 +105,7 @@ def _pair_dots(x_ptr, xd_ptr, w_ptr, t_ptr, n_ptr, y_ptr, P, NB: tl.constexpr, Q
     for b in range(0, NB):
         x = tl.load(x_ptr + t[:, None] * (NB * 32) + b * 32 + kk[None, :], mask=mp[:, None], other=0).to(tl.int32)
         dx = tl.load(xd_ptr + t * NB + b, mask=mp, other=0.0)
-        wb = w_ptr + n * (NB * BSZ) + b * BSZ
-        lo = tl.load(wb, mask=mp, other=0).to(tl.uint16)
-        hi = tl.load(wb + 1, mask=mp, other=0).to(tl.uint16)
-        dw = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-        if QTYPE == 2:
-            byte = tl.load(wb[:, None] + 2 + (kk[None, :] % 16), mask=mp[:, None], other=0).to(tl.int32)
-            w = ((byte >> ((kk[None, :] // 16) * 4)) & 15) - 8
-        else:
-            w = tl.load(wb[:, None] + 2 + kk[None, :], mask=mp[:, None], other=0).to(tl.int8, bitcast=True).to(tl.int32)
+        w, dw = weight_blocks(w_ptr + n * (NB * BSZ) + b * BSZ, mp, kk, QTYPE)
         isum = tl.sum(x * w, axis=1)  # exact: integers
         acc = tl.fma(isum.to(tl.float32), dx * dw, acc)
     tl.store(y_ptr + pp, acc, mask=mp)

@@ -75,9 +75,7 @@ class TorchBackend(Backend):
             kv_bytes = kv_bytes(self.weights.nbytes)
         self._kv = PagedKV(config, self.device, kv_bytes if kv_bytes is not None else default_kv_bytes(self.device))
         self._scale = config.scores_scale
-        # the Triton attention kernel needs a power-of-two head size of 16 or more (every model served)
-        D = config.head_dim
-        self._paged_kernel = self.kernels == "triton" and D >= 16 and D & (D - 1) == 0
+        self._paged_kernel = self.kernels == "triton" and _triton_attention_takes(config.head_dim)
         gguf.release_pages()  # uploaded: the file's pages need not stay in our resident set
 
     @classmethod
@@ -286,6 +284,12 @@ class TorchBackend(Backend):
             out.append(logits[o:o + n])
             o += n
         return out
+
+
+def _triton_attention_takes(head_dim: int) -> bool:
+    from weaved.kernels.triton_attention import head_dim_supported  # imports triton: only on that path
+
+    return head_dim_supported(head_dim)
 
 
 def default_kv_bytes(device: torch.device) -> int:
