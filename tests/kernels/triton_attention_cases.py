@@ -8,19 +8,14 @@ Not collected by default: ``test_triton_interp`` runs this file with TRITON_INTE
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 from weaved.kernels.torch_attention import attend
 
-from tests.kernels.triton_interp_shim import patch_interpreter
+from tests.kernels.triton_interp_shim import require_interpreter
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("run by test_triton_interp with TRITON_INTERPRET=1", allow_module_level=True)
-triton = pytest.importorskip("triton")
-patch_interpreter()
+require_interpreter()
 
 PB = 32  # positions per pool block (the torch backend's)
 

@@ -8,20 +8,15 @@ then), so it must be set before anything in the process imports triton.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 from weaved.kernels import quants
 from weaved.kernels import torch_q4 as tq
 
-from tests.kernels.triton_interp_shim import patch_interpreter
+from tests.kernels.triton_interp_shim import require_interpreter
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("run by test_triton_interp with TRITON_INTERPRET=1", allow_module_level=True)
-triton = pytest.importorskip("triton")
-patch_interpreter()
+require_interpreter()
 
 
 @pytest.fixture(scope="module")

@@ -50,3 +50,16 @@ def patch_interpreter() -> None:
     """Both corrections."""
     allow_runtime_loop_bounds()
     exact_fma()
+
+
+def require_interpreter() -> None:
+    """For a case module: skip it unless this process runs Triton's interpreter (``test_triton_interp``
+    starts one with TRITON_INTERPRET=1), and correct the interpreter when it does."""
+    import os
+
+    import pytest
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("run by test_triton_interp with TRITON_INTERPRET=1", allow_module_level=True)
+    pytest.importorskip("triton")
+    patch_interpreter()
