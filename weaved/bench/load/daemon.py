@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 READY_S = 600.0  # loading, and on a cold cache compiling the kernels, on a busy host
 STOP_S = 60.0
@@ -38,13 +39,12 @@ class Served:
         """The daemon's own token counts since it started, summed over SLA classes, by kind (``prompt``,
         ``cached`` - prompt tokens served from a stored prefix or the session's KV -, ``completion``):
         from its /metrics, as each turn ends."""
-        text = (await http.get("/metrics")).text
         out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("weave_tokens_total{"):
-                labels, value = line[len("weave_tokens_total{"):].rsplit("} ", 1)
-                kind = dict(kv.split("=", 1) for kv in labels.split(","))["kind"].strip('"')
-                out[kind] = out.get(kind, 0.0) + float(value)
+        for family in text_string_to_metric_families((await http.get("/metrics")).text):
+            for sample in family.samples:
+                if sample.name == "weave_tokens_total":
+                    kind = sample.labels["kind"]
+                    out[kind] = out.get(kind, 0.0) + sample.value
         return out
 
     def stop(self) -> int:
