@@ -10,7 +10,7 @@ draws the same tokens whatever else is in the batch.  Candidates are kept in a c
 or by descending logit then id once sorted) so that the inverse-CDF draw is reproducible too.
 
 Speed: the vocabulary is ~49k, so nothing here sorts the whole vocabulary when it can be avoided:
-top-k finds its threshold with a block-maximum floor and ``np.partition``, top-p grows a partial
+top-k selects with one pass over the row (``kernels.topk``), top-p grows a partial
 selection until it holds the nucleus, and the draw searches block sums before one block.
 """
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from weaved.engine.logit_edits import apply_logit_bias, apply_mask, apply_penalties
+from weaved.kernels.topk import top_k_positions
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit for top_logprobs)
 _NUCLEUS_START = 256  # first partial selection tried by top-p over the full vocabulary
@@ -150,10 +151,11 @@ class Sampler:
                 raise ValueError("every logit is -inf")
             return best
 
-        ids = np.arange(x.shape[0])  # [n] candidate ids, in canonical order
-        vals = x  # [n] their logits
-        if p.top_k > 0:
-            ids, vals = top_k_filter(ids, vals, p.top_k)
+        if p.top_k > 0:  # [k] candidate ids and their logits, by descending logit then id
+            ids = top_k_positions(x, p.top_k)
+            vals = x[ids]
+        else:  # [n] every id, in canonical order
+            ids, vals = np.arange(x.shape[0]), x
         if p.top_p < 1.0:
             ids, vals = top_p_filter(ids, vals, p.top_p)
         if p.min_p > 0.0:
@@ -162,43 +164,13 @@ class Sampler:
         return int(ids[_draw(w, self.rng.random())])
 
 
-def _sorted_desc(ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Candidates ordered by descending logit, ties in their current order.  Callers keep candidates
-    in ascending id among equal logits, so ties end up ordered by ascending id."""
-    order = np.argsort(-vals, kind="stable")
-    return ids[order], vals[order]
-
-
-def _kth_largest(vals: np.ndarray, k: int):
-    """The k-th largest value of ``vals`` (1 <= k <= n) in O(n) without touching most of it twice.
-
-    Split ``vals`` into k blocks: the smallest of the k block maxima is a floor with at least k values
-    at or above it, so the k largest are all among the values >= floor - usually a few hundred.
-    """
-    n = vals.shape[0]
-    cand = vals
-    if 4 * k <= n:
-        starts = np.linspace(0, n, k, endpoint=False).astype(np.int64)
-        cand = vals[vals >= np.maximum.reduceat(vals, starts).min()]
-    m = cand.shape[0]
-    return np.partition(cand, m - k)[m - k]
-
-
 def top_k_filter(ids: np.ndarray, vals: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` highest-logit candidates (ties at the boundary go to the lowest ids), sorted
-    descending.  O(n) selection plus a sort of ``k`` items; never a sort of the vocabulary."""
-    n = vals.shape[0]
-    if k < n:
-        kth = _kth_largest(vals, k)
-        keep = vals >= kth
-        if np.count_nonzero(keep) > k:  # ties at the k-th value: keep only the first ones
-            # Positions ascend with id among equal logits (candidates are in id order or sorted by
-            # logit then id), so the first tied positions are the lowest ids.
-            at = np.flatnonzero(vals == kth)
-            keep[at[k - np.count_nonzero(vals > kth) :]] = False
-        sel = np.flatnonzero(keep)
-        ids, vals = ids[sel], vals[sel]
-    return _sorted_desc(ids, vals)
+    descending.  Positions ascend with id among equal logits (candidates are in id order or sorted by
+    logit then id), so ties by position are ties by id.  O(n) selection plus a sort of a few hundred
+    items (``kernels.topk``); never a sort of the vocabulary."""
+    pos = top_k_positions(vals, k)
+    return ids[pos], vals[pos]
 
 
 def top_p_filter(ids: np.ndarray, vals: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
@@ -273,6 +245,5 @@ def logprobs_of(logits: np.ndarray, token: int, top_n: int) -> tuple[float, list
     lp_token = float(z[token] - lse)
     if top_n <= 0:
         return lp_token, []
-    n = min(top_n, z.shape[0])
-    ids, vals = top_k_filter(np.arange(z.shape[0]), z, n)
-    return lp_token, [(int(i), float(v - lse)) for i, v in zip(ids, vals, strict=True)]
+    ids = top_k_positions(z, top_n)
+    return lp_token, [(int(i), float(z[i] - lse)) for i in ids]
