@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, uint64
 
-
 BLOCK = 64  # values per block of the first pass (a block's maximum is one vector reduction)
 
 
