@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from weaved.calibration.cost import Linear, StepCost
 from weaved.engine.admission import HEADROOM, MIN_SAMPLES, Capacity, judge
 from weaved.engine.sampling import SamplingParams
 from weaved.engine.sequence import SeqStatus, Sequence, SLARank
@@ -82,3 +83,20 @@ def test_capacity_is_measured_from_full_steps_and_scaled_to_a_full_batch():
     assert judge([turn(SLARank.INTERACTIVE) for _ in range(40)], turn(SLARank.INTERACTIVE),
                  Capacity(16, None, 0.5), now=0.0) is None  # unknown capacity: admit
     assert HEADROOM < 1.0
+
+
+def test_interactive_turns_are_bounded_by_the_step_the_inter_token_target_allows():
+    # a decode step: 10 ms + 5 ms a row + 1 us per position attended; the gap target 80 ms fits 14 short rows
+    cost = StepCost(prefill=Linear(0.01, 0.001, 0.0), decode=Linear(0.01, 0.005, 1e-6))
+    step = (cost, 0.081)
+    live = [turn(SLARank.INTERACTIVE, max_tokens=50) for _ in range(14)]
+    assert judge(live[:13], turn(SLARank.INTERACTIVE), CAP, now=0.0, step=step) is None
+    refusal = judge(live, turn(SLARank.INTERACTIVE), CAP, now=0.0, step=step)
+    assert refusal is not None and "14 interactive turns" in refusal.reason and "81 ms" in refusal.reason
+    # the same count with a long prompt waiting: its positions make the step too long
+    assert judge(live[:12], turn(SLARank.INTERACTIVE, prompt=8000, decoding=False), CAP, now=0.0, step=step) is not None
+    # throughput-tolerant turns are not held to the gap; nor is a pool's first interactive turn, whatever the step
+    assert judge(live, turn(SLARank.BACKGROUND, ttlt=1000.0), CAP, now=0.0, step=step) is None
+    slow = (StepCost(prefill=Linear(1.0, 0.1, 0.0), decode=Linear(1.0, 0.1, 0.0)), 0.08)
+    assert judge([], turn(SLARank.INTERACTIVE), CAP, now=0.0, step=slow) is None
+    assert judge(live[:1], turn(SLARank.INTERACTIVE), CAP, now=0.0, step=slow) is not None

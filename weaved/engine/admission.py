@@ -11,8 +11,10 @@ What the turns a pool holds demand, in decode tokens per second:
 ``capacity`` is the pool's decode rate at a full batch (``Capacity``).  A new turn is refused - HTTP 503
 with ``Retry-After`` - when the demand with it would pass the capacity, the paced demands counted with
 ``HEADROOM`` (their rates are estimates; a slot is a slot), or, for an interactive turn, when every
-batch slot already holds one (it would wait for a slot with no bound on its
-time to first token).  Refusing early is the point: work accepted and then timed out costs the client
+batch slot already holds one (it would wait for a slot with no bound on its time to first token) or when
+the pool's step model predicts that a step of the interactive turns with it would take longer than the
+inter-token target (every interactive turn decodes in every step, so their number sets the gap each of
+them sees; a pool always takes one).  Refusing early is the point: work accepted and then timed out costs the client
 more than a clear "not now".
 """
 
@@ -22,6 +24,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+from weaved.calibration.cost import StepCost
 from weaved.engine.sequence import Sequence, SLARank
 
 HEADROOM = 0.9  # paced demand may reach this share of what the slots leave: the rates and the steps vary
@@ -65,8 +68,11 @@ class Capacity:
         return work / seconds * self.max_batch * len(samples) / batch
 
 
-def judge(live: list[Sequence], new: Sequence, capacity: Capacity, now: float) -> Refusal | None:
-    """None to admit ``new`` beside the ``live`` turns of the pool, or why not and when to retry."""
+def judge(live: list[Sequence], new: Sequence, capacity: Capacity, now: float,
+          step: tuple[StepCost, float] | None = None) -> Refusal | None:
+    """None to admit ``new`` beside the ``live`` turns of the pool, or why not and when to retry.
+    ``step``: the pool's step-time model and the step time an interactive turn's gap allows (None: not
+    known; then only the batch slots bound the interactive turns)."""
     cap = capacity.tokens_per_s
     if cap is None:
         return None
@@ -78,6 +84,15 @@ def judge(live: list[Sequence], new: Sequence, capacity: Capacity, now: float) -
         wait = min(s.remaining_tokens for s in interactive) / slot
         return Refusal(f"every one of the pool's {capacity.max_batch} batch slots holds an interactive turn",
                        _clamp(wait))
+    if new.rank == SLARank.INTERACTIVE and step is not None and interactive:
+        cost, target_s = step
+        rows = [*interactive, new]
+        step_s = cost.decode.s(len(rows), sum(s.kv.length + len(s.pending) for s in rows))
+        if step_s > target_s:
+            wait = min(s.remaining_tokens for s in interactive) * step_s
+            return Refusal(f"a step of the pool's {len(interactive)} interactive turns and this one would take "
+                           f"{step_s * 1e3:.0f} ms, past the {target_s * 1e3:.0f} ms an interactive token may take",
+                           _clamp(wait))
     slots = (len(interactive) + (new.rank == SLARank.INTERACTIVE)) * slot
     paced = sum(_rate(s, now, slot, capacity.prefill_cost) for s in tolerant)
     need = slot if new.rank == SLARank.INTERACTIVE else _rate(new, now, slot, capacity.prefill_cost)

@@ -141,7 +141,9 @@ class BatchEngine:
             return None
         with self._cond:
             live = list(self._active) + list(self._incoming)
-        return judge(live, seq, self.capacity, self._clock())
+        cfg = self.config
+        step = (cfg.step_cost, cfg.step_target_s) if cfg.step_cost is not None and cfg.step_target_s else None
+        return judge(live, seq, self.capacity, self._clock(), step)
 
     def cancel(self, session_id: str) -> None:
         with self._cond:
