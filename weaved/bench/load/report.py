@@ -79,7 +79,8 @@ def format_table(r: dict) -> str:
                      f"{_f(c['latency_p50_s']):>12} {_f(c['latency_p99_s']):>7} "
                      f"{_f(c['within_sla'], '{:.0%}'):>7} {_f(c['sla_or_503'], '{:.0%}'):>8}")
     batched = _f(r["batched_tps"], "{:.1f}")
-    lines += ["", f"generated {r['tokens_per_s']:.1f} tokens/s; the engine's batched rate {batched} "
+    at = f" at {r['batched_batch']} sequences" if r.get("batched_batch") else ""
+    lines += ["", f"generated {r['tokens_per_s']:.1f} tokens/s; the engine's batched rate{at} {batched} "
                   f"({_f(r['vs_batched'], '{:.0%}')})"]
     e = r.get("engine")
     if e:

@@ -18,21 +18,33 @@ from weaved.bench.load.clients import TIMEOUT_S, Client
 from weaved.bench.load.report import build
 
 
-def batched_rate(opts: LoadOptions, say: Callable[[str], None]) -> float | None:
-    """Weave's CPU engine decoding 16 sequences (the daemon's batch), in its own process."""
+def pool_batch() -> int:
+    """The batch of the CPU pool ``weave serve`` will run here: its first standard CPU pool's
+    ``max_batch`` in the profile it detects for this machine."""
+    from weaved.config.load import load_profile
+
+    pools = [p for p in load_profile().pools if p.backend == "cpu" and p.strategy == "standard"]
+    return pools[0].max_batch if pools else 16
+
+
+def batched_rate(opts: LoadOptions, say: Callable[[str], None]) -> tuple[float | None, int]:
+    """Weave's CPU engine decoding a full batch of the daemon's CPU pool (16 or 64 sequences: the
+    measured batch at or below the pool's), in its own process; returns (tokens/s, batch)."""
     from weaved.bench import BenchConfig
     from weaved.bench.harness import filler_tokens
     from weaved.bench.runner import measure_in_subprocess
 
+    batch = 64 if pool_batch() >= 64 else 16
+    key = f"batch{batch}_tps"
     # the median of three repetitions of 32 steps (a second or two): one short repetition swung by a third
     # from run to run on a shared host, and this rate is the run's yardstick
-    cfg = BenchConfig(opts.model, opts.threads, ("batch16_tps",), rounds=1, reps=3)
-    say("measuring the engine's batched rate (16 sequences)")
+    cfg = BenchConfig(opts.model, opts.threads, (key,), rounds=1, reps=3)
+    say(f"measuring the engine's batched rate ({batch} sequences)")
     try:
-        return float(measure_in_subprocess("weave", cfg, filler_tokens(opts.model, cfg.tokens_needed))["batch16_tps"])
+        return float(measure_in_subprocess("weave", cfg, filler_tokens(opts.model, cfg.tokens_needed))[key]), batch
     except Exception as exc:  # noqa: BLE001 - the load still runs; the ratio is then unknown
         say(f"the batched rate could not be measured: {exc}")
-        return None
+        return None, batch
 
 
 async def _drive(opts: LoadOptions, served: served_daemon.Served, say: Callable[[str], None]) -> list:
@@ -61,7 +73,7 @@ async def _drive(opts: LoadOptions, served: served_daemon.Served, say: Callable[
 
 
 def run_load(opts: LoadOptions, say: Callable[[str], None]) -> dict:
-    batched = batched_rate(opts, say)
+    batched, batch = batched_rate(opts, say)
     with tempfile.TemporaryDirectory(prefix="weave-load-") as tmp:
         say("starting weave serve")
         served = served_daemon.start(opts.model, Path(tmp))
@@ -72,6 +84,7 @@ def run_load(opts: LoadOptions, say: Callable[[str], None]) -> dict:
         report = build(outcomes, served.samples, warmup_s=opts.warmup_s, duration_s=opts.duration_s,
                        batched_tps=batched, clients=opts.clients, daemon_tokens=counted)
         report["daemon_exit"] = code
+        report["batched_batch"] = batch
         log = served.log.read_text().splitlines()
         report["daemon_log_problems"] = [line for line in log if "Traceback" in line or "error" in line.lower()][:20]
     return report
