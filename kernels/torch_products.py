@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
-from weaved.kernels import torch_q4, torch_rowwise
+from weaved.kernels import torch_moe, torch_q4, torch_rowwise
 from weaved.kernels.refine_rule import REFINE_MARGIN, REFINE_TOP
 from weaved.kernels.torch_q4 import DeviceWeight, Q8Act, linear_float
 
@@ -47,20 +47,22 @@ def _check_path(path: str) -> None:
 
 class Rowwise:
     """The row-wise operations of one kernel path, each with ``torch_rowwise``'s (or ``torch_q4``'s, for
-    the quantizations) signature and bits: ``rmsnorm``, ``rope``, ``swiglu``, ``geglu``,
-    ``quantize_act``, ``quantize_two_level``."""
+    the quantizations, ``torch_moe``'s for a mixture of experts' router) signature and bits: ``rmsnorm``,
+    ``rope``, ``swiglu``, ``geglu``, ``quantize_act``, ``quantize_two_level``, ``route``."""
 
     def __init__(self, path: str):
         _check_path(path)
         self.path = path
         if path == "triton":
+            from weaved.kernels import triton_router
             from weaved.kernels import triton_rowwise as rw
 
-            ops, quant = rw, rw
+            ops, quant, router = rw, rw, triton_router
         else:
-            ops, quant = torch_rowwise, torch_q4
+            ops, quant, router = torch_rowwise, torch_q4, torch_moe
         self.rmsnorm, self.rope, self.swiglu, self.geglu = ops.rmsnorm, ops.rope, ops.swiglu, ops.geglu
         self.quantize_act, self.quantize_two_level = quant.quantize_act, quant.quantize_two_level
+        self.route = router.route
 
 
 class Products:

@@ -1,7 +1,7 @@
 """The Triton kernels, run by Triton's interpreter on CPU tensors (the cases are in
-``triton_interp_cases`` - the products and the backend on them -, ``triton_rowwise_cases`` and
-``triton_attention_cases``): a fresh process, because TRITON_INTERPRET must be set before triton is
-first imported, and this one may have imported it already."""
+``triton_interp_cases`` - the products and the backend on them -, ``triton_rowwise_cases``,
+``triton_attention_cases`` and ``triton_router_cases``): a fresh process, because TRITON_INTERPRET must be
+set before triton is first imported, and this one may have imported it already."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-CASES = [HERE / "triton_interp_cases.py", HERE / "triton_rowwise_cases.py", HERE / "triton_attention_cases.py"]
+CASES = [HERE / "triton_interp_cases.py", HERE / "triton_rowwise_cases.py", HERE / "triton_attention_cases.py",
+         HERE / "triton_router_cases.py"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

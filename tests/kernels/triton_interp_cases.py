@@ -87,7 +87,7 @@ def test_argument_checks(tt):
 def test_torch_backend_on_the_triton_path(tt, model, request, monkeypatch):
     """The backend with every op on Triton (products, row-wise ops, paged attention): the torch path's
     logits bit for bit (with the interpreter's fma rounding once, as a GPU's), and batch invariant.
-    Gemma 3's sliding windows bite from position 24 on; qwen3moe routes to experts."""
+    Gemma 3's sliding windows bite from position 24 on; qwen3moe routes to experts (Triton's router)."""
     from tests.oracles import mean_kl, top1_agreement
     from weaved.backends.base import Logits, SeqChunk
     from weaved.backends.torch import TorchBackend
@@ -98,6 +98,7 @@ def test_torch_backend_on_the_triton_path(tt, model, request, monkeypatch):
     monkeypatch.setenv("WEAVE_TORCH_KERNELS", "triton")
     be = TorchBackend.from_file(path, threads=1)
     assert (ref.kernels, be.kernels, be._paged_kernel, be._ops.path) == ("torch", "triton", True, "triton")
+    assert be._ops.route.__module__ == "weaved.kernels.triton_router"
     want = ref.forward([SeqChunk(ref.new_kv(64), tokens, Logits.ALL)])[0]
     got = be.forward([SeqChunk(be.new_kv(64), tokens, Logits.ALL)])[0]
     assert np.array_equal(want, got), (mean_kl(want, got), top1_agreement(want, got))

@@ -61,12 +61,15 @@ def upload_experts(gguf: GGUFFile, cfg: ModelConfig, layer: int, device: torch.d
 
 def experts_ffn(h: torch.Tensor, ex: DeviceExperts, k: int, project: Project,
                 glu: Callable[[torch.Tensor], torch.Tensor] = swiglu,
-                quantize: Callable[[torch.Tensor], Q8Act] | None = None) -> torch.Tensor:
-    """h float32 [T, d] (the FFN norm's output) -> float32 [T, d]; ``glu``: the kernel path's SwiGLU.
-    With ``quantize`` (the Triton path's) and stacked quantized experts, every expert's rows run in one
-    grouped launch per product (``kernels.triton_moe``), with the same bits."""
+                quantize: Callable[[torch.Tensor], Q8Act] | None = None,
+                router: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = route
+                ) -> torch.Tensor:
+    """h float32 [T, d] (the FFN norm's output) -> float32 [T, d]; ``glu`` and ``router``: the kernel path's
+    SwiGLU and router (``torch_moe.route``'s bits either way).  With ``quantize`` (the Triton path's) and
+    stacked quantized experts, every expert's rows run in one grouped launch per product
+    (``kernels.triton_moe``), with the same bits."""
     T, d = h.shape
-    ids, wts = route(h, ex.router, k)
+    ids, wts = router(h, ex.router, k)
     flat, wflat = ids.reshape(-1), wts.reshape(-1)
     if quantize is not None and ex.gate_up_stack is not None and ex.down_stack is not None:
         return _grouped_ffn(h, ex, k, flat, wflat, glu, quantize)
