@@ -16,7 +16,7 @@ Every output element sees the same float operations in the same order whatever t
 columns, the column's position, or the thread split: batch invariance by construction, and the same
 bits as ``_gemm_portable``.  Accumulators live in a small aligned per-thread buffer (rows of Y can
 be 4 KiB-aliased: one L1 set).  A tile streams sequentially; at one column (decode) the hardware
-prefetchers keep DRAM busy alone, with 8 or more columns each block also prefetches the same block
+prefetchers keep DRAM busy alone, with 2 or more columns each block also prefetches the same block
 two tiles ahead (PF_TILES).
 """
 
@@ -31,12 +31,13 @@ from ._llvm import I8, I32, I64, V16F, V16H, V16I32, c32, c64, fn, ptr, splat
 from ._pack import RT, TB_Q4, TB_Q8
 
 G = 2  # columns interleaved per inner step (independent dependency chains)
-# Software prefetch of the weights PF_TILES tiles ahead when a pass has >= PF_MIN_COLS columns.  With
-# many columns a tile's compute is long enough that waiting for the hardware prefetchers (which see
-# only this tile's short stream) costs: measured over a step's layers at 16 sequences, 9.97 -> 8.73
-# ms (64 sequences: 31.8 -> 30.8).  With one column the loop is bound by memory bandwidth and the
-# hardware prefetchers do better alone (prefetching there made a decode step ~25 % slower).
-PF_TILES, PF_MIN_COLS = 2, 8
+# Software prefetch of the weights PF_TILES tiles ahead when a pass has >= PF_MIN_COLS columns.  From
+# two columns on, a block's compute is long enough that the hardware prefetchers (which see only this
+# tile's short stream) fall behind: a Llama-3.2-1B-shaped decode step of 4 sequences took 29.0 ms
+# without it and 21.9 ms with it (6 sequences: 31.4 -> 21.2 ms; 2: 24.3 -> 22.6 ms), a step's layers at
+# 16 sequences on SmolLM2 9.97 -> 8.73 ms.  With one column the loop is bound by memory bandwidth and
+# the hardware prefetchers do better alone (prefetching there made a decode step ~25 % slower).
+PF_TILES, PF_MIN_COLS = 2, 2
 
 
 def _make_tile(qk: int):
