@@ -157,7 +157,7 @@ class Sampler:
         else:  # [n] every id, in canonical order
             ids, vals = np.arange(x.shape[0]), x
         if p.top_p < 1.0:
-            ids, vals = top_p_filter(ids, vals, p.top_p)
+            ids, vals = top_p_filter(ids, vals, p.top_p, sorted_desc=p.top_k > 0)
         if p.min_p > 0.0:
             ids, vals = min_p_filter(ids, vals, p.min_p)
         w = _weights(vals, p.temperature)  # [n] unnormalized probabilities
@@ -173,10 +173,12 @@ def top_k_filter(ids: np.ndarray, vals: np.ndarray, k: int) -> tuple[np.ndarray,
     return ids[pos], vals[pos]
 
 
-def top_p_filter(ids: np.ndarray, vals: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
+def top_p_filter(ids: np.ndarray, vals: np.ndarray, p: float, sorted_desc: bool = False
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """Nucleus: the shortest prefix of the candidates sorted by probability whose total reaches ``p``
     (llama.cpp: keep up to and including the token where the running sum first reaches ``p``).
-    Returns the prefix sorted descending."""
+    Returns the prefix sorted descending.  ``sorted_desc``: the candidates already are (top-k's output),
+    so their order is taken as it is."""
     n = vals.shape[0]
     w = _weights(vals, 1.0)  # [n] unnormalized probabilities
     target = p * float(w.sum(dtype=np.float64))
@@ -185,7 +187,8 @@ def top_p_filter(ids: np.ndarray, vals: np.ndarray, p: float) -> tuple[np.ndarra
     while True:
         # Only the m most probable candidates are sorted; if they already hold mass p, the nucleus
         # lies inside them (a full sort is the last resort, for a very flat distribution).
-        order = top_k_filter(positions, vals, m)[0]  # positions of the m largest, sorted descending
+        # positions of the m largest, sorted descending
+        order = positions[:m] if sorted_desc else top_k_filter(positions, vals, m)[0]
         cum = np.cumsum(w[order], dtype=np.float64)
         if cum[-1] >= target or m >= n:
             keep = min(int(np.searchsorted(cum, target, side="left")) + 1, m)
