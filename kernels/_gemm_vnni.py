@@ -15,9 +15,9 @@ in block order b = 0..nb-1 and with no fast-math flags:
 Every output element sees the same float operations in the same order whatever the number of
 columns, the column's position, or the thread split: batch invariance by construction, and the same
 bits as ``_gemm_portable``.  Accumulators live in a small aligned per-thread buffer (rows of Y can
-be 4 KiB-aliased: one L1 set).  A tile streams sequentially; at one column (decode) the hardware
-prefetchers keep DRAM busy alone, with 2 or more columns each block also prefetches the same block
-two tiles ahead (PF_TILES).
+be 4 KiB-aliased: one L1 set).  A chunk's tiles stream sequentially, one after the other; the
+hardware prefetchers alone fall behind that stream, so each block also prefetches the block
+PF_BLOCKS ahead into L1.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from ._llvm import I8, I32, I64, V16F, V16H, V16I32, c32, c64, fn, ptr, splat
 from ._pack import RT, TB_Q4, TB_Q8
 
 G = 2  # columns interleaved per inner step (independent dependency chains)
-# Software prefetch of the weights PF_TILES tiles ahead when a pass has >= PF_MIN_COLS columns.  From
-# two columns on, a block's compute is long enough that the hardware prefetchers (which see only this
-# tile's short stream) fall behind: a Llama-3.2-1B-shaped decode step of 4 sequences took 29.0 ms
-# without it and 21.9 ms with it (6 sequences: 31.4 -> 21.2 ms; 2: 24.3 -> 22.6 ms), a step's layers at
-# 16 sequences on SmolLM2 9.97 -> 8.73 ms.  With one column the loop is bound by memory bandwidth and
-# the hardware prefetchers do better alone (prefetching there made a decode step ~25 % slower).
-PF_TILES, PF_MIN_COLS = 2, 2
+# Software prefetch of the weights PF_BLOCKS blocks ahead (about 9 KB of a Q4_0 stream) into L1, in every
+# pass.  The hardware prefetchers alone left one column (decode) waiting on DRAM: a 354 MB 1-column
+# product read at 38-40 GB/s without it and 47-49 GB/s with it, 2 columns 35 -> 44, 4 columns 37 -> 46,
+# 16 columns unchanged (measured A/B on 2 Zen 5 cores).  Farther was worse: two tiles ahead (72 KB on
+# a 2,048-wide matrix, into L2) made one column ~25 % slower, and 24 blocks into L1 gained no more.
+# Past a chunk's or the matrix's end the hint reads nothing the step needs, and never faults.
+PF_BLOCKS = 16
 
 
 def _make_tile(qk: int):
@@ -92,12 +92,10 @@ def _make_tile(qk: int):
                     else:
                         WV.append(raw)
                 bT = builder.mul(b, T)
-                with builder.if_then(builder.icmp_signed(">=", ncols, c64(PF_MIN_COLS))):
-                    # this block of the tile PF_TILES ahead, into L2: its DRAM latency hides behind
-                    # this block's columns (a hint: never faults, even past the matrix's end)
-                    nxt = builder.gep(base, [builder.mul(nbv, c64(PF_TILES * tb))])
-                    for k in range(0, tb, 64):
-                        builder.call(prefetch, [builder.gep(nxt, [c64(k)]), c32(0), c32(2), c32(1)])
+                # the block PF_BLOCKS ahead in the stream (tiles follow each other), into L1
+                nxt = builder.gep(base, [c64(PF_BLOCKS * tb)])
+                for k in range(0, tb, 64):
+                    builder.call(prefetch, [builder.gep(nxt, [c64(k)]), c32(0), c32(3), c32(1)])
 
                 def cols(ci0, n):
                     res = []
