@@ -91,3 +91,27 @@ def test_gpu_pools_on_cuda_calibrate_their_steps_and_link(tiny_llama, tmp_path, 
         assert shown["device"] == "cpu" and shown["link_gb_s"] > 0 and "step_cost" in shown
     finally:
         d.shutdown()
+
+
+def test_a_stored_calibration_that_measured_smaller_batches_is_measured_again(tiny_llama, tmp_path, cache):
+    base = load_profile("cpu-only")
+
+    def with_batch(n: int):
+        pools = tuple(dataclasses.replace(p, max_batch=n, token_budget=p.prefill_chunk + n) if p.name == "cpu" else p
+                      for p in base.pools)
+        return dataclasses.replace(base, pools=pools)
+
+    small = _daemon(tiny_llama, tmp_path / "a", with_batch(16))
+    small.shutdown()
+    assert any("calibrated in" in m for m in small.said)
+    big = _daemon(tiny_llama, tmp_path / "b", with_batch(64))  # its rates at 64 would be extrapolated: measured
+    try:
+        assert any("decode batches up to 16" in m and "64" in m for m in big.said)
+        assert any("calibrated in" in m for m in big.said)
+    finally:
+        big.shutdown()
+    again = _daemon(tiny_llama, tmp_path / "c", with_batch(16))  # the batch-64 calibration covers 16
+    try:
+        assert not any("calibrat" in m for m in again.said)
+    finally:
+        again.shutdown()

@@ -54,7 +54,11 @@ def calibration_of(backend: Backend, fingerprint: str, chunk: int, batch: int, s
     if not force:
         found = store.load(calibration_key(fingerprint, backend.name, device, threads, kernels))
         if found is not None:
-            return found
+            measured = _largest_measured(found)
+            if measured[0] >= chunk and measured[1] >= batch:
+                return found
+            say(f"the stored calibration measured prefill chunks up to {measured[0]} tokens and decode batches "
+                f"up to {measured[1]}; measuring again for this profile's {chunk} and {batch}")
     say(f"calibrating the {backend.name} backend ({threads} threads, {kernels} kernels): prefill chunks up to "
         f"{chunk} tokens, decode batches up to {batch}")
 
@@ -67,6 +71,14 @@ def calibration_of(backend: Backend, fingerprint: str, chunk: int, batch: int, s
     store.save(cal)
     say(f"calibrated in {m.seconds:.1f} s (the fit is within {m.max_error():.0%} of every measured step)")
     return cal
+
+
+def _largest_measured(cal: Calibration) -> tuple[int, int]:
+    """(largest prefill chunk, largest decode batch) among a calibration's measured points: a pool's rates
+    at a larger batch or chunk would be extrapolated from the fit, not measured."""
+    chunk = max((int(p["tokens"]) for p in cal.points if p.get("kind") == "prefill"), default=0)
+    batch = max((int(p["batch"]) for p in cal.points if p.get("kind") == "decode"), default=0)
+    return chunk, batch
 
 
 def apply_rates(profile: Profile, pools: dict[str, Pool], fingerprint: str, store: CalibrationStore,
