@@ -224,8 +224,7 @@ class TorchBackend(Backend):
             x = x + (rmsnorm(y, L.post_attn_norm, cfg.rms_eps) if L.post_attn_norm is not None else y)
             h = rmsnorm(x, L.ffn_norm, cfg.rms_eps)
             if L.experts is not None:
-                y = experts_ffn(h, L.experts, cfg.n_experts_used, self._project, ops.swiglu,
-                                ops.quantize_act if self.kernels == "triton" else None, ops.route)
+                y = experts_ffn(h, L.experts, cfg.n_experts_used, self._project, ops)
             else:
                 gu = self._project(L.wgu, h)
                 y = self._project((L.wdown,), ops.geglu(gu, self._gelu) if self._gelu is not None else ops.swiglu(gu))

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from weaved.kernels.torch_moe import route
+from weaved.kernels.torch_products import Rowwise
 from weaved.kernels.torch_q4 import BLOCK_BYTES, QK, DeviceWeight, Q8Act
-from weaved.kernels.torch_rowwise import swiglu
 from weaved.model.config import ModelConfig
 from weaved.model.gguf_file import GGUFFile
 
@@ -59,20 +58,17 @@ def upload_experts(gguf: GGUFFile, cfg: ModelConfig, layer: int, device: torch.d
     return DeviceExperts(router, gu, dn, gu_stack, dn_stack)
 
 
-def experts_ffn(h: torch.Tensor, ex: DeviceExperts, k: int, project: Project,
-                glu: Callable[[torch.Tensor], torch.Tensor] = swiglu,
-                quantize: Callable[[torch.Tensor], Q8Act] | None = None,
-                router: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = route
-                ) -> torch.Tensor:
-    """h float32 [T, d] (the FFN norm's output) -> float32 [T, d]; ``glu`` and ``router``: the kernel path's
-    SwiGLU and router (``torch_moe.route``'s bits either way).  With ``quantize`` (the Triton path's) and
-    stacked quantized experts, every expert's rows run in one grouped launch per product
-    (``kernels.triton_moe``), with the same bits."""
+def experts_ffn(h: torch.Tensor, ex: DeviceExperts, k: int, project: Project, ops: Rowwise) -> torch.Tensor:
+    """h float32 [T, d] (the FFN norm's output) -> float32 [T, d]; ``ops``: the kernel path's row-wise
+    operations, whose router and SwiGLU it takes (``torch_moe.route``'s and ``torch_rowwise``'s bits either
+    way).  On the Triton path, with stacked quantized experts, every expert's rows run in one grouped
+    launch per product (``kernels.triton_moe``), with the same bits."""
     T, d = h.shape
-    ids, wts = router(h, ex.router, k)
+    ids, wts = ops.route(h, ex.router, k)
     flat, wflat = ids.reshape(-1), wts.reshape(-1)
-    if quantize is not None and ex.gate_up_stack is not None and ex.down_stack is not None:
-        return _grouped_ffn(h, ex, k, flat, wflat, glu, quantize)
+    glu = ops.swiglu
+    if ops.path == "triton" and ex.gate_up_stack is not None and ex.down_stack is not None:
+        return _grouped_ffn(h, ex, k, flat, wflat, glu, ops.quantize_act)
     ys = torch.empty((T * k, d), dtype=torch.float32, device=h.device)
     for e in torch.unique(flat).tolist():
         rows = torch.nonzero(flat == e).squeeze(1)  # (token, slot) rows routed to expert e
