@@ -182,13 +182,11 @@ def top_p_filter(ids: np.ndarray, vals: np.ndarray, p: float, sorted_desc: bool 
     n = vals.shape[0]
     w = _weights(vals, 1.0)  # [n] unnormalized probabilities
     target = p * float(w.sum(dtype=np.float64))
-    positions = np.arange(n)
     m = min(n, _NUCLEUS_START)
     while True:
         # Only the m most probable candidates are sorted; if they already hold mass p, the nucleus
         # lies inside them (a full sort is the last resort, for a very flat distribution).
-        # positions of the m largest, sorted descending
-        order = positions[:m] if sorted_desc else top_k_filter(positions, vals, m)[0]
+        order = np.arange(m) if sorted_desc else top_k_positions(vals, m)  # the m largest, descending
         cum = np.cumsum(w[order], dtype=np.float64)
         if cum[-1] >= target or m >= n:
             keep = min(int(np.searchsorted(cum, target, side="left")) + 1, m)
