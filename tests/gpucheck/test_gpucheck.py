@@ -26,11 +26,35 @@ def test_the_command_reports_agreement_speed_and_memory(tiny_llama, tmp_path, ca
                               "greedy_disagreements": 0, "near_ties": 0, "steps": 5}
     assert r["device_speed"]["prefill_tok_s"] > 0 and r["device_speed"]["decode_tok_s"] > 0
     assert [b["batch"] for b in r["batched"]] == [2, 3] and all(b["tok_s"] > 0 for b in r["batched"])
+    assert r["copy_bytes_per_s"] > 0 and "errors" not in r
     from weaved.model.loader import open_model
 
     cfg = open_model(tiny_llama)[1]
+    for b in r["batched"]:  # the roofline: the weights once, plus each sequence's KV at its mean length
+        assert b["step_bytes"] > b["batch"] * 16 * cfg.kv_bytes_per_token
+        assert b["roofline_fraction"] == pytest.approx(b["step_bytes"] / r["copy_bytes_per_s"] / b["step_seconds"])
     assert r["promotion"]["bytes"] == 256 * cfg.kv_bytes_per_token and r["promotion"]["gb_s"] > 0
     assert r["memory"]["weights_bytes"] > 0 and r["memory"]["kv_pool_bytes"] > 0
+
+
+def test_a_part_that_raises_fails_the_check_but_not_the_rest(tiny_llama, tmp_path, capsys, monkeypatch):
+    """One failing part (here the batched timing) is reported with its traceback and fails the exit
+    code; the agreement, promotion and memory parts still run and are recorded."""
+    from weaved.gpucheck import __main__ as gc
+    from weaved.gpucheck import speed
+
+    def broken(*a, **k):
+        raise RuntimeError("no room for the batch")
+
+    monkeypatch.setattr(speed, "batched_decode", broken)
+    out = tmp_path / "r.json"
+    code = gc.main([str(tiny_llama), "--device", "cpu", "--threads", "2", "--prompt", "12", "--steps", "2",
+                    "--batches", "2", "--context", "8", "--promote", "64", "--json", str(out)])
+    printed = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert code == 1 and "batch 2: ERROR RuntimeError: no room for the batch" in printed
+    assert "no room for the batch" in r["errors"]["batch 2"] and r["agreement"]["passed"]
+    assert r["promotion"]["bytes"] > 0 and r["memory"]["weights_bytes"] > 0
 
 
 def _row(top: int, gap: float, vocab: int = 50) -> np.ndarray:

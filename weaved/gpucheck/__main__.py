@@ -9,6 +9,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 
@@ -59,6 +60,17 @@ def _model(a: argparse.Namespace, say) -> Path:
     return convert_gguf(src, dst, force=True)
 
 
+def _section(results: dict, name: str, say, fn) -> None:
+    """Run one part of the check; a part that raises is recorded (and fails the check) but does not stop
+    the others, so one bad kernel on a lent machine does not cost the rest of its numbers."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - recorded and reported, never swallowed
+        results.setdefault("errors", {})[name] = traceback.format_exc()
+        say(f"{name}: ERROR {type(e).__name__}: {e}")
+        traceback.print_exc()
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     import numpy as np
@@ -67,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from weaved.backends.cpu import CPUBackend
     from weaved.backends.torch import TorchBackend
     from weaved.gpucheck.agreement import teacher_forced
-    from weaved.gpucheck.speed import batched_decode, device_memory, prefill_and_decode, promotion
+    from weaved.gpucheck.speed import batched_decode, copy_bandwidth, device_memory, prefill_and_decode, promotion
     from weaved.model.loader import open_model
 
     def say(msg: str) -> None:
@@ -79,13 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     gguf, cfg = open_model(path)
     say(f"model {path.name}: {cfg.arch}, {cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}")
     if device.type == "cuda":
-        say(f"device {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+        say(f"device {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}, triton {_version('triton')}")
     cpu = CPUBackend(gguf, cfg, threads=a.threads or os.cpu_count())
     dev = TorchBackend(gguf, cfg, device=device)
     say(f"torch backend on {device}: kernels {dev.kernels}, weights {dev.weights.nbytes / 2**30:.2f} GiB, "
         f"KV pool {dev.device_kv_capacity() / 2**30:.2f} GiB")
-    results: dict = {"model": str(path), "arch": cfg.arch, "device": str(device),
-                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    results: dict = {"model": str(path), "arch": cfg.arch, "device": str(device), "kernels": dev.kernels,
+                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                     "torch": torch.__version__, "triton": _version("triton")}
 
     prompt = [int(t) for t in np.random.default_rng(0).integers(10, min(cfg.vocab_size, 30000), a.prompt)]
 
@@ -94,33 +108,67 @@ def main(argv: list[str] | None = None) -> int:
                                                                (" near-tie" if r.near_tie else " GREEDY DIFFERS"))
         say(f"  step {r.step:3d}: {tag}")
 
-    say(f"agreement: {a.prompt}-token prompt, then {a.steps} teacher-forced decode steps (CPU's greedy token)")
-    agree = teacher_forced(cpu, dev, prompt, a.steps, a.prompt + a.steps + 1, step_line)
-    results["agreement"] = agree.to_dict()
-    say(f"agreement: {'PASS' if agree.passed else 'FAIL'} "
-        f"({'bit-equal' if agree.bit_equal else f'mean KL {agree.mean_kl:.2e}'})")
+    def agreement() -> None:
+        say(f"agreement: {a.prompt}-token prompt, then {a.steps} teacher-forced decode steps (CPU's greedy token)")
+        agree = teacher_forced(cpu, dev, prompt, a.steps, a.prompt + a.steps + 1, step_line)
+        results["agreement"] = agree.to_dict()
+        say(f"agreement: {'PASS' if agree.passed else 'FAIL'} "
+            f"({'bit-equal' if agree.bit_equal else f'mean KL {agree.mean_kl:.2e}'})")
 
-    say("speed (the torch backend, then the CPU backend for scale)")
-    results["device_speed"] = prefill_and_decode(dev, a.prompt, a.steps)
-    results["cpu_speed"] = prefill_and_decode(cpu, a.prompt, min(a.steps, 8))
-    for name in ("device_speed", "cpu_speed"):
-        r = results[name]
-        say(f"  {name.split('_')[0]:6s}: prefill {r['prefill_tok_s']:9.1f} tok/s, "
-            f"decode {r['decode_tok_s']:8.1f} tok/s")
+    def speed() -> None:
+        say("speed (the torch backend, then the CPU backend for scale)")
+        results["device_speed"] = prefill_and_decode(dev, a.prompt, a.steps)
+        results["cpu_speed"] = prefill_and_decode(cpu, a.prompt, min(a.steps, 8))
+        for name in ("device_speed", "cpu_speed"):
+            r = results[name]
+            say(f"  {name.split('_')[0]:6s}: prefill {r['prefill_tok_s']:9.1f} tok/s, "
+                f"decode {r['decode_tok_s']:8.1f} tok/s")
+
+    def bandwidth() -> None:
+        results["copy_bytes_per_s"] = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 26)
+        say(f"device memory rate (a copy, bytes read + written): {results['copy_bytes_per_s'] / 1e9:.0f} GB/s")
+
+    def batched(b: int) -> None:
+        r = batched_decode(dev, b, a.context, a.steps)
+        rate = results.get("copy_bytes_per_s")
+        if rate:  # the step's time at the memory rate over its measured time
+            r["roofline_fraction"] = r["step_bytes"] / rate / r["step_seconds"]
+        results["batched"].append(r)
+        roof = f", {r['roofline_fraction']:.0%} of the memory roofline" if rate else ""
+        say(f"  batch {b:3d} at {a.context} tokens: {r['tok_s']:9.1f} tok/s "
+            f"({r['step_seconds'] * 1e3:.2f} ms a step for {r['step_bytes'] / 2**20:.0f} MiB{roof})")
+
+    def promote() -> None:
+        r = results["promotion"] = promotion(dev, a.promote, device)
+        say(f"promotion of {a.promote} positions ({r['bytes'] / 2**20:.0f} MiB): {r['gb_s']:.2f} GB/s "
+            f"(a plain copy: {r['raw_copy_gb_s']:.2f} GB/s; {r['vs_raw_copy']:.2f}x its time)")
+
+    def memory() -> None:
+        results["memory"] = device_memory(dev, device)
+        say("memory: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in results["memory"].items()))
+
+    _section(results, "agreement", say, agreement)
+    _section(results, "speed", say, speed)
+    _section(results, "bandwidth", say, bandwidth)
     results["batched"] = []
     for b in (int(x) for x in a.batches.split(",") if x):
-        r = batched_decode(dev, b, a.context, a.steps)
-        results["batched"].append(r)
-        say(f"  batch {b:3d} at {a.context} tokens: {r['tok_s']:9.1f} tok/s")
-    r = results["promotion"] = promotion(dev, a.promote, device)
-    say(f"promotion of {a.promote} positions ({r['bytes'] / 2**20:.0f} MiB): {r['gb_s']:.2f} GB/s "
-        f"(a plain copy: {r['raw_copy_gb_s']:.2f} GB/s; {r['vs_raw_copy']:.2f}x its time)")
-    results["memory"] = device_memory(dev, device)
-    say("memory: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in results["memory"].items()))
+        _section(results, f"batch {b}", say, lambda b=b: batched(b))
+    _section(results, "promotion", say, promote)
+    _section(results, "memory", say, memory)
     results["seconds"] = time.perf_counter() - t_start
     if a.json is not None:
         a.json.write_text(json.dumps(results, indent=2))
-    return 0 if agree.passed else 1
+    passed = results.get("agreement", {}).get("passed", False) and "errors" not in results
+    if "errors" in results:
+        say(f"FAIL: {', '.join(results['errors'])} raised")
+    return 0 if passed else 1
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return "absent"
 
 
 if __name__ == "__main__":

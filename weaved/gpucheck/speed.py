@@ -38,8 +38,9 @@ def prefill_and_decode(be: Backend, prompt: int, steps: int, seed: int = 1) -> d
 def batched_decode(be: Backend, batch: int, context: int, steps: int, seed: int = 2) -> dict:
     """Aggregate tokens/s of ``steps`` decode steps of ``batch`` sequences, each ``context`` tokens in."""
     kvs = [be.new_kv(context + steps + 1) for _ in range(batch)]
-    chunks = [SeqChunk(kv, _ids(context, be.config.vocab_size, seed + i), Logits.LAST) for i, kv in enumerate(kvs)]
-    outs = be.forward(chunks)
+    # prompts one at a time, as a pool's token budget would feed them: a step's activations stay small
+    outs = [be.forward([SeqChunk(kv, _ids(context, be.config.vocab_size, seed + i), Logits.LAST)])[0]
+            for i, kv in enumerate(kvs)]
     be.forward([SeqChunk(kv, np.asarray([int(np.argmax(o[-1]))], np.int32)) for kv, o in zip(kvs, outs, strict=True)])
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -48,7 +49,8 @@ def batched_decode(be: Backend, batch: int, context: int, steps: int, seed: int 
     dt = time.perf_counter() - t0
     for kv in kvs:
         be.release(kv)
-    return {"batch": batch, "context": context, "steps": steps, "tok_s": batch * steps / dt}
+    return {"batch": batch, "context": context, "steps": steps, "tok_s": batch * steps / dt,
+            "step_bytes": step_bytes(be, batch, context + 1 + steps // 2), "step_seconds": dt / steps}
 
 
 def promotion(be: Backend, positions: int, device: torch.device) -> dict:
@@ -72,6 +74,39 @@ def promotion(be: Backend, positions: int, device: torch.device) -> dict:
     be.release(kv)
     return {"positions": positions, "bytes": moved, "seconds": t_adopt, "gb_s": moved / t_adopt / 1e9,
             "raw_copy_gb_s": data.nbytes / t_raw / 1e9, "vs_raw_copy": t_adopt / t_raw}
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """The device's memory rate in bytes/s: a device-to-device copy of ``nbytes``, counting the bytes read
+    and the bytes written, median of ``repeats`` (events on CUDA, the host clock elsewhere)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()  # not zeros: see the docs
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / float(np.median(times))
+
+
+def step_bytes(be, batch: int, positions: int) -> int:
+    """The fewest bytes a decode step of ``batch`` sequences, each attending ``positions`` positions, reads
+    from device memory: every weight once (a separate embedding table only for its ``batch`` rows) and
+    every sequence's KV."""
+    w = be.weights
+    weights = w.nbytes
+    if w.output is not w.embedding:
+        weights -= w.embedding.nbytes  # looked up a row per token, not streamed
+    return weights + batch * positions * be.config.kv_bytes_per_token
 
 
 def device_memory(be, device: torch.device) -> dict:
