@@ -15,8 +15,9 @@ are multiples of 16 (every model served: 64, 128, 256):
 * chunks are merged in order (``_merge``): m = the chunks' max, w = exp(m_c - m), total += l_c * w,
   out += w * acc_c, out / total.
 
-One program is one (row, query head): its keys are walked in order - the fma chains and the running
-sums are sequential by definition - with the head's D dims (or a block's keys) as the vector.  A key's
+One program is one (row, query head, chunk): its keys are walked in order - the fma chains and the
+running sums are sequential by definition - with the head's D dims (or a block's keys) as the vector;
+a block's K and V rows are loaded at once, and its p.V chain takes the V rows apart in key order.  A key's
 K and V rows are found through the row's sequence's block table in the pool.  The chunks' partial
 results go to a scratch buffer, merged by a second launch once every chunk's maximum is known.  Runs
 with ``enable_fp_fusion=False`` and ``div_rn``: no operation is contracted or approximated, so on a GPU
@@ -35,13 +36,6 @@ from weaved.kernels.torch_rowwise import check_tensor
 from weaved.kernels.triton_rowwise import exp_f32
 
 _FLAGS = {"enable_fp_fusion": False}
-
-
-@triton.jit
-def _scalar(v, idx, j):
-    """Element j of vector v (idx = arange over v): the sum of v where idx == j and +0.0 elsewhere -
-    exact, whatever order the sum takes."""
-    return tl.sum(tl.where(idx == j, v, 0.0), axis=0)
 
 
 @triton.jit
@@ -78,62 +72,81 @@ def _seq16(v):
 
 
 @triton.jit
+def _key_halves(x, K: tl.constexpr, C: tl.constexpr):
+    """x [K, C] -> (x[:K/2], x[K/2:]): a register split, no arithmetic."""
+    return tl.split(tl.permute(tl.reshape(x, (2, K // 2, C)), (1, 2, 0)))
+
+
+@triton.jit
+def _fold_v(acc, p, v, K: tl.constexpr, D: tl.constexpr):
+    """acc = fma(p[j], v[j], acc) for keys j = 0, 1, ..., K - 1 in order (acc [1, D], p [K, 1], v [K, D]):
+    a block's V rows loaded at once, taken apart by splits, so the chain keeps the key order."""
+    if K == 1:
+        out = tl.fma(p, v, acc)
+    else:
+        p0, p1 = _key_halves(p, K, 1)
+        v0, v1 = _key_halves(v, K, D)
+        out = _fold_v(_fold_v(acc, p0, v0, K // 2, D), p1, v1, K // 2, D)
+    return out
+
+
+@triton.jit
 def _chunks(q_ptr, pool_ptr, tab_ptr, seq_ptr, pos_ptr, lo_ptr, acc_ptr, ml_ptr,
             H, G, HKV, PB, MAXB, NC, scale,
             D: tl.constexpr, CHUNK_: tl.constexpr, BLOCK_: tl.constexpr, LANES_: tl.constexpr):
-    """Program (t, h): row t's chunks for query head h -> acc [T, H, NC, D], (m, l) [T, H, NC, 2]."""
+    """Program (t, h, c): chunk c of row t for query head h -> acc [T, H, NC, D], (m, l) [T, H, NC, 2].
+    The chunks of a row are independent until ``_merge``: one program each, so a long row's chunks
+    run side by side."""
     tl.static_assert(BLOCK_ == 64 and LANES_ == 16, "_seq4 and _seq16 take a block of 4 x 16 keys apart")
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    c = tl.program_id(2)
     hk = h // G
-    seq = tl.load(seq_ptr + t).to(tl.int64)
     p = tl.load(pos_ptr + t)  # the row's position: its last key
     lo = tl.load(lo_ptr + t)  # its first key
+    if c > (p - lo) // CHUNK_:  # past this row's chunks (the grid is the longest row's)
+        return
+    seq = tl.load(seq_ptr + t).to(tl.int64)
     d = tl.arange(0, D)
     kk = tl.arange(0, BLOCK_)  # a block's keys
     ll = tl.arange(0, LANES_)
     q_row = q_ptr + (t * H + h) * D
     kv_stride = HKV * PB * D  # elements from a block's K to its V
     head_off = hk.to(tl.int64) * PB * D
-    n_chunks = (p - lo) // CHUNK_ + 1
-    for c in range(0, n_chunks):
-        c0 = lo + c * CHUNK_
-        c1 = tl.minimum(c0 + CHUNK_, p + 1)
-        m = tl.full((), float("-inf"), tl.float32)
-        l_ = tl.full((), 0.0, tl.float32)
-        acc = tl.zeros((D,), dtype=tl.float32)
-        for b0 in range(c0, c1, BLOCK_):
-            key = b0 + kk  # [BLOCK]
-            live = key <= p
-            key_c = tl.where(live, key, b0)  # dead keys read a live one's address (their score is -inf)
-            blk = tl.load(tab_ptr + seq * MAXB + key_c // PB).to(tl.int64)  # [BLOCK]
-            row = blk * 2 * kv_stride + head_off + (key_c % PB).to(tl.int64) * D  # [BLOCK] K row starts
-            # lanes [BLOCK, 16]: fma chains over dims l, l + 16, ...
-            lanes = tl.load(q_row + ll)[None, :] * tl.load(pool_ptr + row[:, None] + ll[None, :]).to(tl.float32)
-            for ci in tl.static_range(1, D // LANES_):
-                kc = tl.load(pool_ptr + row[:, None] + ci * LANES_ + ll[None, :]).to(tl.float32)
-                lanes = tl.fma(tl.load(q_row + ci * LANES_ + ll)[None, :], kc, lanes)
-            for lvl in tl.static_range(4):  # the halving tree: lane i + lane i + half
-                lanes = tl.sum(tl.reshape(lanes, (BLOCK_, 2, LANES_ >> (lvl + 1))), axis=1)
-            s = tl.reshape(lanes, (BLOCK_,)) * scale
-            s = tl.where(live, s, -float("inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=0))
-            alpha = exp_f32(m - m_new)  # m_new is finite: the block's first key is live
-            pr = exp_f32(s - m_new)  # [BLOCK], 0 where dead
-            # lane l sums keys l, l + 16, ... in order, then lane 0 + lane 1 + ... + lane 15
-            total = _seq16(_seq4(tl.trans(tl.reshape(pr, (BLOCK_ // LANES_, LANES_)))))
-            l_ = l_ * alpha + total
-            m = m_new
-            acc = acc * alpha
-            for j in range(0, tl.minimum(BLOCK_, p + 1 - b0)):
-                pj = _scalar(pr, kk, j)
-                vrow = tl.load(tab_ptr + seq * MAXB + (b0 + j) // PB).to(tl.int64) * 2 * kv_stride + kv_stride \
-                    + head_off + ((b0 + j) % PB).to(tl.int64) * D
-                acc = tl.fma(pj, tl.load(pool_ptr + vrow + d).to(tl.float32), acc)
-        slot = (t * H + h) * NC + c
-        tl.store(acc_ptr + slot * D + d, acc)
-        tl.store(ml_ptr + slot * 2, m)
-        tl.store(ml_ptr + slot * 2 + 1, l_)
+    c0 = lo + c * CHUNK_
+    c1 = tl.minimum(c0 + CHUNK_, p + 1)
+    m = tl.full((), float("-inf"), tl.float32)
+    l_ = tl.full((), 0.0, tl.float32)
+    acc = tl.zeros((1, D), dtype=tl.float32)
+    for b0 in range(c0, c1, BLOCK_):
+        key = b0 + kk  # [BLOCK]
+        live = key <= p
+        key_c = tl.where(live, key, b0)  # dead keys read a live one's rows (score -inf, weight 0)
+        blk = tl.load(tab_ptr + seq * MAXB + key_c // PB).to(tl.int64)  # [BLOCK]
+        row = blk * 2 * kv_stride + head_off + (key_c % PB).to(tl.int64) * D  # [BLOCK] K row starts
+        v = tl.load(pool_ptr + row[:, None] + kv_stride + d[None, :]).to(tl.float32)  # [BLOCK, D] V rows
+        # lanes [BLOCK, 16]: fma chains over dims l, l + 16, ...
+        lanes = tl.load(q_row + ll)[None, :] * tl.load(pool_ptr + row[:, None] + ll[None, :]).to(tl.float32)
+        for ci in tl.static_range(1, D // LANES_):
+            kc = tl.load(pool_ptr + row[:, None] + ci * LANES_ + ll[None, :]).to(tl.float32)
+            lanes = tl.fma(tl.load(q_row + ci * LANES_ + ll)[None, :], kc, lanes)
+        for lvl in tl.static_range(4):  # the halving tree: lane i + lane i + half
+            lanes = tl.sum(tl.reshape(lanes, (BLOCK_, 2, LANES_ >> (lvl + 1))), axis=1)
+        s = tl.reshape(lanes, (BLOCK_,)) * scale
+        s = tl.where(live, s, -float("inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = exp_f32(m - m_new)  # m_new is finite: the block's first key is live
+        pr = exp_f32(s - m_new)  # [BLOCK], 0 where dead
+        # lane l sums keys l, l + 16, ... in order, then lane 0 + lane 1 + ... + lane 15
+        total = _seq16(_seq4(tl.trans(tl.reshape(pr, (BLOCK_ // LANES_, LANES_)))))
+        l_ = l_ * alpha + total
+        m = m_new
+        # a dead key adds fma(0, v, acc) = acc: acc is never -0 (it starts at +0, and x + y = 0 rounds to +0)
+        acc = _fold_v(acc * alpha, pr[:, None], v, BLOCK_, D)
+    slot = (t * H + h) * NC + c
+    tl.store(acc_ptr + slot * D + d[None, :], acc)
+    tl.store(ml_ptr + slot * 2, m)
+    tl.store(ml_ptr + slot * 2 + 1, l_)
 
 
 @triton.jit
@@ -201,8 +214,8 @@ def paged_attention(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, r
     acc = torch.empty((T, H, NC, D), dtype=torch.float32, device=q.device)
     ml = torch.empty((T, H, NC, 2), dtype=torch.float32, device=q.device)
     qc = q.contiguous()
-    _chunks[(T, H)](qc, pool, tables.contiguous(), row_seq, row_pos, row_lo, acc, ml,
+    _chunks[(T, H, NC)](qc, pool, tables.contiguous(), row_seq, row_pos, row_lo, acc, ml,
                     H, H // Hkv, Hkv, PB, tables.shape[1], NC, float(np.float32(scale)),
-                    D=D, CHUNK_=CHUNK, BLOCK_=BLOCK, LANES_=LANES, **_FLAGS)
+                    D=D, CHUNK_=CHUNK, BLOCK_=BLOCK, LANES_=LANES, num_warps=4 if D <= 64 else 8, **_FLAGS)
     _merge[(T, H)](acc, ml, row_pos, row_lo, out, H, NC, D=D, CHUNK_=CHUNK, **_FLAGS)
     return out
