@@ -4,8 +4,8 @@ The torch path (``backends.torch_experts``) finds the experts a step uses on the
 products in turn: a host sync and two launches per expert.  Here the step's (token, slot) pairs are
 sorted by expert on the device, cut into tiles that each hold one expert's rows, and one launch runs
 every tile's product against its expert's weights (stacked [E, n_out, nb, bytes] in the file's
-encoding).  A tile's arithmetic is ``triton_q4._q_matmul``'s - an exact integer dot per 32-block, one
-fma per block in block order - so every output element has the bits of that expert's ``linear_q`` on
+encoding).  A tile's arithmetic is ``triton_q4._q_matmul``'s (``chunk_products``) - an exact integer dot
+per 32-block, one fma per block in block order - so every output element has the bits of that expert's ``linear_q`` on
 that row, whichever rows share its tile.  No host sync: the grid is the bound ceil(P / BM) + E tiles, and
 tiles past the step's own exit at once.
 """
@@ -17,15 +17,16 @@ import triton
 import triton.language as tl
 from weaved.kernels.torch_q4 import BLOCK_BYTES, QK, Q8Act
 from weaved.kernels.torch_rowwise import check_tensor
-from weaved.kernels.triton_q4 import weight_blocks
+from weaved.kernels.triton_q4 import chunk_blocks, chunk_products
 
 BM = 16  # rows per tile (tl.dot needs 16 or more)
-BN = 64  # outputs per tile
+BN = 32  # outputs per tile (triton_q4.linear_q's measured choice for up to 16 rows)
 
 
 @triton.jit
 def _grouped(x_ptr, xd_ptr, row_ptr, w_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, y_ptr, N, NB: tl.constexpr,
-             QTYPE: tl.constexpr, BSZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+             QTYPE: tl.constexpr, BSZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             KB: tl.constexpr):
     """Tile i: rows [r0, r1) of the sorted pairs (one expert e's), outputs [j*BN, (j+1)*BN):
     y[r] = x[row[r]] . W[e] rows, x int8 [*, NB*32] with scales [*, NB], W uint8 [E, N, NB, BSZ]."""
     i = tl.program_id(0)
@@ -39,16 +40,12 @@ def _grouped(x_ptr, xd_ptr, row_ptr, w_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr
     src = tl.load(row_ptr + rm, mask=mm, other=0).to(tl.int64)  # [BM] the activation row of each
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = rn < N
-    kk = tl.arange(0, 32)
     row_bytes = NB * BSZ
-    w_e = w_ptr + e.to(tl.int64) * N * row_bytes
+    w_rows = w_ptr + e.to(tl.int64) * N * row_bytes + rn.to(tl.int64) * row_bytes
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for b in range(0, NB):
-        x = tl.load(x_ptr + src[:, None] * (NB * 32) + b * 32 + kk[None, :], mask=mm[:, None], other=0)
-        dx = tl.load(xd_ptr + src * NB + b, mask=mm, other=0.0)
-        w, dw = weight_blocks(w_e + rn.to(tl.int64) * row_bytes + b * BSZ, mn, kk, QTYPE)
-        isum = tl.dot(x, tl.trans(w.to(tl.int8)), out_dtype=tl.int32)  # exact
-        acc = tl.fma(isum.to(tl.float32), dx[:, None] * dw[None, :], acc)
+    for c in range(0, NB // KB):  # triton_q4's tile arithmetic, KB blocks at a time
+        acc = chunk_products(acc, x_ptr + src * (NB * 32), xd_ptr + src * NB, w_rows, mm, mn, c, QTYPE, BSZ,
+                             BLOCK_M, BLOCK_N, KB)
     tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=mm[:, None] & mn[None, :])
 
 
@@ -92,5 +89,6 @@ def grouped_linear(stack: torch.Tensor, qtype: int, a: Q8Act, rows: torch.Tensor
     if P:
         grid = (tile_e.numel(), triton.cdiv(N, BN))
         _grouped[grid](a.q.contiguous(), a.d.contiguous(), rows.contiguous(), stack, tile_e, tile_r0, tile_r1, y, N,
-                       nb, QTYPE=qtype, BSZ=bsz, BLOCK_M=BM, BLOCK_N=BN, enable_fp_fusion=False)
+                       nb, QTYPE=qtype, BSZ=bsz, BLOCK_M=BM, BLOCK_N=BN, KB=chunk_blocks(nb, 16),
+                       enable_fp_fusion=False)
     return y

@@ -41,32 +41,87 @@ def weight_blocks(wb, m, kk, QTYPE: tl.constexpr):
 
 
 @triton.jit
-def _q_matmul(x_ptr, xd_ptr, w_ptr, y_ptr, M, N, NB: tl.constexpr,
-              QTYPE: tl.constexpr, BSZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _halves(x, A: tl.constexpr, B: tl.constexpr, K: tl.constexpr):
+    """x [A, B, K] -> (x[:, :, :K/2], x[:, :, K/2:]): a register split, no arithmetic."""
+    return tl.split(tl.permute(tl.reshape(x, (A, B, 2, K // 2)), (0, 1, 3, 2)))
+
+
+@triton.jit
+def _fold(acc, s, f, A: tl.constexpr, B: tl.constexpr, K: tl.constexpr):
+    """acc = fma(s[:, :, k], f[:, :, k], acc) for k = 0, 1, ..., K - 1 in order (s, f [A, B, K]): the
+    blocks' terms taken apart by splits, so a chunk of blocks loaded at once keeps the block order."""
+    if K == 1:
+        out = tl.fma(tl.reshape(s, (A, B)), tl.reshape(f, (A, B)), acc)
+    else:
+        s0, s1 = _halves(s, A, B, K)
+        f0, f1 = _halves(f, A, B, K)
+        out = _fold(_fold(acc, s0, f0, A, B, K // 2), s1, f1, A, B, K // 2)
+    return out
+
+
+@triton.jit
+def chunk_products(acc, x_rows, xd_rows, w_rows, mm, mn, c, QTYPE: tl.constexpr, BSZ: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr):
+    """acc [BM, BN] carried over blocks c*KB ... c*KB + KB - 1 of a tile: x_rows [BM] point at each
+    activation row's int8 quants, xd_rows [BM] at its block scales, w_rows [BN] at each weight row's
+    first raw block (rows where mm / mn are False read as zeros).  The KB blocks are loaded at once
+    (one round trip to memory, not one a block); their integer dots come from one batched int8
+    ``tl.dot`` (exact) and the float chain takes them in block order (``_fold``):
+    acc = fma(float(isum_b), d_x * d_w, acc), one rounding, as the CPU's."""
+    kk = tl.arange(0, 32)
+    b = c * KB + tl.arange(0, KB)  # [KB] the chunk's blocks
+    x = tl.load(x_rows[:, None, None] + b[None, :, None] * 32 + kk[None, None, :], mask=mm[:, None, None],
+                other=0)  # [BM, KB, 32] int8
+    dx = tl.load(xd_rows[:, None] + b[None, :], mask=mm[:, None], other=0.0)  # [BM, KB]
+    wb = w_rows[:, None] + b[None, :] * BSZ  # [BN, KB] block starts
+    lo = tl.load(wb, mask=mn[:, None], other=0).to(tl.uint16)
+    hi = tl.load(wb + 1, mask=mn[:, None], other=0).to(tl.uint16)
+    dw = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)  # [BN, KB]
+    if QTYPE == 2:  # Q4_0: element k in byte k % 16, low nibble for k < 16, high after
+        byte = tl.load(wb[:, :, None] + 2 + (kk[None, None, :] % 16), mask=mn[:, None, None], other=0)
+        w = (((byte.to(tl.int32) >> ((kk[None, None, :] // 16) * 4)) & 15) - 8).to(tl.int8)  # [BN, KB, 32]
+    else:  # Q8_0: 32 int8
+        w = tl.load(wb[:, :, None] + 2 + kk[None, None, :], mask=mn[:, None, None], other=0).to(tl.int8,
+                                                                                                 bitcast=True)
+    isum = tl.dot(tl.permute(x, (1, 0, 2)), tl.permute(w, (1, 2, 0)), out_dtype=tl.int32)  # [KB, BM, BN] exact
+    s = tl.permute(isum, (1, 2, 0)).to(tl.float32)  # [BM, BN, KB]
+    f = dx[:, None, :] * dw[None, :, :]  # [BM, BN, KB]: d_x * d_w
+    return _fold(acc, s, f, BLOCK_M, BLOCK_N, KB)
+
+
+@triton.jit
+def _q_matmul(x_ptr, xd_ptr, w_ptr, y_ptr, M, N, NB: tl.constexpr, QTYPE: tl.constexpr, BSZ: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr):
     """y [M, N] float32 = x (int8 [M, NB*32], scales xd float32 [M, NB]) @ W.T, W raw blocks
-    uint8 [N, NB, BSZ]; all contiguous.  NB is a compile-time constant (a model has two or three
-    values): the loop bound is then known, and Triton 3.6's interpreter cannot loop over a runtime
-    scalar under numpy 2.4 (it converts a 1-element array with int())."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] activation rows
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows
+    uint8 [N, NB, BSZ]; all contiguous; KB blocks at a time (``chunk_products``).  NB is a
+    compile-time constant (a model has two or three values): the loop bound is then known, and Triton
+    3.6's interpreter cannot loop over a runtime scalar under numpy 2.4 (it converts a 1-element array
+    with int())."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] activation rows
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows
     mm = rm < M
     mn = rn < N
-    kk = tl.arange(0, 32)
-    row_bytes = NB * BSZ
+    x_rows = x_ptr + rm.to(tl.int64) * (NB * 32)
+    xd_rows = xd_ptr + rm.to(tl.int64) * NB
+    w_rows = w_ptr + rn.to(tl.int64) * (NB * BSZ)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for b in range(0, NB):
-        x = tl.load(x_ptr + rm[:, None] * (NB * 32) + b * 32 + kk[None, :], mask=mm[:, None], other=0)  # [BM, 32]
-        dx = tl.load(xd_ptr + rm * NB + b, mask=mm, other=0.0)  # [BM]
-        w, dw = weight_blocks(w_ptr + rn.to(tl.int64) * row_bytes + b * BSZ, mn, kk, QTYPE)  # [BN, 32], [BN]
-        isum = tl.dot(x, tl.trans(w.to(tl.int8)), out_dtype=tl.int32)  # [BM, BN] exact
-        acc = tl.fma(isum.to(tl.float32), dx[:, None] * dw[None, :], acc)  # one rounding, as the CPU's
+    for c in range(0, NB // KB):
+        acc = chunk_products(acc, x_rows, xd_rows, w_rows, mm, mn, c, QTYPE, BSZ, BLOCK_M, BLOCK_N, KB)
     tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=mm[:, None] & mn[None, :])
 
 
-def linear_q(w: DeviceWeight, a: Q8Act) -> torch.Tensor:
-    """a (Q8_0 rows [T, n_in]) @ W.T -> float32 [T, n_out] for Q4_0 / Q8_0 weights (Triton)."""
+def chunk_blocks(nb: int, most: int = 8) -> int:
+    """Blocks loaded at a time: the largest power of two up to ``most`` that divides nb."""
+    kb = 1
+    while kb < most and nb % (2 * kb) == 0:
+        kb *= 2
+    return kb
+
+
+def linear_q(w: DeviceWeight, a: Q8Act, block_n: int | None = None, chunk: int | None = None) -> torch.Tensor:
+    """a (Q8_0 rows [T, n_in]) @ W.T -> float32 [T, n_out] for Q4_0 / Q8_0 weights (Triton).
+    ``block_n`` (outputs a program) and ``chunk`` (blocks loaded at a time, at most) change the speed,
+    never a bit of the result."""
     if w.qtype not in BLOCK_BYTES:
         raise ValueError(f"triton linear_q needs Q4_0 or Q8_0 weights, got type {w.qtype}")
     check_tensor("a.q", a.q, torch.int8, 3)
@@ -79,12 +134,18 @@ def linear_q(w: DeviceWeight, a: Q8Act) -> torch.Tensor:
     y = torch.empty((T, w.n_out), dtype=torch.float32, device=w.data.device)
     if T == 0:
         return y
-    block_m = 16 if T <= 16 else 64  # tl.dot needs >= 16; tile sizes never change a result
-    block_n = 64
+    # Tile sizes never change a result.  Measured on an H100 (1B-shaped matrices, docs/benchmarks.md):
+    # 32 outputs a program spread a matrix over every multiprocessor; up to 16 rows, 16 blocks loaded at a
+    # time hide the memory's latency best (1.2-1.3x faster than 8 on the 2,048- and 8,192-wide matrices);
+    # with 64-row tiles (tl.dot needs >= 16) the int32 sums of a chunk cost registers, and 4 blocks at a
+    # time were fastest (2.2-2.4x the 64 x 64 tile with 8 blocks).
+    block_m = 16 if T <= 16 else 64
+    block_n = block_n or 32
+    chunk = chunk or (16 if T <= 16 else 4)
     grid = (triton.cdiv(T, block_m), triton.cdiv(w.n_out, block_n))
     _q_matmul[grid](a.q.contiguous(), a.d.contiguous(), w.data, y, T, w.n_out, nb,
                     QTYPE=w.qtype, BSZ=BLOCK_BYTES[w.qtype], BLOCK_M=block_m, BLOCK_N=block_n,
-                    enable_fp_fusion=False)
+                    KB=chunk_blocks(nb, chunk), enable_fp_fusion=False)
     return y
 
 

@@ -41,7 +41,7 @@ def _unit_scale_weight(rng, qtype: int, n_out: int, nb: int) -> tuple[np.ndarray
 
 
 @pytest.mark.parametrize("qtype", [tq.Q4_0, tq.Q8_0])
-@pytest.mark.parametrize("shape", [(1, 70, 4), (17, 130, 2), (40, 64, 5), (64, 65, 3)])  # (M, N, blocks)
+@pytest.mark.parametrize("shape", [(1, 70, 4), (17, 130, 2), (40, 64, 5), (64, 65, 3), (3, 40, 24)])  # (M, N, blocks)
 def test_integer_block_sums_are_exact(tt, qtype, shape):
     M, N, nb = shape
     rng = np.random.default_rng(M * N)
@@ -55,7 +55,7 @@ def test_integer_block_sums_are_exact(tt, qtype, shape):
 
 
 @pytest.mark.parametrize("qtype", [tq.Q4_0, tq.Q8_0])
-@pytest.mark.parametrize("shape", [(1, 70, 96), (17, 130, 64), (40, 64, 160), (5, 33, 32)])  # (M, N, K)
+@pytest.mark.parametrize("shape", [(1, 70, 96), (17, 130, 64), (40, 64, 160), (5, 33, 32), (2, 48, 768), (20, 40, 2048)])  # (M, N, K)
 def test_same_arithmetic_as_the_torch_path(tt, qtype, shape):
     M, N, K = shape
     rng = np.random.default_rng(K + N)
