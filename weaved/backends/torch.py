@@ -34,6 +34,7 @@ from weaved.backends.rope import kernel_rope
 from weaved.backends.torch_experts import experts_ffn
 from weaved.backends.torch_paged import PagedKV
 from weaved.backends.torch_step import PagedStep
+from weaved.backends.torch_transfer import to_host
 from weaved.backends.torch_weights import upload_model
 from weaved.kernels.torch_attention import attend
 from weaved.kernels.torch_products import Products, kernel_path
@@ -231,7 +232,7 @@ class TorchBackend(Backend):
             x = x + (rmsnorm(y, L.post_ffn_norm, cfg.rms_eps) if L.post_ffn_norm is not None else y)
 
         logits = self._logits(chunks, x, starts)
-        host_kv = new_kv.cpu().numpy()  # one device-to-host copy of the step's rows, then through to the files
+        host_kv = to_host(new_kv)  # one device-to-host copy of the step's rows, then through to the files
         for s, c in enumerate(chunks):
             self._kv.write_through(c.kv, host_kv[:, :, :, starts[s]:starts[s + 1]], pos0[s])
             c.kv.length += lens[s]
@@ -274,7 +275,7 @@ class TorchBackend(Backend):
             counts.append(len(sel))
         if rows:
             hs = self._ops.rmsnorm(x[torch.tensor(rows, device=x.device)], self.weights.output_norm, cfg.rms_eps)
-            logits = self._products.linear_residual(self.weights.output, hs).cpu().numpy()  # [n_rows, vocab]
+            logits = to_host(self._products.linear_residual(self.weights.output, hs))  # [n_rows, vocab]
             self._io_d2h += logits.nbytes
         else:
             logits = np.empty((0, cfg.vocab_size), dtype=np.float32)
