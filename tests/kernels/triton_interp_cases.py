@@ -55,7 +55,8 @@ def test_integer_block_sums_are_exact(tt, qtype, shape):
 
 
 @pytest.mark.parametrize("qtype", [tq.Q4_0, tq.Q8_0])
-@pytest.mark.parametrize("shape", [(1, 70, 96), (17, 130, 64), (40, 64, 160), (5, 33, 32), (2, 48, 768), (20, 40, 2048)])  # (M, N, K)
+@pytest.mark.parametrize("shape", [(1, 70, 96), (17, 130, 64), (40, 64, 160), (5, 33, 32), (2, 48, 768),
+                                   (20, 40, 2048)])  # (M, N, K): 2,048 loads 16 blocks at a time
 def test_same_arithmetic_as_the_torch_path(tt, qtype, shape):
     M, N, K = shape
     rng = np.random.default_rng(K + N)
