@@ -180,7 +180,6 @@ class TorchBackend(Backend):
         starts = np.concatenate([[0], np.cumsum(lens)]).tolist()  # chunk s has rows starts[s]..starts[s+1]-1
         pos0 = [c.kv.length for c in chunks]
         tables = [self._kv.prepare(c.kv, n) for c, n in zip(chunks, lens, strict=True)]
-        slots = [self._kv.where(t, p, p + n) for t, p, n in zip(tables, pos0, lens, strict=True)]  # new rows' blocks
         T = starts[-1]
         positions = np.concatenate([np.arange(p, p + n) for p, n in zip(pos0, lens, strict=True)])  # [T]
         ids = torch.from_numpy(ids_np).to(dev)  # [T] int64
@@ -194,7 +193,9 @@ class TorchBackend(Backend):
         neox = cfg.rope_style == RopeStyle.NEOX
         new_kv = torch.empty((cfg.n_layers, 2, Hkv, T, D), dtype=torch.float16, device=dev)  # this step's rows
         # on the Triton path every row attends in one launch per layer over the pool (torch_step)
-        paged = PagedStep.build(self._kv, tables, slots, pos0, lens, dev) if self._paged_kernel else None
+        paged = PagedStep.build(self._kv, tables, pos0, lens, dev) if self._paged_kernel else None
+        # the torch path's new rows' (block, offset), per sequence
+        slots = None if paged else [self._kv.where(t, p, p + n) for t, p, n in zip(tables, pos0, lens, strict=True)]
         x = embed_rows(W.embedding, ids)  # [T, d_model]
         if cfg.embed_scale != 1.0:
             x = x * float(np.float32(cfg.embed_scale))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from weaved.backends.torch_paged import PagedKV, Table
@@ -28,19 +29,29 @@ class PagedStep:
     _lo: dict[int, torch.Tensor] = field(default_factory=dict)  # first key per row, per sliding window
 
     @classmethod
-    def build(cls, kv: PagedKV, tables: list[Table], slots: list[tuple[torch.Tensor, torch.Tensor]],
-              pos0: list[int], lens: list[int], device: torch.device) -> PagedStep:
-        ids = [kv.ids(t) for t in tables]
-        width = max(int(i.numel()) for i in ids)
-        tab = torch.zeros((len(ids), width), dtype=torch.int32, device=device)
-        for s, i in enumerate(ids):
-            tab[s, :i.numel()] = i
-        seq = torch.cat([torch.full((n,), s, dtype=torch.int32, device=device) for s, n in enumerate(lens)])
-        pos = torch.cat([torch.arange(p, p + n, dtype=torch.int32, device=device)
-                         for p, n in zip(pos0, lens, strict=True)])
-        blk = torch.cat([b for b, _ in slots])
-        off = torch.cat([o for _, o in slots])
-        return cls(tab, seq, pos, blk, off, max(p + n - 1 for p, n in zip(pos0, lens, strict=True)))
+    def build(cls, kv: PagedKV, tables: list[Table], pos0: list[int], lens: list[int],
+              device: torch.device) -> PagedStep:
+        """The step's rows from the tables' host block lists: built in numpy and moved to the device in
+        one copy (a step of 64 sequences built per sequence on the device took ~450 small operations)."""
+        B = kv.block
+        S, T = len(tables), sum(lens)
+        width = max(len(t.blocks) for t in tables)
+        host = np.zeros(S * width + 4 * T, dtype=np.int64)  # tables | seq | pos | blk | off
+        tab = host[:S * width].reshape(S, width)
+        seq, pos, blk, off = host[S * width:].reshape(4, T)
+        r = 0
+        for s, (t, p, n) in enumerate(zip(tables, pos0, lens, strict=True)):
+            tab[s, :len(t.blocks)] = t.blocks
+            rows = np.arange(p, p + n)
+            seq[r:r + n] = s
+            pos[r:r + n] = rows
+            blk[r:r + n] = tab[s, rows // B]
+            off[r:r + n] = rows % B
+            r += n
+        dev = torch.from_numpy(host).to(device)
+        rows = dev[S * width:].view(4, T)
+        return cls(dev[:S * width].view(S, width).to(torch.int32), rows[0].to(torch.int32),
+                   rows[1].to(torch.int32), rows[2], rows[3], max(p + n - 1 for p, n in zip(pos0, lens, strict=True)))
 
     def first_keys(self, window: int) -> torch.Tensor:
         """Each row's first key: 0, or on a sliding-window layer the first of its last ``window``."""
