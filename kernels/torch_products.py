@@ -48,7 +48,9 @@ def _check_path(path: str) -> None:
 class Rowwise:
     """The row-wise operations of one kernel path, each with ``torch_rowwise``'s (or ``torch_q4``'s, for
     the quantizations, ``torch_moe``'s for a mixture of experts' router) signature and bits: ``rmsnorm``,
-    ``rope``, ``swiglu``, ``geglu``, ``quantize_act``, ``quantize_two_level``, ``route``."""
+    ``rope``, ``swiglu``, ``geglu``, ``quantize_act``, ``quantize_two_level``, ``route``; and two that
+    follow one another in every layer, fused on the Triton path (``triton_fused``): ``add_norm_quant``,
+    ``glu_quant``."""
 
     def __init__(self, path: str):
         _check_path(path)
@@ -63,6 +65,28 @@ class Rowwise:
         self.rmsnorm, self.rope, self.swiglu, self.geglu = ops.rmsnorm, ops.rope, ops.swiglu, ops.geglu
         self.quantize_act, self.quantize_two_level = quant.quantize_act, quant.quantize_two_level
         self.route = router.route
+        self._fused = None
+        if path == "triton":
+            from weaved.kernels import triton_fused
+
+            self._fused = triton_fused
+
+    def add_norm_quant(self, x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, Q8Act]:
+        """(x + y, h = rmsnorm(x + y, w), h's Q8_0): the residual add, the next norm and what the
+        projections after it read; one launch on the Triton path, the same bits as the three ops."""
+        if self._fused is not None and x.shape[-1] % 32 == 0:
+            return self._fused.add_norm_quant(x, y, w, eps)
+        x = x if y is None else x + y
+        h = self.rmsnorm(x, w, eps)
+        return x, h, self.quantize_act(h)
+
+    def glu_quant(self, gate_up: torch.Tensor, table: torch.Tensor | None) -> tuple[torch.Tensor, Q8Act]:
+        """(SwiGLU, or GeGLU by ``table``, of gate | up, its Q8_0): one launch on the Triton path."""
+        if self._fused is not None and gate_up.shape[-1] % 64 == 0:
+            return self._fused.glu_quant(gate_up, table)
+        y = self.geglu(gate_up, table) if table is not None else self.swiglu(gate_up)
+        return y, self.quantize_act(y)
 
 
 class Products:

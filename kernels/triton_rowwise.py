@@ -70,17 +70,36 @@ def exp_f32(x):
 
 
 @triton.jit
+def rms_scale(x, D, eps, P: tl.constexpr):
+    """1 / sqrt(mean(x*x) + eps) of a row x float32 [P] (D values, the rest +0.0), as
+    ``torch_rowwise.rmsnorm`` computes it: the squares summed in float64 by tree_sum's halving tree."""
+    s = (x * x).to(tl.float64)  # the float32 squares, exact in float64; padding adds +0.0
+    for lvl in tl.static_range(P.bit_length() - 1):  # i + (i + half): the halving tree of tree_sum
+        s = tl.sum(tl.reshape(s, (2, P >> (lvl + 1))), axis=0)
+    mean = (s / D.to(tl.float64)).to(tl.float32)  # float64 division is IEEE on CUDA (div.rn.f64)
+    return tl.math.div_rn(1.0, tl.sqrt_rn(mean + eps))
+
+
+@triton.jit
+def q8_blocks(x):
+    """Q8_0 of 32-value blocks x float32 [R, 32] -> (quants [R, 32] float32 in -127..127, scales [R]):
+    d = fp16(amax / 127), q = rint(x * (127 / amax)), 0 where amax is 0."""
+    amax = tl.max(tl.abs(x), axis=1)  # exact in any order
+    d = tl.math.div_rn(amax, 127.0).to(tl.float16).to(tl.float32)
+    nz = amax != 0.0
+    idd = tl.where(nz, tl.math.div_rn(127.0, tl.where(nz, amax, 1.0)), 0.0)
+    v = x * idd[:, None]
+    return (v + _RINT) - _RINT, d  # round half to even
+
+
+@triton.jit
 def _rmsnorm(x_ptr, w_ptr, y_ptr, D, eps, P: tl.constexpr):
     """Row r of x float32 [R, D] -> y: (x * 1 / sqrt(mean(x*x) + eps)) * w (``torch_rowwise.rmsnorm``)."""
     r = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, P)
     m = i < D
     x = tl.load(x_ptr + r * D + i, mask=m, other=0.0)  # [P]
-    s = (x * x).to(tl.float64)  # the float32 squares, exact in float64; padding adds +0.0
-    for lvl in tl.static_range(P.bit_length() - 1):  # i + (i + half): the halving tree of tree_sum
-        s = tl.sum(tl.reshape(s, (2, P >> (lvl + 1))), axis=0)
-    mean = (s / D.to(tl.float64)).to(tl.float32)  # float64 division is IEEE on CUDA (div.rn.f64)
-    scale = tl.math.div_rn(1.0, tl.sqrt_rn(mean + eps))
+    scale = rms_scale(x, D, eps, P)
     w = tl.load(w_ptr + i, mask=m, other=0.0)
     tl.store(y_ptr + r * D + i, (x * scale) * w, mask=m)
 
@@ -196,12 +215,7 @@ def _quantize(x_ptr, q_ptr, d_ptr, NB, ROWS: tl.constexpr):
     bm = b < NB
     k = tl.arange(0, 32)
     x = tl.load(x_ptr + b[:, None] * 32 + k[None, :], mask=bm[:, None], other=0.0)  # [ROWS, 32]
-    amax = tl.max(tl.abs(x), axis=1)  # exact in any order
-    d = tl.math.div_rn(amax, 127.0).to(tl.float16).to(tl.float32)
-    nz = amax != 0.0
-    idd = tl.where(nz, tl.math.div_rn(127.0, tl.where(nz, amax, 1.0)), 0.0)
-    v = x * idd[:, None]
-    q = (v + _RINT) - _RINT  # round half to even
+    q, d = q8_blocks(x)
     tl.store(q_ptr + b[:, None] * 32 + k[None, :], q.to(tl.int8), mask=bm[:, None])
     tl.store(d_ptr + b, d, mask=bm)
 

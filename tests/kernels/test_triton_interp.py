@@ -15,7 +15,7 @@ import pytest
 
 HERE = Path(__file__).parent
 CASES = [HERE / "triton_interp_cases.py", HERE / "triton_rowwise_cases.py", HERE / "triton_attention_cases.py",
-         HERE / "triton_router_cases.py"]
+         HERE / "triton_router_cases.py", HERE / "triton_fused_cases.py"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -38,7 +38,7 @@ from weaved.backends.torch_transfer import to_host
 from weaved.backends.torch_weights import upload_model
 from weaved.kernels.torch_attention import attend
 from weaved.kernels.torch_products import Products, kernel_path
-from weaved.kernels.torch_q4 import DeviceWeight, embed_rows, linear_float
+from weaved.kernels.torch_q4 import DeviceWeight, Q8Act, embed_rows, linear_float
 from weaved.kernels.torch_rowwise import RopeTable, gelu_table
 from weaved.kv.cache import KVCache
 from weaved.model.config import ModelConfig, RopeStyle
@@ -134,9 +134,11 @@ class TorchBackend(Backend):
         self.stats.extra["d2h_bytes"] = float(self._kv.d2h_bytes + self._io_d2h)
 
     # ---- products -------------------------------------------------------------------------------
-    def _project(self, ws: tuple[DeviceWeight, ...], h: torch.Tensor) -> torch.Tensor:
-        """h float32 [T, n_in] through one or more matrices that read it -> [T, sum of n_out]."""
-        a = self._ops.quantize_act(h) if any(w.quantized for w in ws) else None  # one quantization for all
+    def _project(self, ws: tuple[DeviceWeight, ...], h: torch.Tensor, a: Q8Act | None = None) -> torch.Tensor:
+        """h float32 [T, n_in] through one or more matrices that read it -> [T, sum of n_out].  ``a``: h's
+        Q8_0 when the step already has it (else one quantization for all of them)."""
+        if a is None and any(w.quantized for w in ws):
+            a = self._ops.quantize_act(h)
         ys = [self._products.linear_act(w, a) if w.quantized else linear_float(w, h) for w in ws]
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
@@ -200,10 +202,11 @@ class TorchBackend(Backend):
         if cfg.embed_scale != 1.0:
             x = x * float(np.float32(cfg.embed_scale))
         ops = self._ops
-        rmsnorm, rope = ops.rmsnorm, ops.rope
+        rmsnorm, rope, eps = ops.rmsnorm, ops.rope, cfg.rms_eps
+        # each residual add is fused with the norm after it and that norm's quantization (add_norm_quant)
+        _, h, a = ops.add_norm_quant(x, None, W.layers[0].attn_norm, eps)
         for li, L in enumerate(W.layers):
-            h = rmsnorm(x, L.attn_norm, cfg.rms_eps)
-            qkv = self._project(L.wqkv, h)  # [T, q_dim + 2*kv_dim]
+            qkv = self._project(L.wqkv, h, a)  # [T, q_dim + 2*kv_dim]
             if L.bqkv is not None:
                 qkv = qkv + L.bqkv
             q = qkv[:, :qd].reshape(T, H, D)
@@ -223,14 +226,20 @@ class TorchBackend(Backend):
             else:
                 att = self._attention(li, q, new_kv, tables, slots, starts, pos0, window)
             y = self._project((L.wo,), att)
-            x = x + (rmsnorm(y, L.post_attn_norm, cfg.rms_eps) if L.post_attn_norm is not None else y)
-            h = rmsnorm(x, L.ffn_norm, cfg.rms_eps)
+            if L.post_attn_norm is not None:
+                y = rmsnorm(y, L.post_attn_norm, eps)
+            x, h, a = ops.add_norm_quant(x, y, L.ffn_norm, eps)
             if L.experts is not None:
                 y = experts_ffn(h, L.experts, cfg.n_experts_used, self._project, ops)
             else:
-                gu = self._project(L.wgu, h)
-                y = self._project((L.wdown,), ops.geglu(gu, self._gelu) if self._gelu is not None else ops.swiglu(gu))
-            x = x + (rmsnorm(y, L.post_ffn_norm, cfg.rms_eps) if L.post_ffn_norm is not None else y)
+                g, ga = ops.glu_quant(self._project(L.wgu, h, a), self._gelu)
+                y = self._project((L.wdown,), g, ga)
+            if L.post_ffn_norm is not None:
+                y = rmsnorm(y, L.post_ffn_norm, eps)
+            if li + 1 < len(W.layers):
+                x, h, a = ops.add_norm_quant(x, y, W.layers[li + 1].attn_norm, eps)
+            else:
+                x = x + y
 
         logits = self._logits(chunks, x, starts)
         host_kv = to_host(new_kv)  # one device-to-host copy of the step's rows, then through to the files

@@ -1,0 +1,109 @@
+"""Row-wise operations that follow one another in every layer, fused into one Triton launch each (the
+torch backend's path on CUDA), with the bits of the unfused ones.
+
+A decode step of a 1B model made ~390 launches, and on a GPU the host's ~20 µs a launch, not the
+device, set the step's time.  These kernels cut a layer's launches without changing an operation:
+
+* ``add_norm_quant``: the residual add, the next RMSNorm and the Q8_0 quantization of its output
+  (what every projection after a norm reads) - ``x + y``, ``triton_rowwise.rmsnorm``,
+  ``triton_rowwise.quantize_act``;
+* ``glu_quant``: SwiGLU / GeGLU and the quantization of its output for the down projection.
+
+Each calls the same ``@triton.jit`` helpers as the kernels it replaces (``rms_scale``, ``q8_blocks``,
+``exp_f32``), and an intermediate kept in registers is the float32 value the unfused kernel would
+have stored and loaded back: the results are those of the unfused kernels, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from weaved.kernels.torch_q4 import QK, Q8Act
+from weaved.kernels.torch_rowwise import check_tensor
+from weaved.kernels.triton_rowwise import _FLAGS, _f32, exp_f32, q8_blocks, rms_scale
+
+
+@triton.jit
+def _add_norm_quant(x_ptr, y_ptr, xo_ptr, w_ptr, h_ptr, q_ptr, d_ptr, D, eps, P: tl.constexpr, ADD: tl.constexpr):
+    """Row r: x' = x + y (ADD), h = rmsnorm(x') * w, and h's Q8_0 blocks -> x' [R, D], h [R, D],
+    quants int8 [R, D], scales [R, D/32]."""
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, P)
+    m = i < D
+    x = tl.load(x_ptr + r * D + i, mask=m, other=0.0)  # [P]
+    if ADD:
+        x = x + tl.load(y_ptr + r * D + i, mask=m, other=0.0)
+        tl.store(xo_ptr + r * D + i, x, mask=m)
+    h = (x * rms_scale(x, D, eps, P)) * tl.load(w_ptr + i, mask=m, other=0.0)  # 0 past D
+    tl.store(h_ptr + r * D + i, h, mask=m)
+    q, d = q8_blocks(tl.reshape(h, (P // 32, 32)))
+    tl.store(q_ptr + r * D + i, tl.reshape(q, (P,)).to(tl.int8), mask=m)
+    b = tl.arange(0, P // 32)
+    tl.store(d_ptr + r * (D // 32) + b, d, mask=b < D // 32)
+
+
+def add_norm_quant(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, Q8Act]:
+    """x float32 [T, D] (+ y, when given), then RMSNorm by w float32 [D] and the Q8_0 quantization of
+    the result, in one launch -> (x + y, h, h's Q8Act).  D must be a multiple of 32."""
+    check_tensor("x", x, torch.float32, 2)
+    check_tensor("w", w, torch.float32, 1)
+    T, D = x.shape
+    if D != w.shape[0] or D % QK:
+        raise ValueError(f"rows of {D} with a weight of {w.shape[0]}: both must match, a multiple of {QK}")
+    if y is not None and y.shape != x.shape:
+        raise ValueError(f"the addend {tuple(y.shape)} does not match x {tuple(x.shape)}")
+    xc = x.contiguous()
+    xo = torch.empty_like(xc) if y is not None else xc
+    h = torch.empty_like(xc)
+    q = torch.empty((T, D // QK, QK), dtype=torch.int8, device=x.device)
+    d = torch.empty((T, D // QK), dtype=torch.float32, device=x.device)
+    if T:
+        yc = y.contiguous() if y is not None else xc
+        _add_norm_quant[(T,)](xc, yc, xo, w.contiguous(), h, q, d, D, _f32(eps), P=triton.next_power_of_2(D),
+                              ADD=y is not None, **_FLAGS)
+    return xo, h, Q8Act(q, d)
+
+
+@triton.jit
+def _glu_quant(gu_ptr, table_ptr, y_ptr, q_ptr, d_ptr, F, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    """Row t of gate|up float32 [T, 2F], columns [b*BLOCK, (b+1)*BLOCK) of y = act(gate) * up [T, F],
+    and y's Q8_0 blocks there (``triton_rowwise._glu`` then ``_quantize``)."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = j < F
+    g = tl.load(gu_ptr + t * 2 * F + j, mask=m, other=0.0)
+    u = tl.load(gu_ptr + t * 2 * F + F + j, mask=m, other=0.0)
+    if GELU:  # the CPU kernel's table at the gate rounded to float16; 0 below -10, the gate above 10
+        idx = g.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        a = tl.load(table_ptr + idx, mask=m, other=0.0)
+        a = tl.where(g <= -10.0, 0.0, tl.where(g >= 10.0, g, a))
+    else:  # silu: g / (1 + exp(-g))
+        a = tl.math.div_rn(g, exp_f32(-g) + 1.0)
+    y = a * u  # 0 past F
+    tl.store(y_ptr + t * F + j, y, mask=m)
+    q, d = q8_blocks(tl.reshape(y, (BLOCK // 32, 32)))
+    tl.store(q_ptr + t * F + j, tl.reshape(q, (BLOCK,)).to(tl.int8), mask=m)
+    b = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+    tl.store(d_ptr + t * (F // 32) + b, d, mask=b < F // 32)
+
+
+def glu_quant(gate_up: torch.Tensor, table: torch.Tensor | None) -> tuple[torch.Tensor, Q8Act]:
+    """SwiGLU (``table`` None) or GeGLU by the CPU's float16 table, and the Q8_0 quantization of the
+    result, in one launch: float32 [T, 2F] (gate | up) -> (y [T, F], y's Q8Act).  F must be a multiple
+    of 32."""
+    check_tensor("gate_up", gate_up, torch.float32, 2)
+    T, F = gate_up.shape[0], gate_up.shape[1] // 2
+    if gate_up.shape[1] != 2 * F or F % QK:
+        raise ValueError(f"gate_up must be [T, 2F] with F a multiple of {QK}, got {tuple(gate_up.shape)}")
+    if table is not None:
+        check_tensor("table", table, torch.float32, 1)
+    y = torch.empty((T, F), dtype=torch.float32, device=gate_up.device)
+    q = torch.empty((T, F // QK, QK), dtype=torch.int8, device=gate_up.device)
+    d = torch.empty((T, F // QK), dtype=torch.float32, device=gate_up.device)
+    if T and F:
+        block = min(1024, triton.next_power_of_2(F))  # a multiple of 32: blocks never straddle programs
+        _glu_quant[(T, triton.cdiv(F, block))](gate_up.contiguous(), table if table is not None else y, y, q, d,
+                                               F, GELU=table is not None, BLOCK=block, **_FLAGS)
+    return y, Q8Act(q, d)
