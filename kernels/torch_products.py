@@ -50,7 +50,7 @@ class Rowwise:
     the quantizations, ``torch_moe``'s for a mixture of experts' router) signature and bits: ``rmsnorm``,
     ``rope``, ``swiglu``, ``geglu``, ``quantize_act``, ``quantize_two_level``, ``route``; and two that
     follow one another in every layer, fused on the Triton path (``triton_fused``): ``add_norm_quant``,
-    ``glu_quant``."""
+    ``glu_quant``, ``rope_qkv``."""
 
     def __init__(self, path: str):
         _check_path(path)
@@ -80,6 +80,29 @@ class Rowwise:
         x = x if y is None else x + y
         h = self.rmsnorm(x, w, eps)
         return x, h, self.quantize_act(h)
+
+    def rope_qkv(self, qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor, sin: torch.Tensor,
+                 neox: bool, norms: tuple[torch.Tensor, torch.Tensor] | None, eps: float, kv_out: torch.Tensor,
+                 pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q|k|v [T, (H + 2 Hkv) D] -> q [T, H, D] normed (``norms``: q_norm, k_norm) and rotated; k (the
+        same) and v in float16 into kv_out [2, Hkv, T, D] and, with ``pool`` (the layer's pool, each
+        row's block and offset), into their slots there.  One launch on the Triton path."""
+        if self._fused is not None:
+            return self._fused.rope_qkv(qkv, heads, cos, sin, neox, norms, eps, kv_out, pool)
+        H, Hkv, D = heads
+        T = qkv.shape[0]
+        q = qkv[:, :H * D].reshape(T, H, D)
+        k = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D)
+        if norms is not None:
+            q = self.rmsnorm(q, norms[0], eps)
+            k = self.rmsnorm(k, norms[1], eps)
+        q = self.rope(q, cos, sin, neox)
+        kv_out[0] = self.rope(k, cos, sin, neox).transpose(0, 1)  # [Hkv, T, D], rounded to float16
+        kv_out[1] = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D).transpose(0, 1)
+        if pool is not None:
+            blocks, blk, off = pool
+            blocks[blk, :, :, off] = kv_out.permute(2, 0, 1, 3)  # [T, 2, Hkv, D] into their slots
+        return q
 
     def glu_quant(self, gate_up: torch.Tensor, table: torch.Tensor | None) -> tuple[torch.Tensor, Q8Act]:
         """(SwiGLU, or GeGLU by ``table``, of gate | up, its Q8_0): one launch on the Triton path."""

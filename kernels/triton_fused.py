@@ -7,7 +7,10 @@ device, set the step's time.  These kernels cut a layer's launches without chang
 * ``add_norm_quant``: the residual add, the next RMSNorm and the Q8_0 quantization of its output
   (what every projection after a norm reads) - ``x + y``, ``triton_rowwise.rmsnorm``,
   ``triton_rowwise.quantize_act``;
-* ``glu_quant``: SwiGLU / GeGLU and the quantization of its output for the down projection.
+* ``glu_quant``: SwiGLU / GeGLU and the quantization of its output for the down projection;
+* ``rope_qkv``: from the fused q|k|v projection to what attention reads - q and k normed (Qwen 3,
+  Gemma 3) and rotated, k and v rounded to float16 into the step's new rows and into their slots in
+  the paged pool (``_rmsnorm``, ``_rope``, two float16 copies and an indexed store).
 
 Each calls the same ``@triton.jit`` helpers as the kernels it replaces (``rms_scale``, ``q8_blocks``,
 ``exp_f32``), and an intermediate kept in registers is the float32 value the unfused kernel would
@@ -107,3 +110,104 @@ def glu_quant(gate_up: torch.Tensor, table: torch.Tensor | None) -> tuple[torch.
         _glu_quant[(T, triton.cdiv(F, block))](gate_up.contiguous(), table if table is not None else y, y, q, d,
                                                F, GELU=table is not None, BLOCK=block, **_FLAGS)
     return y, Q8Act(q, d)
+
+
+@triton.jit
+def _rope_qkv(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, kv_ptr, pool_ptr, blk_ptr, off_ptr,
+              T, H, HKV, D, HALF, PB, eps, NEOX: tl.constexpr, NORM: tl.constexpr, POOL: tl.constexpr,
+              P: tl.constexpr, PD: tl.constexpr):
+    """Token t, head h of qkv float32 [T, (H + 2 HKV) D] (q heads, k heads, v heads): a q head normed
+    (NORM, by qn) and rotated -> q float32 [T, H, D]; a k head normed (by kn) and rotated, and a v
+    head as it is -> float16 rows of kv [2, HKV, T, D] and (POOL) of the pool [n_blocks, 2, HKV, PB, D]
+    at block blk[t], offset off[t].  ``triton_rowwise._rmsnorm``, ``_rope`` and the float16 copies."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    src = qkv_ptr + (t * (H + 2 * HKV) + h) * D
+    i = tl.arange(0, P)
+    m = i < HALF
+    dd = tl.arange(0, PD)
+    md = dd < D
+    if h >= H + HKV:  # a v head: stored as it is
+        hv = h - H - HKV
+        v = tl.load(src + dd, mask=md, other=0.0).to(tl.float16)
+        tl.store(kv_ptr + ((HKV + hv) * T + t) * D + dd, v, mask=md)
+        if POOL:
+            row = (tl.load(blk_ptr + t) * 2 + 1) * HKV * PB + hv * PB + tl.load(off_ptr + t)
+            tl.store(pool_ptr + row * D + dd, v, mask=md)
+    else:
+        is_q = h < H
+        scale = 1.0
+        if NORM:
+            scale = rms_scale(tl.load(src + dd, mask=md, other=0.0), D, eps, PD)
+        c = tl.load(cos_ptr + t * HALF + i, mask=m, other=0.0)
+        s = tl.load(sin_ptr + t * HALF + i, mask=m, other=0.0)
+        if NEOX:
+            i0, i1 = i, i + HALF
+        else:
+            i0, i1 = 2 * i, 2 * i + 1
+        x0 = tl.load(src + i0, mask=m, other=0.0)
+        x1 = tl.load(src + i1, mask=m, other=0.0)
+        xr = tl.load(src + dd, mask=md & (dd >= 2 * HALF), other=0.0)  # dims past the rotated ones
+        if NORM:  # rmsnorm's (x * scale) * w at each index
+            if is_q:
+                wn = qn_ptr
+            else:
+                wn = kn_ptr
+            x0 = (x0 * scale) * tl.load(wn + i0, mask=m, other=0.0)
+            x1 = (x1 * scale) * tl.load(wn + i1, mask=m, other=0.0)
+            xr = (xr * scale) * tl.load(wn + dd, mask=md, other=0.0)
+        y0 = x0 * c - x1 * s
+        y1 = x0 * s + x1 * c
+        if is_q:
+            qrow = q_ptr + (t * H + h) * D
+            tl.store(qrow + i0, y0, mask=m)
+            tl.store(qrow + i1, y1, mask=m)
+            tl.store(qrow + dd, xr, mask=md & (dd >= 2 * HALF))
+        else:
+            hk = h - H
+            krow = kv_ptr + (hk * T + t) * D
+            tl.store(krow + i0, y0.to(tl.float16), mask=m)
+            tl.store(krow + i1, y1.to(tl.float16), mask=m)
+            tl.store(krow + dd, xr.to(tl.float16), mask=md & (dd >= 2 * HALF))
+            if POOL:
+                row = tl.load(blk_ptr + t) * 2 * HKV * PB + hk * PB + tl.load(off_ptr + t)
+                tl.store(pool_ptr + row * D + i0, y0.to(tl.float16), mask=m)
+                tl.store(pool_ptr + row * D + i1, y1.to(tl.float16), mask=m)
+                tl.store(pool_ptr + row * D + dd, xr.to(tl.float16), mask=md & (dd >= 2 * HALF))
+
+
+def rope_qkv(qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor, sin: torch.Tensor, neox: bool,
+             norms: tuple[torch.Tensor, torch.Tensor] | None, eps: float, kv_out: torch.Tensor,
+             pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """A layer's projections qkv float32 [T, (H + 2 Hkv) D] (``heads`` = (H, Hkv, D)) into what attention
+    reads, in one launch: q and k normed by ``norms`` (q_norm, k_norm; or None) and rotated by cos/sin
+    [T, n_rot/2]; k and v rounded to float16 into kv_out [2, Hkv, T, D] and, with ``pool`` = (the
+    layer's pool [n_blocks, 2, Hkv, block, D], block int64 [T], offset int64 [T]), into the rows' slots.
+    -> q float32 [T, H, D]."""
+    H, Hkv, D = heads
+    check_tensor("qkv", qkv, torch.float32, 2)
+    T = qkv.shape[0]
+    half = cos.shape[1]
+    if qkv.shape[1] != (H + 2 * Hkv) * D or cos.shape != (T, half) or sin.shape != (T, half) or 2 * half > D:
+        raise ValueError(f"qkv [{T}, {(H + 2 * Hkv) * D}] with cos/sin [{T}, <= {D // 2}] expected, got "
+                         f"{tuple(qkv.shape)} and {tuple(cos.shape)}")
+    check_tensor("kv_out", kv_out, torch.float16, 4)
+    if kv_out.shape != (2, Hkv, T, D) or not kv_out.is_contiguous():
+        raise ValueError(f"kv_out must be contiguous float16 [2, {Hkv}, {T}, {D}], got {tuple(kv_out.shape)}")
+    q = torch.empty((T, H, D), dtype=torch.float32, device=qkv.device)
+    if pool is not None:
+        blocks, blk, off = pool
+        check_tensor("pool", blocks, torch.float16, 5)
+        if blocks.shape[1:] != (2, Hkv, blocks.shape[3], D) or blk.shape != (T,) or off.shape != (T,):
+            raise ValueError(f"pool must be [n_blocks, 2, {Hkv}, block, {D}] with {T} slots")
+    else:
+        blocks, blk, off = kv_out, q, q  # not read
+    qn, kn = norms if norms is not None else (q, q)
+    if T and half:
+        _rope_qkv[(T, H + 2 * Hkv)](qkv.contiguous(), cos.contiguous(), sin.contiguous(), qn, kn, q, kv_out, blocks,
+                                    blk, off, T, H, Hkv, D, half, blocks.shape[3] if pool is not None else 1,
+                                    _f32(eps), NEOX=neox, NORM=norms is not None, POOL=pool is not None,
+                                    P=triton.next_power_of_2(half), PD=triton.next_power_of_2(D), **_FLAGS)
+    elif T:
+        raise ValueError("rope_qkv needs rotated dims (n_rot > 0)")
+    return q

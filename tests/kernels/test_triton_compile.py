@@ -60,10 +60,10 @@ def compile_only(monkeypatch):
 
 
 @pytest.mark.parametrize("model, kernels", [
-    ("tiny_llama", {"_q_matmul", "_pair_dots", "_rmsnorm", "_rope", "_quantize", "_chunks", "_merge",
+    ("tiny_llama", {"_q_matmul", "_pair_dots", "_rmsnorm", "_rope_qkv", "_quantize", "_chunks", "_merge",
                     "_add_norm_quant", "_glu_quant"}),
-    ("tiny_gemma3", {"_q_matmul", "_rmsnorm", "_glu_quant", "_chunks", "_merge", "_add_norm_quant"}),
-    ("tiny_qwen3moe", {"_route", "_grouped", "_q_matmul", "_chunks", "_add_norm_quant", "_glu"}),
+    ("tiny_gemma3", {"_q_matmul", "_rmsnorm", "_rope_qkv", "_glu_quant", "_chunks", "_merge", "_add_norm_quant"}),
+    ("tiny_qwen3moe", {"_route", "_grouped", "_q_matmul", "_rope_qkv", "_chunks", "_add_norm_quant", "_glu"}),
 ])
 def test_every_kernel_of_a_step_compiles_for_a_gpu(compile_only, model, kernels, request, monkeypatch):
     from weaved.kernels import torch_moe, triton_router

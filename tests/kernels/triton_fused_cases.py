@@ -72,3 +72,36 @@ def test_argument_checks(kernels):
         fused.add_norm_quant(torch.zeros((2, 64)), torch.zeros((3, 64)), torch.ones(64), 1e-6)
     with pytest.raises(ValueError, match="multiple of 32"):
         fused.glu_quant(torch.zeros((2, 100)), None)
+
+
+@pytest.mark.parametrize("H, Hkv, D, n_rot, neox, norm", [
+    (4, 2, 64, 64, False, False),  # Llama: interleaved pairs
+    (4, 1, 128, 128, True, True),  # Qwen 3: neox pairs, q/k norms
+    (2, 2, 256, 256, True, True),  # Gemma 3: head_dim 256
+    (3, 1, 64, 32, True, False),  # partial rotary: dims past n_rot copied
+])
+def test_rope_qkv_is_norm_rope_and_the_float16_stores(kernels, H, Hkv, D, n_rot, neox, norm):
+    from weaved.kernels.torch_products import Rowwise
+
+    fused, _ = kernels
+    rng = np.random.default_rng(H * D + n_rot)
+    T, B, n_blocks = 5, 4, 9
+    qkv = _rows(rng, (T, (H + 2 * Hkv) * D), spread=2.0)
+    ang = rng.uniform(-3, 3, (T, n_rot // 2))
+    cos, sin = (torch.from_numpy(f(ang).astype(np.float32)) for f in (np.cos, np.sin))
+    norms = tuple(torch.from_numpy(rng.standard_normal(D).astype(np.float32)) for _ in range(2)) if norm else None
+    blk = torch.from_numpy(rng.permutation(n_blocks)[:T].astype(np.int64))  # scattered slots
+    off = torch.from_numpy(rng.integers(0, B, T).astype(np.int64))
+    rows = Rowwise("triton")
+    unfused = Rowwise("triton")
+    unfused._fused = None  # the same kernels one after another: rmsnorm, rope, float16 copies, indexed store
+    got_kv, want_kv = (torch.zeros((2, Hkv, T, D), dtype=torch.float16) for _ in range(2))
+    got_pool, want_pool = (torch.zeros((n_blocks, 2, Hkv, B, D), dtype=torch.float16) for _ in range(2))
+    q = rows.rope_qkv(qkv, (H, Hkv, D), cos, sin, neox, norms, 1e-6, got_kv, (got_pool, blk, off))
+    want_q = unfused.rope_qkv(qkv, (H, Hkv, D), cos, sin, neox, norms, 1e-6, want_kv, (want_pool, blk, off))
+    assert torch.equal(q, want_q) and torch.equal(got_kv, want_kv) and torch.equal(got_pool, want_pool)
+    torch_path = Rowwise("torch")
+    ref_kv = torch.zeros_like(want_kv)
+    assert torch.equal(torch_path.rope_qkv(qkv, (H, Hkv, D), cos, sin, neox, norms, 1e-6, ref_kv), q)
+    assert torch.equal(ref_kv, got_kv)  # the torch path's bits
+    assert torch.equal(fused.rope_qkv(qkv, (H, Hkv, D), cos, sin, neox, norms, 1e-6, got_kv), q)  # no pool

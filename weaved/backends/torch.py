@@ -191,7 +191,6 @@ class TorchBackend(Backend):
         self._io_h2d += 2 * ids_np.nbytes
 
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qd, kd = cfg.q_dim, cfg.kv_dim
         neox = cfg.rope_style == RopeStyle.NEOX
         new_kv = torch.empty((cfg.n_layers, 2, Hkv, T, D), dtype=torch.float16, device=dev)  # this step's rows
         # on the Triton path every row attends in one launch per layer over the pool (torch_step)
@@ -202,27 +201,22 @@ class TorchBackend(Backend):
         if cfg.embed_scale != 1.0:
             x = x * float(np.float32(cfg.embed_scale))
         ops = self._ops
-        rmsnorm, rope, eps = ops.rmsnorm, ops.rope, cfg.rms_eps
+        rmsnorm, eps = ops.rmsnorm, cfg.rms_eps
         # each residual add is fused with the norm after it and that norm's quantization (add_norm_quant)
         _, h, a = ops.add_norm_quant(x, None, W.layers[0].attn_norm, eps)
         for li, L in enumerate(W.layers):
             qkv = self._project(L.wqkv, h, a)  # [T, q_dim + 2*kv_dim]
             if L.bqkv is not None:
                 qkv = qkv + L.bqkv
-            q = qkv[:, :qd].reshape(T, H, D)
-            k = qkv[:, qd:qd + kd].reshape(T, Hkv, D)
-            v = qkv[:, qd + kd:].reshape(T, Hkv, D)
-            if L.q_norm is not None:
-                q = rmsnorm(q, L.q_norm, cfg.rms_eps)
-                k = rmsnorm(k, L.k_norm, cfg.rms_eps)
             window = cfg.layer_window(li)
             c, s_ = (cos_w, sin_w) if window else (cos, sin)
-            q = rope(q, c, s_, neox)
-            k = rope(k, c, s_, neox)
-            new_kv[li, 0] = k.transpose(0, 1)  # [Hkv, T, D], rounded to float16 (nearest even)
-            new_kv[li, 1] = v.transpose(0, 1)
+            norms = (L.q_norm, L.k_norm) if L.q_norm is not None else None
+            # q normed and rotated [T, H, D]; k and v (float16, rounded to nearest even) into the step's
+            # new rows and, on the paged path, into their slots in the pool
+            slots_li = (self._kv.pool[li], paged.blk, paged.off) if paged is not None else None
+            q = ops.rope_qkv(qkv, (H, Hkv, D), c, s_, neox, norms, eps, new_kv[li], slots_li)
             if paged is not None:
-                att = paged.attend(self._kv.pool[li], new_kv[li], q, window, self._scale)
+                att = paged.attend(self._kv.pool[li], q, window, self._scale)
             else:
                 att = self._attention(li, q, new_kv, tables, slots, starts, pos0, window)
             y = self._project((L.wo,), att)

@@ -1,9 +1,9 @@
 """A step's rows as the Triton attention kernel reads them (the torch backend's path on CUDA).
 
 ``PagedStep`` is built once per step: every sequence's block table as one padded int32 tensor, each
-row's sequence and position, and where each new row's K/V go in the pool.  Per layer ``attend`` stores
-the layer's new rows with one indexed copy and runs ``triton_attention.paged_attention`` over all rows
-in one launch - instead of gathering each sequence's blocks into one run of keys and attending per
+row's sequence and position, and where each new row's K/V go in the pool.  Per layer the new rows are
+stored there as they are made (``rope_qkv``) and ``attend`` runs ``triton_attention.paged_attention``
+over all rows in one launch - instead of gathering each sequence's blocks into one run of keys and attending per
 sequence (the torch path, and on torch's CPU device the tests' reference).
 """
 
@@ -61,13 +61,12 @@ class PagedStep:
             self._lo[window] = lo
         return lo
 
-    def attend(self, pool: torch.Tensor, new_rows: torch.Tensor, q: torch.Tensor, window: int, scale: float
-               ) -> torch.Tensor:
-        """Store one layer's new rows (new_rows float16 [2, Hkv, T, D]) in its pool (float16 [n_blocks, 2,
-        Hkv, B, D]), then attend every row: q float32 [T, H, D] -> float32 [T, H * D]."""
+    def attend(self, pool: torch.Tensor, q: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+        """Attend every row over one layer's pool (float16 [n_blocks, 2, Hkv, B, D]), the step's own rows
+        already in their slots (``blk``, ``off``: ``Rowwise.rope_qkv`` puts them there): q float32
+        [T, H, D] -> float32 [T, H * D]."""
         from weaved.kernels.triton_attention import paged_attention
 
-        pool[self.blk, :, :, self.off] = new_rows.permute(2, 0, 1, 3)  # [T, 2, Hkv, D] into their slots
         T, H, D = q.shape
         span = min(self.last, window - 1) if window else self.last  # the most keys before a row's own
         return paged_attention(q, pool, self.tables, self.seq, self.pos, self.first_keys(window), scale,
