@@ -91,12 +91,13 @@ def _fold_v(acc, p, v, K: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _chunks(q_ptr, pool_ptr, tab_ptr, seq_ptr, pos_ptr, lo_ptr, acc_ptr, ml_ptr,
+def _chunks(q_ptr, pool_ptr, tab_ptr, seq_ptr, pos_ptr, lo_ptr, acc_ptr, ml_ptr, out_ptr,
             H, G, HKV, PB, MAXB, NC, scale,
-            D: tl.constexpr, CHUNK_: tl.constexpr, BLOCK_: tl.constexpr, LANES_: tl.constexpr):
+            D: tl.constexpr, CHUNK_: tl.constexpr, BLOCK_: tl.constexpr, LANES_: tl.constexpr, ONE: tl.constexpr):
     """Program (t, h, c): chunk c of row t for query head h -> acc [T, H, NC, D], (m, l) [T, H, NC, 2].
     The chunks of a row are independent until ``_merge``: one program each, so a long row's chunks
-    run side by side."""
+    run side by side.  ONE (every row has one chunk): out [T, H, D] = acc / l at once - ``_merge``'s
+    bits for one chunk, whose weight exp(m - m) is exactly 1."""
     tl.static_assert(BLOCK_ == 64 and LANES_ == 16, "_seq4 and _seq16 take a block of 4 x 16 keys apart")
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -143,10 +144,13 @@ def _chunks(q_ptr, pool_ptr, tab_ptr, seq_ptr, pos_ptr, lo_ptr, acc_ptr, ml_ptr,
         m = m_new
         # a dead key adds fma(0, v, acc) = acc: acc is never -0 (it starts at +0, and x + y = 0 rounds to +0)
         acc = _fold_v(acc * alpha, pr[:, None], v, BLOCK_, D)
-    slot = (t * H + h) * NC + c
-    tl.store(acc_ptr + slot * D + d[None, :], acc)
-    tl.store(ml_ptr + slot * 2, m)
-    tl.store(ml_ptr + slot * 2 + 1, l_)
+    if ONE:
+        tl.store(out_ptr + (t * H + h) * D + d[None, :], tl.math.div_rn(acc, l_))
+    else:
+        slot = (t * H + h) * NC + c
+        tl.store(acc_ptr + slot * D + d[None, :], acc)
+        tl.store(ml_ptr + slot * 2, m)
+        tl.store(ml_ptr + slot * 2 + 1, l_)
 
 
 @triton.jit
@@ -211,11 +215,13 @@ def paged_attention(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, r
             raise ValueError(f"a row at position {int(pos.max())} is past its block table ({tables.shape[1]} blocks)")
         n_chunks = int(((pos - lo) // CHUNK).max()) + 1
     NC = n_chunks  # chunks of the longest row
-    acc = torch.empty((T, H, NC, D), dtype=torch.float32, device=q.device)
-    ml = torch.empty((T, H, NC, 2), dtype=torch.float32, device=q.device)
+    one = NC == 1  # then no scratch and no merge: each program writes its row's result
+    acc = out if one else torch.empty((T, H, NC, D), dtype=torch.float32, device=q.device)
+    ml = out if one else torch.empty((T, H, NC, 2), dtype=torch.float32, device=q.device)
     qc = q.contiguous()
-    _chunks[(T, H, NC)](qc, pool, tables.contiguous(), row_seq, row_pos, row_lo, acc, ml,
-                    H, H // Hkv, Hkv, PB, tables.shape[1], NC, float(np.float32(scale)),
-                    D=D, CHUNK_=CHUNK, BLOCK_=BLOCK, LANES_=LANES, num_warps=4 if D <= 64 else 8, **_FLAGS)
-    _merge[(T, H)](acc, ml, row_pos, row_lo, out, H, NC, D=D, CHUNK_=CHUNK, **_FLAGS)
+    _chunks[(T, H, NC)](qc, pool, tables.contiguous(), row_seq, row_pos, row_lo, acc, ml, out,
+                        H, H // Hkv, Hkv, PB, tables.shape[1], NC, float(np.float32(scale)), D=D, CHUNK_=CHUNK,
+                        BLOCK_=BLOCK, LANES_=LANES, ONE=one, num_warps=4 if D <= 64 else 8, **_FLAGS)
+    if not one:
+        _merge[(T, H)](acc, ml, row_pos, row_lo, out, H, NC, D=D, CHUNK_=CHUNK, **_FLAGS)
     return out

@@ -82,10 +82,12 @@ def test_every_kernel_of_a_step_compiles_for_a_gpu(compile_only, model, kernels,
     monkeypatch.setattr(triton_router, "route", compiled_router_torch_choices)
     be = TorchBackend.from_file(request.getfixturevalue(model), threads=1)
     assert be.kernels == "triton" and be._paged_kernel
-    tokens = (np.arange(40, dtype=np.int32) * 37 + 5) % 400
-    kv = be.new_kv(64)
-    be.forward([SeqChunk(kv, tokens[:30], Logits.LAST)])  # a prompt chunk
-    be.forward([SeqChunk(kv, tokens[30:31], Logits.LAST), SeqChunk(be.new_kv(16), tokens[:12], Logits.ALL)])
+    tokens = (np.arange(600, dtype=np.int32) * 37 + 5) % 400
+    kv, long = be.new_kv(64), be.new_kv(600)
+    be.forward([SeqChunk(kv, tokens[:30], Logits.LAST)])  # a prompt chunk: one chunk of keys a row
+    be.forward([SeqChunk(long, tokens[:530], Logits.LAST)])  # past 512 keys: chunks merged
+    be.forward([SeqChunk(kv, tokens[30:31], Logits.LAST), SeqChunk(be.new_kv(16), tokens[:12], Logits.ALL),
+                SeqChunk(long, tokens[530:531], Logits.LAST)])
     assert kernels <= set(compile_only), sorted(set(compile_only))
     for name, ks in compile_only.items():
         assert all(k.asm.get("cubin") for k in ks), name  # built down to machine code by ptxas

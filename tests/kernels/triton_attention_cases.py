@@ -69,6 +69,11 @@ def test_a_step_of_decode_rows_and_a_prompt_chunk_is_attend_per_sequence(ta, D, 
     # a row alone gives the bits it gets in the step
     alone = ta.paged_attention(q[2:3], pool, tables, seq[2:3], pos[2:3], torch.zeros(1, dtype=torch.int32), scale)
     assert torch.equal(alone, got[2:3])
+    # rows of one chunk each write their result without the merge (a step of short rows alone): the same bits
+    short = [0, 1, 3, 4, 5, 6, 7]
+    lo = torch.zeros(len(short), dtype=torch.int32)
+    alone = ta.paged_attention(q[short], pool, tables, seq[short], pos[short], lo, scale)
+    assert torch.equal(alone, got[short])
 
 
 def test_sliding_window_rows_attend_their_last_keys_from_the_first_of_them(ta):
