@@ -32,8 +32,9 @@ import torch
 import triton
 import triton.language as tl
 from weaved.kernels.torch_attention import BLOCK, CHUNK, LANES
+from weaved.kernels.torch_q4 import QK, Q8Act
 from weaved.kernels.torch_rowwise import check_tensor
-from weaved.kernels.triton_rowwise import exp_f32
+from weaved.kernels.triton_rowwise import exp_f32, q8_blocks
 
 _FLAGS = {"enable_fp_fusion": False}
 
@@ -91,13 +92,13 @@ def _fold_v(acc, p, v, K: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _chunks(q_ptr, pool_ptr, tab_ptr, seq_ptr, pos_ptr, lo_ptr, acc_ptr, ml_ptr, out_ptr,
-            H, G, HKV, PB, MAXB, NC, scale,
-            D: tl.constexpr, CHUNK_: tl.constexpr, BLOCK_: tl.constexpr, LANES_: tl.constexpr, ONE: tl.constexpr):
+def _chunks(q_ptr, pool_ptr, tab_ptr, seq_ptr, pos_ptr, lo_ptr, acc_ptr, ml_ptr, out_ptr, oq_ptr, od_ptr,
+            H, G, HKV, PB, MAXB, NC, scale, D: tl.constexpr, CHUNK_: tl.constexpr, BLOCK_: tl.constexpr,
+            LANES_: tl.constexpr, ONE: tl.constexpr, QUANT: tl.constexpr):
     """Program (t, h, c): chunk c of row t for query head h -> acc [T, H, NC, D], (m, l) [T, H, NC, 2].
     The chunks of a row are independent until ``_merge``: one program each, so a long row's chunks
     run side by side.  ONE (every row has one chunk): out [T, H, D] = acc / l at once - ``_merge``'s
-    bits for one chunk, whose weight exp(m - m) is exactly 1."""
+    bits for one chunk, whose weight exp(m - m) is exactly 1 - and (QUANT) its Q8_0 (``_store_out``)."""
     tl.static_assert(BLOCK_ == 64 and LANES_ == 16, "_seq4 and _seq16 take a block of 4 x 16 keys apart")
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -145,7 +146,7 @@ def _chunks(q_ptr, pool_ptr, tab_ptr, seq_ptr, pos_ptr, lo_ptr, acc_ptr, ml_ptr,
         # a dead key adds fma(0, v, acc) = acc: acc is never -0 (it starts at +0, and x + y = 0 rounds to +0)
         acc = _fold_v(acc * alpha, pr[:, None], v, BLOCK_, D)
     if ONE:
-        tl.store(out_ptr + (t * H + h) * D + d[None, :], tl.math.div_rn(acc, l_))
+        _store_out(tl.reshape(tl.math.div_rn(acc, l_), (D,)), out_ptr, oq_ptr, od_ptr, t, h, H, D, QUANT)
     else:
         slot = (t * H + h) * NC + c
         tl.store(acc_ptr + slot * D + d[None, :], acc)
@@ -154,8 +155,22 @@ def _chunks(q_ptr, pool_ptr, tab_ptr, seq_ptr, pos_ptr, lo_ptr, acc_ptr, ml_ptr,
 
 
 @triton.jit
-def _merge(acc_ptr, ml_ptr, pos_ptr, lo_ptr, out_ptr, H, NC, D: tl.constexpr, CHUNK_: tl.constexpr):
-    """Program (t, h): row t's chunks merged in order -> out [T, H, D]."""
+def _store_out(o, out_ptr, oq_ptr, od_ptr, t, h, H, D: tl.constexpr, QUANT: tl.constexpr):
+    """Head h of row t's result o [D] into out [T, H, D], and with QUANT its Q8_0 blocks into the row's
+    quants int8 [T, H * D] and scales [T, H * D / 32] - what the output projection reads (head h's D
+    values are whole 32-blocks of the row: ``triton_rowwise.quantize_act``'s blocks)."""
+    d = tl.arange(0, D)
+    tl.store(out_ptr + (t * H + h) * D + d, o)
+    if QUANT:
+        q, sc = q8_blocks(tl.reshape(o, (D // 32, 32)))
+        tl.store(oq_ptr + (t * H + h) * D + d, tl.reshape(q, (D,)).to(tl.int8))
+        tl.store(od_ptr + (t * H + h) * (D // 32) + tl.arange(0, D // 32), sc)
+
+
+@triton.jit
+def _merge(acc_ptr, ml_ptr, pos_ptr, lo_ptr, out_ptr, oq_ptr, od_ptr, H, NC, D: tl.constexpr, CHUNK_: tl.constexpr,
+           QUANT: tl.constexpr):
+    """Program (t, h): row t's chunks merged in order -> out [T, H, D] (and its Q8_0: ``_store_out``)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -170,7 +185,7 @@ def _merge(acc_ptr, ml_ptr, pos_ptr, lo_ptr, out_ptr, H, NC, D: tl.constexpr, CH
         w = exp_f32(tl.load(ml_ptr + (base + c) * 2) - m)
         total = total + tl.load(ml_ptr + (base + c) * 2 + 1) * w
         out = out + w * tl.load(acc_ptr + (base + c) * D + d)
-    tl.store(out_ptr + (t * H + h) * D + d, tl.math.div_rn(out, total))
+    _store_out(tl.math.div_rn(out, total), out_ptr, oq_ptr, od_ptr, t, h, H, D, QUANT)
 
 
 def head_dim_supported(D: int) -> bool:
@@ -181,6 +196,24 @@ def head_dim_supported(D: int) -> bool:
 def paged_attention(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, row_seq: torch.Tensor,
                     row_pos: torch.Tensor, row_lo: torch.Tensor, scale: float, n_chunks: int | None = None
                     ) -> torch.Tensor:
+    """See ``_attend``: -> float32 [T, H, D]."""
+    return _attend(q, pool, tables, row_seq, row_pos, row_lo, scale, n_chunks, False)[0]
+
+
+def paged_attention_q8(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, row_seq: torch.Tensor,
+                       row_pos: torch.Tensor, row_lo: torch.Tensor, scale: float, n_chunks: int | None = None
+                       ) -> tuple[torch.Tensor, Q8Act]:
+    """``paged_attention`` and the Q8_0 of its rows [T, H * D] (what the output projection reads, in
+    ``quantize_act``'s bits), written by the same launches.  D must be a multiple of 32."""
+    if q.shape[-1] % QK:
+        raise ValueError(f"quantized attention output needs head_dim a multiple of {QK}, got {q.shape[-1]}")
+    out, a = _attend(q, pool, tables, row_seq, row_pos, row_lo, scale, n_chunks, True)
+    return out, a
+
+
+def _attend(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, row_seq: torch.Tensor, row_pos: torch.Tensor,
+            row_lo: torch.Tensor, scale: float, n_chunks: int | None, quantize: bool
+            ) -> tuple[torch.Tensor, Q8Act | None]:
     """Attention of every row of a step over its sequence's keys in the paged pool.
 
     q float32 [T, H, D]; pool float16 [n_blocks, 2, Hkv, PB, D] (one layer's; the rows' own keys
@@ -205,8 +238,10 @@ def paged_attention(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, r
     if tables.ndim != 2 or any(x.shape != (T,) for x in (row_seq, row_pos, row_lo)):
         raise ValueError("tables must be [sequences, max_blocks] and row_seq/row_pos/row_lo [T]")
     out = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
+    a = Q8Act(torch.empty((T, H * D // QK, QK), dtype=torch.int8, device=q.device),
+              torch.empty((T, H * D // QK), dtype=torch.float32, device=q.device)) if quantize else None
     if T == 0:
-        return out
+        return out, a
     if n_chunks is None:
         pos, lo = row_pos.to(torch.int64), row_lo.to(torch.int64)
         if bool((lo < 0).any()) or bool((lo > pos).any()):
@@ -219,9 +254,11 @@ def paged_attention(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, r
     acc = out if one else torch.empty((T, H, NC, D), dtype=torch.float32, device=q.device)
     ml = out if one else torch.empty((T, H, NC, 2), dtype=torch.float32, device=q.device)
     qc = q.contiguous()
-    _chunks[(T, H, NC)](qc, pool, tables.contiguous(), row_seq, row_pos, row_lo, acc, ml, out,
+    oq, od = (a.q, a.d) if a is not None else (out, out)  # not written without quantize
+    _chunks[(T, H, NC)](qc, pool, tables.contiguous(), row_seq, row_pos, row_lo, acc, ml, out, oq, od,
                         H, H // Hkv, Hkv, PB, tables.shape[1], NC, float(np.float32(scale)), D=D, CHUNK_=CHUNK,
-                        BLOCK_=BLOCK, LANES_=LANES, ONE=one, num_warps=4 if D <= 64 else 8, **_FLAGS)
+                        BLOCK_=BLOCK, LANES_=LANES, ONE=one, QUANT=quantize, num_warps=4 if D <= 64 else 8,
+                        **_FLAGS)
     if not one:
-        _merge[(T, H)](acc, ml, row_pos, row_lo, out, H, NC, D=D, CHUNK_=CHUNK, **_FLAGS)
-    return out
+        _merge[(T, H)](acc, ml, row_pos, row_lo, out, oq, od, H, NC, D=D, CHUNK_=CHUNK, QUANT=quantize, **_FLAGS)
+    return out, a

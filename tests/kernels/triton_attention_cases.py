@@ -74,6 +74,14 @@ def test_a_step_of_decode_rows_and_a_prompt_chunk_is_attend_per_sequence(ta, D, 
     lo = torch.zeros(len(short), dtype=torch.int32)
     alone = ta.paged_attention(q[short], pool, tables, seq[short], pos[short], lo, scale)
     assert torch.equal(alone, got[short])
+    # with the rows' Q8_0 for the output projection, on both paths (merged chunks, one chunk): quantize_act's
+    from weaved.kernels.triton_rowwise import quantize_act
+
+    for rows in (list(range(T)), short):
+        out, a = ta.paged_attention_q8(q[rows], pool, tables, seq[rows], pos[rows],
+                                       torch.zeros(len(rows), dtype=torch.int32), scale)
+        want = quantize_act(got[rows].reshape(len(rows), H * D))
+        assert torch.equal(out, got[rows]) and torch.equal(a.q, want.q) and torch.equal(a.d, want.d)
 
 
 def test_sliding_window_rows_attend_their_last_keys_from_the_first_of_them(ta):

@@ -215,11 +215,11 @@ class TorchBackend(Backend):
             # new rows and, on the paged path, into their slots in the pool
             slots_li = (self._kv.pool[li], paged.blk, paged.off) if paged is not None else None
             q = ops.rope_qkv(qkv, (H, Hkv, D), c, s_, neox, norms, eps, new_kv[li], slots_li)
-            if paged is not None:
-                att = paged.attend(self._kv.pool[li], q, window, self._scale)
+            if paged is not None:  # with the rows' Q8_0 for the output projection, made in the same launches
+                att, a = paged.attend(self._kv.pool[li], q, window, self._scale)
             else:
-                att = self._attention(li, q, new_kv, tables, slots, starts, pos0, window)
-            y = self._project((L.wo,), att)
+                att, a = self._attention(li, q, new_kv, tables, slots, starts, pos0, window), None
+            y = self._project((L.wo,), att, a)
             if L.post_attn_norm is not None:
                 y = rmsnorm(y, L.post_attn_norm, eps)
             x, h, a = ops.add_norm_quant(x, y, L.ffn_norm, eps)

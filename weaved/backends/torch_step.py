@@ -16,6 +16,7 @@ import torch
 
 from weaved.backends.torch_paged import PagedKV, Table
 from weaved.kernels.torch_attention import CHUNK
+from weaved.kernels.torch_q4 import Q8Act
 
 
 @dataclass
@@ -61,13 +62,18 @@ class PagedStep:
             self._lo[window] = lo
         return lo
 
-    def attend(self, pool: torch.Tensor, q: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    def attend(self, pool: torch.Tensor, q: torch.Tensor, window: int, scale: float
+               ) -> tuple[torch.Tensor, Q8Act | None]:
         """Attend every row over one layer's pool (float16 [n_blocks, 2, Hkv, B, D]), the step's own rows
         already in their slots (``blk``, ``off``: ``Rowwise.rope_qkv`` puts them there): q float32
-        [T, H, D] -> float32 [T, H * D]."""
-        from weaved.kernels.triton_attention import paged_attention
+        [T, H, D] -> (float32 [T, H * D], its Q8_0 for the output projection, written by the same
+        launches where the head size is a multiple of 32; else None)."""
+        from weaved.kernels.triton_attention import paged_attention, paged_attention_q8
 
         T, H, D = q.shape
         span = min(self.last, window - 1) if window else self.last  # the most keys before a row's own
-        return paged_attention(q, pool, self.tables, self.seq, self.pos, self.first_keys(window), scale,
-                               n_chunks=span // CHUNK + 1).reshape(T, H * D)
+        args = (q, pool, self.tables, self.seq, self.pos, self.first_keys(window), scale)
+        if D % 32:
+            return paged_attention(*args, n_chunks=span // CHUNK + 1).reshape(T, H * D), None
+        out, a = paged_attention_q8(*args, n_chunks=span // CHUNK + 1)
+        return out.reshape(T, H * D), a
