@@ -35,6 +35,10 @@ The torch backend's kernels (torch tensors on any device; they do not touch numb
                     torch_attention's (the CPU kernel's) chunks, blocks and summation order.
 ``triton_moe``      a mixture of experts' products grouped by expert: every expert's rows of a step in
                     one launch per product, each element with its expert's ``linear_q`` bits.
+``triton_fused``    operations that follow one another in every layer in one launch each (residual
+                    add + RMSNorm + quantization; GLU + quantization; q/k norms + RoPE + the float16
+                    K/V stores), with the bits of the kernels they replace.
+``triton_router``   a mixture of experts' router: every token's experts and weights in one launch.
 """
 
 from . import _env  # noqa: F401  (sets NUMBA_CACHE_DIR before numba is first imported)
