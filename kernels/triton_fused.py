@@ -19,12 +19,19 @@ have stored and loaded back: the results are those of the unfused kernels, bit f
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 from weaved.kernels.torch_q4 import QK, Q8Act
 from weaved.kernels.torch_rowwise import check_tensor
-from weaved.kernels.triton_rowwise import _FLAGS, _f32, exp_f32, q8_blocks, rms_scale
+from weaved.kernels.triton_rowwise import exp_f32, q8_blocks, rms_scale
+
+_FLAGS = {"enable_fp_fusion": False}  # as triton_rowwise's: no multiply-add contracted
+
+
+def _f32(v: float) -> float:
+    return float(np.float32(v))
 
 
 @triton.jit
