@@ -57,6 +57,30 @@ def test_a_part_that_raises_fails_the_check_but_not_the_rest(tiny_llama, tmp_pat
     assert r["promotion"]["bytes"] > 0 and r["memory"]["weights_bytes"] > 0
 
 
+def test_the_profile_of_decode_steps(tiny_llama, tmp_path, capsys):
+    """``--profile``: each batch's step time and its costliest operations (torch's CPU device here: the
+    step's torch operations by host time; on CUDA its kernels by device time)."""
+    from weaved.gpucheck.__main__ import main
+
+    out = tmp_path / "r.json"
+    code = main([str(tiny_llama), "--device", "cpu", "--threads", "2", "--prompt", "12", "--steps", "2",
+                 "--batches", "", "--context", "8", "--promote", "64", "--profile", "1,3", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert code == 0 and [p["batch"] for p in r["profile"]] == [1, 3]
+    for p in r["profile"]:
+        assert p["wall_ms"] > 0 and p["launches"] > 0 and p["top"] and all(ms >= 0 for _, ms, _ in p["top"])
+    assert "profile, batch 3 at 8" in capsys.readouterr().out
+
+
+def test_the_sweep_needs_the_triton_path(tiny_llama, tmp_path, capsys):
+    from weaved.gpucheck.__main__ import main
+
+    out = tmp_path / "r.json"
+    code = main([str(tiny_llama), "--device", "cpu", "--threads", "2", "--prompt", "8", "--steps", "1",
+                 "--batches", "", "--promote", "16", "--sweep", "--json", str(out)])
+    assert code == 1 and "Triton kernels" in json.loads(out.read_text())["errors"]["sweep"]
+
+
 def _row(top: int, gap: float, vocab: int = 50) -> np.ndarray:
     row = np.linspace(-1, 0, vocab).astype(np.float32)
     row[top] = 1.0 + gap

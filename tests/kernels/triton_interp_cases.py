@@ -152,3 +152,19 @@ def test_grouped_experts_give_each_experts_product_in_one_launch(tt, qtype):
     for r, p in enumerate(order.tolist()):
         w = tq.DeviceWeight(qtype, N, K, stack[int(experts[p])])
         assert torch.equal(y[r], tq.linear_q(w, tq.Q8Act(a.q[p // 2:p // 2 + 1], a.d[p // 2:p // 2 + 1]))[0])
+
+
+def test_the_tile_sweep_times_every_matrix_and_finds_the_bits_unchanged(tiny_llama, monkeypatch):
+    """``gpucheck --sweep`` on the Triton path: each of the model's matrices under each tile size, the
+    products equal to the default's."""
+    from weaved.backends.torch import TorchBackend
+    from weaved.gpucheck.sweep import product_sweep
+
+    monkeypatch.setenv("WEAVE_TORCH_KERNELS", "triton")
+    be = TorchBackend.from_file(tiny_llama, threads=1)
+    from weaved.gpucheck.sweep import matrices
+
+    assert set(matrices(be)) == {"qkv", "out", "gate_up", "down", "output"}
+    rows = product_sweep(be, rows=(1,), reps=1, configs={1: [(None, None), (16, 4)]}, only={"out", "down"})
+    assert [(r["matrix"], r["block_n"]) for r in rows] == [("out", None), ("out", 16), ("down", None), ("down", 16)]
+    assert all(r["equal"] and r["us"] > 0 for r in rows)

@@ -30,6 +30,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", default="16,64", help="batch sizes of the batched decode timing")
     p.add_argument("--context", type=int, default=512, help="context of each batched sequence")
     p.add_argument("--promote", type=int, default=8192, help="KV positions of the promotion timing")
+    p.add_argument("--profile", default="", help="also profile decode steps at these batch sizes (e.g. 1,64): "
+                                                   "wall time against the kernels' device time, launches a step, "
+                                                   "the costliest kernels")
+    p.add_argument("--sweep", action="store_true", help="also time the Q4_0 product's tile sizes on each of the "
+                                                         "model's matrices (the Triton path; every result compared "
+                                                         "with the default's bits)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--work", type=Path, default=None, help="where a --shape file is written (default: a temp dir)")
     return p.parse_args(argv)
@@ -154,6 +160,36 @@ def main(argv: list[str] | None = None) -> int:
     for b in (int(x) for x in a.batches.split(",") if x):
         _section(results, f"batch {b}", say, lambda b=b: batched(b))
     _section(results, "promotion", say, promote)
+
+    def profile_steps(b: int) -> None:
+        from weaved.gpucheck.profile import step_profile
+
+        r = step_profile(dev, b, a.context)
+        results.setdefault("profile", []).append(r)
+        say(f"  profile, batch {b} at {a.context}: {r['wall_ms']:.2f} ms a step, kernels {r['device_ms']:.2f} ms "
+            f"({r['busy']:.0%} busy), {r['launches']:.0f} launches")
+        for name, ms, n in r["top"]:
+            say(f"    {ms:8.3f} ms  {n:5.0f}x  {name[:60]}")
+
+    for b in (int(x) for x in a.profile.split(",") if x):
+        _section(results, f"profile {b}", say, lambda b=b: profile_steps(b))
+
+    def sweep() -> None:
+        from weaved.gpucheck.sweep import product_sweep
+
+        if dev.kernels != "triton":
+            raise RuntimeError("the tile sweep times the Triton kernels: a CUDA device (or Triton's interpreter)")
+        results["sweep"] = product_sweep(dev)
+        for r in results["sweep"]:
+            say(f"  {r['matrix']:8s} {r['shape'][0]:6d}x{r['shape'][1]:<5d} {r['rows']:3d} rows "
+                f"({str(r['block_n']):>4s}, {str(r['chunk']):>4s}): {r['us']:8.1f} us {r['gb_s']:7.0f} GB/s"
+                f"{'' if r['equal'] else '  NOT EQUAL'}")
+        if not all(r["equal"] for r in results["sweep"]):
+            raise RuntimeError("a tile size changed a product's bits")
+
+    if a.sweep:
+        say("the Q4_0 product's tile sizes (outputs a program, blocks a chunk; None: the default)")
+        _section(results, "sweep", say, sweep)
     _section(results, "memory", say, memory)
     results["seconds"] = time.perf_counter() - t_start
     if a.json is not None:

@@ -1,0 +1,60 @@
+"""The Q4_0 / Q8_0 product's tile sizes on this device: each of a model's matrices at 1, 16 and 64 rows,
+timed for a few (outputs a program, blocks a chunk) pairs, and every result compared with the
+default's bit for bit (tile sizes change speed, never a bit).  The defaults in ``triton_q4.linear_q``
+came from such a sweep on an H100."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+CONFIGS = {1: [(None, None), (16, 16), (32, 8), (32, 16), (64, 16)],
+           16: [(None, None), (32, 8), (64, 16)],
+           64: [(None, None), (32, 2), (32, 8), (64, 4)]}
+
+
+def _median_ms(fn, device: torch.device, reps: int = 20) -> float:
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e3
+
+
+def matrices(be) -> dict[str, object]:
+    """The first layer's quantized matrices and the output, by name (one of each shape)."""
+    L = be.weights.layers[0]
+    named = {"qkv": L.wqkv[0] if len(L.wqkv) == 1 else None, "out": L.wo, "gate_up": L.wgu[0] if L.wgu else None,
+             "down": L.wdown, "output": be.weights.output}
+    return {k: w for k, w in named.items() if w is not None and getattr(w, "quantized", False)}
+
+
+def product_sweep(be, rows: tuple[int, ...] = (1, 16, 64), reps: int = 20, seed: int = 0,
+                  configs: dict[int, list] | None = None, only: set[str] | None = None) -> list[dict]:
+    """One record per (matrix, rows, config): microseconds, GB/s of weights, equal to the default.
+    ``only``: these of ``matrices``' names."""
+    from weaved.kernels import torch_q4 as tq
+    from weaved.kernels import triton_q4
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for name, w in matrices(be).items():
+        if only is not None and name not in only:
+            continue
+        for T in rows:
+            x = torch.from_numpy(rng.standard_normal((T, w.n_in)).astype(np.float32)).to(w.data.device)
+            a = tq.quantize_act(x)
+            ref = triton_q4.linear_q(w, a)
+            for bn, kb in (configs or CONFIGS).get(T, CONFIGS[64]):
+                y = triton_q4.linear_q(w, a, bn, kb)
+                ms = _median_ms(lambda w=w, a=a, bn=bn, kb=kb: triton_q4.linear_q(w, a, bn, kb), w.data.device, reps)
+                out.append({"matrix": name, "shape": [w.n_out, w.n_in], "rows": T, "block_n": bn, "chunk": kb,
+                            "us": ms * 1e3, "gb_s": w.data.numel() / ms / 1e6, "equal": bool(torch.equal(y, ref))})
+    return out
