@@ -13,7 +13,7 @@ device, set the step's time.  These kernels cut a layer's launches without chang
   the paged pool (``_rmsnorm``, ``_rope``, two float16 copies and an indexed store).
 
 Each calls the same ``@triton.jit`` helpers as the kernels it replaces (``rms_scale``, ``q8_blocks``,
-``exp_f32``), and an intermediate kept in registers is the float32 value the unfused kernel would
+``glu_cols``), and an intermediate kept in registers is the float32 value the unfused kernel would
 have stored and loaded back: the results are those of the unfused kernels, bit for bit.
 """
 
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from weaved.kernels.torch_q4 import QK, Q8Act
 from weaved.kernels.torch_rowwise import check_tensor
-from weaved.kernels.triton_rowwise import exp_f32, q8_blocks, rms_scale
+from weaved.kernels.triton_rowwise import glu_cols, q8_blocks, rms_scale
 
 _FLAGS = {"enable_fp_fusion": False}  # as triton_rowwise's: no multiply-add contracted
 
@@ -83,15 +83,7 @@ def _glu_quant(gu_ptr, table_ptr, y_ptr, q_ptr, d_ptr, F, GELU: tl.constexpr, BL
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = j < F
-    g = tl.load(gu_ptr + t * 2 * F + j, mask=m, other=0.0)
-    u = tl.load(gu_ptr + t * 2 * F + F + j, mask=m, other=0.0)
-    if GELU:  # the CPU kernel's table at the gate rounded to float16; 0 below -10, the gate above 10
-        idx = g.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        a = tl.load(table_ptr + idx, mask=m, other=0.0)
-        a = tl.where(g <= -10.0, 0.0, tl.where(g >= 10.0, g, a))
-    else:  # silu: g / (1 + exp(-g))
-        a = tl.math.div_rn(g, exp_f32(-g) + 1.0)
-    y = a * u  # 0 past F
+    y = glu_cols(gu_ptr, table_ptr, t, j, m, F, GELU)  # 0 past F
     tl.store(y_ptr + t * F + j, y, mask=m)
     q, d = q8_blocks(tl.reshape(y, (BLOCK // 32, 32)))
     tl.store(q_ptr + t * F + j, tl.reshape(q, (BLOCK,)).to(tl.int8), mask=m)

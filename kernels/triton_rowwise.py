@@ -120,11 +120,9 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _glu(gu_ptr, table_ptr, y_ptr, F, GELU: tl.constexpr, BLOCK: tl.constexpr):
-    """Row t of gate|up float32 [T, 2F], columns [b*BLOCK, (b+1)*BLOCK) of the result [T, F]."""
-    t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = j < F
+def glu_cols(gu_ptr, table_ptr, t, j, m, F, GELU: tl.constexpr):
+    """act(gate) * up at columns j (m: j < F) of row t of gate|up float32 [T, 2F]: silu, or GELU by the
+    CPU kernel's float16 table; 0 past F."""
     g = tl.load(gu_ptr + t * 2 * F + j, mask=m, other=0.0)
     u = tl.load(gu_ptr + t * 2 * F + F + j, mask=m, other=0.0)
     if GELU:  # the CPU kernel's table at the gate rounded to float16; 0 below -10, the gate above 10
@@ -133,7 +131,16 @@ def _glu(gu_ptr, table_ptr, y_ptr, F, GELU: tl.constexpr, BLOCK: tl.constexpr):
         a = tl.where(g <= -10.0, 0.0, tl.where(g >= 10.0, g, a))
     else:  # silu: g / (1 + exp(-g))
         a = tl.math.div_rn(g, exp_f32(-g) + 1.0)
-    tl.store(y_ptr + t * F + j, a * u, mask=m)
+    return a * u
+
+
+@triton.jit
+def _glu(gu_ptr, table_ptr, y_ptr, F, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    """Row t of gate|up float32 [T, 2F], columns [b*BLOCK, (b+1)*BLOCK) of the result [T, F]."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = j < F
+    tl.store(y_ptr + t * F + j, glu_cols(gu_ptr, table_ptr, t, j, m, F, GELU), mask=m)
 
 
 def _glu_call(gate_up: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
