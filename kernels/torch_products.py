@@ -48,9 +48,9 @@ def _check_path(path: str) -> None:
 class Rowwise:
     """The row-wise operations of one kernel path, each with ``torch_rowwise``'s (or ``torch_q4``'s, for
     the quantizations, ``torch_moe``'s for a mixture of experts' router) signature and bits: ``rmsnorm``,
-    ``rope``, ``swiglu``, ``geglu``, ``quantize_act``, ``quantize_two_level``, ``route``; and two that
-    follow one another in every layer, fused on the Triton path (``triton_fused``): ``add_norm_quant``,
-    ``glu_quant``, ``rope_qkv``."""
+    ``rope``, ``swiglu``, ``geglu``, ``quantize_act``, ``quantize_two_level``, ``route``; and three that
+    run operations following one another in every layer, one launch each on the Triton path
+    (``triton_fused``): ``add_norm_quant``, ``glu_quant``, ``rope_qkv``."""
 
     def __init__(self, path: str):
         _check_path(path)

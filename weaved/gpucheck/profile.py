@@ -10,10 +10,7 @@ import numpy as np
 import torch
 
 from weaved.backends.base import Backend, Logits, SeqChunk
-
-
-def _ids(n: int, vocab: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(10, min(vocab, 30000), n).astype(np.int32)
+from weaved.gpucheck.speed import token_ids
 
 
 def step_profile(be: Backend, batch: int, context: int, steps: int = 5, top: int = 8) -> dict:
@@ -23,7 +20,7 @@ def step_profile(be: Backend, batch: int, context: int, steps: int = 5, top: int
 
     cuda = be.device.type == "cuda"
     kvs = [be.new_kv(context + 2 * steps + 8) for _ in range(batch)]
-    outs = [be.forward([SeqChunk(kv, _ids(context, be.config.vocab_size, i), Logits.LAST)])[0]
+    outs = [be.forward([SeqChunk(kv, token_ids(context, be.config.vocab_size, i), Logits.LAST)])[0]
             for i, kv in enumerate(kvs)]
 
     def step() -> None:
@@ -42,16 +39,15 @@ def step_profile(be: Backend, batch: int, context: int, steps: int = 5, top: int
             step()
     for kv in kvs:
         be.release(kv)
-    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    events = [e for e in prof.key_averages() if e.device_type == kind and (cuda or not e.key.startswith("aten::"))]
-    if cuda:
-        rows = sorted(((e.key, e.self_device_time_total / 1e3 / steps, e.count / steps) for e in events),
-                      key=lambda r: -r[1])
-        device_ms = sum(r[1] for r in rows)
+    events = prof.key_averages()
+    if cuda:  # the kernels, by device time
+        rows = [(e.key, e.self_device_time_total / 1e3 / steps, e.count / steps) for e in events
+                if e.device_type == torch.autograd.DeviceType.CUDA]
     else:  # torch's CPU device: no device time; the step's torch operations, by host time
-        rows = sorted(((e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps)
-                       for e in prof.key_averages() if e.key.startswith("aten::")), key=lambda r: -r[1])
-        device_ms = sum(r[1] for r in rows)
+        rows = [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in events
+                if e.key.startswith("aten::")]
+    rows.sort(key=lambda r: -r[1])
+    device_ms = sum(r[1] for r in rows)
     return {"batch": batch, "context": context, "wall_ms": wall * 1e3, "device_ms": device_ms,
             "busy": device_ms / (wall * 1e3), "launches": sum(r[2] for r in rows),
             "top": [list(r) for r in rows[:top]]}

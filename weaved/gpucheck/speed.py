@@ -16,7 +16,7 @@ def _sync(device: torch.device | None) -> None:
         torch.cuda.synchronize(device)
 
 
-def _ids(n: int, vocab: int, seed: int) -> np.ndarray:
+def token_ids(n: int, vocab: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(10, min(vocab, 30000), n).astype(np.int32)
 
 
@@ -24,7 +24,7 @@ def prefill_and_decode(be: Backend, prompt: int, steps: int, seed: int = 1) -> d
     """Tokens/s of one ``prompt``-token prefill and of ``steps`` single-stream decode steps after it."""
     kv = be.new_kv(prompt + steps + 1)
     t0 = time.perf_counter()
-    logits = be.forward([SeqChunk(kv, _ids(prompt, be.config.vocab_size, seed), Logits.LAST)])[0]
+    logits = be.forward([SeqChunk(kv, token_ids(prompt, be.config.vocab_size, seed), Logits.LAST)])[0]
     t_prefill = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -39,7 +39,7 @@ def batched_decode(be: Backend, batch: int, context: int, steps: int, seed: int 
     """Aggregate tokens/s of ``steps`` decode steps of ``batch`` sequences, each ``context`` tokens in."""
     kvs = [be.new_kv(context + steps + 1) for _ in range(batch)]
     # prompts one at a time, as a pool's token budget would feed them: a step's activations stay small
-    outs = [be.forward([SeqChunk(kv, _ids(context, be.config.vocab_size, seed + i), Logits.LAST)])[0]
+    outs = [be.forward([SeqChunk(kv, token_ids(context, be.config.vocab_size, seed + i), Logits.LAST)])[0]
             for i, kv in enumerate(kvs)]
     be.forward([SeqChunk(kv, np.asarray([int(np.argmax(o[-1]))], np.int32)) for kv, o in zip(kvs, outs, strict=True)])
     t0 = time.perf_counter()
