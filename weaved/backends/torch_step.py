@@ -50,9 +50,10 @@ class PagedStep:
             off[r:r + n] = rows % B
             r += n
         dev = torch.from_numpy(host).to(device)
-        rows = dev[S * width:].view(4, T)
-        return cls(dev[:S * width].view(S, width).to(torch.int32), rows[0].to(torch.int32),
-                   rows[1].to(torch.int32), rows[2], rows[3], max(p + n - 1 for p, n in zip(pos0, lens, strict=True)))
+        small = dev[:S * width + 2 * T].to(torch.int32)  # tables, seq and pos as the kernel reads them
+        return cls(small[:S * width].view(S, width), small[S * width:S * width + T], small[S * width + T:],
+                   dev[S * width + 2 * T:S * width + 3 * T], dev[S * width + 3 * T:],
+                   max(p + n - 1 for p, n in zip(pos0, lens, strict=True)))
 
     def first_keys(self, window: int) -> torch.Tensor:
         """Each row's first key: 0, or on a sliding-window layer the first of its last ``window``."""
