@@ -174,14 +174,24 @@ class RopeTable:
 
         return rope_cos_sin(np.arange(b0 * self.BLOCK, b1 * self.BLOCK, dtype=np.int64), self.params)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions int64 [T] (on the device) -> cos, sin float32 [T, n_rot/2]."""
-        check_tensor("positions", positions, torch.int64, 1)
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self.cos.shape[0]:
-            c, s = self._blocks(self.cos.shape[0] // self.BLOCK, -(-need // self.BLOCK))
+    def ensure(self, need: int) -> None:
+        """Hold positions 0..need-1.  A growth at least doubles the table, so a long session's tables
+        are copied O(log n) times - and a CUDA graph holding this table's memory (``torch_graphs``)
+        is made again as seldom."""
+        have = self.cos.shape[0] // self.BLOCK
+        if need > have * self.BLOCK:
+            c, s = self._blocks(have, max(-(-need // self.BLOCK), 2 * have))
             self.cos = torch.cat([self.cos, torch.from_numpy(c).to(self.device)])
             self.sin = torch.cat([self.sin, torch.from_numpy(s).to(self.device)])
+
+    def lookup(self, positions: torch.Tensor, need: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 [T] (on the device) -> cos, sin float32 [T, n_rot/2].  ``need``: one past the
+        highest position, when the caller knows it (else the device is asked: a wait, and none may be
+        made while a CUDA graph is captured)."""
+        check_tensor("positions", positions, torch.int64, 1)
+        if need is None:
+            need = int(positions.max()) + 1 if positions.numel() else 0
+        self.ensure(need)
         return self.cos[positions], self.sin[positions]
 
 

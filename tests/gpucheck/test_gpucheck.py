@@ -81,6 +81,31 @@ def test_the_sweep_needs_the_triton_path(tiny_llama, tmp_path, capsys):
     assert code == 1 and "Triton kernels" in json.loads(out.read_text())["errors"]["sweep"]
 
 
+class _CountingGraphs:
+    """Stands in for a backend's decode graphs on torch's CPU device (the torch path makes none): takes
+    no step, so both sides of the comparison run the plain path - what the harness alone must keep equal."""
+
+    made, seconds, asked = 0, 0.0, 0
+
+    def takes(self, chunks) -> bool:
+        self.asked += 1
+        return False
+
+
+def test_the_graphs_comparison_feeds_both_sides_the_same_steps(tiny_llama):
+    from weaved.backends.torch import TorchBackend
+    from weaved.gpucheck.graphs import graphs_ab
+
+    be = TorchBackend.from_file(tiny_llama, threads=1)
+    with pytest.raises(RuntimeError, match="no decode graphs"):
+        graphs_ab(be, 2, 8, 2)
+    stand_in = be.graphs = _CountingGraphs()
+    r = graphs_ab(be, 3, 8, 2)
+    assert r["equal"] and r["graphs_tok_s"] > 0 and r["eager_tok_s"] > 0 and r["batch"] == 3
+    assert be.graphs is stand_in and stand_in.asked == 3  # its side's 3 decode steps (the prompts ran without it)
+    assert be.kv_pool.used_blocks() == 0  # every sequence released
+
+
 def _row(top: int, gap: float, vocab: int = 50) -> np.ndarray:
     row = np.linspace(-1, 0, vocab).astype(np.float32)
     row[top] = 1.0 + gap

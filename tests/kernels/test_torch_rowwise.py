@@ -113,3 +113,17 @@ def test_rope_table_checks():
     c, s = tr.RopeTable(ke.plain_rope(64, 64, 10000.0, 1.0, "norm"), "cpu").lookup(torch.tensor([3]))
     with pytest.raises(ValueError, match="cos/sin"):
         tr.rope(torch.zeros((2, 4, 64)), c, s, False)
+
+
+def test_rope_table_grows_by_doubling_and_takes_a_known_need():
+    params = ke.plain_rope(64, 64, 10000.0, 1.0, "neox")
+    table = tr.RopeTable(params, "cpu")
+    table.ensure(300)
+    assert table.cos.shape[0] == 2 * tr.RopeTable.BLOCK
+    before = table.cos.clone()
+    table.ensure(2 * tr.RopeTable.BLOCK + 1)  # one position more: twice the blocks, not three
+    assert table.cos.shape[0] == 4 * tr.RopeTable.BLOCK and torch.equal(table.cos[:512], before)
+    pos = torch.tensor([7, 3000])
+    c, _ = table.lookup(pos, need=3001)  # told the highest position: no look at the device's values
+    assert table.cos.shape[0] == 12 * tr.RopeTable.BLOCK
+    assert torch.equal(c, tr.RopeTable(params, "cpu").lookup(pos)[0])

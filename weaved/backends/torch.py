@@ -22,6 +22,7 @@ CPU kernel does.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch
 from weaved.backends.base import Backend, BackendStats, Logits, SeqChunk
 from weaved.backends.rope import kernel_rope
 from weaved.backends.torch_experts import experts_ffn
+from weaved.backends.torch_graphs import DecodeGraphs
 from weaved.backends.torch_paged import PagedKV
 from weaved.backends.torch_step import PagedStep
 from weaved.backends.torch_transfer import to_host
@@ -48,11 +50,15 @@ from weaved.model.loader import open_model
 
 class TorchBackend(Backend):
     def __init__(self, gguf: GGUFFile, config: ModelConfig, device: torch.device | str = "cpu",
-                 threads: int | None = None, kv_bytes: int | Callable[[int], int] | None = None):
+                 threads: int | None = None, kv_bytes: int | Callable[[int], int] | None = None,
+                 graphs: bool | None = None):
         """``threads``: set torch's intra-op thread count (process-wide, like the CPU backend's
         ``threads``); on the CPU device one thread avoids OpenMP barrier stalls on busy cores.
         ``kv_bytes``: the paged KV pool's size, or a function of the uploaded weights' bytes that gives it
-        (and may refuse: ``weaved.backends.device_memory``); None: ``default_kv_bytes``."""
+        (and may refuse: ``weaved.backends.device_memory``); None: ``default_kv_bytes``.
+        ``graphs``: replay decode steps from CUDA graphs (``torch_graphs``); None: on CUDA with the Triton
+        kernels, unless ``WEAVE_DECODE_GRAPHS=0``.  On torch's CPU device True runs the graphs' buffers
+        without capturing (tests)."""
         if threads:
             torch.set_num_threads(threads)
         self.config = config
@@ -77,17 +83,49 @@ class TorchBackend(Backend):
         self._kv = PagedKV(config, self.device, kv_bytes if kv_bytes is not None else default_kv_bytes(self.device))
         self._scale = config.scores_scale
         self._paged_kernel = self.kernels == "triton" and _triton_attention_takes(config.head_dim)
+        self.graphs = DecodeGraphs(self, capture=self.device.type == "cuda") if self._graphs_wanted(graphs) else None
         gguf.release_pages()  # uploaded: the file's pages need not stay in our resident set
 
     @classmethod
     def from_file(cls, path: str | Path, device: torch.device | str = "cpu", threads: int | None = None,
-                  kv_bytes: int | None = None) -> TorchBackend:
+                  kv_bytes: int | None = None, graphs: bool | None = None) -> TorchBackend:
         gguf, cfg = open_model(path)
-        return cls(gguf, cfg, device=device, threads=threads, kv_bytes=kv_bytes)
+        return cls(gguf, cfg, device=device, threads=threads, kv_bytes=kv_bytes, graphs=graphs)
+
+    def _graphs_wanted(self, graphs: bool | None) -> bool:
+        """Decode graphs need the paged Triton path (a step the host need not wait on) and a dense model
+        (a mixture of experts groups its tokens by expert on the host): asked for elsewhere, refused."""
+        env = os.environ.get("WEAVE_DECODE_GRAPHS", "").strip().lower()
+        if env not in ("", "0"):
+            raise ValueError(f"WEAVE_DECODE_GRAPHS may only be 0 (no decode graphs), got {env!r}")
+        possible = self._paged_kernel and self.config.n_experts == 0
+        if graphs is None:
+            return possible and env != "0" and self.device.type == "cuda"
+        if graphs and not possible:
+            raise ValueError("decode graphs need the Triton kernels with paged attention and a dense model, not "
+                             f"{self.kernels} kernels on a model with {self.config.n_experts} experts")
+        return graphs
 
     @property
     def name(self) -> str:
         return "torch"
+
+    @property
+    def kv_pool(self) -> PagedKV:
+        return self._kv
+
+    @property
+    def rope(self) -> RopeTable:
+        return self._rope
+
+    @property
+    def rope_swa(self) -> RopeTable:
+        """The sliding-window layers' table (``rope`` itself where they share one)."""
+        return self._rope_swa
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream's rows [T, d_model] through the output norm: what the logits read."""
+        return self._ops.rmsnorm(x, self.weights.output_norm, self.config.rms_eps)
 
     def new_kv(self, capacity: int) -> KVCache:
         return KVCache.allocate(self.config, capacity)
@@ -177,26 +215,54 @@ class TorchBackend(Backend):
         return out
 
     def _forward(self, chunks: list[SeqChunk], ids_np: np.ndarray) -> list[np.ndarray]:
-        cfg, W, dev = self.config, self.weights, self.device
         lens = [len(c.tokens) for c in chunks]
         starts = np.concatenate([[0], np.cumsum(lens)]).tolist()  # chunk s has rows starts[s]..starts[s+1]-1
         pos0 = [c.kv.length for c in chunks]
         tables = [self._kv.prepare(c.kv, n) for c, n in zip(chunks, lens, strict=True)]
-        T = starts[-1]
-        positions = np.concatenate([np.arange(p, p + n) for p, n in zip(pos0, lens, strict=True)])  # [T]
-        ids = torch.from_numpy(ids_np).to(dev)  # [T] int64
-        pos_d = torch.from_numpy(positions).to(dev)
-        cos, sin = self._rope.lookup(pos_d)  # [T, n_rot/2]
-        cos_w, sin_w = self._rope_swa.lookup(pos_d) if self._rope_swa is not self._rope else (cos, sin)
         self._io_h2d += 2 * ids_np.nbytes
+        if self.graphs is not None and self.graphs.takes(chunks):
+            # a decode step replayed from a CUDA graph: the final rows (normed) and the step's K/V rows
+            hs, new_kv = self.graphs.run(ids_np, tables, pos0)  # [S, d_model], [L, 2, Hkv, >= S, D]
+            logits = self._split(self._head(hs), [1] * len(chunks))
+        else:
+            T, dev = starts[-1], self.device
+            positions = np.concatenate([np.arange(p, p + n) for p, n in zip(pos0, lens, strict=True)])  # [T]
+            ids = torch.from_numpy(ids_np).to(dev)  # [T] int64
+            pos_d = torch.from_numpy(positions).to(dev)
+            cfg = self.config
+            new_kv = torch.empty((cfg.n_layers, 2, cfg.n_kv_heads, T, cfg.head_dim), dtype=torch.float16,
+                                 device=dev)  # this step's rows
+            if self._paged_kernel:  # every row attends in one launch per layer over the pool (torch_step)
+                x = self.layers(ids, pos_d, PagedStep.build(self._kv, tables, pos0, lens, dev), new_kv)
+            else:  # the torch path: each sequence's new rows' (block, offset), and attention per sequence
+                slots = [self._kv.where(t, p, p + n) for t, p, n in zip(tables, pos0, lens, strict=True)]
+                x = self.layers(ids, pos_d, None, new_kv, max(p + n for p, n in zip(pos0, lens, strict=True)),
+                                lambda li, q, w: self._attention(li, q, new_kv, tables, slots, starts, pos0, w))
+            rows, counts = self._rows(chunks, starts)
+            if rows:
+                hs = self.final_norm(x[torch.tensor(rows, device=dev)])
+                logits = self._split(self._head(hs), counts)
+            else:
+                logits = self._split(np.empty((0, cfg.vocab_size), dtype=np.float32), counts)
+        host_kv = to_host(new_kv)  # one device-to-host copy of the step's rows, then through to the files
+        for s, c in enumerate(chunks):
+            self._kv.write_through(c.kv, host_kv[:, :, :, starts[s]:starts[s + 1]], pos0[s])
+            c.kv.length += lens[s]
+        return logits
 
+    def layers(self, ids: torch.Tensor, pos_d: torch.Tensor, paged: PagedStep | None, new_kv: torch.Tensor,
+               need: int | None = None, attention: Callable | None = None) -> torch.Tensor:
+        """The embeddings of ``ids`` (int64 [T]) at positions ``pos_d`` (int64 [T]) through every layer:
+        the residual stream [T, d_model].  Each layer's K/V rows go into ``new_kv`` [L, 2, Hkv, T, D] and,
+        on the paged path (``paged``), into their pool slots.  Without ``paged``, ``attention(li, q,
+        window)`` attends (the torch path) and ``need`` is one past the highest position.  Nothing here
+        waits for the device, so a CUDA graph can capture it (``torch_graphs``)."""
+        cfg, W = self.config, self.weights
+        need = paged.last + 1 if paged is not None else need
+        cos, sin = self._rope.lookup(pos_d, need)  # [T, n_rot/2]
+        cos_w, sin_w = self._rope_swa.lookup(pos_d, need) if self._rope_swa is not self._rope else (cos, sin)
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         neox = cfg.rope_style == RopeStyle.NEOX
-        new_kv = torch.empty((cfg.n_layers, 2, Hkv, T, D), dtype=torch.float16, device=dev)  # this step's rows
-        # on the Triton path every row attends in one launch per layer over the pool (torch_step)
-        paged = PagedStep.build(self._kv, tables, pos0, lens, dev) if self._paged_kernel else None
-        # the torch path's new rows' (block, offset), per sequence
-        slots = None if paged else [self._kv.where(t, p, p + n) for t, p, n in zip(tables, pos0, lens, strict=True)]
         x = embed_rows(W.embedding, ids)  # [T, d_model]
         if cfg.embed_scale != 1.0:
             x = x * float(np.float32(cfg.embed_scale))
@@ -218,7 +284,7 @@ class TorchBackend(Backend):
             if paged is not None:  # with the rows' Q8_0 for the output projection, made in the same launches
                 att, a = paged.attend(self._kv.pool[li], q, window, self._scale)
             else:
-                att, a = self._attention(li, q, new_kv, tables, slots, starts, pos0, window), None
+                att, a = attention(li, q, window), None
             y = self._project((L.wo,), att, a)
             if L.post_attn_norm is not None:
                 y = rmsnorm(y, L.post_attn_norm, eps)
@@ -234,13 +300,7 @@ class TorchBackend(Backend):
                 x, h, a = ops.add_norm_quant(x, y, W.layers[li + 1].attn_norm, eps)
             else:
                 x = x + y
-
-        logits = self._logits(chunks, x, starts)
-        host_kv = to_host(new_kv)  # one device-to-host copy of the step's rows, then through to the files
-        for s, c in enumerate(chunks):
-            self._kv.write_through(c.kv, host_kv[:, :, :, starts[s]:starts[s + 1]], pos0[s])
-            c.kv.length += lens[s]
-        return logits
+        return x
 
     def _attention(self, li: int, q: torch.Tensor, new_kv: torch.Tensor, tables, slots, starts, pos0, window: int
                    ) -> torch.Tensor:
@@ -269,20 +329,24 @@ class TorchBackend(Backend):
                 att[r:r + 1] = attend(q[r:r + 1], kv[0, :, lo:pos + 1], kv[1, :, lo:pos + 1], pos - lo, self._scale)[0]
         return att.reshape(T, H * D)
 
-    def _logits(self, chunks: list[SeqChunk], x: torch.Tensor, starts: list[int]) -> list[np.ndarray]:
-        """The rows each chunk asked for, float32 numpy [n_rows, vocab] per chunk."""
-        cfg = self.config
+    @staticmethod
+    def _rows(chunks: list[SeqChunk], starts: list[int]) -> tuple[list[int], list[int]]:
+        """The step's rows whose logits the chunks asked for, and how many each chunk gets."""
         rows, counts = [], []
         for c, a, b in zip(chunks, starts[:-1], starts[1:], strict=True):
             sel = {Logits.NONE: range(0), Logits.LAST: range(b - 1, b), Logits.ALL: range(a, b)}[c.logits]
             rows.extend(sel)
             counts.append(len(sel))
-        if rows:
-            hs = self._ops.rmsnorm(x[torch.tensor(rows, device=x.device)], self.weights.output_norm, cfg.rms_eps)
-            logits = to_host(self._products.linear_residual(self.weights.output, hs))  # [n_rows, vocab]
-            self._io_d2h += logits.nbytes
-        else:
-            logits = np.empty((0, cfg.vocab_size), dtype=np.float32)
+        return rows, counts
+
+    def _head(self, hs: torch.Tensor) -> np.ndarray:
+        """The output norm's rows hs [n, d_model] -> their logits, float32 numpy [n, vocab]."""
+        logits = to_host(self._products.linear_residual(self.weights.output, hs))  # [n_rows, vocab]
+        self._io_d2h += logits.nbytes
+        return logits
+
+    @staticmethod
+    def _split(logits: np.ndarray, counts: list[int]) -> list[np.ndarray]:
         out, o = [], 0
         for n in counts:
             out.append(logits[o:o + n])

@@ -95,6 +95,7 @@ class PagedKV:
         self._lock = threading.RLock()
         self.h2d_bytes = 0
         self.d2h_bytes = 0
+        self._scratch: int | None = None
 
     # ---- accounting ------------------------------------------------------------------------------
     def __contains__(self, kv: KVCache) -> bool:
@@ -130,6 +131,13 @@ class PagedKV:
 
     def prefix_blocks(self) -> int:
         return sum(len(e.blocks) for e in self._prefix.values())
+
+    def scratch_block(self) -> int:
+        """A block no session owns, taken once: the padding rows of a decode graph write and read it
+        (``torch_graphs``)."""
+        if self._scratch is None:
+            self._scratch = self._take(1)[0]
+        return self._scratch
 
     # ---- blocks ----------------------------------------------------------------------------------
     def _take(self, n: int) -> list[int]:

@@ -33,6 +33,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", default="", help="also profile decode steps at these batch sizes (e.g. 1,64): "
                                                    "wall time against the kernels' device time, launches a step, "
                                                    "the costliest kernels")
+    p.add_argument("--graphs", default="1,64", help="decode steps at these batch sizes replayed from CUDA graphs "
+                                                     "and launched kernel by kernel: tokens/s of each, logits "
+                                                     "compared ('' for none)")
+    p.add_argument("--no-graphs", action="store_true", help="no decode graphs anywhere (every other part "
+                                                             "then times kernel-by-kernel launches)")
     p.add_argument("--sweep", action="store_true", help="also time the Q4_0 product's tile sizes on each of the "
                                                          "model's matrices (the Triton path; every result compared "
                                                          "with the default's bits)")
@@ -100,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         say(f"device {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
             f"CUDA {torch.version.cuda}, triton {_version('triton')}")
     cpu = CPUBackend(gguf, cfg, threads=a.threads or os.cpu_count())
-    dev = TorchBackend(gguf, cfg, device=device)
+    dev = TorchBackend(gguf, cfg, device=device, graphs=False if a.no_graphs else None)
     say(f"torch backend on {device}: kernels {dev.kernels}, weights {dev.weights.nbytes / 2**30:.2f} GiB, "
-        f"KV pool {dev.device_kv_capacity() / 2**30:.2f} GiB")
+        f"KV pool {dev.device_kv_capacity() / 2**30:.2f} GiB, decode graphs {'on' if dev.graphs else 'off'}")
     results: dict = {"model": str(path), "arch": cfg.arch, "device": str(device), "kernels": dev.kernels,
                      "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "torch": torch.__version__, "triton": _version("triton")}
@@ -170,6 +175,22 @@ def main(argv: list[str] | None = None) -> int:
             f"({r['busy']:.0%} busy), {r['launches']:.0f} launches")
         for name, ms, n in r["top"]:
             say(f"    {ms:8.3f} ms  {n:5.0f}x  {name[:60]}")
+
+    def graph_ab(b: int) -> None:
+        from weaved.gpucheck.graphs import graphs_ab
+
+        r = graphs_ab(dev, b, a.context, a.steps)
+        results.setdefault("graphs", []).append(r)
+        say(f"  batch {b:3d}: graphs {r['graphs_tok_s']:9.1f} tok/s, kernel by kernel {r['eager_tok_s']:9.1f} "
+            f"tok/s ({r['speedup']:.2f}x), logits {'equal' if r['equal'] else 'NOT EQUAL'}; "
+            f"{r['graphs_made']} graphs made in {r['graphs_seconds']:.2f} s")
+        if not r["equal"]:
+            raise RuntimeError("a graph's logits differ from the same step launched kernel by kernel")
+
+    if dev.graphs is not None and a.graphs:
+        say(f"decode graphs against kernel-by-kernel launches, at {a.context} tokens")
+        for b in (int(x) for x in a.graphs.split(",") if x):
+            _section(results, f"graphs {b}", say, lambda b=b: graph_ab(b))
 
     for b in (int(x) for x in a.profile.split(",") if x):
         _section(results, f"profile {b}", say, lambda b=b: profile_steps(b))
