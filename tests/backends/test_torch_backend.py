@@ -197,6 +197,29 @@ def test_write_through_and_device_blocks(backend):
     assert backend.device_kv_bytes() >= len(table.blocks) * BLOCK * backend.config.kv_bytes_per_token
 
 
+def test_promotion_copies_whole_blocks_and_partial_ones_to_their_slots(backend):
+    """Rows copied in from the host land in the table's blocks at their offsets: from position 0 (whole
+    blocks as runs, then a partial one) and from inside a block (the host went on without the device)."""
+    cfg = backend.config
+    rng = np.random.default_rng(7)
+    n = 3 * BLOCK + 5
+    data = rng.standard_normal((cfg.n_layers, 2, cfg.n_kv_heads, n + BLOCK, cfg.head_dim)).astype(np.float16)
+    kv = KVCache(data, n)
+    paged = backend.kv_pool
+
+    def device_rows():
+        table = paged.table(kv)
+        rows = paged.pool[:, paged.ids(table)].permute(0, 2, 3, 1, 4, 5)
+        return rows.reshape(*kv.data.shape[:3], -1, kv.data.shape[4])[:, :, :, :kv.length].numpy()
+
+    assert backend.adopt(kv) == n * cfg.kv_bytes_per_token
+    assert np.array_equal(device_rows(), data[:, :, :, :n])
+    kv.length = n + BLOCK - 2  # the host went on from inside the last block, across the next
+    backend.prepare(kv, 1)
+    assert np.array_equal(device_rows(), data[:, :, :, :kv.length])
+    backend.release(kv)
+
+
 def test_adopt_release_and_migration(backend, cpu):
     """A session prefilled on the CPU backend moves to the torch backend with one copy and goes on
     with the numbers it would have had on the CPU; release drops the device copy."""

@@ -179,8 +179,16 @@ class PagedKV:
         if b <= a:
             return 0
         src = torch.from_numpy(np.ascontiguousarray(kv.data[:, :, :, a:b])).to(self.device)  # [L, 2, Hkv, n, D]
-        blk, off = self.where(t, a, b)
-        self.pool[:, blk, :, :, off] = src.permute(3, 0, 1, 2, 4)  # [n, L, 2, Hkv, D] -> rows' slots
+        B = self.block
+        whole = (b - a) // B if a % B == 0 else 0  # whole blocks from a: each a run of B rows a (k|v, head)
+        if whole:
+            L, _, Hkv, _, D = src.shape
+            ids = self.ids(t)[a // B:a // B + whole]
+            # [L, 2, Hkv, whole, B, D] -> [L, whole, 2, Hkv, B, D]: a block's rows copied as runs, not row by row
+            self.pool[:, ids] = src[:, :, :, :whole * B].reshape(L, 2, Hkv, whole, B, D).permute(0, 3, 1, 2, 4, 5)
+        if a + whole * B < b:  # a partial block: row by row
+            blk, off = self.where(t, a + whole * B, b)
+            self.pool[:, blk, :, :, off] = src[:, :, :, whole * B:].permute(3, 0, 1, 2, 4)  # [n, L, 2, Hkv, D]
         n = src.numel() * src.element_size()
         self.h2d_bytes += n
         return n
