@@ -118,10 +118,12 @@ def chunk_blocks(nb: int, most: int = 8) -> int:
     return kb
 
 
-def linear_q(w: DeviceWeight, a: Q8Act, block_n: int | None = None, chunk: int | None = None) -> torch.Tensor:
+def linear_q(w: DeviceWeight, a: Q8Act, block_n: int | None = None, chunk: int | None = None,
+             block_m: int | None = None, warps: int | None = None) -> torch.Tensor:
     """a (Q8_0 rows [T, n_in]) @ W.T -> float32 [T, n_out] for Q4_0 / Q8_0 weights (Triton).
-    ``block_n`` (outputs a program) and ``chunk`` (blocks loaded at a time, at most) change the speed,
-    never a bit of the result."""
+    ``block_n`` (outputs a program), ``chunk`` (blocks loaded at a time, at most), ``block_m`` (rows a
+    program: 16, 32 or 64) and ``warps`` (a program's warps) change the speed, never a bit of the
+    result."""
     if w.qtype not in BLOCK_BYTES:
         raise ValueError(f"triton linear_q needs Q4_0 or Q8_0 weights, got type {w.qtype}")
     check_tensor("a.q", a.q, torch.int8, 3)
@@ -139,13 +141,15 @@ def linear_q(w: DeviceWeight, a: Q8Act, block_n: int | None = None, chunk: int |
     # time hide the memory's latency best (1.2-1.3x faster than 8 on the 2,048- and 8,192-wide matrices);
     # with 64-row tiles (tl.dot needs >= 16) the int32 sums of a chunk cost registers, and 4 blocks at a
     # time were fastest (2.2-2.4x the 64 x 64 tile with 8 blocks).
-    block_m = 16 if T <= 16 else 64
+    block_m = block_m or (16 if T <= 16 else 64)
+    if block_m not in (16, 32, 64):
+        raise ValueError(f"block_m must be 16, 32 or 64 (tl.dot takes at least 16 rows), got {block_m}")
     block_n = block_n or 32
     chunk = chunk or (16 if T <= 16 else 4)
     grid = (triton.cdiv(T, block_m), triton.cdiv(w.n_out, block_n))
     _q_matmul[grid](a.q.contiguous(), a.d.contiguous(), w.data, y, T, w.n_out, nb,
                     QTYPE=w.qtype, BSZ=BLOCK_BYTES[w.qtype], BLOCK_M=block_m, BLOCK_N=block_n,
-                    KB=chunk_blocks(nb, chunk), enable_fp_fusion=False)
+                    KB=chunk_blocks(nb, chunk), num_warps=warps or 4, enable_fp_fusion=False)
     return y
 
 

@@ -10,9 +10,13 @@ import time
 import numpy as np
 import torch
 
-CONFIGS = {1: [(None, None), (16, 16), (32, 8), (32, 16), (64, 16)],
-           16: [(None, None), (32, 8), (64, 16)],
-           64: [(None, None), (32, 2), (32, 8), (64, 4)]}
+# (outputs a program, blocks a chunk[, rows a program[, warps]]); None: the default.  At 64 rows a
+# 64 x 32 tile puts a 2,048-wide matrix on 64 programs, fewer than an H100's 132 multiprocessors: the
+# 16- and 32-row tiles trade re-reading the weights (from L2) for more programs.
+CONFIGS = {1: [(None, None), (16, 16), (32, 8), (32, 16), (64, 16), (32, 16, 16, 2), (32, 16, 16, 8)],
+           16: [(None, None), (32, 8), (64, 16), (16, 16), (32, 16, 16, 8)],
+           64: [(None, None), (32, 2), (32, 8), (64, 4), (32, 4, 32), (32, 4, 16), (16, 4, 32), (16, 8, 16),
+                (32, 4, 64, 8), (32, 4, 32, 8)]}
 
 
 def _median_ms(fn, device: torch.device, reps: int = 20) -> float:
@@ -52,9 +56,12 @@ def product_sweep(be, rows: tuple[int, ...] = (1, 16, 64), reps: int = 20, seed:
             x = torch.from_numpy(rng.standard_normal((T, w.n_in)).astype(np.float32)).to(w.data.device)
             a = tq.quantize_act(x)
             ref = triton_q4.linear_q(w, a)
-            for bn, kb in (configs or CONFIGS).get(T, CONFIGS[64]):
-                y = triton_q4.linear_q(w, a, bn, kb)
-                ms = _median_ms(lambda w=w, a=a, bn=bn, kb=kb: triton_q4.linear_q(w, a, bn, kb), w.data.device, reps)
+            for cfg in (configs or CONFIGS).get(T, CONFIGS[64]):
+                bn, kb, bm, warps = (*cfg, None, None)[:4]
+                y = triton_q4.linear_q(w, a, bn, kb, bm, warps)
+                ms = _median_ms(lambda w=w, a=a, c=(bn, kb, bm, warps): triton_q4.linear_q(w, a, *c), w.data.device,
+                                reps)
                 out.append({"matrix": name, "shape": [w.n_out, w.n_in], "rows": T, "block_n": bn, "chunk": kb,
-                            "us": ms * 1e3, "gb_s": w.data.numel() / ms / 1e6, "equal": bool(torch.equal(y, ref))})
+                            "block_m": bm, "warps": warps, "us": ms * 1e3, "gb_s": w.data.numel() / ms / 1e6,
+                            "equal": bool(torch.equal(y, ref))})
     return out
