@@ -1,7 +1,8 @@
 """The Triton kernels, run by Triton's interpreter on CPU tensors (the cases are in
 ``triton_interp_cases`` - the products and the backend on them -, ``triton_rowwise_cases``,
-``triton_attention_cases`` and ``triton_router_cases``): a fresh process, because TRITON_INTERPRET must be
-set before triton is first imported, and this one may have imported it already."""
+``triton_attention_cases``, ``triton_router_cases``, ``triton_fused_cases`` and ``triton_graphs_cases``):
+a fresh process, because TRITON_INTERPRET must be set before triton is first imported, and this one may
+have imported it already."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 HERE = Path(__file__).parent
 # two processes (each ~4 minutes in the interpreter), each within its own time limit
 CASES = [("triton_interp_cases.py", "triton_router_cases.py"),
-         ("triton_rowwise_cases.py", "triton_attention_cases.py", "triton_fused_cases.py")]
+         ("triton_graphs_cases.py", "triton_rowwise_cases.py", "triton_attention_cases.py", "triton_fused_cases.py")]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -84,6 +84,8 @@ class TorchBackend(Backend):
         self._scale = config.scores_scale
         self._paged_kernel = self.kernels == "triton" and _triton_attention_takes(config.head_dim)
         self.graphs = DecodeGraphs(self, capture=self.device.type == "cuda") if self._graphs_wanted(graphs) else None
+        if self.graphs is not None:
+            self._kv.scratch_block()  # taken now: a full pool later must not fail the first graph step
         gguf.release_pages()  # uploaded: the file's pages need not stay in our resident set
 
     @classmethod

@@ -177,9 +177,10 @@ class DecodeGraphs:
         off.fill(0)
         tok.fill(0)
         for s, (t, p) in enumerate(zip(tables, pos0, strict=True)):
-            n = min(len(t.blocks), W)
-            tab[s, :n] = t.blocks[:n]
+            blocks = t.array()
+            n = min(len(blocks), W)
+            tab[s, :n] = blocks[:n]
             pos[s] = p
-            blk[s] = t.blocks[p // B]
+            blk[s] = blocks[p // B]
             off[s] = p % B
         tok[:len(ids)] = ids

@@ -42,7 +42,7 @@ class PagedStep:
         seq, pos, blk, off = host[S * width:].reshape(4, T)
         r = 0
         for s, (t, p, n) in enumerate(zip(tables, pos0, lens, strict=True)):
-            tab[s, :len(t.blocks)] = t.blocks
+            tab[s, :len(t.blocks)] = t.array()
             rows = np.arange(p, p + n)
             seq[r:r + n] = s
             pos[r:r + n] = rows
