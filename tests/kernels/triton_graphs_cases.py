@@ -43,6 +43,8 @@ def test_decode_graphs_give_the_plain_steps_bits(model, lengths, request, monkey
                       for be in (plain, graphed)])
         assert all(np.array_equal(w, g) for w, g in zip(want, got, strict=True)), (model, step)
     assert graphed.graphs.replays == 3 and graphed.graphs.made == 3
+    c = graphed.graphs.counters()
+    assert (c["made"], c["replays"], c["held"]) == (3, 3, 1 if lengths[0] > 512 else 3) and c["seconds"] >= 0
     if lengths[0] > 512:  # (1, 1), (2, 1), then (4, 2), whose 1,024 positions grew the RoPE tables: the
         # first two were dropped
         assert [(g.rows, g.chunks) for g in graphed.graphs.graphs()] == [(4, 2)]

@@ -157,7 +157,8 @@ class TorchBackend(Backend):
             return None  # torch's CPU device standing in for a GPU: the host's CPU
         free, total = torch.cuda.mem_get_info(self.device)
         return {"index": self.device.index, "name": torch.cuda.get_device_name(self.device),
-                "memory_total": total, "memory_used": total - free}
+                "memory_total": total, "memory_used": total - free,
+                "decode_graphs": self.graphs.counters() if self.graphs is not None else None}
 
     def device_kv_capacity(self) -> int:
         """Bytes of the paged KV pool (used or free)."""

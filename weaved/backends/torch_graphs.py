@@ -30,18 +30,38 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from weaved.backends.base import Logits, SeqChunk
-from weaved.backends.torch_paged import Table
+from weaved.backends.torch_paged import PagedKV, Table
 from weaved.backends.torch_step import PagedStep
 from weaved.kernels.torch_attention import CHUNK
+from weaved.kernels.torch_rowwise import RopeTable
+from weaved.model.config import ModelConfig
 
-if TYPE_CHECKING:
-    from weaved.backends.torch import TorchBackend
+
+class GraphedBackend(Protocol):
+    """What the graphs need of the torch backend (``weaved.backends.torch.TorchBackend``)."""
+
+    config: ModelConfig
+    device: torch.device
+
+    @property
+    def kv_pool(self) -> PagedKV: ...
+
+    @property
+    def rope(self) -> RopeTable: ...
+
+    @property
+    def rope_swa(self) -> RopeTable: ...
+
+    def layers(self, ids: torch.Tensor, pos_d: torch.Tensor, paged: PagedStep | None,
+               new_kv: torch.Tensor) -> torch.Tensor: ...
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor: ...
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # the row buckets; a decode step of more sequences runs without a graph
 
@@ -75,7 +95,7 @@ class DecodeGraphs:
     """The decode graphs of one torch backend on the Triton path.  ``capture``: record CUDA graphs (on
     CUDA); False runs each step directly on the same buffers (torch's CPU device)."""
 
-    def __init__(self, backend: TorchBackend, capture: bool):
+    def __init__(self, backend: GraphedBackend, capture: bool):
         self._be = backend
         self.capture = capture
         self._graphs: dict[tuple[int, int], StepGraph] = {}
@@ -92,6 +112,11 @@ class DecodeGraphs:
 
     def graphs(self) -> list[StepGraph]:
         return list(self._graphs.values())
+
+    def counters(self) -> dict:
+        """What ``/v1/status`` shows of them: graphs held and made, steps replayed, seconds making them."""
+        return {"held": len(self._graphs), "made": self.made, "replays": self.replays,
+                "seconds": round(self.seconds, 3)}
 
     def run(self, ids: np.ndarray, tables: list[Table], pos0: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step: sequence s's token ``ids[s]`` at position ``pos0[s]`` (its block table
