@@ -197,6 +197,28 @@ def test_write_through_and_device_blocks(backend):
     assert backend.device_kv_bytes() >= len(table.blocks) * BLOCK * backend.config.kv_bytes_per_token
 
 
+def test_a_graph_that_cannot_be_made_turns_the_graphs_off_not_the_step(smollm2_q4_0, caplog):
+    """Making a decode graph fails (a capture the driver refused): the step runs kernel by kernel with
+    the same numbers, later steps too, and the log says why."""
+    from weaved.backends.torch_graphs import DecodeGraphs, GraphUnavailable
+
+    class Refusing:
+        takes = staticmethod(DecodeGraphs.takes)  # decode steps: not the prompt
+
+        def run(self, *args):
+            raise GraphUnavailable("making the decode graph for 1 rows and 1 chunks of keys failed: capture refused")
+
+    be, ref = TorchBackend.from_file(smollm2_q4_0, threads=1), TorchBackend.from_file(smollm2_q4_0, threads=1)
+    be.graphs = Refusing()
+    kvs = [_prefill(b, PROMPTS[0])[0] for b in (be, ref)]
+    assert be.graphs is not None  # the prompt ran without asking for a graph
+    with caplog.at_level("WARNING", logger="weave.backend"):
+        got, want = (_run(b, kv, [PROMPTS[1][0]]) for b, kv in zip((be, ref), kvs, strict=True))
+    assert np.array_equal(got, want) and be.graphs is None
+    assert "decode graphs turned off" in caplog.text and "capture refused" in caplog.text
+    assert kvs[0].length == kvs[1].length and np.array_equal(kvs[0].data, kvs[1].data)
+
+
 def test_promotion_copies_whole_blocks_and_partial_ones_to_their_slots(backend):
     """Rows copied in from the host land in the table's blocks at their offsets: from position 0 (whole
     blocks as runs, then a partial one) and from inside a block (the host went on without the device)."""

@@ -22,6 +22,7 @@ CPU kernel does.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ import torch
 from weaved.backends.base import Backend, BackendStats, Logits, SeqChunk
 from weaved.backends.rope import kernel_rope
 from weaved.backends.torch_experts import experts_ffn
-from weaved.backends.torch_graphs import DecodeGraphs
+from weaved.backends.torch_graphs import DecodeGraphs, GraphUnavailable
 from weaved.backends.torch_paged import PagedKV
 from weaved.backends.torch_step import PagedStep
 from weaved.backends.torch_transfer import to_host
@@ -47,6 +48,7 @@ from weaved.model.config import ModelConfig, RopeStyle
 from weaved.model.gguf_file import GGUFFile
 from weaved.model.loader import open_model
 
+log = logging.getLogger("weave.backend")
 
 class TorchBackend(Backend):
     def __init__(self, gguf: GGUFFile, config: ModelConfig, device: torch.device | str = "cpu",
@@ -223,9 +225,15 @@ class TorchBackend(Backend):
         pos0 = [c.kv.length for c in chunks]
         tables = [self._kv.prepare(c.kv, n) for c, n in zip(chunks, lens, strict=True)]
         self._io_h2d += 2 * ids_np.nbytes
+        graphed = None
         if self.graphs is not None and self.graphs.takes(chunks):
-            # a decode step replayed from a CUDA graph: the final rows (normed) and the step's K/V rows
-            hs, new_kv = self.graphs.run(ids_np, tables, pos0)  # [S, d_model], [L, 2, Hkv, >= S, D]
+            try:  # a decode step replayed from a CUDA graph: the final rows (normed) and the step's K/V rows
+                graphed = self.graphs.run(ids_np, tables, pos0)  # [S, d_model], [L, 2, Hkv, >= S, D]
+            except GraphUnavailable as e:  # nothing was written: this step and the next run kernel by kernel
+                log.warning("decode graphs turned off on %s: %s", self.device, e)
+                self.graphs = None
+        if graphed is not None:
+            hs, new_kv = graphed
             logits = self._split(self._head(hs), [1] * len(chunks))
         else:
             T, dev = starts[-1], self.device

@@ -63,6 +63,10 @@ class GraphedBackend(Protocol):
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor: ...
 
+class GraphUnavailable(RuntimeError):
+    """Making a graph failed (a capture the driver refused, memory): the step runs without one."""
+
+
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # the row buckets; a decode step of more sequences runs without a graph
 
 
@@ -144,7 +148,12 @@ class DecodeGraphs:
             self._rope_key = key
         g = self._graphs.get((rows, chunks))
         if g is None:
-            g = self._graphs[(rows, chunks)] = self._make(rows, chunks)
+            try:
+                g = self._make(rows, chunks)
+            except Exception as e:  # noqa: BLE001 - reported to the backend, which goes on without graphs
+                raise GraphUnavailable(f"making the decode graph for {rows} rows and {chunks} chunks of keys "
+                                       f"failed: {type(e).__name__}: {e}") from e
+            self._graphs[(rows, chunks)] = g
         return g
 
     def _make(self, rows: int, chunks: int) -> StepGraph:
