@@ -34,9 +34,7 @@ import triton.language as tl
 from weaved.kernels.torch_attention import BLOCK, CHUNK, LANES
 from weaved.kernels.torch_q4 import QK, Q8Act
 from weaved.kernels.torch_rowwise import check_tensor
-from weaved.kernels.triton_rowwise import exp_f32, q8_blocks
-
-_FLAGS = {"enable_fp_fusion": False}
+from weaved.kernels.triton_rowwise import FLAGS, exp_f32, q8_blocks
 
 
 @triton.jit
@@ -258,7 +256,7 @@ def _attend(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, row_seq: 
     _chunks[(T, H, NC)](qc, pool, tables.contiguous(), row_seq, row_pos, row_lo, acc, ml, out, oq, od,
                         H, H // Hkv, Hkv, PB, tables.shape[1], NC, float(np.float32(scale)), D=D, CHUNK_=CHUNK,
                         BLOCK_=BLOCK, LANES_=LANES, ONE=one, QUANT=quantize, num_warps=4 if D <= 64 else 8,
-                        **_FLAGS)
+                        **FLAGS)
     if not one:
-        _merge[(T, H)](acc, ml, row_pos, row_lo, out, oq, od, H, NC, D=D, CHUNK_=CHUNK, QUANT=quantize, **_FLAGS)
+        _merge[(T, H)](acc, ml, row_pos, row_lo, out, oq, od, H, NC, D=D, CHUNK_=CHUNK, QUANT=quantize, **FLAGS)
     return out, a

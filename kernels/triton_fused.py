@@ -19,19 +19,12 @@ have stored and loaded back: the results are those of the unfused kernels, bit f
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 from weaved.kernels.torch_q4 import QK, Q8Act
 from weaved.kernels.torch_rowwise import check_tensor
-from weaved.kernels.triton_rowwise import glu_cols, q8_blocks, rms_scale
-
-_FLAGS = {"enable_fp_fusion": False}  # as triton_rowwise's: no multiply-add contracted
-
-
-def _f32(v: float) -> float:
-    return float(np.float32(v))
+from weaved.kernels.triton_rowwise import FLAGS, f32, glu_cols, q8_blocks, rms_scale
 
 
 @triton.jit
@@ -71,8 +64,8 @@ def add_norm_quant(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps
     d = torch.empty((T, D // QK), dtype=torch.float32, device=x.device)
     if T:
         yc = y.contiguous() if y is not None else xc
-        _add_norm_quant[(T,)](xc, yc, xo, w.contiguous(), h, q, d, D, _f32(eps), P=triton.next_power_of_2(D),
-                              ADD=y is not None, **_FLAGS)
+        _add_norm_quant[(T,)](xc, yc, xo, w.contiguous(), h, q, d, D, f32(eps), P=triton.next_power_of_2(D),
+                              ADD=y is not None, **FLAGS)
     return xo, h, Q8Act(q, d)
 
 
@@ -107,7 +100,7 @@ def glu_quant(gate_up: torch.Tensor, table: torch.Tensor | None) -> tuple[torch.
     if T and F:
         block = min(1024, triton.next_power_of_2(F))  # a multiple of 32: blocks never straddle programs
         _glu_quant[(T, triton.cdiv(F, block))](gate_up.contiguous(), table if table is not None else y, y, q, d,
-                                               F, GELU=table is not None, BLOCK=block, **_FLAGS)
+                                               F, GELU=table is not None, BLOCK=block, **FLAGS)
     return y, Q8Act(q, d)
 
 
@@ -205,8 +198,8 @@ def rope_qkv(qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor, 
     if T and half:
         _rope_qkv[(T, H + 2 * Hkv)](qkv.contiguous(), cos.contiguous(), sin.contiguous(), qn, kn, q, kv_out, blocks,
                                     blk, off, T, H, Hkv, D, half, blocks.shape[3] if pool is not None else 1,
-                                    _f32(eps), NEOX=neox, NORM=norms is not None, POOL=pool is not None,
-                                    P=triton.next_power_of_2(half), PD=triton.next_power_of_2(D), **_FLAGS)
+                                    f32(eps), NEOX=neox, NORM=norms is not None, POOL=pool is not None,
+                                    P=triton.next_power_of_2(half), PD=triton.next_power_of_2(D), **FLAGS)
     elif T:
         raise ValueError("rope_qkv needs rotated dims (n_rot > 0)")
     return q

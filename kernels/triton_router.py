@@ -24,9 +24,7 @@ import triton
 import triton.language as tl
 from weaved.kernels.torch_moe import LANES, WEIGHT_SUM_MIN
 from weaved.kernels.torch_rowwise import check_tensor
-from weaved.kernels.triton_rowwise import exp_f32
-
-_FLAGS = {"enable_fp_fusion": False}
+from weaved.kernels.triton_rowwise import FLAGS, exp_f32
 
 
 @triton.jit
@@ -95,5 +93,5 @@ def route(h: torch.Tensor, w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     if T:
         ep = max(16, triton.next_power_of_2(E))
         _route[(T,)](h.contiguous(), w.contiguous(), ids, wts, E, d, K=k, KP=triton.next_power_of_2(k), EP=ep,
-                     NB=ep // 16, W_MIN=WEIGHT_SUM_MIN, **_FLAGS)
+                     NB=ep // 16, W_MIN=WEIGHT_SUM_MIN, **FLAGS)
     return ids, wts

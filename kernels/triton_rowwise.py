@@ -30,24 +30,27 @@ from weaved.kernels.torch_q4 import QK, Q8Act
 from weaved.kernels.torch_rowwise import check_tensor
 
 
-def _f32(v: float) -> float:
+def f32(v: float) -> float:
+    """``v`` rounded to float32: a kernel's float argument as the CPU kernels' float32 constant."""
     return float(np.float32(v))
 
 
 # exp_f32's constants (torch_rowwise, kernels/_rowwise.py), float32 values
-_LOG2E = tl.constexpr(_f32(1.44269504088896341))
-_LN2_HI = tl.constexpr(_f32(0.693359375))
-_LN2_LO = tl.constexpr(_f32(-2.12194440e-4))
-_EXP_LO = tl.constexpr(_f32(-87.33654))
-_EXP_HI = tl.constexpr(_f32(88.37626))
-_P0 = tl.constexpr(_f32(1.9875691500e-4))
-_P1 = tl.constexpr(_f32(1.3981999507e-3))
-_P2 = tl.constexpr(_f32(8.3334519073e-3))
-_P3 = tl.constexpr(_f32(4.1665795894e-2))
-_P4 = tl.constexpr(_f32(1.6666665459e-1))
-_P5 = tl.constexpr(_f32(5.0000001201e-1))
+_LOG2E = tl.constexpr(f32(1.44269504088896341))
+_LN2_HI = tl.constexpr(f32(0.693359375))
+_LN2_LO = tl.constexpr(f32(-2.12194440e-4))
+_EXP_LO = tl.constexpr(f32(-87.33654))
+_EXP_HI = tl.constexpr(f32(88.37626))
+_P0 = tl.constexpr(f32(1.9875691500e-4))
+_P1 = tl.constexpr(f32(1.3981999507e-3))
+_P2 = tl.constexpr(f32(8.3334519073e-3))
+_P3 = tl.constexpr(f32(4.1665795894e-2))
+_P4 = tl.constexpr(f32(1.6666665459e-1))
+_P5 = tl.constexpr(f32(5.0000001201e-1))
 _RINT = tl.constexpr(12582912.0)  # 1.5 * 2**23
-_FLAGS = {"enable_fp_fusion": False}
+# every Triton kernel of the CPU's arithmetic launches with these: no multiply-add contracted into an fma
+# the CPU kernel does not make
+FLAGS = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -115,7 +118,7 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(xc)
     R = xc.numel() // D if D else 0
     if R:
-        _rmsnorm[(R,)](xc, w.contiguous(), y, D, _f32(eps), P=triton.next_power_of_2(D), **_FLAGS)
+        _rmsnorm[(R,)](xc, w.contiguous(), y, D, f32(eps), P=triton.next_power_of_2(D), **FLAGS)
     return y
 
 
@@ -153,7 +156,7 @@ def _glu_call(gate_up: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor
         block = min(1024, triton.next_power_of_2(F))
         tab = table if table is not None else y  # not read without GELU
         _glu[(T, triton.cdiv(F, block))](gate_up.contiguous(), tab, y, F, GELU=table is not None, BLOCK=block,
-                                         **_FLAGS)
+                                         **FLAGS)
     return y
 
 
@@ -208,7 +211,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> t
     y = torch.empty_like(xc)
     if T and H and half:
         _rope[(T, H)](xc, cos.contiguous(), sin.contiguous(), y, H, Dh, half, NEOX=neox,
-                      P=triton.next_power_of_2(half), **_FLAGS)
+                      P=triton.next_power_of_2(half), **FLAGS)
     elif T and H:
         y.copy_(xc)
     return y
@@ -238,7 +241,7 @@ def quantize_act(x: torch.Tensor) -> Q8Act:
     d = torch.empty((T, K // QK), dtype=torch.float32, device=x.device)
     if nb:
         rows = 64
-        _quantize[(triton.cdiv(nb, rows),)](x.contiguous(), q, d, nb, ROWS=rows, **_FLAGS)
+        _quantize[(triton.cdiv(nb, rows),)](x.contiguous(), q, d, nb, ROWS=rows, **FLAGS)
     return Q8Act(q, d)
 
 

@@ -186,11 +186,8 @@ class DecodeGraphs:
     def _body(self, g: StepGraph) -> tuple[torch.Tensor, torch.Tensor]:
         """The step on the graph's buffers: what is captured."""
         be, cfg = self._be, self._be.config
-        R, W = g.rows, g.width
-        tw = R * W
-        small = g.inp[:tw + 2 * R].to(torch.int32)  # tables, seq, pos as the attention kernel reads them
-        paged = PagedStep(small[:tw].view(R, W), small[tw:tw + R], small[tw + R:], g.inp[tw + 2 * R:tw + 3 * R],
-                          g.inp[tw + 3 * R:tw + 4 * R], g.chunks * CHUNK - 1)
+        R, tw = g.rows, g.rows * g.width
+        paged = PagedStep.from_buffer(g.inp, R, g.width, R, g.chunks * CHUNK - 1)  # one row a sequence
         new_kv = torch.empty((cfg.n_layers, 2, cfg.n_kv_heads, R, cfg.head_dim), dtype=torch.float16,
                              device=be.device)
         x = be.layers(g.inp[tw + 4 * R:], g.inp[tw + R:tw + 2 * R], paged, new_kv)  # ids, positions (int64)

@@ -49,11 +49,17 @@ class PagedStep:
             blk[r:r + n] = tab[s, rows // B]
             off[r:r + n] = rows % B
             r += n
-        dev = torch.from_numpy(host).to(device)
-        small = dev[:S * width + 2 * T].to(torch.int32)  # tables, seq and pos as the kernel reads them
-        return cls(small[:S * width].view(S, width), small[S * width:S * width + T], small[S * width + T:],
-                   dev[S * width + 2 * T:S * width + 3 * T], dev[S * width + 3 * T:],
-                   max(p + n - 1 for p, n in zip(pos0, lens, strict=True)))
+        return cls.from_buffer(torch.from_numpy(host).to(device), S, width, T,
+                               max(p + n - 1 for p, n in zip(pos0, lens, strict=True)))
+
+    @classmethod
+    def from_buffer(cls, buf: torch.Tensor, S: int, width: int, T: int, last: int) -> PagedStep:
+        """The step held in one int64 device buffer laid out tables [S, width] | seq | pos | blk | off [T]
+        (anything after is the caller's): tables, seq and pos become int32 in one conversion."""
+        tw = S * width
+        small = buf[:tw + 2 * T].to(torch.int32)  # tables, seq and pos as the kernel reads them
+        return cls(small[:tw].view(S, width), small[tw:tw + T], small[tw + T:], buf[tw + 2 * T:tw + 3 * T],
+                   buf[tw + 3 * T:tw + 4 * T], last)
 
     def first_keys(self, window: int) -> torch.Tensor:
         """Each row's first key: 0, or on a sliding-window layer the first of its last ``window``."""
