@@ -58,7 +58,11 @@ def _top_k(vals, k):
     # the k-th largest block maximum: k blocks reach it, so >= k values lie at or above it, all in the
     # blocks whose maximum reaches it (about k of them): only those are read again
     floor = np.partition(bm, nb - k)[nb - k]
-    cand = np.empty(n, np.int64)
+    reach = 0
+    for b in range(nb):
+        if bm[b] >= floor:
+            reach += 1
+    cand = np.empty(reach * size, np.int64)  # not [n]: a vocabulary-sized allocation is an mmap and a munmap
     m = 0
     for b in range(nb):
         if bm[b] >= floor:

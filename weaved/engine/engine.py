@@ -20,7 +20,7 @@ from weaved.backends.base import Backend, Logits, SeqChunk
 from weaved.bursts import burst
 from weaved.engine.admission import Capacity, Refusal, judge
 from weaved.engine.constraint import ConstraintError
-from weaved.engine.sampling import logprobs_of
+from weaved.engine.sampling import logprobs_of, sample_rows
 from weaved.engine.scheduler import SchedulerConfig, Work, schedule
 from weaved.engine.sequence import SeqStatus, Sequence, SLARank
 from weaved.engine.speculative import Drafter, SpecConfig, verify
@@ -311,9 +311,13 @@ class BatchEngine:
             decoding = sum(1 for w in work if not w.seq.prefilling)
             self.capacity.record(decoding, sum(w.n_tokens for w in work if w.seq.prefilling), took)
         self.counters.steps += 1
+        drawn = self._draw_plain(work, outs, drafts)
         generated = 0
         for w, logits in zip(work, outs, strict=True):
-            generated += self._verify(w, logits, drafts[w.seq]) if w.seq in drafts else self._advance(w, logits)
+            if w.seq in drafts:
+                generated += self._verify(w, logits, drafts[w.seq])
+            else:
+                generated += self._advance(w, logits, drawn.get(w.seq))
         for w in work:  # prefilled here, decoded elsewhere: leave now, with the first token sampled
             s = w.seq
             if s.handoff is not None and not s.prefilling and not s.status.done:
@@ -352,7 +356,17 @@ class BatchEngine:
         c.accepted += accepted
         return generated
 
-    def _advance(self, w: Work, logits: np.ndarray) -> int:
+    def _draw_plain(self, work: list[Work], outs: list[np.ndarray], drafts: dict) -> dict[Sequence, int]:
+        """The tokens of the sequences that sample this step from their row alone, drawn together on the
+        kernels' threads (``sampling.sample_rows``: the same tokens one by one would give)."""
+        plain = [(w.seq, out[-1]) for w, out in zip(work, outs, strict=True)
+                 if w.seq not in drafts and w.n_tokens == len(w.seq.pending) and len(out) and w.seq.plain_sample]
+        if len(plain) < 2:
+            return {}
+        tokens = sample_rows([s.sampler for s, _ in plain], [row for _, row in plain])
+        return {s: t for (s, _), t in zip(plain, tokens, strict=True) if t is not None}
+
+    def _advance(self, w: Work, logits: np.ndarray, drawn: int | None = None) -> int:
         s = w.seq
         was_prefill = s.prefilling
         if s.prompt_logprobs and was_prefill and len(logits):
@@ -360,7 +374,7 @@ class BatchEngine:
         self._feed(s, w.n_tokens, prefill=was_prefill)
         if s.pending:
             return 0  # more prompt to feed
-        return self._sample(s, logits[-1])
+        return self._sample(s, logits[-1], drawn)
 
     def _feed(self, s: Sequence, n: int, prefill: bool) -> None:
         """The first ``n`` pending tokens' KV rows are written: they join the history and are committed."""
@@ -388,10 +402,11 @@ class BatchEngine:
         s.prev_row = logits[-1].copy()
         self._emit(s, {"type": "prompt_logprobs", "items": items})
 
-    def _sample(self, s: Sequence, row: np.ndarray) -> int:
+    def _sample(self, s: Sequence, row: np.ndarray, drawn: int | None = None) -> int:
+        """``drawn``: the token ``_draw_plain`` sampled for it (its generator already advanced)."""
         now = self._clock()
         try:
-            tok = s.sample(row)
+            tok = drawn if drawn is not None else s.sample(row)
         except (ValueError, ConstraintError) as exc:  # nothing may be sampled: this turn ends, not the step
             self._fail(s, f"sampling failed: {exc}")
             return 0

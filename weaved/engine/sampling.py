@@ -11,7 +11,10 @@ or by descending logit then id once sorted) so that the inverse-CDF draw is repr
 
 Speed: the vocabulary is ~49k, so nothing here sorts the whole vocabulary when it can be avoided:
 top-k selects with one pass over the row (``kernels.topk``), top-p grows a partial
-selection until it holds the nucleus, and the draw searches block sums before one block.
+selection until it holds the nucleus, and the draw searches block sums before one block.  A chain
+with top-k (the API's default) and nothing that edits the row runs compiled
+(``kernels.sample_chain``), and ``sample_rows`` samples a whole step's such rows in one parallel
+call: each row's token is the one the sampler gives it alone.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from weaved.engine.logit_edits import apply_logit_bias, apply_mask, apply_penalties
+from weaved.kernels.sample_chain import ALL_NEG_INF, GREEDY, chain_row, chain_rows
 from weaved.kernels.topk import top_k_positions
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit for top_logprobs)
@@ -151,17 +155,84 @@ class Sampler:
                 raise ValueError("every logit is -inf")
             return best
 
-        if p.top_k > 0:  # [k] candidate ids and their logits, by descending logit then id
-            ids = top_k_positions(x, p.top_k)
-            vals = x[ids]
-        else:  # [n] every id, in canonical order
-            ids, vals = np.arange(x.shape[0]), x
+        if p.top_k > 0:  # the compiled chain: the same code samples a step's rows together
+            k, top_p, min_p, inv_t = self.chain_args()
+            tok = int(chain_row(np.ascontiguousarray(x), k, top_p, min_p, inv_t, self.rng.random()))
+            if tok == ALL_NEG_INF:
+                raise ValueError("every logit is -inf")
+            return tok
+        ids, vals = np.arange(x.shape[0]), x  # [n] every id, in canonical order
         if p.top_p < 1.0:
-            ids, vals = top_p_filter(ids, vals, p.top_p, sorted_desc=p.top_k > 0)
+            ids, vals = top_p_filter(ids, vals, p.top_p)
         if p.min_p > 0.0:
             ids, vals = min_p_filter(ids, vals, p.min_p)
         w = _weights(vals, p.temperature)  # [n] unnormalized probabilities
         return int(ids[_draw(w, self.rng.random())])
+
+
+    @property
+    def plain(self) -> bool:
+        """Whether the next token depends on the row of logits alone through the compiled chain
+        (``sample_rows``): greedy or top-k, and nothing that edits the row (bias, penalties)."""
+        p = self.params
+        edits = p.logit_bias or (p.repeat_last_n != 0 and (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                                                          or p.presence_penalty != 0.0))
+        return not edits and (p.greedy or p.top_k > 0)
+
+    def chain_args(self) -> tuple[int, float, float, np.float32]:
+        """(k, top_p, min_p, 1 / temperature) as ``kernels.sample_chain`` takes them (k = GREEDY:
+        argmax).  The inverse temperature is capped so that 0 * inf cannot occur."""
+        p = self.params
+        if p.greedy:
+            return GREEDY, 1.0, 0.0, np.float32(1.0)
+        return p.top_k, float(p.top_p), float(p.min_p), np.float32(min(1.0 / p.temperature, 1e30))
+
+
+def sample_rows(samplers: Sequence[Sampler], rows: Sequence[np.ndarray]) -> list[int | None]:
+    """The next token of each sampler (all ``plain``) from its row of logits (float32 [vocab]), rows
+    sampled in parallel; each token is the one ``Sampler.sample`` gives the row alone, and each
+    non-greedy sampler draws one number from its generator, as it would there.  None for a row the
+    chain cannot sample (NaN, +inf, every logit -inf): ``Sampler.sample`` then says why."""
+    n = len(rows)
+    if n == 0:
+        return []
+    base, which = _one_array(rows)
+    args = [s.chain_args() for s in samplers]
+    ks = np.fromiter((a[0] for a in args), np.int64, n)
+    top_ps = np.fromiter((a[1] for a in args), np.float64, n)
+    min_ps = np.fromiter((a[2] for a in args), np.float64, n)
+    inv_ts = np.fromiter((a[3] for a in args), np.float32, n)
+    us = np.fromiter((s.rng.random() if a[0] != GREEDY else 0.0 for s, a in zip(samplers, args, strict=True)),
+                     np.float64, n)
+    out = np.empty(n, np.int64)
+    chain_rows(base, which, ks, top_ps, min_ps, inv_ts, us, out)
+    return [int(t) if t >= 0 else None for t in out]
+
+
+def _one_array(rows: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(float32 [m, vocab], int64 [n]): the rows as one 2-D array and their indices in it - the array the
+    rows are views of when they are (a backend's logits of one step), else a stacked copy."""
+    first = rows[0]
+    base = first
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    V = first.shape[0]
+    if base.ndim == 2 and base.dtype == np.float32 and base.shape[1] >= V and base.strides[1] == 4:
+        start, stride = base.__array_interface__["data"][0], base.strides[0]
+        which = []
+        for r in rows:
+            off = r.__array_interface__["data"][0] - start
+            i, rem = divmod(off, stride)
+            root = r
+            while isinstance(root.base, np.ndarray):
+                root = root.base
+            if root is not base or r.dtype != np.float32 or r.ndim != 1 or r.shape[0] != V or r.strides[0] != 4 \
+                    or rem or not 0 <= i < base.shape[0]:
+                break
+            which.append(i)
+        else:
+            return base[:, :V], np.asarray(which, np.int64)
+    return np.stack([np.asarray(r, np.float32) for r in rows]), np.arange(len(rows), dtype=np.int64)
 
 
 def top_k_filter(ids: np.ndarray, vals: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

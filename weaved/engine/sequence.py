@@ -125,6 +125,13 @@ class Sequence:
         last = self.last_token_at if self.last_token_at is not None else now
         return last + max(0.0, aim - last) / self.remaining_tokens
 
+    @property
+    def plain_sample(self) -> bool:
+        """Whether its next token depends on its row of logits alone (``sampling.sample_rows`` may
+        draw it with the step's other rows): no grammar, nothing banned, a plain sampler chain."""
+        banned = self.stops is not None and self.stops.stop_ids and len(self.generated) < self.params.min_tokens
+        return self.constraint is None and not banned and self.sampler.plain
+
     def sample(self, logits_row: np.ndarray) -> int:
         """The next token from this sequence's row of logits [vocab]: its constraint's mask and, before
         ``min_tokens``, no stop or end-of-generation token.  ValueError when nothing may be sampled."""
