@@ -11,12 +11,13 @@ from tests.kernels.triton_interp_shim import require_interpreter
 require_interpreter()
 
 
-@pytest.mark.parametrize("model, lengths", [("tiny_llama", (520, 30, 5)), ("tiny_gemma3", (40, 30, 5))])
+@pytest.mark.parametrize("model, lengths", [("tiny_llama", (520, 30, 5)), ("tiny_gemma3", (40, 30, 5)),
+                                            ("tiny_qwen3moe", (40, 30, 5))])
 def test_decode_graphs_give_the_plain_steps_bits(model, lengths, request, monkeypatch):
     """Decode steps through the graphs' buffers (``torch_graphs``, run without capture here): rows padded
     to a bucket on the scratch block, the attention grid a power of two of chunks (one row past 512 keys;
     Gemma 3's windows of 24 keys) - the plain Triton path's logits and K/V rows, bit for bit, at 1, 2
-    and 3 sequences."""
+    and 3 sequences; on a mixture of experts, padding rows routed beside the real ones."""
     from weaved.backends.base import Logits, SeqChunk
     from weaved.backends.torch import TorchBackend
     from weaved.backends.torch_graphs import bucket_chunks, bucket_rows
@@ -61,9 +62,10 @@ def test_decode_graphs_give_the_plain_steps_bits(model, lengths, request, monkey
 def test_decode_graphs_are_refused_where_a_step_waits_on_the_host(tiny_qwen3moe, monkeypatch):
     from weaved.backends.torch import TorchBackend
 
-    monkeypatch.setenv("WEAVE_TORCH_KERNELS", "triton")
-    with pytest.raises(ValueError, match="dense model"):
+    monkeypatch.setenv("WEAVE_TORCH_KERNELS", "torch")  # torch's ops: experts grouped on the host
+    with pytest.raises(ValueError, match="Triton kernels"):
         TorchBackend.from_file(tiny_qwen3moe, threads=1, graphs=True)
+    monkeypatch.setenv("WEAVE_TORCH_KERNELS", "triton")
     monkeypatch.setenv("WEAVE_DECODE_GRAPHS", "yes")
     with pytest.raises(ValueError, match="WEAVE_DECODE_GRAPHS"):
         TorchBackend.from_file(tiny_qwen3moe, threads=1)

@@ -97,17 +97,21 @@ class TorchBackend(Backend):
         return cls(gguf, cfg, device=device, threads=threads, kv_bytes=kv_bytes, graphs=graphs)
 
     def _graphs_wanted(self, graphs: bool | None) -> bool:
-        """Decode graphs need the paged Triton path (a step the host need not wait on) and a dense model
-        (a mixture of experts groups its tokens by expert on the host): asked for elsewhere, refused."""
+        """Decode graphs need the paged Triton path, on which the host never waits for a step: a dense
+        model, or experts stacked for the grouped kernels (``kernels.triton_moe`` sorts a step's tokens by
+        expert on the device; other experts are grouped on the host).  Asked for elsewhere, refused."""
         env = os.environ.get("WEAVE_DECODE_GRAPHS", "").strip().lower()
         if env not in ("", "0"):
             raise ValueError(f"WEAVE_DECODE_GRAPHS may only be 0 (no decode graphs), got {env!r}")
-        possible = self._paged_kernel and self.config.n_experts == 0
+        grouped = all(L.experts is None or (L.experts.gate_up_stack is not None and L.experts.down_stack is not None)
+                      for L in self.weights.layers)
+        possible = self._paged_kernel and grouped
         if graphs is None:
             return possible and env != "0" and self.device.type == "cuda"
         if graphs and not possible:
-            raise ValueError("decode graphs need the Triton kernels with paged attention and a dense model, not "
-                             f"{self.kernels} kernels on a model with {self.config.n_experts} experts")
+            raise ValueError("decode graphs need the Triton kernels with paged attention and, on a mixture of "
+                             f"experts, Q4_0/Q8_0 experts; not {self.kernels} kernels"
+                             + ("" if grouped else " with experts of another type"))
         return graphs
 
     @property
