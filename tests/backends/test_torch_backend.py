@@ -18,6 +18,7 @@ from tests.oracles import (
     mean_kl,
 )
 from tests.tiny_models import write_tiny_gguf
+from weaved.backends import torch_transfer
 from weaved.backends.base import Logits, SeqChunk
 from weaved.backends.cpu import CPUBackend
 from weaved.backends.torch import TorchBackend
@@ -219,9 +220,13 @@ def test_a_graph_that_cannot_be_made_turns_the_graphs_off_not_the_step(smollm2_q
     assert kvs[0].length == kvs[1].length and np.array_equal(kvs[0].data, kvs[1].data)
 
 
-def test_promotion_copies_whole_blocks_and_partial_ones_to_their_slots(backend):
+@pytest.mark.parametrize("stage_bytes", [None, 1], ids=["one-chunk", "a-layer-a-chunk"])
+def test_promotion_copies_whole_blocks_and_partial_ones_to_their_slots(backend, stage_bytes, monkeypatch):
     """Rows copied in from the host land in the table's blocks at their offsets: from position 0 (whole
-    blocks as runs, then a partial one) and from inside a block (the host went on without the device)."""
+    blocks as runs, then a partial one) and from inside a block (the host went on without the device);
+    sent all at once or a layer at a time."""
+    if stage_bytes is not None:
+        monkeypatch.setattr(torch_transfer, "STAGE_BYTES", stage_bytes)
     cfg = backend.config
     rng = np.random.default_rng(7)
     n = 3 * BLOCK + 5

@@ -34,6 +34,7 @@ def test_the_command_reports_agreement_speed_and_memory(tiny_llama, tmp_path, ca
         assert b["step_bytes"] > b["batch"] * 16 * cfg.kv_bytes_per_token
         assert b["roofline_fraction"] == pytest.approx(b["step_bytes"] / r["copy_bytes_per_s"] / b["step_seconds"])
     assert r["promotion"]["bytes"] == 256 * cfg.kv_bytes_per_token and r["promotion"]["gb_s"] > 0
+    assert r["promotion"]["rows_equal"]  # read back from the device pool
     assert r["memory"]["weights_bytes"] > 0 and r["memory"]["kv_pool_bytes"] > 0
 
 

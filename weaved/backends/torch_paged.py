@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from weaved.backends.torch_transfer import to_device, warm_staging
 from weaved.kv.cache import KVCache
 from weaved.model.config import ModelConfig
 
@@ -105,6 +106,8 @@ class PagedKV:
         self.h2d_bytes = 0
         self.d2h_bytes = 0
         self._scratch: int | None = None
+        if device.type == "cuda":
+            warm_staging()  # a promotion's pinned chunks, locked now rather than during the first one
 
     # ---- accounting ------------------------------------------------------------------------------
     def __contains__(self, kv: KVCache) -> bool:
@@ -187,18 +190,20 @@ class PagedKV:
         """Copy host rows a..b-1 into the table's blocks (which exist); returns the bytes copied."""
         if b <= a:
             return 0
-        src = torch.from_numpy(np.ascontiguousarray(kv.data[:, :, :, a:b])).to(self.device)  # [L, 2, Hkv, n, D]
+        host = kv.data[:, :, :, a:b]  # [L, 2, Hkv, n, D], a view of the session's rows
+        _, _, Hkv, _, D = host.shape
         B = self.block
         whole = (b - a) // B if a % B == 0 else 0  # whole blocks from a: each a run of B rows a (k|v, head)
-        if whole:
-            L, _, Hkv, _, D = src.shape
-            ids = self.ids(t)[a // B:a // B + whole]
-            # [L, 2, Hkv, whole, B, D] -> [L, whole, 2, Hkv, B, D]: a block's rows copied as runs, not row by row
-            self.pool[:, ids] = src[:, :, :, :whole * B].reshape(L, 2, Hkv, whole, B, D).permute(0, 3, 1, 2, 4, 5)
-        if a + whole * B < b:  # a partial block: row by row
-            blk, off = self.where(t, a + whole * B, b)
-            self.pool[:, blk, :, :, off] = src[:, :, :, whole * B:].permute(3, 0, 1, 2, 4)  # [n, L, 2, Hkv, D]
-        n = src.numel() * src.element_size()
+        ids = self.ids(t)[a // B:a // B + whole] if whole else None
+        part = self.where(t, a + whole * B, b) if a + whole * B < b else None
+        for l0, l1, src in to_device(host, self.device):  # a few layers at a time, the next one's copy overlapping
+            if ids is not None:
+                # [l, 2, Hkv, whole, B, D] -> [l, whole, 2, Hkv, B, D]: a block's rows copied as runs
+                self.pool[l0:l1, ids] = src[:, :, :, :whole * B].reshape(l1 - l0, 2, Hkv, whole, B, D).permute(
+                    0, 3, 1, 2, 4, 5)
+            if part is not None:  # a partial block: row by row, [n, l, 2, Hkv, D]
+                self.pool[l0:l1, part[0], :, :, part[1]] = src[:, :, :, whole * B:].permute(3, 0, 1, 2, 4)
+        n = host.size * host.itemsize
         self.h2d_bytes += n
         return n
 

@@ -55,7 +55,8 @@ def batched_decode(be: Backend, batch: int, context: int, steps: int, seed: int 
 
 def promotion(be: Backend, positions: int, device: torch.device) -> dict:
     """A session of ``positions`` KV rows moving onto the backend's device (``adopt``), against a plain
-    host-to-device copy of the same bytes."""
+    host-to-device copy of the same bytes; the rows on the device are then read back and must equal the
+    host's (an AssertionError fails the part)."""
     cfg = be.config
     data = np.random.default_rng(3).standard_normal(
         (cfg.n_layers, 2, cfg.n_kv_heads, positions, cfg.head_dim), dtype=np.float32).astype(np.float16)
@@ -71,9 +72,15 @@ def promotion(be: Backend, positions: int, device: torch.device) -> dict:
     moved = be.adopt(kv)
     _sync(device)
     t_adopt = time.perf_counter() - t0
+    paged = be.kv_pool
+    rows = paged.pool[:, paged.ids(paged.table(kv))].permute(0, 2, 3, 1, 4, 5)  # [L, 2, Hkv, blocks, B, D]
+    rows = rows.reshape(*data.shape[:3], -1, data.shape[4])[:, :, :, :positions].cpu().numpy()
     be.release(kv)
+    if not np.array_equal(rows, data):
+        raise AssertionError(f"the promoted session's rows differ from the host's at "
+                             f"{int((rows != data).sum())} of {data.size} values")
     return {"positions": positions, "bytes": moved, "seconds": t_adopt, "gb_s": moved / t_adopt / 1e9,
-            "raw_copy_gb_s": data.nbytes / t_raw / 1e9, "vs_raw_copy": t_adopt / t_raw}
+            "raw_copy_gb_s": data.nbytes / t_raw / 1e9, "vs_raw_copy": t_adopt / t_raw, "rows_equal": True}
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
