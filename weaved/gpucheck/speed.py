@@ -55,8 +55,8 @@ def batched_decode(be: Backend, batch: int, context: int, steps: int, seed: int 
 
 def promotion(be: Backend, positions: int, device: torch.device) -> dict:
     """A session of ``positions`` KV rows moving onto the backend's device (``adopt``), against a plain
-    host-to-device copy of the same bytes; the rows on the device are then read back and must equal the
-    host's (an AssertionError fails the part)."""
+    host-to-device copy of the same bytes (and, on CUDA, one from pinned memory: the link's rate); the
+    rows on the device are then read back and must equal the host's (an AssertionError fails the part)."""
     cfg = be.config
     data = np.random.default_rng(3).standard_normal(
         (cfg.n_layers, 2, cfg.n_kv_heads, positions, cfg.head_dim), dtype=np.float32).astype(np.float16)
@@ -68,6 +68,16 @@ def promotion(be: Backend, positions: int, device: torch.device) -> dict:
     _sync(device)
     t_raw = time.perf_counter() - t0
     del copy
+    link = None  # the link's own rate: the same bytes from pinned memory
+    if device.type == "cuda":
+        pinned = raw.pin_memory()
+        pinned.to(device)  # warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        copy = pinned.to(device, non_blocking=True)
+        _sync(device)
+        link = data.nbytes / (time.perf_counter() - t0)
+        del copy, pinned
     t0 = time.perf_counter()
     moved = be.adopt(kv)
     _sync(device)
@@ -80,7 +90,9 @@ def promotion(be: Backend, positions: int, device: torch.device) -> dict:
         raise AssertionError(f"the promoted session's rows differ from the host's at "
                              f"{int((rows != data).sum())} of {data.size} values")
     return {"positions": positions, "bytes": moved, "seconds": t_adopt, "gb_s": moved / t_adopt / 1e9,
-            "raw_copy_gb_s": data.nbytes / t_raw / 1e9, "vs_raw_copy": t_adopt / t_raw, "rows_equal": True}
+            "raw_copy_gb_s": data.nbytes / t_raw / 1e9, "vs_raw_copy": t_adopt / t_raw, "rows_equal": True,
+            "pinned_copy_gb_s": link / 1e9 if link else None,
+            "vs_pinned_copy": t_adopt * link / moved if link else None}
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
