@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _refine
-from .ggml import GGMLType, row_bytes
+from .ggml import GGMLType
 from .matmul import PackedWeight, linear_q, padded_out
 from .quants import QK, Q8Activations, quantize_activations
 from .refine_rule import REFINE_MARGIN, REFINE_TOP
@@ -35,31 +35,25 @@ def quantize_two_level(x: np.ndarray) -> tuple[Q8Activations, Q8Activations]:
     return a, quantize_activations(np.ascontiguousarray(x - x1))
 
 
-def _check(w: PackedWeight, raw: np.ndarray, x: np.ndarray) -> None:
+def _check(w: PackedWeight, x: np.ndarray) -> None:
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != w.n_in \
             or x.shape[1] % QK or not x.flags.c_contiguous:
         raise ValueError(f"linear_residual: x must be a C-contiguous float32 [T, {w.n_in}] array, got "
                          f"{getattr(x, 'dtype', type(x))} {getattr(x, 'shape', '')}")
     if w.qtype not in (GGMLType.Q4_0, GGMLType.Q8_0):
         raise ValueError(f"linear_residual: needs Q4_0 or Q8_0 weights, got {w.qtype.name}")
-    rb = row_bytes(w.qtype, w.n_in)
-    if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.shape != (w.n_out, rb) \
-            or raw.strides[1] != 1:
-        raise ValueError(f"linear_residual: raw must be the weight's GGUF rows, uint8 [{w.n_out}, {rb}] "
-                         f"with contiguous rows, got {getattr(raw, 'dtype', type(raw))} "
-                         f"{getattr(raw, 'shape', '')}")
 
 
-def linear_residual(w: PackedWeight, raw: np.ndarray, x: np.ndarray, margin: float = REFINE_MARGIN,
+def linear_residual(w: PackedWeight, x: np.ndarray, margin: float = REFINE_MARGIN,
                     top: int = REFINE_TOP, counts: np.ndarray | None = None) -> np.ndarray:
     """x float32 [T, n_in] -> float32 [T, n_out] = x @ W.T: one-level Q8_0 activations for every
     logit, plus the second level for those ``refine_rule`` picks with ``margin`` and ``top``.
 
-    ``w`` is the packed Q4_0 / Q8_0 matrix and ``raw`` the same matrix as the GGUF stores it (uint8
-    [n_out, row_bytes]).  ``margin = inf`` with ``top >= n_out`` refines every logit (the full
-    two-level product).  ``counts`` (int64 [T]), if given, receives the number refined per row.
+    ``w`` is the packed Q4_0 / Q8_0 matrix; the refinement reads its rows there too.  ``margin = inf``
+    with ``top >= n_out`` refines every logit (the full two-level product).  ``counts`` (int64 [T]), if
+    given, receives the number refined per row.
     The result is a view whose rows may be padded apart (``matmul.padded_out``)."""
-    _check(w, raw, x)
+    _check(w, x)
     T = x.shape[0]
     if counts is None:
         counts = np.empty(T, np.int64)
@@ -74,7 +68,7 @@ def linear_residual(w: PackedWeight, raw: np.ndarray, x: np.ndarray, margin: flo
     k = min(int(top), w.n_out)
     nch = min(get_threads(), T)
     if nch == 1:
-        _refine.refine_serial(y, w.n_out, raw, qk, a2.q, a2.d, m, k, counts)
+        _refine.refine_serial(y, w.n_out, w.data, qk, a2.q, a2.d, m, k, counts)
     else:
-        _refine.refine_par(y, w.n_out, raw, qk, a2.q, a2.d, m, k, counts, nch)
+        _refine.refine_par(y, w.n_out, w.data, qk, a2.q, a2.d, m, k, counts, nch)
     return y[:, : w.n_out]

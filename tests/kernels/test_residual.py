@@ -34,9 +34,9 @@ def test_far_closer_to_float_than_one_level(qt, quant, dequant):
     x = (np.random.default_rng(4).standard_normal((5, 128)) * 4).astype(np.float32)
     ref = x.astype(np.float64) @ dequant(raw).astype(np.float64).T
     err1 = np.abs(linear(w, x) - ref).max()
-    err2 = np.abs(linear_residual(w, raw, x, **ALL) - ref).max()
+    err2 = np.abs(linear_residual(w, x, **ALL) - ref).max()
     assert err2 < err1 / 50
-    np.testing.assert_allclose(linear_residual(w, raw, x, **ALL), ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+    np.testing.assert_allclose(linear_residual(w, x, **ALL), ref, rtol=0, atol=1e-4 * np.abs(ref).max())
 
 
 def test_two_level_reconstructs_x():
@@ -55,7 +55,7 @@ def test_refines_exactly_the_rule(qt, quant, dequant, margin, top, n_out):
     x = (np.random.default_rng(6).standard_normal((6, 96)) * spread).astype(np.float32)
     one, two = _both_levels(w, x)
     counts = np.empty(6, np.int64)
-    got = linear_residual(w, raw, x, margin, top, counts)
+    got = linear_residual(w, x, margin, top, counts)
     for t in range(6):
         lo = np.float32(one[t].max() - np.float32(margin))
         kth = np.sort(one[t])[::-1][min(top, n_out) - 1]
@@ -73,7 +73,7 @@ def test_ties_at_the_cap_are_all_refined():
     raw[:, 2:] = 3
     w = pack_weight(raw, GGMLType.Q8_0, 300, 32)
     counts = np.empty(1, np.int64)
-    linear_residual(w, raw, np.full((1, 32), 0.7, np.float32), 12.0, 8, counts)
+    linear_residual(w, np.full((1, 32), 0.7, np.float32), 12.0, 8, counts)
     assert counts[0] == 300
 
 
@@ -82,25 +82,23 @@ def test_batch_invariant_and_padded_rows():
     raw = quantize_q8_0(rng.standard_normal((4096, 64)).astype(np.float32))  # 16 KiB rows: padded
     w = pack_weight(raw, GGMLType.Q8_0, 4096, 64)
     x = rng.standard_normal((9, 64)).astype(np.float32)
-    batched = linear_residual(w, raw, x)
+    batched = linear_residual(w, x)
     assert batched.shape == (9, 4096)
     for i in range(9):
-        assert np.array_equal(batched[i], linear_residual(w, raw, np.ascontiguousarray(x[i : i + 1]))[0])
+        assert np.array_equal(batched[i], linear_residual(w, np.ascontiguousarray(x[i : i + 1]))[0])
 
 
 def test_errors():
     raw = quantize_q8_0(np.ones((32, 64), np.float32))
     w = pack_weight(raw, GGMLType.Q8_0, 32, 64)
     with pytest.raises(ValueError, match="C-contiguous float32"):
-        linear_residual(w, raw, np.ones((2, 32), np.float32))
-    with pytest.raises(ValueError, match="GGUF rows"):
-        linear_residual(w, raw[:, :34], np.ones((2, 64), np.float32))
+        linear_residual(w, np.ones((2, 32), np.float32))
     with pytest.raises(ValueError, match="counts"):
-        linear_residual(w, raw, np.ones((2, 64), np.float32), counts=np.empty(3, np.int64))
-    assert linear_residual(w, raw, np.ones((0, 64), np.float32)).shape == (0, 32)
+        linear_residual(w, np.ones((2, 64), np.float32), counts=np.empty(3, np.int64))
+    assert linear_residual(w, np.ones((0, 64), np.float32)).shape == (0, 32)
     f16 = pack_weight(np.ones((32, 64), np.float16), GGMLType.F16, 32, 64)
     with pytest.raises(ValueError, match="Q4_0 or Q8_0"):
-        linear_residual(f16, raw, np.ones((2, 64), np.float32))
+        linear_residual(f16, np.ones((2, 64), np.float32))
 
 
 @pytest.mark.parametrize("qt,quant", [(GGMLType.Q4_0, quantize_q4_0), (GGMLType.Q8_0, quantize_q8_0)])

@@ -128,7 +128,7 @@ def test_residual_logits_are_the_cpu_kernels_bits(qtype, margin, top, n_out):
     x[1] *= 0.05  # a flat row: many logits within the margin, the cap decides
     ours = tp.Products("torch").linear_residual(w, torch.from_numpy(x), margin, top).numpy()
     counts = np.empty(5, np.int64)
-    cpu = linear_residual(matmul.pack_weight(raw, GGMLType(qtype), n_out, 128), raw, x, margin, top, counts)
+    cpu = linear_residual(matmul.pack_weight(raw, GGMLType(qtype), n_out, 128), x, margin, top, counts)
     assert np.array_equal(ours, cpu)
     assert counts.min() >= 1 and (top > 8 or counts.max() == 8)
     a1, a2 = tq.quantize_two_level(torch.from_numpy(x))

@@ -29,7 +29,7 @@ from weaved.kernels.moe import ExpertWeights, moe_ffn
 from weaved.kernels.residual import linear_residual
 from weaved.kv.cache import KVCache
 from weaved.model.config import ModelConfig
-from weaved.model.gguf_file import GGUFFile, release_view
+from weaved.model.gguf_file import GGUFFile
 from weaved.model.loader import open_model
 
 
@@ -119,9 +119,8 @@ class CPUBackend(Backend):
         # Q8_0 once was the largest single error in the next-token distribution (kernels.residual)
         out = t["token_embd.weight" if cfg.tied_output else "output.weight"]
         self.wout = packed([out.name])
-        if self.wout.qtype in (2, 8):  # Q4_0, Q8_0: the refinement reads the file's rows
-            self._out_raw = out.raw
-            self._logits = self._refined_logits
+        if self.wout.qtype in (2, 8):  # Q4_0, Q8_0: two-level activations for the candidate logits
+            self._logits = lambda h: linear_residual(self.wout, h)
         else:
             self._logits = lambda h: matmul.linear(self.wout, h)
         # a tied embedding is looked up in the output's packed copy: the matrix is resident once
@@ -167,13 +166,6 @@ class CPUBackend(Backend):
         """Logits of final-normed hidden rows hs float32 [n, d_model]: float32 [n, vocab], whose rows may
         be padded apart (``kernels.matmul.padded_out``)."""
         return self._logits(hs)
-
-    def _refined_logits(self, h: np.ndarray) -> np.ndarray:
-        y = linear_residual(self.wout, self._out_raw, h)
-        # the candidates' rows were read from the file: unmap them again (~0.2 ms a decode step), or
-        # over a session the output matrix would become resident twice (packed and as the file)
-        release_view(self._out_raw)
-        return y
 
     def _linear(self, w, x: np.ndarray) -> np.ndarray:
         if isinstance(w, list):
