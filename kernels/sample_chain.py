@@ -9,7 +9,7 @@ is the one this same code gives it alone: the sampler's single-row path calls ``
 A step of 64 rows over a 49k vocabulary spent ~2.5 ms in the per-row Python chain, 8 % of the
 step; here it is one parallel region.
 
-Numbers: top-k by ``topk._top_k`` (exact: descending, ties to the lower position); weights
+Numbers: top-k by ``topk.top_k_row`` (exact: descending, ties to the lower position); weights
 ``exp((v - max) * inv_t)`` in float32 (``expf``); running sums in float64, added in candidate order.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .topk import _top_k
+from .topk import top_k_row
 
 _OPTS = dict(cache=True, nogil=True, error_model="numpy")
 GREEDY = 0  # k of a row sampled greedily: the first maximum
@@ -69,7 +69,7 @@ def chain_row(x, k, top_p, min_p, inv_t, u):
     if k == GREEDY:
         best = _argmax(x)
         return best if x[best] != -np.inf else ALL_NEG_INF
-    ids = _top_k(x, k)  # [n] descending, ties to the lower position
+    ids = top_k_row(x, k)  # [n] descending, ties to the lower position
     n = ids.shape[0]
     vals = np.empty(n, np.float32)
     for j in range(n):
@@ -115,13 +115,25 @@ def chain_row(x, k, top_p, min_p, inv_t, u):
     return ids[i]
 
 
+@njit(**_OPTS)
+def _one(rows, which, ks, top_ps, min_ps, inv_ts, us, out, r):
+    x = rows[which[r]]
+    if not _finite_or_neg_inf(x):
+        out[r] = NOT_FINITE
+    else:
+        out[r] = chain_row(x, ks[r], top_ps[r], min_ps[r], inv_ts[r], us[r])
+
+
 @njit(parallel=True, **_OPTS)
 def chain_rows(rows, which, ks, top_ps, min_ps, inv_ts, us, out):
     """out[r] = chain_row(rows[which[r]], ks[r], ...) for every r, rows in parallel; ``NOT_FINITE``
     for a row holding NaN or +inf."""
     for r in prange(which.shape[0]):
-        x = rows[which[r]]
-        if not _finite_or_neg_inf(x):
-            out[r] = NOT_FINITE
-        else:
-            out[r] = chain_row(x, ks[r], top_ps[r], min_ps[r], inv_ts[r], us[r])
+        _one(rows, which, ks, top_ps, min_ps, inv_ts, us, out, r)
+
+
+@njit(**_OPTS)
+def chain_rows_serial(rows, which, ks, top_ps, min_ps, inv_ts, us, out):
+    """chain_rows on the calling thread alone (a thread that runs no parallel kernels of its own)."""
+    for r in range(which.shape[0]):
+        _one(rows, which, ks, top_ps, min_ps, inv_ts, us, out, r)

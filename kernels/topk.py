@@ -48,7 +48,8 @@ def _block_maxima(vals, size):
 
 
 @njit(cache=True, nogil=True)
-def _top_k(vals, k):
+def top_k_row(vals, k):
+    """``top_k_positions`` in compiled code (vals contiguous, k >= 1; no checks)."""
     n = vals.shape[0]
     size = max(1, min(BLOCK, n // (4 * k)))
     bm = _block_maxima(vals, size)
@@ -101,4 +102,4 @@ def top_k_positions(vals: np.ndarray, k: int) -> np.ndarray:
         raise ValueError(f"top_k_positions takes a float32/float64 row, got {vals.dtype} {vals.shape}")
     if k < 1:
         raise ValueError(f"top_k_positions needs k >= 1, got {k}")
-    return _top_k(np.ascontiguousarray(vals), int(k))
+    return top_k_row(np.ascontiguousarray(vals), int(k))

@@ -67,6 +67,7 @@ def _copy(kv: KVCache) -> KVCache:
 
 def test_name_and_weights_in_file_encoding(backend, smollm2_q4_0):
     assert backend.name == "torch" and backend.device == torch.device("cpu")
+    assert not backend.host_parallel  # its engine thread starts no team of kernel threads for sampling
     layer = backend.weights.layers[0]
     (wqkv,) = layer.wqkv  # q|k|v fused: one Q4_0 matrix of raw 18-byte blocks
     cfg = backend.config

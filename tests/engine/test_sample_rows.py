@@ -69,8 +69,9 @@ def _params(i: int) -> SamplingParams:
                           min_p=[0.05, 0.0, 0.2][i % 3], seed=i)
 
 
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
 @pytest.mark.parametrize("layout", ["views", "padded", "separate"])
-def test_rows_sampled_together_get_the_tokens_each_gets_alone(layout):
+def test_rows_sampled_together_get_the_tokens_each_gets_alone(layout, parallel):
     rng = np.random.default_rng(1)
     n, vocab = 24, 5000
     wide = (rng.standard_normal((n, vocab + (48 if layout == "padded" else 0))) * 3).astype(np.float32)
@@ -79,7 +80,7 @@ def test_rows_sampled_together_get_the_tokens_each_gets_alone(layout):
     order = rng.permutation(n)  # the rows in another order than the array's
     together, alone = [Sampler(_params(i)) for i in range(n)], [Sampler(_params(i)) for i in range(n)]
     for _ in range(3):  # each draw advances each generator once, as alone
-        got = sample_rows([together[i] for i in order], [rows[i] for i in order])
+        got = sample_rows([together[i] for i in order], [rows[i] for i in order], parallel)
         want = [alone[i].sample(rows[i], []) for i in order]
         assert got == want
 
@@ -132,9 +133,10 @@ def test_an_engine_step_samples_plain_rows_together_with_the_tokens_each_gets_al
 
     batches = []
 
-    def counted(samplers, rows):
+    def counted(samplers, rows, parallel):
         batches.append(len(rows))
-        return sample_rows(samplers, rows)
+        assert parallel  # the CPU backend's engine thread owns the kernels' threads
+        return sample_rows(samplers, rows, parallel)
 
     monkeypatch.setattr(engine_module, "sample_rows", counted)
     specs = [(f"s{i}", SamplingParams(max_tokens=12, temperature=0.9, top_k=[40, 3][i % 2], seed=100 + i))

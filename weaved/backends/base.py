@@ -79,6 +79,14 @@ class Backend(ABC):
     def name(self) -> str:
         """Short backend name shown in placements and status: ``cpu`` or ``torch``."""
 
+    @property
+    def host_parallel(self) -> bool:
+        """Whether its steps run the host's parallel kernels on the calling thread.  That thread then owns
+        a team of kernel threads already, and other parallel host work on it (sampling a step's rows)
+        adds none; on any other engine thread a parallel region would start a team of its own, whose
+        threads would compete with the kernels' for the cores (``kernels.threads.in_own_thread``)."""
+        return False
+
     @abstractmethod
     def new_kv(self, capacity: int) -> KVCache:
         """An empty KV cache with room for ``capacity`` positions, in this backend's memory."""

@@ -138,6 +138,10 @@ class CPUBackend(Backend):
     def name(self) -> str:
         return "cpu"
 
+    @property
+    def host_parallel(self) -> bool:
+        return True
+
     def new_kv(self, capacity: int) -> KVCache:
         return KVCache.allocate(self.config, capacity)
 

@@ -357,13 +357,14 @@ class BatchEngine:
         return generated
 
     def _draw_plain(self, work: list[Work], outs: list[np.ndarray], drafts: dict) -> dict[Sequence, int]:
-        """The tokens of the sequences that sample this step from their row alone, drawn together on the
-        kernels' threads (``sampling.sample_rows``: the same tokens one by one would give)."""
+        """The tokens of the sequences that sample this step from their row alone, drawn together - on the
+        kernels' threads where this thread has them (``Backend.host_parallel``) - with the tokens one by one
+        would give (``sampling.sample_rows``)."""
         plain = [(w.seq, out[-1]) for w, out in zip(work, outs, strict=True)
                  if w.seq not in drafts and w.n_tokens == len(w.seq.pending) and len(out) and w.seq.plain_sample]
         if len(plain) < 2:
             return {}
-        tokens = sample_rows([s.sampler for s, _ in plain], [row for _, row in plain])
+        tokens = sample_rows([s.sampler for s, _ in plain], [row for _, row in plain], self.backend.host_parallel)
         return {s: t for (s, _), t in zip(plain, tokens, strict=True) if t is not None}
 
     def _advance(self, w: Work, logits: np.ndarray, drawn: int | None = None) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from weaved.engine.logit_edits import apply_logit_bias, apply_mask, apply_penalties
-from weaved.kernels.sample_chain import ALL_NEG_INF, GREEDY, chain_row, chain_rows
+from weaved.kernels.sample_chain import ALL_NEG_INF, GREEDY, chain_row, chain_rows, chain_rows_serial
 from weaved.kernels.topk import top_k_positions
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit for top_logprobs)
@@ -188,11 +188,13 @@ class Sampler:
         return p.top_k, float(p.top_p), float(p.min_p), np.float32(min(1.0 / p.temperature, 1e30))
 
 
-def sample_rows(samplers: Sequence[Sampler], rows: Sequence[np.ndarray]) -> list[int | None]:
+def sample_rows(samplers: Sequence[Sampler], rows: Sequence[np.ndarray], parallel: bool = True
+                ) -> list[int | None]:
     """The next token of each sampler (all ``plain``) from its row of logits (float32 [vocab]), rows
-    sampled in parallel; each token is the one ``Sampler.sample`` gives the row alone, and each
-    non-greedy sampler draws one number from its generator, as it would there.  None for a row the
-    chain cannot sample (NaN, +inf, every logit -inf): ``Sampler.sample`` then says why."""
+    sampled in parallel (or one after another: ``parallel=False``); each token is the one
+    ``Sampler.sample`` gives the row alone, and each non-greedy sampler draws one number from its
+    generator, as it would there.  None for a row the chain cannot sample (NaN, +inf, every logit
+    -inf): ``Sampler.sample`` then says why."""
     n = len(rows)
     if n == 0:
         return []
@@ -205,7 +207,7 @@ def sample_rows(samplers: Sequence[Sampler], rows: Sequence[np.ndarray]) -> list
     us = np.fromiter((s.rng.random() if a[0] != GREEDY else 0.0 for s, a in zip(samplers, args, strict=True)),
                      np.float64, n)
     out = np.empty(n, np.int64)
-    chain_rows(base, which, ks, top_ps, min_ps, inv_ts, us, out)
+    (chain_rows if parallel else chain_rows_serial)(base, which, ks, top_ps, min_ps, inv_ts, us, out)
     return [int(t) if t >= 0 else None for t in out]
 
 

@@ -78,6 +78,10 @@ class RingBackend(RingSessions, Backend):
     def name(self) -> str:
         return "qring"
 
+    @property
+    def host_parallel(self) -> bool:
+        return True
+
     # ---- sessions ----------------------------------------------------------------------------------
     def new_kv(self, capacity: int, tokens=(), label: str | None = None) -> RingKV:  # type: ignore[override]
         kv = RingKV(next(self._rids), capacity, tokens, on_truncate=self._truncate)
