@@ -211,6 +211,7 @@ class _Checked:
 
     def __init__(self, be, reserved: dict[int, int], problems: list[str]):
         self.be, self.reserved, self.problems, self.name = be, reserved, problems, be.name
+        self.host_parallel = be.host_parallel
         self.seqs: dict[int, Sequence] = {}  # by id(kv)
         self.chunks: list[list[tuple[int, list[int], int]]] = []  # per step: (id(kv), tokens, generated so far)
 
