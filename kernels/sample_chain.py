@@ -51,15 +51,6 @@ def _finite_or_neg_inf(x):
 
 
 @njit(**_OPTS)
-def _argmax(x):
-    best = 0
-    for i in range(1, x.shape[0]):
-        if x[i] > x[best]:
-            best = i
-    return best
-
-
-@njit(**_OPTS)
 def chain_row(x, k, top_p, min_p, inv_t, u):
     """The position drawn from x float32 [V] (finite or -inf; the caller has ruled out NaN):
     ``k`` = ``GREEDY`` takes the first maximum; else the ``k`` largest, then the nucleus ``top_p``
@@ -67,7 +58,7 @@ def chain_row(x, k, top_p, min_p, inv_t, u):
     at ``inv_t`` = 1 / temperature and the first candidate whose running weight passes ``u`` (in
     [0, 1)) times the total.  ``ALL_NEG_INF`` when every logit is -inf."""
     if k == GREEDY:
-        best = _argmax(x)
+        best = np.argmax(x)  # the first maximum
         return best if x[best] != -np.inf else ALL_NEG_INF
     ids = top_k_row(x, k)  # [n] descending, ties to the lower position
     n = ids.shape[0]

@@ -169,7 +169,6 @@ class Sampler:
         w = _weights(vals, p.temperature)  # [n] unnormalized probabilities
         return int(ids[_draw(w, self.rng.random())])
 
-
     @property
     def plain(self) -> bool:
         """Whether the next token depends on the row of logits alone through the compiled chain
@@ -181,11 +180,11 @@ class Sampler:
 
     def chain_args(self) -> tuple[int, float, float, np.float32]:
         """(k, top_p, min_p, 1 / temperature) as ``kernels.sample_chain`` takes them (k = GREEDY:
-        argmax).  The inverse temperature is capped so that 0 * inf cannot occur."""
+        argmax)."""
         p = self.params
         if p.greedy:
             return GREEDY, 1.0, 0.0, np.float32(1.0)
-        return p.top_k, float(p.top_p), float(p.min_p), np.float32(min(1.0 / p.temperature, 1e30))
+        return p.top_k, float(p.top_p), float(p.min_p), _inverse_temperature(p.temperature)
 
 
 def sample_rows(samplers: Sequence[Sampler], rows: Sequence[np.ndarray], parallel: bool = True
@@ -215,9 +214,7 @@ def _one_array(rows: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(float32 [m, vocab], int64 [n]): the rows as one 2-D array and their indices in it - the array the
     rows are views of when they are (a backend's logits of one step), else a stacked copy."""
     first = rows[0]
-    base = first
-    while isinstance(base.base, np.ndarray):
-        base = base.base
+    base = _owner(first)
     V = first.shape[0]
     if base.ndim == 2 and base.dtype == np.float32 and base.shape[1] >= V and base.strides[1] == 4:
         start, stride = base.__array_interface__["data"][0], base.strides[0]
@@ -225,16 +222,20 @@ def _one_array(rows: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         for r in rows:
             off = r.__array_interface__["data"][0] - start
             i, rem = divmod(off, stride)
-            root = r
-            while isinstance(root.base, np.ndarray):
-                root = root.base
-            if root is not base or r.dtype != np.float32 or r.ndim != 1 or r.shape[0] != V or r.strides[0] != 4 \
+            if _owner(r) is not base or r.dtype != np.float32 or r.ndim != 1 or r.shape[0] != V or r.strides[0] != 4 \
                     or rem or not 0 <= i < base.shape[0]:
                 break
             which.append(i)
         else:
             return base[:, :V], np.asarray(which, np.int64)
     return np.stack([np.asarray(r, np.float32) for r in rows]), np.arange(len(rows), dtype=np.int64)
+
+
+def _owner(a: np.ndarray) -> np.ndarray:
+    """The array that ``a`` is a view of, through any chain of views (``a`` itself when it owns its data)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
 
 
 def top_k_filter(ids: np.ndarray, vals: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -282,9 +283,13 @@ def _weights(vals: np.ndarray, temperature: float) -> np.ndarray:
     mx = vals.max()
     if mx == -np.inf:
         raise ValueError("every logit is -inf")
-    # Subtract the maximum first (so nothing overflows) and cap 1/T (so 0 * inf cannot occur).
-    inv_t = np.float32(min(1.0 / temperature, 1e30))
-    return np.exp((vals - mx) * inv_t)
+    # Subtract the maximum first, so nothing overflows.
+    return np.exp((vals - mx) * _inverse_temperature(temperature))
+
+
+def _inverse_temperature(temperature: float) -> np.float32:
+    """1 / temperature in float32, capped so that 0 * inf cannot occur."""
+    return np.float32(min(1.0 / temperature, 1e30))
 
 
 def _draw(w: np.ndarray, u: float) -> int:
