@@ -8,7 +8,7 @@ import typer
 from typer.testing import CliRunner
 from weaved.cli import bench as bench_cli
 
-from weaved.bench import INFO_KEYS, KEYS, BenchConfig, batch_size
+from weaved.bench import INFO_KEYS, KEYS, LLAMA_INFO_KEYS, BenchConfig, batch_size
 from weaved.bench.harness import filler_text, measure
 from weaved.bench.report import build_report, format_table, ratios
 from weaved.bench.runner import run_bench
@@ -32,6 +32,8 @@ class FakeMeasure:
         if side == "weave":
             out.update(load_s=1.5, file_mb=100.0, rss_mb=250.0, rss_end_mb=260.0, weights_mb=90.0, decode_gbs=3.0,
                        stream_gbs=20.0)
+        else:
+            out.update(load_s=0.5, rss_mb=400.0, rss_end_mb=420.0)
         return out
 
 
@@ -74,7 +76,7 @@ def test_json_shape_and_ratios(model):
     assert set(out) == {"model", "threads", "weave", "llama_cpp", "ratio"}
     assert out["model"] == str(model) and out["threads"] == 3
     assert set(out["weave"]) == set(KEYS) | set(INFO_KEYS)
-    assert set(out["llama_cpp"]) == set(KEYS)
+    assert set(out["llama_cpp"]) == set(KEYS) | set(LLAMA_INFO_KEYS)
     assert out["ratio"] == {k: pytest.approx(0.5) for k in KEYS}
     # alternating rounds expose both sides to the same drift of the machine
     assert [c[0] for c in fake.calls] == ["weave", "llama_cpp"] * 3
@@ -90,7 +92,12 @@ def test_table_output(model):
     row = next(line for line in text.splitlines() if line.startswith("decode @2000"))
     assert row.split()[-3:] == ["90.0", "180.0", "0.50"]
     assert "load until ready (s)" in text and "1.50" in text
-    assert "resident after load (MB)" in text and "250" in text and "model file (MB)" in text
+    assert "model file (MB)" in text
+    # memory and load time side by side (llama.cpp measures no file size, so that row has one column)
+    row = next(line for line in text.splitlines() if line.startswith("resident after load (MB)"))
+    assert row.split()[-2:] == ["250", "400"]
+    assert next(line for line in text.splitlines() if line.startswith("model file")).split()[-1] == "100"
+    assert "resident after load, of the file: weave 2.50x, llama.cpp 4.00x" in text
     assert "decode streams (GB/s)" in text and "of what the machine streams: 15%" in text
 
 
@@ -125,7 +132,7 @@ def test_failing_side_keeps_the_other_and_exits_nonzero(model):
     assert res.exit_code == 1
     out = json.loads(res.stdout)
     assert out["weave"] == {"error": "RuntimeError: no backend"}
-    assert set(out["llama_cpp"]) == set(KEYS)
+    assert set(out["llama_cpp"]) == set(KEYS) | set(LLAMA_INFO_KEYS)
     assert out["ratio"] == {}
     table = format_table(out)
     assert "weave failed: RuntimeError: no backend" in table
@@ -269,7 +276,8 @@ def test_llama_side_in_a_subprocess(real_model):
     finally:
         engine.close()
     out = measure_in_subprocess("llama_cpp", cfg, tokens)
-    assert set(out) == set(KEYS) and all(v > 0 for v in out.values())
+    assert set(out) == set(KEYS) | set(LLAMA_INFO_KEYS) and all(v > 0 for v in out.values())
+    assert out["rss_mb"] > real_model.stat().st_size / 2**20 / 2  # the weights' pages were touched
 
 
 @pytest.mark.slow

@@ -126,10 +126,25 @@ class LlamaEngine:
 
 
 def measure_llama(cfg: BenchConfig, tokens: Sequence[int], progress: Progress) -> dict[str, float]:
-    """Every selected measurement on llama.cpp."""
+    """Every selected measurement on llama.cpp, and the figures it shares with Weave's side
+    (``LLAMA_INFO_KEYS``): load time and resident memory, measured as Weave's are - after loading
+    and one forward of one token in a one-sequence context (the model's pages touched, its CPU
+    repacking done), and at the end with the last context freed."""
+    import time
+
+    import psutil
+
     progress("loading the model")
+    t0 = time.perf_counter()
     engine = LlamaEngine(str(cfg.model), cfg.threads, cfg.n_batch)
     try:
-        return measure(engine, cfg, tokens, progress)
+        engine.open(1, 256)
+        engine.prefill([0], [[int(tokens[0])]], want_logits=True)
+        load_s = time.perf_counter() - t0
+        rss_mb = psutil.Process().memory_info().rss / 2**20
+        progress(f"ready in {load_s:.1f} s, {rss_mb:.0f} MB resident")
+        out = measure(engine, cfg, tokens, progress)
+        engine._free_context()  # the model stays, as Weave's does at its end figure
+        return {**out, "load_s": load_s, "rss_mb": rss_mb, "rss_end_mb": psutil.Process().memory_info().rss / 2**20}
     finally:
         engine.close()

@@ -1,9 +1,9 @@
 """The benchmark's output: ratios, the JSON object and the table.
 
 JSON shape: ``{"model", "threads", "weave": {...}, "llama_cpp": {...}, "ratio": {...}}``.  A side's
-dict holds the measured keys (tokens/s) - plus ``load_s`` and ``rss_mb`` for Weave - or
-``{"error": message}`` when that side failed.  ``ratio`` is weave / llama.cpp for every key both
-sides measured.
+dict holds the measured keys (tokens/s) plus its informational figures (``INFO_KEYS`` for Weave,
+``LLAMA_INFO_KEYS`` for llama.cpp: load time, resident memory) - or ``{"error": message}`` when that
+side failed.  ``ratio`` is weave / llama.cpp for every measured key both sides have.
 """
 
 from __future__ import annotations
@@ -69,7 +69,14 @@ def format_table(report: dict[str, Any], reps: int | None = None) -> str:
             )
     for k in INFO_KEYS:
         if k in w:
-            lines.append(f"{_LABELS[k]:30s} {_num(w[k], _DIGITS.get(k, 0)):>10s}")
+            d = _DIGITS.get(k, 0)
+            other = f" {_num(b[k], d):>10s}" if k in b else ""
+            lines.append(f"{_LABELS[k]:30s} {_num(w[k], d):>10s}{other}")
+    file_mb = w.get("file_mb")
+    if isinstance(file_mb, int | float) and file_mb > 0 and isinstance(w.get("rss_mb"), int | float):
+        times = [f"{side} {d['rss_mb'] / file_mb:.2f}x" for side, d in (("weave", w), ("llama.cpp", b))
+                 if isinstance(d.get("rss_mb"), int | float)]
+        lines.append(f"resident after load, of the file: {', '.join(times)}")
     if isinstance(w.get("decode_gbs"), int | float) and w.get("stream_gbs"):
         share = w["decode_gbs"] / w["stream_gbs"]
         lines.append(f"decode @16 reads its weights at {w['decode_gbs']:.1f} GB/s, "
