@@ -53,6 +53,34 @@ def test_what_the_engine_computed_counts_fed_prompt_tokens_and_generated_ones():
     assert build([], [], warmup_s=10.0, duration_s=110.0, batched_tps=None, clients=8)["engine"] is None
 
 
+def test_the_cores_each_side_took_are_reported():
+    r = build([], [], warmup_s=10.0, duration_s=110.0, batched_tps=100.0, clients=8,
+              cores={"daemon": 1.7, "clients": 0.25, "idle": 0.05})
+    assert r["cores"] == {"daemon": 1.7, "clients": 0.25, "idle": 0.05}
+    assert "cores over the measured span: daemon 1.70, clients 0.25, idle 0.05" in format_table(r)
+    assert "cores over" not in format_table(build([], [], warmup_s=10.0, duration_s=110.0, batched_tps=1.0,
+                                                  clients=8))
+
+
+def test_the_daemons_cpu_time_is_read_from_its_process():
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; t = time.process_time() + 0.2\n"
+                             "while time.process_time() < t: pass\ntime.sleep(30)"])
+    try:
+        served = Served(proc, socket=None, log=None)
+        for _ in range(100):  # until the child has burnt its 0.2 s (bounded: at most 10 s)
+            if served.cpu_s() >= 0.2:
+                break
+            time.sleep(0.1)
+        assert served.cpu_s() >= 0.2
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_the_daemons_token_counts_come_from_its_metrics():
     metrics = Metrics()
     metrics.observe_turn("interactive", "stop", 50, 10, 64)

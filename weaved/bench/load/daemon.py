@@ -35,6 +35,11 @@ class Served:
             self.sample(since)
             await asyncio.sleep(seconds)
 
+    def cpu_s(self) -> float:
+        """CPU seconds the daemon has used (every thread, user and system)."""
+        t = psutil.Process(self.proc.pid).cpu_times()
+        return t.user + t.system
+
     async def tokens(self, http: httpx.AsyncClient) -> dict[str, float]:
         """The daemon's own token counts since it started, summed over SLA classes, by kind (``prompt``,
         ``cached`` - prompt tokens served from a stored prefix or the session's KV -, ``completion``):

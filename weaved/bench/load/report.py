@@ -15,13 +15,15 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def build(outcomes: list[Outcome], samples: list[tuple[float, float, int]], *, warmup_s: float, duration_s: float,
-          batched_tps: float | None, clients: int, daemon_tokens: dict[str, float] | None = None) -> dict:
+          batched_tps: float | None, clients: int, daemon_tokens: dict[str, float] | None = None,
+          cores: dict[str, float] | None = None) -> dict:
     """Figures over what started after the warm-up: per class, outcomes by status, TTFT and latency
     percentiles, the share served within the class's SLA; overall, tokens per second against the engine's
     batched rate; the daemon's memory and descriptors at the end of the warm-up and at the end.
     ``daemon_tokens``: the daemon's own counts over the measured span, by kind (prompt, cached,
     completion): what the engine computed - the prompt tokens it fed (prompt less cached) and the tokens it
-    generated - against the same batched rate."""
+    generated - against the same batched rate.  ``cores``: the cores the daemon, the clients' process and
+    nothing (idle) took over the same span - the batched rate had every core to itself."""
     measured = [o for o in outcomes if o.start >= warmup_s]
     classes = {}
     for cls in SLAS:
@@ -59,7 +61,8 @@ def build(outcomes: list[Outcome], samples: list[tuple[float, float, int]], *, w
     return {"clients": clients, "duration_s": duration_s, "warmup_s": warmup_s, "classes": classes,
             "errors": errors, "error_kinds": dict(Counter(o.status for o in measured if o.status.startswith("error"))),
             "tokens_per_s": tps, "batched_tps": batched_tps,
-            "vs_batched": tps / batched_tps if batched_tps else None, "engine": engine, "memory": memory,
+            "vs_batched": tps / batched_tps if batched_tps else None, "engine": engine, "cores": cores,
+            "memory": memory,
             "samples": [list(s) for s in samples]}
 
 
@@ -87,6 +90,10 @@ def format_table(r: dict) -> str:
         lines.append(f"the engine computed {e['computed_per_s']:.1f} tokens/s: {e['prompt_fed_per_s']:.1f} prompt "
                      f"tokens fed + {e['generated_per_s']:.1f} generated ({_f(e['vs_batched'], '{:.0%}')} of the "
                      f"batched rate)")
+    c = r.get("cores")
+    if c:
+        lines.append(f"cores over the measured span: daemon {c['daemon']:.2f}, clients {c['clients']:.2f}, "
+                     f"idle {c['idle']:.2f}")
     m = r["memory"]
     if m:
         lines.append(f"daemon: {m['rss_mb_start']:.0f} -> {m['rss_mb_end']:.0f} MB resident ({m['rss_growth']:+.1%}), "

@@ -59,17 +59,30 @@ async def _drive(opts: LoadOptions, served: served_daemon.Served, say: Callable[
         clients = [Client(i, opts, http, sdk, model, t0) for i in range(opts.clients)]
         say(f"{opts.clients} clients for {opts.duration_s:.0f} s")
 
-        async def counts_over_the_measured_span() -> dict[str, float]:
+        async def counts_over_the_measured_span() -> tuple[dict[str, float], dict[str, float]]:
             await asyncio.sleep(opts.warmup_s)
-            before = await served.tokens(http)
+            before, cpu0 = await served.tokens(http), _cpu_marks(served)
             await asyncio.sleep(max(0.0, end - time.monotonic()))
-            after = await served.tokens(http)
-            return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+            after, cpu1 = await served.tokens(http), _cpu_marks(served)
+            wall = cpu1["wall"] - cpu0["wall"]
+            cores = {k: (cpu1[k] - cpu0[k]) / wall for k in cpu0 if k != "wall"}
+            return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}, cores
 
-        counted, *_ = await asyncio.gather(counts_over_the_measured_span(), served.sample_every(opts.sample_s, t0, end),
-                                           *(c.run(end) for c in clients))
+        (counted, cores), *_ = await asyncio.gather(
+            counts_over_the_measured_span(), served.sample_every(opts.sample_s, t0, end),
+            *(c.run(end) for c in clients))
         served.sample(t0)
-    return [o for c in clients for o in c.outcomes], counted
+    return [o for c in clients for o in c.outcomes], counted, cores
+
+
+def _cpu_marks(served: served_daemon.Served) -> dict[str, float]:
+    """CPU seconds so far: the daemon's, this process's (the clients and the sampler) and the machine's
+    idle time, with the wall clock; differences over a span give each one's cores."""
+    import psutil
+
+    own = psutil.Process().cpu_times()
+    return {"wall": time.monotonic(), "daemon": served.cpu_s(), "clients": own.user + own.system,
+            "idle": psutil.cpu_times().idle}
 
 
 def run_load(opts: LoadOptions, say: Callable[[str], None]) -> dict:
@@ -78,11 +91,11 @@ def run_load(opts: LoadOptions, say: Callable[[str], None]) -> dict:
         say("starting weave serve")
         served = served_daemon.start(opts.model, Path(tmp))
         try:
-            outcomes, counted = asyncio.run(_drive(opts, served, say))
+            outcomes, counted, cores = asyncio.run(_drive(opts, served, say))
         finally:
             code = served.stop()
         report = build(outcomes, served.samples, warmup_s=opts.warmup_s, duration_s=opts.duration_s,
-                       batched_tps=batched, clients=opts.clients, daemon_tokens=counted)
+                       batched_tps=batched, clients=opts.clients, daemon_tokens=counted, cores=cores)
         report["daemon_exit"] = code
         report["batched_batch"] = batch
         log = served.log.read_text().splitlines()
