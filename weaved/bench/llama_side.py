@@ -48,7 +48,7 @@ class LlamaEngine:
 
     def open(self, n_seqs: int, capacity: int) -> None:
         L = self.L
-        self._free_context()
+        self.free_context()
         per_seq = -(-max(capacity, 256) // 256) * 256  # llama.cpp pads KV use to 256 cells
         cp = L.llama_context_default_params()
         cp.n_ctx = per_seq * n_seqs  # non-unified KV: each sequence gets n_ctx / n_seq_max cells
@@ -67,12 +67,13 @@ class LlamaEngine:
         self.lengths = [0] * n_seqs
 
     def close(self) -> None:
-        self._free_context()
+        self.free_context()
         if self.model:
             self.L.llama_model_free(self.model)
             self.model = None
 
-    def _free_context(self) -> None:
+    def free_context(self) -> None:
+        """Free the context (its KV, its buffers); the model stays loaded."""
         if self.batch is not None:
             self.L.llama_batch_free(self.batch)
             self.batch = None
@@ -144,7 +145,7 @@ def measure_llama(cfg: BenchConfig, tokens: Sequence[int], progress: Progress) -
         rss_mb = psutil.Process().memory_info().rss / 2**20
         progress(f"ready in {load_s:.1f} s, {rss_mb:.0f} MB resident")
         out = measure(engine, cfg, tokens, progress)
-        engine._free_context()  # the model stays, as Weave's does at its end figure
+        engine.free_context()  # the model stays, as Weave's does at its end figure
         return {**out, "load_s": load_s, "rss_mb": rss_mb, "rss_end_mb": psutil.Process().memory_info().rss / 2**20}
     finally:
         engine.close()
