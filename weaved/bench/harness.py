@@ -170,6 +170,13 @@ def measure(engine: Engine, cfg: BenchConfig, tokens: Sequence[int], progress: P
     return out
 
 
+def resident_mb() -> float:
+    """This process's resident memory in MB: what each side reports after loading and at its end."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
 def stderr_progress(side: str) -> Progress:
     def progress(msg: str) -> None:
         print(f"[{side}] {msg}", file=sys.stderr, flush=True)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from weaved.bench import BenchConfig
-from weaved.bench.harness import Progress, measure
+from weaved.bench.harness import Progress, measure, resident_mb
 
 _LOG_CB = None  # keeps the ctypes log callback alive for the life of the process
 
@@ -133,8 +133,6 @@ def measure_llama(cfg: BenchConfig, tokens: Sequence[int], progress: Progress) -
     repacking done), and at the end with the last context freed."""
     import time
 
-    import psutil
-
     progress("loading the model")
     t0 = time.perf_counter()
     engine = LlamaEngine(str(cfg.model), cfg.threads, cfg.n_batch)
@@ -142,10 +140,10 @@ def measure_llama(cfg: BenchConfig, tokens: Sequence[int], progress: Progress) -
         engine.open(1, 256)
         engine.prefill([0], [[int(tokens[0])]], want_logits=True)
         load_s = time.perf_counter() - t0
-        rss_mb = psutil.Process().memory_info().rss / 2**20
+        rss_mb = resident_mb()
         progress(f"ready in {load_s:.1f} s, {rss_mb:.0f} MB resident")
         out = measure(engine, cfg, tokens, progress)
         engine.free_context()  # the model stays, as Weave's does at its end figure
-        return {**out, "load_s": load_s, "rss_mb": rss_mb, "rss_end_mb": psutil.Process().memory_info().rss / 2**20}
+        return {**out, "load_s": load_s, "rss_mb": rss_mb, "rss_end_mb": resident_mb()}
     finally:
         engine.close()

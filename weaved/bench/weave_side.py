@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from weaved.bench import BenchConfig
-from weaved.bench.harness import Progress, measure
+from weaved.bench.harness import Progress, measure, resident_mb
 
 
 class WeaveEngine:
@@ -68,20 +68,18 @@ def measure_weave(cfg: BenchConfig, tokens: Sequence[int], progress: Progress) -
     single-stream decode reads them at and the rate this machine streams memory at."""
     import gc
 
-    import psutil
-
     from weaved.bench.stream import stream_gbs
 
     progress("loading the model (repacking weights, compiling kernels)")
     be, load_s = load_backend(cfg)
-    rss_mb = psutil.Process().memory_info().rss / 2**20
+    rss_mb = resident_mb()
     progress(f"ready in {load_s:.1f} s, {rss_mb:.0f} MB resident")
     engine = WeaveEngine(be)
     out = measure(engine, cfg, tokens, progress)
     engine.open(0, 1)
     gc.collect()
     info = {"load_s": load_s, "file_mb": cfg.model.stat().st_size / 2**20, "rss_mb": rss_mb,
-            "rss_end_mb": psutil.Process().memory_info().rss / 2**20, "weights_mb": be.decode_bytes / 2**20}
+            "rss_end_mb": resident_mb(), "weights_mb": be.decode_bytes / 2**20}
     if "decode_tps" in out:
         info["decode_gbs"] = be.decode_bytes * out["decode_tps"] / 1e9
         progress("measuring the memory streaming rate")

@@ -37,8 +37,7 @@ class Served:
 
     def cpu_s(self) -> float:
         """CPU seconds the daemon has used (every thread, user and system)."""
-        t = psutil.Process(self.proc.pid).cpu_times()
-        return t.user + t.system
+        return cpu_seconds(self.proc.pid)
 
     async def tokens(self, http: httpx.AsyncClient) -> dict[str, float]:
         """The daemon's own token counts since it started, summed over SLA classes, by kind (``prompt``,
@@ -61,6 +60,12 @@ class Served:
                 self.proc.kill()
                 self.proc.wait(STOP_S)
         return self.proc.returncode
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU seconds process ``pid`` (None: this one) has used, every thread, user and system."""
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
 
 
 def start(model: Path, workdir: Path, *extra: str) -> Served:

@@ -80,8 +80,7 @@ def _cpu_marks(served: served_daemon.Served) -> dict[str, float]:
     idle time, with the wall clock; differences over a span give each one's cores."""
     import psutil
 
-    own = psutil.Process().cpu_times()
-    return {"wall": time.monotonic(), "daemon": served.cpu_s(), "clients": own.user + own.system,
+    return {"wall": time.monotonic(), "daemon": served.cpu_s(), "clients": served_daemon.cpu_seconds(),
             "idle": psutil.cpu_times().idle}
 
 
