@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from . import _gemm_portable
+from . import _gemm_portable, _steal
 from ._llvm import store_tile_cols
 from ._pack import RT, TB_Q4, TB_Q8
 from .quants import PAR_QUANT_MIN_ROWS, quantize_act_cols
@@ -24,6 +24,8 @@ _OPTS = dict(cache=True, nogil=True, error_model="numpy", boundscheck=False)
 CB = 64  # columns per pass over a tile: accumulators CB * RT * 4 = 8 KiB stay in L1
 VNNI_MARKER = np.empty(0, np.int8)  # selects _gemm_vnni's tile kernel
 PORTABLE_MARKER = np.empty(0, np.uint8)  # selects _gemm_portable's
+FEW_COLS = 4  # run_par: at up to this many columns an owner takes OWN_TILES_FEW_COLS tiles at a time
+OWN_TILES_FEW_COLS = 4
 
 
 def tile(marker, qk, P, off0, nb, xq, xd, xs, A, c0, c1):
@@ -58,11 +60,21 @@ def _chunk(n, nch, k):
 
 
 @njit(**_OPTS)
+def _acc(T):
+    """A tile kernel's accumulators for up to CB of T columns."""
+    return np.empty(min(T, CB) * RT + 16, np.float32)
+
+
+@njit(**_OPTS)
 def _rows(marker, P, qk, t0, t1, nb, n_out, xq, xd, xs, Y):
     """Row tiles t0..t1 of the packed matrix, every column of Y (float32 [T, n_out])."""
+    _rows_in(marker, P, qk, t0, t1, nb, n_out, xq, xd, xs, Y, _acc(Y.shape[0]))
+
+
+@njit(**_OPTS)
+def _rows_in(marker, P, qk, t0, t1, nb, n_out, xq, xd, xs, Y, A):
+    """``_rows`` with the accumulators A (``_acc``) given."""
     T = Y.shape[0]
-    cb = min(T, CB)
-    A = np.empty(cb * RT + 16, np.float32)
     tb = TB_Q4 if qk == 4 else TB_Q8
     for t in range(t0, t1):
         nr = min(RT, n_out - t * RT)
@@ -96,8 +108,9 @@ def run_serial(marker, P, qk, n_out, X, xq, xd, xs, Y):
 
 @njit(parallel=True, **_OPTS)
 def run_par(marker, P, qk, n_out, X, xq, xd, xs, Y, nch):
-    """run_serial with the row tiles split into nch static chunks (and the quantization into nch
-    row chunks when X has enough rows)."""
+    """run_serial on nch threads: each owns a contiguous range of the row tiles and takes the tiles
+    left in the others' from the back once done with its own (``_steal``); the quantization is split
+    into nch row chunks when X has enough rows."""
     nt = (n_out + RT - 1) // RT
     nb = X.shape[1] // 32
     T = X.shape[0]
@@ -108,6 +121,19 @@ def run_par(marker, P, qk, n_out, X, xq, xd, xs, Y, nch):
             quantize_act_cols(X, xq, xd, xs, c0, c1)
     elif T > 0:
         quantize_act_cols(X, xq, xd, xs, 0, T)
+    # an owner takes a few tiles at a time at few columns (a tile is then ~1 us of streaming), one at many
+    own = OWN_TILES_FEW_COLS if Y.shape[0] <= FEW_COLS else 1
+    st = _steal.ranges(nt, nch)
     for k in prange(nch):
-        t0, t1 = _chunk(nt, nch, k)
-        _rows(marker, P, qk, t0, t1, nb, n_out, xq, xd, xs, Y)
+        A = _acc(Y.shape[0])
+        while True:
+            t0, t1 = _steal.take_front(st, k, own)
+            if t1 == 0:
+                break
+            _rows_in(marker, P, qk, t0, t1, nb, n_out, xq, xd, xs, Y, A)
+        for j in range(1, nch):
+            while True:
+                t = _steal.take_back(st, (k + j) % nch)
+                if t < 0:
+                    break
+                _rows_in(marker, P, qk, t, t + 1, nb, n_out, xq, xd, xs, Y, A)

@@ -1,9 +1,9 @@
 """The thread budget shared by every parallel kernel, and the CPU's instruction-set features.
 
-Kernels split their work into ``get_threads()`` static chunks and run them in numba's pool; the
-budget is process-wide (numba's own ``set_num_threads`` is per calling thread, which would make
-the split depend on which thread calls).  It can never exceed the pool numba started with
-(``NUMBA_NUM_THREADS``).
+Kernels split their work into ``get_threads()`` chunks (the gemm's ranges give up their tail to
+threads that finish early: ``_steal``) and run them in numba's pool; the budget is process-wide
+(numba's own ``set_num_threads`` is per calling thread, which would make the split depend on which
+thread calls).  It can never exceed the pool numba started with (``NUMBA_NUM_THREADS``).
 """
 
 from __future__ import annotations
