@@ -29,10 +29,13 @@ from weaved.kernels._attention_ir import (
 )
 from weaved.kernels._rowwise import exp_f32
 
+from . import _steal
+
 CHUNK = 512  # keys per work item: longer runs stream better from memory, shorter ones split finer
 BLOCK = 64  # keys scored together inside a chunk (multiple of 16)
 ITEM_OVERHEAD = 32  # fixed cost of a work item, in keys, when balancing threads
 SERIAL_COST = 1024  # groups cheaper than this (in keys) run on one thread
+OWN_ITEMS = 4  # work an owner takes at a time from its own range (one item at a time from the others')
 
 # error_model "numpy": x / 0 gives inf; the "python" model checks every division, which blocks vectorizing
 _OPTS = dict(cache=True, nogil=True, error_model="numpy")
@@ -167,10 +170,22 @@ def _merge_chunks(part_acc, part_ml, it0, n, g, out, lse, t, h0):
 @njit(**_OPTS)
 def _works(q, kaddr, vaddr, row_nkeys, scale, item_row, item_c, part_acc, part_ml, w0, w1):
     """Chunk partials of works w0 .. w1-1 (work w: item w // n_kv, kv head w % n_kv) on one thread."""
+    kf, s, lanes = _scratch(part_acc)
+    _works_in(q, kaddr, vaddr, row_nkeys, scale, item_row, item_c, part_acc, part_ml, w0, w1, kf, s, lanes)
+
+
+@njit(**_OPTS)
+def _scratch(part_acc):
+    """A thread's scratch for ``_works_in``."""
     n_items, n_kv, G, D = part_acc.shape
-    kf = np.empty((BLOCK, D), np.float32)  # np.zeros here was a 16 KiB memset per call
-    s = np.empty((G, BLOCK), np.float32)
-    lanes = np.empty(16, np.float32)
+    # np.zeros here was a 16 KiB memset per call
+    return np.empty((BLOCK, D), np.float32), np.empty((G, BLOCK), np.float32), np.empty(16, np.float32)
+
+
+@njit(**_OPTS)
+def _works_in(q, kaddr, vaddr, row_nkeys, scale, item_row, item_c, part_acc, part_ml, w0, w1, kf, s, lanes):
+    """``_works`` with the scratch (``_scratch``) given."""
+    n_items, n_kv, G, D = part_acc.shape
     for w in range(w0, w1):
         it = w // n_kv
         g = w % n_kv
@@ -232,9 +247,23 @@ def attend_rows(q, kaddr, vaddr, row_nkeys, scale, out, lse, n_slices, max_items
         if n_thr == 1 or cost[n_work] < SERIAL_COST:
             _works(q, kaddr, vaddr, row_nkeys, scale, item_row, item_c, part_acc, part_ml, 0, n_work)
         else:
+            # each thread owns its cut and takes what is left of the others' once done (``_steal``)
+            st = _steal.ranges_at(cuts)
             for i in prange(n_thr):
-                w0, w1 = cuts[i], cuts[i + 1]
-                _works(q, kaddr, vaddr, row_nkeys, scale, item_row, item_c, part_acc, part_ml, w0, w1)
+                kf, s, lanes = _scratch(part_acc)
+                while True:
+                    w0, w1 = _steal.take_front(st, i, OWN_ITEMS)
+                    if w1 == 0:
+                        break
+                    _works_in(q, kaddr, vaddr, row_nkeys, scale, item_row, item_c, part_acc, part_ml, w0, w1,
+                              kf, s, lanes)
+                for j in range(1, n_thr):
+                    while True:
+                        w = _steal.take_back(st, (i + j) % n_thr)
+                        if w < 0:
+                            break
+                        _works_in(q, kaddr, vaddr, row_nkeys, scale, item_row, item_c, part_acc, part_ml, w,
+                                  w + 1, kf, s, lanes)
         if r1 - r0 < 16:
             for r in range(r0, r1):
                 for g in range(n_kv):

@@ -63,6 +63,16 @@ def ranges(n, nth):
 
 
 @njit(**_OPTS)
+def ranges_at(cuts):
+    """Range k = items cuts[k] .. cuts[k + 1] - 1 (cuts int64 [nth + 1], non-decreasing)."""
+    nth = cuts.shape[0] - 1
+    st = np.zeros(nth * STRIDE, np.int64)
+    for k in range(nth):
+        st[k * STRIDE] = cuts[k] | (cuts[k + 1] << 32)
+    return st
+
+
+@njit(**_OPTS)
 def take_front(st, k, g):
     """Up to g items from the front of range k: (i0, i1), or (0, 0) once it is empty."""
     while True:
