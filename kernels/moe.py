@@ -17,7 +17,8 @@ per step), through the dense kernels' gemm - each output element is computed by 
 recipe whatever else is in the product, so a token's result does not depend on the batch.  Each
 token's k outputs are scaled by their weights and added in selection order, ``((y0 + y1) + y2) ...``,
 as llama.cpp's chain of ``ggml_add``s does.  Experts run in parallel, each on one thread, shared out
-largest first to the least loaded thread (a decode step's 8 experts: 4 a thread on 2).
+largest first to the least loaded thread (a decode step's 8 experts: 4 a thread on 2); a thread done
+with its share takes experts from the back of the others' (``_steal``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 from numba import njit, prange
 from numba.typed import List as TypedList
 
-from . import _gemm_driver
+from . import _gemm_driver, _steal
 from ._rowwise import OPTS
 from .elementwise import softmax_drive, swiglu_drive
 from .matmul import PackedWeight, gemm_marker
@@ -175,13 +176,34 @@ def experts_drive(mk, h, ids, wts, gu_mats, down_mats, base, E, qk_gu, qk_down, 
     lanes = _share(counts, nthreads)
     ys = np.empty((T * k, d), np.float32)
     wflat = wts.reshape(T * k)
-    for c in prange(lanes.shape[0]):
-        for j in range(lanes.shape[1]):
-            e = lanes[c, j]
-            if e < 0:
+    nl = lanes.shape[0]
+    ends = np.zeros(nl + 1, np.int64)  # lane c's experts are lanes[c, :ends[c + 1] - ends[c]]
+    for c in range(nl):
+        n = 0
+        while lanes[c, n] >= 0:
+            n += 1
+        ends[c + 1] = ends[c] + n
+    flat_lanes = np.empty(ends[nl], np.int64)
+    for c in range(nl):
+        flat_lanes[ends[c]:ends[c + 1]] = lanes[c, :ends[c + 1] - ends[c]]
+    # each thread runs its lane, then takes experts from the back of the others' (``_steal``)
+    st = _steal.ranges_at(ends)
+    for c in prange(nl):
+        while True:
+            i0, i1 = _steal.take_front(st, c, 1)
+            if i1 == 0:
                 break
+            e = flat_lanes[i0]
             _expert(mk, gu_mats[base + e], down_mats[base + e], qk_gu, qk_down, ff, order[starts[e]:starts[e + 1]],
                     h, wflat, ys)
+        for j in range(1, nl):
+            while True:
+                i = _steal.take_back(st, (c + j) % nl)
+                if i < 0:
+                    break
+                e = flat_lanes[i]
+                _expert(mk, gu_mats[base + e], down_mats[base + e], qk_gu, qk_down, ff,
+                        order[starts[e]:starts[e + 1]], h, wflat, ys)
     for t in range(T):
         out[t] = ys[t * k]
         for i in range(1, k):
