@@ -184,7 +184,7 @@ def _layers(mk, w, x, positions, kvs, seq_starts, pos0, n_heads, n_kv, head_dim,
         _residual(x, y, post_attn, li, eps, h)
         rmsnorm_drive(x, ffn_norm[li], eps, h)
         if moe_k:
-            route_drive(h, moe_router[li], moe_k, ids, wts)
+            route_drive(h, moe_router[li], moe_k, ids, wts, nthreads)
             n_exp = moe_router.shape[1]
             experts_drive(mk, h, ids, wts, moe_gu, moe_down, li * n_exp, n_exp, moe_qk[0], moe_qk[1], moe_ff,
                           nthreads, y)

@@ -35,7 +35,8 @@ from .threads import get_threads
 
 WEIGHT_SUM_MIN = np.float32(6.103515625e-5)  # ggml_clamp of the selected weights' sum (llama.cpp)
 LANES = 16  # the router's dot products: float32 lanes, as a 512-bit vector holds them
-PAR_MIN_ROUTE_TOKENS = 4  # a token's routing takes tens of us: fewer run serially
+PAR_MIN_ROUTE_TOKENS = 4  # a token's routing takes tens of us: fewer split the experts over the threads
+PAR_MIN_ROUTER_WEIGHTS = 1 << 16  # smaller routers (8 experts of 4,096: 128 KB) stay on the calling thread
 TOKEN_SHARE = 0.25  # an expert's cost per token routed to it, against reading its weights (1.0)
 _F64 = np.float64
 
@@ -61,9 +62,15 @@ def _logit(h, w, lanes):
 @njit(**OPTS)
 def _route_row(h, w, k, z, p, lanes, ids, wts):
     """One token: h float32 [d], w float32 [E, d] -> ids int32 [k] (most probable first), wts float32 [k]."""
-    E = w.shape[0]
-    for e in range(E):
+    for e in range(w.shape[0]):
         z[e] = _logit(h, w[e], lanes)
+    _select(z, k, p, ids, wts)
+
+
+@njit(**OPTS)
+def _select(z, k, p, ids, wts):
+    """One token's router logits z float32 [E] -> its k experts (most probable first) and weights."""
+    E = z.shape[0]
     softmax_drive(z.reshape(1, E), p.reshape(1, E))
     for i in range(k):  # the i-th largest; ties to the lower index
         best = -1
@@ -99,15 +106,34 @@ def _route_parallel(h, w, k, ids, wts):
         _route_row(h[t], w, k, z, p, lanes, ids[t], wts[t])
 
 
+@njit(parallel=True, **OPTS)
+def _route_few(h, w, k, ids, wts, nthreads):
+    """A few tokens: the router's rows (1 MB of float32 for 128 experts of 2,048) read by every thread,
+    each its share of the experts, then each token's selection on the calling thread."""
+    T, E = h.shape[0], w.shape[0]
+    z = np.empty((T, E), np.float32)
+    for c in prange(nthreads):
+        lanes = np.empty(LANES, np.float32)
+        for e in range(E * c // nthreads, E * (c + 1) // nthreads):
+            for t in range(T):
+                z[t, e] = _logit(h[t], w[e], lanes)
+    p = np.empty(E, np.float32)
+    for t in range(T):
+        _select(z[t], k, p, ids[t], wts[t])
+
+
 @njit(**OPTS)
-def route_drive(h, w, k, ids, wts):
+def route_drive(h, w, k, ids, wts, nthreads):
     """Every token's experts and weights: h float32 [T, d], w float32 [E, d] -> ids int32 [T, k],
-    wts float32 [T, k].  Few tokens run on the calling thread (a decode step's one token costs less
-    than a parallel region's start), more in parallel: each row's bits are its own either way."""
-    if h.shape[0] < PAR_MIN_ROUTE_TOKENS:
-        _route_serial(h, w, k, ids, wts)
-    else:
+    wts float32 [T, k].  Few tokens split the experts over the threads (a decode step's one token
+    reads the whole router: ~70 us on one thread), more split the tokens: each logit's bits are its
+    own either way."""
+    if h.shape[0] >= PAR_MIN_ROUTE_TOKENS:
         _route_parallel(h, w, k, ids, wts)
+    elif nthreads > 1 and w.shape[0] * w.shape[1] >= PAR_MIN_ROUTER_WEIGHTS:
+        _route_few(h, w, k, ids, wts, nthreads)
+    else:
+        _route_serial(h, w, k, ids, wts)
 
 
 @njit(**OPTS)
@@ -248,7 +274,7 @@ def route(h: np.ndarray, w: ExpertWeights, k: int) -> tuple[np.ndarray, np.ndarr
     T = h.shape[0]
     ids, wts = np.empty((T, k), np.int32), np.empty((T, k), np.float32)
     if T:
-        route_drive(h, w.router, k, ids, wts)
+        route_drive(h, w.router, k, ids, wts, get_threads())
     return ids, wts
 
 

@@ -57,6 +57,26 @@ def test_the_cpu_and_torch_routers_agree_bit_for_bit(k):
         assert np.array_equal(alone[j][0][0], ids[t]) and np.array_equal(alone[j][1][0], wts[t])
 
 
+def test_a_large_router_split_over_threads_routes_as_one_thread_does():
+    """A decode step's one token on a real-size router (128 experts of 2,048) splits the experts over the
+    threads; its bits are those of the serial path and of the same token among many."""
+    from weaved.kernels import moe as kmoe
+
+    rng = np.random.default_rng(5)
+    E, d, k = 128, 2048, 8
+    w = rng.standard_normal((E, d), dtype=np.float32) * d ** -0.5
+    w[90] = w[17]  # a tie across the two threads' shares: the lower index still goes first
+    h = rng.standard_normal((9, d), dtype=np.float32)
+    assert E * d >= kmoe.PAR_MIN_ROUTER_WEIGHTS
+    many = np.empty((9, k), np.int32), np.empty((9, k), np.float32)
+    kmoe.route_drive(h, w, k, *many, 2)  # 9 tokens: split by token
+    for t0, t1 in ((0, 1), (3, 5), (6, 9)):  # 1-3 tokens: split by expert (2 threads) or serial (1)
+        for threads in (1, 2):
+            ids, wts = np.empty((t1 - t0, k), np.int32), np.empty((t1 - t0, k), np.float32)
+            kmoe.route_drive(h[t0:t1], w, k, ids, wts, threads)
+            assert np.array_equal(ids, many[0][t0:t1]) and np.array_equal(wts, many[1][t0:t1])
+
+
 def test_the_wrappers_check_their_inputs():
     rng = np.random.default_rng(0)
     ex = _experts(rng)
