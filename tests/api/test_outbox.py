@@ -115,3 +115,12 @@ def test_events_for_a_closed_loop_are_dropped_and_the_pipe_is_closed_with_its_ou
         pass
     else:
         raise AssertionError("the wake pipe outlived its outbox")
+
+
+def test_the_wake_up_write_keeps_the_gil():
+    """The pipe is rung through ctypes' PyDLL convention (the GIL held across the call): with the GIL
+    released, the woken loop would take it and the engine thread would wait for it to come back."""
+    import ctypes
+
+    assert outbox_mod._write is not None
+    assert outbox_mod._write._flags_ & ctypes._FUNCFLAG_PYTHONAPI
