@@ -19,16 +19,14 @@ import numpy as np
 from weaved.backends.base import Backend, Logits, SeqChunk
 from weaved.bursts import burst
 from weaved.engine.admission import Capacity, Refusal, judge
-from weaved.engine.constraint import ConstraintError
-from weaved.engine.sampling import logprobs_of, sample_rows
+from weaved.engine.sampling import sample_rows
 from weaved.engine.scheduler import SchedulerConfig, Work, schedule
 from weaved.engine.sequence import SeqStatus, Sequence, SLARank
 from weaved.engine.speculative import Drafter, SpecConfig, verify
+from weaved.engine.turn_output import PACE_WEIGHT, TurnOutput
 
 log = logging.getLogger("weave.engine")
 
-PACE_WEIGHT = 0.2  # of the latest step in the moving mean step time, and of the latest turn in the lateness
-LATENESS_BOUNDS = (0.5, 4.0)  # one turn's ratio to its forecast is clipped to these: one outlier moves little
 
 
 class EngineStopping(RuntimeError):
@@ -106,13 +104,20 @@ class BatchEngine:
         # the pool's pace now: a moving mean of its steps' durations (the router predicts a turn's answer
         # with it, since it holds the prefill chunks other turns feed beside the decodes)
         self.recent_step_s = 0.0
-        # how late its turns end against the router's forecasts: a moving mean of (time taken) / (forecast
-        # for the tokens generated) over the turns that carried one (``routing.predict``)
-        self.lateness = 1.0
         # (backend, bytes) -> whether it freed that much of the backend's own KV memory (a GPU's, by
         # demoting idle sessions): tried once before a step that lacks the room fails a turn
         self._make_room = make_room
         self._clock = clock  # seconds: deadlines, token times, step durations (a simulation's virtual clock)
+        self.out = TurnOutput(name, self.counters, clock)  # tokens, stops, events, the ends of turns
+
+    @property
+    def lateness(self) -> float:
+        """How late the pool's turns end against the router's forecasts (``TurnOutput.lateness``)."""
+        return self.out.lateness
+
+    @lateness.setter
+    def lateness(self, value: float) -> None:
+        self.out.lateness = value
 
     # ---- control (any thread) ----------------------------------------------------------------
     def start(self) -> None:
@@ -191,7 +196,7 @@ class BatchEngine:
             self._active, self._incoming = [], []
         for s in rest:
             if not s.status.done:
-                self._finish(s, SeqStatus.CANCELLED, "shutdown")
+                self.out.finish(s, SeqStatus.CANCELLED, "shutdown")
 
     def now(self) -> float:
         """The engine's clock (seconds; its token times and the tokens/s window are on it)."""
@@ -225,14 +230,14 @@ class BatchEngine:
                 status = getattr(exc, "http_status", None)  # the server's capacity, not a bug: no traceback
                 if status is None:
                     log.exception("engine %s: admitting %s failed", self.name, s.session_id)
-                self._fail(s, f"could not bring the session's KV to pool {self.name!r}: {exc}", status)
+                self.out.fail(s, f"could not bring the session's KV to pool {self.name!r}: {exc}", status)
         for s in outside:
             self._prefill_outside(s)
         for sid, callback in detach:
             self._hand_over(sid, callback)
         for s in self._active:
             if s.session_id in cancelled and not s.status.done:
-                self._finish(s, SeqStatus.CANCELLED, "cancelled")
+                self.out.finish(s, SeqStatus.CANCELLED, "cancelled")
         self._active = [s for s in self._active if not s.status.done]
         if self._active:
             try:
@@ -242,7 +247,7 @@ class BatchEngine:
                 if status is None:
                     log.exception("engine %s: step failed", self.name)
                 for s in self._active:
-                    self._fail(s, str(exc) if status else f"internal error: {exc}", status)
+                    self.out.fail(s, str(exc) if status else f"internal error: {exc}", status)
             self._active = [s for s in self._active if not s.status.done]
 
     def _prefill_outside(self, s: Sequence) -> None:
@@ -270,11 +275,11 @@ class BatchEngine:
             callback(seq)
         except EngineStopping:  # the daemon is shutting down while the turn moves: it ends like the rest
             if seq is not None:
-                self._finish(seq, SeqStatus.CANCELLED, "shutdown")
+                self.out.finish(seq, SeqStatus.CANCELLED, "shutdown")
         except Exception as exc:  # the receiving side failed: the turn fails, the pool goes on
             log.exception("engine %s: handing over %s failed", self.name, seq and seq.session_id)
             if seq is not None:
-                self._fail(seq, f"moving the session failed: {exc}")
+                self.out.fail(seq, f"moving the session failed: {exc}")
 
     def step(self) -> None:
         """One scheduling step over the active sequences (engine thread only)."""
@@ -343,7 +348,7 @@ class BatchEngine:
             if need and not room_made and self._make_room is not None and self._make_room(self.backend, need):
                 return self._reserved(w, room_made=True)
             # out of KV room (the node's cap, a ring's shards) is the server's capacity, not a bug: 503
-            self._fail(w.seq, str(exc), getattr(exc, "http_status", None))
+            self.out.fail(w.seq, str(exc), getattr(exc, "http_status", None))
             return False
 
     def _verify(self, w: Work, logits: np.ndarray, draft: list[int]) -> int:
@@ -371,11 +376,11 @@ class BatchEngine:
         s = w.seq
         was_prefill = s.prefilling
         if s.prompt_logprobs and was_prefill and len(logits):
-            self._emit_prompt_logprobs(s, s.pending[: w.n_tokens], logits)
+            self.out.prompt_logprobs(s, s.pending[: w.n_tokens], logits)
         self._feed(s, w.n_tokens, prefill=was_prefill)
         if s.pending:
             return 0  # more prompt to feed
-        return self._sample(s, logits[-1], drawn)
+        return self.out.sample(s, logits[-1], drawn)
 
     def _feed(self, s: Sequence, n: int, prefill: bool) -> None:
         """The first ``n`` pending tokens' KV rows are written: they join the history and are committed."""
@@ -387,95 +392,6 @@ class BatchEngine:
             self.counters.tokens_prefilled += len(fed)
         if self._commit is not None:
             self._commit(s, fed)
-
-    def _emit_prompt_logprobs(self, s: Sequence, fed: list[int], logits: np.ndarray) -> None:
-        """Log-probability of each fed token given what came before it.  Row i of ``logits``
-        predicts fed token i+1; the chunk's first token is predicted by the previous chunk's last
-        row (none for the first token the turn feeds)."""
-        rows = [s.prev_row, *logits[:-1]]
-        items = []
-        for tok, row in zip(fed, rows, strict=True):
-            if row is None:
-                items.append((tok, None, []))
-            else:
-                lp, top = logprobs_of(row, tok, s.params.logprobs or 0)
-                items.append((tok, lp, top))
-        s.prev_row = logits[-1].copy()
-        self._emit(s, {"type": "prompt_logprobs", "items": items})
-
-    def _sample(self, s: Sequence, row: np.ndarray, drawn: int | None = None) -> int:
-        """``drawn``: the token ``_draw_plain`` sampled for it (its generator already advanced)."""
-        now = self._clock()
-        try:
-            tok = drawn if drawn is not None else s.sample(row)
-        except (ValueError, ConstraintError) as exc:  # nothing may be sampled: this turn ends, not the step
-            self._fail(s, f"sampling failed: {exc}")
-            return 0
-        lp = logprobs_of(row, tok, s.params.logprobs) if s.params.logprobs is not None else None
-        if s.first_token_at is None:
-            s.first_token_at = now
-            s.status = SeqStatus.RUNNING
-        s.last_token_at = now
-        s.generated.append(tok)
-        self.counters.tokens_generated += 1
-        piece = s.decoder.push(tok) if s.decoder is not None else ""
-        step = s.stops.feed(piece, tok) if s.stops is not None else None
-        text = step.text if step is not None else piece
-        if text:
-            s.text.append(text)
-        ev = {"type": "token", "token": tok, "text": text}
-        if lp is not None:
-            ev["logprob"], ev["top_logprobs"] = lp
-        self._emit(s, ev)
-        if step is not None and step.stopped:
-            # the stop token (e.g. end of turn) is part of the transcript; feed it with the next turn
-            s.pending = [tok]
-            self._finish(s, SeqStatus.FINISHED, "stop")
-        elif len(s.generated) >= s.params.max_tokens or s.kv.length + 1 >= s.kv.capacity:
-            s.pending = [tok]
-            self._finish(s, SeqStatus.FINISHED, "length")
-        else:
-            s.pending = [tok]
-        return 1
-
-    def _finish(self, s: Sequence, status: SeqStatus, reason: str) -> None:
-        if s.status.done:
-            return
-        if s.decoder is not None and status == SeqStatus.FINISHED and reason != "stop":
-            tail = s.decoder.flush()
-            if s.stops is not None:
-                tail = s.stops.feed(tail).text + s.stops.flush() if tail else s.stops.flush()
-            if tail:
-                s.text.append(tail)
-                self._emit(s, {"type": "token", "token": None, "text": tail})
-        s.status = status
-        s.finish_reason = reason
-        if status == SeqStatus.FINISHED and s.forecast is not None:
-            self._learn_lateness(s)
-        self._emit(s, {"type": "done", "finish_reason": reason})
-
-    def _learn_lateness(self, s: Sequence) -> None:
-        ttft, step = s.forecast
-        expected = ttft + step * len(s.generated)
-        if expected > 0:
-            ratio = min(LATENESS_BOUNDS[1], max(LATENESS_BOUNDS[0], (self._clock() - s.arrival) / expected))
-            self.lateness = (1 - PACE_WEIGHT) * self.lateness + PACE_WEIGHT * ratio
-
-    def _fail(self, s: Sequence, message: str, status: int | None = None) -> None:
-        """End the turn with an error; ``status`` the HTTP status its answer takes (None: 500)."""
-        if s.status.done:
-            return
-        s.status = SeqStatus.FAILED
-        s.error = message
-        s.finish_reason = "error"
-        self._emit(s, {"type": "error", "message": message, **({"status": status} if status else {})})
-
-    def _emit(self, s: Sequence, ev: dict) -> None:
-        if s.emit is not None:
-            try:
-                s.emit(ev)
-            except Exception:  # a dead client must not stop the engine
-                log.exception("engine %s: emit failed for %s", self.name, s.session_id)
 
     def _event(self, kind: str, data: dict) -> None:
         if self._on_event is not None:
