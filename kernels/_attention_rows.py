@@ -35,7 +35,7 @@ CHUNK = 512  # keys per work item: longer runs stream better from memory, shorte
 BLOCK = 64  # keys scored together inside a chunk (multiple of 16)
 ITEM_OVERHEAD = 32  # fixed cost of a work item, in keys, when balancing threads
 SERIAL_COST = 1024  # groups cheaper than this (in keys) run on one thread
-OWN_ITEMS = 4  # work an owner takes at a time from its own range (one item at a time from the others')
+OWN_ITEMS = 4  # work items a thread takes at a time from its own range (one at a time from the others')
 
 # error_model "numpy": x / 0 gives inf; the "python" model checks every division, which blocks vectorizing
 _OPTS = dict(cache=True, nogil=True, error_model="numpy")
@@ -251,19 +251,13 @@ def attend_rows(q, kaddr, vaddr, row_nkeys, scale, out, lse, n_slices, max_items
             st = _steal.ranges_at(cuts)
             for i in prange(n_thr):
                 kf, s, lanes = _scratch(part_acc)
+                j = 0
                 while True:
-                    w0, w1 = _steal.take_front(st, i, OWN_ITEMS)
+                    w0, w1, j = _steal.take(st, i, OWN_ITEMS, j)
                     if w1 == 0:
                         break
                     _works_in(q, kaddr, vaddr, row_nkeys, scale, item_row, item_c, part_acc, part_ml, w0, w1,
                               kf, s, lanes)
-                for j in range(1, n_thr):
-                    while True:
-                        w = _steal.take_back(st, (i + j) % n_thr)
-                        if w < 0:
-                            break
-                        _works_in(q, kaddr, vaddr, row_nkeys, scale, item_row, item_c, part_acc, part_ml, w,
-                                  w + 1, kf, s, lanes)
         if r1 - r0 < 16:
             for r in range(r0, r1):
                 for g in range(n_kv):

@@ -126,14 +126,9 @@ def run_par(marker, P, qk, n_out, X, xq, xd, xs, Y, nch):
     st = _steal.ranges(nt, nch)
     for k in prange(nch):
         A = _acc(Y.shape[0])
+        j = 0
         while True:
-            t0, t1 = _steal.take_front(st, k, own)
+            t0, t1, j = _steal.take(st, k, own, j)
             if t1 == 0:
                 break
             _rows_in(marker, P, qk, t0, t1, nb, n_out, xq, xd, xs, Y, A)
-        for j in range(1, nch):
-            while True:
-                t = _steal.take_back(st, (k + j) % nch)
-                if t < 0:
-                    break
-                _rows_in(marker, P, qk, t, t + 1, nb, n_out, xq, xd, xs, Y, A)

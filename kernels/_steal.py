@@ -95,3 +95,22 @@ def take_back(st, k):
             return -1
         if compare_and_swap(st, k * STRIDE, s, f | ((b - 1) << 32)):
             return b - 1
+
+
+@njit(**_OPTS)
+def take(st, k, own, j):
+    """Thread k's next span of items (i0, i1, j): up to ``own`` from the front of its own range while it
+    lasts (j = 0), then one at a time from the back of range (k + j) % nth for j = 1 .. nth - 1; i1 = 0
+    once every range is empty.  Start with j = 0 and pass back the j returned."""
+    nth = st.shape[0] // STRIDE
+    while j < nth:
+        if j == 0:
+            i0, i1 = take_front(st, k, own)
+            if i1 > 0:
+                return i0, i1, j
+        else:
+            i = take_back(st, (k + j) % nth)
+            if i >= 0:
+                return i, i + 1, j
+        j += 1
+    return 0, 0, j

@@ -163,21 +163,27 @@ def _expert(mk, gu, down, qk_gu, qk_down, ff, rows, h, wts_flat, out_flat):
 @njit(**OPTS)
 def _share(counts, nthreads):
     """The used experts split over ``nthreads`` threads, largest first to the least loaded (an expert
-    costs its weights' read, the same for all, plus a little per token): int64 [threads, experts],
-    each row an expert list ended by -1."""
+    costs its weights' read, the same for all, plus a little per token): (experts int64 [used], ends
+    int64 [threads + 1]), thread c's experts being experts[ends[c]:ends[c + 1]] in the order given."""
     E = counts.shape[0]
-    used = np.argsort(-counts, kind="mergesort")
-    lanes = np.full((nthreads, E + 1), -1, np.int64)
+    by_size = np.argsort(-counts, kind="mergesort")
+    lanes = np.empty((nthreads, E), np.int64)
     fill = np.zeros(nthreads, np.int64)
     load = np.zeros(nthreads, np.float64)
-    for e in used:
+    for e in by_size:
         if counts[e] == 0:
             break
         c = np.argmin(load)
         lanes[c, fill[c]] = e
         fill[c] += 1
         load[c] += TOKEN_SHARE * counts[e] + 1.0
-    return lanes
+    ends = np.zeros(nthreads + 1, np.int64)
+    for c in range(nthreads):
+        ends[c + 1] = ends[c] + fill[c]
+    experts = np.empty(ends[nthreads], np.int64)
+    for c in range(nthreads):
+        experts[ends[c]:ends[c + 1]] = lanes[c, :fill[c]]
+    return experts, ends
 
 
 @njit(parallel=True, **OPTS)
@@ -199,37 +205,20 @@ def experts_drive(mk, h, ids, wts, gu_mats, down_mats, base, E, qk_gu, qk_down, 
         e = flat[r]
         order[fill[e]] = r
         fill[e] += 1
-    lanes = _share(counts, nthreads)
+    used, ends = _share(counts, nthreads)
     ys = np.empty((T * k, d), np.float32)
     wflat = wts.reshape(T * k)
-    nl = lanes.shape[0]
-    ends = np.zeros(nl + 1, np.int64)  # lane c's experts are lanes[c, :ends[c + 1] - ends[c]]
-    for c in range(nl):
-        n = 0
-        while lanes[c, n] >= 0:
-            n += 1
-        ends[c + 1] = ends[c] + n
-    flat_lanes = np.empty(ends[nl], np.int64)
-    for c in range(nl):
-        flat_lanes[ends[c]:ends[c + 1]] = lanes[c, :ends[c + 1] - ends[c]]
-    # each thread runs its lane, then takes experts from the back of the others' (``_steal``)
+    # each thread runs its share, then takes experts from the back of the others' (``_steal``)
     st = _steal.ranges_at(ends)
-    for c in prange(nl):
+    for c in prange(nthreads):
+        j = 0
         while True:
-            i0, i1 = _steal.take_front(st, c, 1)
+            i0, i1, j = _steal.take(st, c, 1, j)
             if i1 == 0:
                 break
-            e = flat_lanes[i0]
+            e = used[i0]
             _expert(mk, gu_mats[base + e], down_mats[base + e], qk_gu, qk_down, ff, order[starts[e]:starts[e + 1]],
                     h, wflat, ys)
-        for j in range(1, nl):
-            while True:
-                i = _steal.take_back(st, (c + j) % nl)
-                if i < 0:
-                    break
-                e = flat_lanes[i]
-                _expert(mk, gu_mats[base + e], down_mats[base + e], qk_gu, qk_down, ff,
-                        order[starts[e]:starts[e + 1]], h, wflat, ys)
     for t in range(T):
         out[t] = ys[t * k]
         for i in range(1, k):

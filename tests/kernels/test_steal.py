@@ -20,8 +20,9 @@ def _take_all(n, nth, own, stall):
     by = np.full(n, -1, np.int64)
     for k in prange(nth):
         first = True
+        j = 0
         while True:
-            i0, i1 = _steal.take_front(st, k, own)
+            i0, i1, j = _steal.take(st, k, own, j)
             if i1 == 0:
                 break
             for i in range(i0, i1):
@@ -32,13 +33,6 @@ def _take_all(n, nth, own, stall):
                     if (_steal.atomic_load(st, 0) >> 32) < back0:
                         break
             first = False
-        for j in range(1, nth):
-            while True:
-                i = _steal.take_back(st, (k + j) % nth)
-                if i < 0:
-                    break
-                taken[i] += 1
-                by[i] = k
     return taken, by
 
 

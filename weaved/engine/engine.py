@@ -28,7 +28,6 @@ from weaved.engine.turn_output import PACE_WEIGHT, TurnOutput
 log = logging.getLogger("weave.engine")
 
 
-
 class EngineStopping(RuntimeError):
     """The engine is shutting down and takes no more work."""
 
