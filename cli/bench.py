@@ -77,8 +77,8 @@ def register(app: typer.Typer, run: Runner | None = None,
                          help="Instead of --model: a model in the exact shape of a real one with random weights, "
                               "quantized to Q4_0 by llama.cpp and cached (smollm2-135m, llama-3.2-1b, llama-3.2-3b, "
                               "llama-3.1-8b, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-0.5b-yarn, qwen3-0.6b, qwen3-1.7b, "
-                              "qwen3-32b); ':LAYERS' cuts it to that many layers.  With --simulate: the shape the "
-                              "simulated host serves (nothing is built)."),
+                              "qwen3-32b, qwen3-30b-a3b); ':LAYERS' cuts it to that many layers.  With --simulate: "
+                              "the shape the simulated host serves (nothing is built)."),
         ] = None,
         threads: Annotated[
             int | None, typer.Option("--threads", min=1, help="Threads for both sides (default: CPU count).")

@@ -330,3 +330,15 @@ def test_grammar_scenario_reports_mask_costs(smollm2_q4_0):
         assert g["tokens"] == 300 and 0 < g["p50_us"] <= g["p99_us"] <= g["max_us"]
     bad = CliRunner().invoke(app, ["bench", "--scenario", "grammar", "--clients", "3"])
     assert bad.exit_code == 2 and "grammar scenario takes" in bad.output
+
+
+def test_shape_help_names_every_shape():
+    import inspect
+
+    from weaved.bench.shapes import SHAPES
+
+    app = _app(FakeMeasure(), [])
+    command = typer.main.get_command(app).commands["bench"]
+    (opt,) = [p for p in command.params if p.name == "shape"]
+    listed = inspect.cleandoc(opt.help).split("cached (")[1].split(")")[0]
+    assert sorted(n.strip() for n in listed.split(",")) == sorted(SHAPES)
