@@ -28,6 +28,7 @@ from numba import njit, prange
 from numba.typed import List as TypedList
 
 from . import _gemm_driver, _steal
+from ._router_ir import GROUP, logits4
 from ._rowwise import OPTS
 from .elementwise import softmax_drive, swiglu_drive
 from .matmul import PackedWeight, gemm_marker
@@ -60,10 +61,21 @@ def _logit(h, w, lanes):
 
 
 @njit(**OPTS)
+def _logits(h, w, e_lo, e_hi, z, lanes):
+    """z[e] = _logit(h, w[e]) for e in [e_lo, e_hi): four experts at a time (``_router_ir``, the same
+    bits), the rest one by one."""
+    e = e_lo
+    while e + GROUP <= e_hi:
+        logits4(h, w, e, z)
+        e += GROUP
+    for r in range(e, e_hi):
+        z[r] = _logit(h, w[r], lanes)
+
+
+@njit(**OPTS)
 def _route_row(h, w, k, z, p, lanes, ids, wts):
     """One token: h float32 [d], w float32 [E, d] -> ids int32 [k] (most probable first), wts float32 [k]."""
-    for e in range(w.shape[0]):
-        z[e] = _logit(h, w[e], lanes)
+    _logits(h, w, 0, w.shape[0], z, lanes)
     _select(z, k, p, ids, wts)
 
 
@@ -114,9 +126,8 @@ def _route_few(h, w, k, ids, wts, nthreads):
     z = np.empty((T, E), np.float32)
     for c in prange(nthreads):
         lanes = np.empty(LANES, np.float32)
-        for e in range(E * c // nthreads, E * (c + 1) // nthreads):
-            for t in range(T):
-                z[t, e] = _logit(h[t], w[e], lanes)
+        for t in range(T):
+            _logits(h[t], w, E * c // nthreads, E * (c + 1) // nthreads, z[t], lanes)
     p = np.empty(E, np.float32)
     for t in range(T):
         _select(z[t], k, p, ids[t], wts[t])

@@ -26,6 +26,32 @@ def test_the_router_logits_are_a_float32_dot_in_sixteen_lanes():
     assert np.array_equal(ids, t_ids.numpy())
 
 
+@pytest.mark.parametrize("E", [4, 27])
+def test_the_grouped_logits_are_the_one_by_one_lanes_bit_for_bit(E):
+    """Four experts a call (vector lanes in registers) and the rest one by one give each logit the
+    scalar lane recipe's bits, and torch's."""
+    from weaved.kernels import moe as kmoe
+
+    rng = np.random.default_rng(7)
+    h = rng.standard_normal((3, 512), dtype=np.float32)
+    w = rng.standard_normal((E, 512), dtype=np.float32) * 512 ** -0.5
+    h[1, 5], w[2, 5] = -0.0, 3e-39  # a signed zero and a subnormal product change nothing
+    lanes = np.empty(16, np.float32)
+    for t in range(3):
+        z = np.full(E, np.nan, np.float32)
+        kmoe._logits(h[t], w, 0, E, z, lanes)
+        one = np.array([kmoe._logit(h[t], w[e], lanes) for e in range(E)], np.float32)
+        assert z.tobytes() == one.tobytes()
+        part = np.full(E, np.nan, np.float32)
+        kmoe._logits(h[t], w, 1, E, part, lanes)  # groups starting off a multiple of four
+        assert np.isnan(part[0]) and part[1:].tobytes() == one[1:].tobytes()
+    t_logits = torch_moe.router_logits(torch.from_numpy(h), torch.from_numpy(w)).numpy()
+    full = np.empty((3, E), np.float32)
+    for t in range(3):
+        kmoe._logits(h[t], w, 0, E, full[t], lanes)
+    assert full.tobytes() == t_logits.tobytes()
+
+
 def _experts(rng, E=8, d=64, ff=32, router=None) -> ExpertWeights:
     def packed(n_out, n_in):
         from gguf import GGMLQuantizationType as Q
