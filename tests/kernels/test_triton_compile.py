@@ -4,9 +4,11 @@ Triton's interpreter (``test_triton_interp``) checks what the kernels compute, b
 the compiler refuses (an early ``return`` inside a compile-time branch of a recursive helper, say), so
 a kernel can pass every interpreter test and fail on the first GPU.  Triton's wheel carries ``ptxas``:
 with a stand-in driver that names the target, each launch here builds its kernel down to a cubin with
-the real arguments' types and skips running it.  The backend's forward goes on with unwritten
-outputs, which is fine for everything but the host logic that reads a result: a mixture of experts'
-grouping reads the router's choices, so the router (compiled too) hands back the torch op's.
+the real arguments' types and skips running it.  The backend's forward goes on with its float
+arguments zeroed (what was left in a fresh buffer would make the host logic that reads a result take
+different branches from run to run: with zero logits every logit is a refinement candidate, so the
+candidates' kernel is always launched); a mixture of experts' grouping reads the router's choices,
+so the router (compiled too) hands back the torch op's.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def compile_only(monkeypatch):
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter replaces the compiler")
+    import torch
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
@@ -49,6 +52,11 @@ def compile_only(monkeypatch):
 
     def compile_launch(self, *args, grid, warmup, **kwargs):
         built.setdefault(self.fn.__name__, []).append(run(self, *args, grid=grid, warmup=True, **kwargs))
+        # what the launch would have written is zeros, not whatever the allocator left there: the host
+        # logic after it (the logits' candidates, say) then takes the same branches in every run
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.is_floating_point():
+                a.zero_()
 
     monkeypatch.setattr(JITFunction, "run", compile_launch)
     before = driver._active  # None here: reset_active would look for a GPU driver, and there is none
