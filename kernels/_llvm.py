@@ -10,6 +10,7 @@ from __future__ import annotations
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 I1, I8, I16, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -84,6 +85,45 @@ def quant_block_q8(typingctx, x, xoff, q, qoff):
 
     return sig, codegen
 
+
+@intrinsic
+def sumsq_f64(typingctx, x):
+    """sum(x[i]^2) of float32 x [n] (contiguous) the way ggml's rms_norm sums it: each square in
+    float32, added in float64 to lane i % 16 in index order, then lanes 0..15 added in order from 0.0.
+    The lanes are one register pair, not memory: as a loop over a lanes array each block waited on
+    the last one's add through a store and a load (and the array was an allocation per row).  A
+    missing tail lane adds +0.0 to a sum of squares (>= +0.0), which leaves it as it was."""
+    if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 1 and x.layout == "C"):
+        raise TypingError(f"sumsq_f64: a contiguous float32 vector, got {x}")
+    sig = types.float64(x)
+
+    def codegen(context, builder, signature, args):
+        xa = context.make_array(signature.args[0])(context, builder, args[0])
+        n = builder.extract_value(xa.shape, 0)
+        xp = builder.bitcast(xa.data, F32.as_pointer())
+        f64, v16d = ir.DoubleType(), ir.VectorType(ir.DoubleType(), 16)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(v16d, [0.0] * 16))
+
+        def add(v):  # lanes += float64(v * v)
+            builder.store(builder.fadd(builder.load(acc), builder.fpext(builder.fmul(v, v), v16d)), acc)
+
+        n16 = builder.sdiv(n, c64(16))
+        with cgutils.for_range(builder, n16, intp=I64) as lp:
+            add(builder.load(builder.bitcast(builder.gep(xp, [builder.mul(lp.index, c64(16))]), V16F.as_pointer()),
+                             align=4))
+        tail = cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16))
+        rest = builder.sub(n, builder.mul(n16, c64(16)))
+        with cgutils.for_range(builder, rest, intp=I64) as lr:
+            v = builder.load(builder.gep(xp, [builder.add(builder.mul(n16, c64(16)), lr.index)]))
+            builder.store(builder.insert_element(builder.load(tail), v, builder.trunc(lr.index, I32)), tail)
+        add(builder.load(tail))
+        lanes = builder.load(acc)
+        total = ir.Constant(f64, 0.0)
+        for i in range(16):
+            total = builder.fadd(total, builder.extract_element(lanes, c32(i)))
+        return total
+
+    return sig, codegen
 
 
 @intrinsic

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 from weaved.kernels._geglu import geglu, geglu_ref, gelu_ref
+from weaved.kernels._llvm import sumsq_f64
 from weaved.kernels._rope import (
     plain_rope,
     rope,
@@ -37,17 +38,7 @@ def _rmsnorm_row(x, w, eps, y):
     squares summed in float64 (here in 16 interleaved lanes, then the lanes in order), the mean
     rounded to float32, scale = 1 / sqrtf(mean + eps), y = (x * scale) * w."""
     n = x.shape[0]
-    lanes = np.zeros(16, np.float64)
-    n16 = n - n % 16
-    for b in range(0, n16, 16):
-        for i in range(16):
-            lanes[i] += np.float64(x[b + i] * x[b + i])
-    for i in range(n - n16):
-        lanes[i] += np.float64(x[n16 + i] * x[n16 + i])
-    s = 0.0
-    for i in range(16):
-        s += lanes[i]
-    mean = np.float32(s / n)
+    mean = np.float32(sumsq_f64(x) / n)
     scale = F1 / np.sqrt(mean + eps)
     for i in range(x.shape[0]):
         y[i] = (x[i] * scale) * w[i]  # ggml: rms_norm, then the mul by the weight

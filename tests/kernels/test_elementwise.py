@@ -47,6 +47,26 @@ def test_rmsnorm_matches_reference_and_ggml_recipe():
     assert np.array_equal(x2, y)
 
 
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 33, 128, 576, 2051])
+def test_the_sum_of_squares_is_sixteen_float64_lanes_added_in_order(n):
+    """rms_norm's sum: float32 squares into float64 lane i % 16 in index order, then the lanes in order;
+    a length off a multiple of 16 leaves its last lanes with one add fewer (bit for bit)."""
+    from numba import njit
+    from weaved.kernels._llvm import sumsq_f64
+
+    call = njit(lambda v: sumsq_f64(v))
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * np.exp(rng.uniform(-7.0, 7.0, n))).astype(np.float32)  # squares over 40 octaves
+    lanes = np.zeros(16, np.float64)
+    for i in range(n):
+        lanes[i % 16] += np.float64(x[i] * x[i])
+    want = 0.0
+    for v in lanes:
+        want += v
+    assert call(x) == want
+    assert call(np.zeros(n, np.float32)) == 0.0 and np.isinf(call(np.full(n, 3e38, np.float32)))
+
+
 def test_rmsnorm_heads_normalises_every_head():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((5, 4, 32)).astype(np.float32)
