@@ -199,50 +199,94 @@ def _works_in(q, kaddr, vaddr, row_nkeys, scale, item_row, item_c, part_acc, par
             _chunk_plain(q, r, g * G, kaddr[r, g], vaddr[r, g], j0, j1, scale, acc, ml, kf, s, lanes)
 
 
-@njit(parallel=True, **_OPTS)
+@njit(**_OPTS)
+def _group(row_nkeys, n_ch, r0, max_items, n_kv, n_slices):
+    """The group of rows from r0 on whose chunks fit max_items (at least one row): (r1, first item of
+    each row, each item's row and chunk, n_work, cost, thread cuts).  Work w is item w // n_kv (a
+    chunk of a row), kv head w % n_kv; cost: cumulative key counts (+ overhead); thread i takes work
+    cuts[i] .. cuts[i + 1] - 1."""
+    T = row_nkeys.shape[0]
+    r1 = r0 + 1
+    tot = n_ch[r0]
+    while r1 < T and tot + n_ch[r1] <= max_items:
+        tot += n_ch[r1]
+        r1 += 1
+    n_work = tot * n_kv
+    first = np.empty(r1 - r0 + 1, np.int64)
+    item_row = np.empty(tot, np.int64)
+    item_c = np.empty(tot, np.int64)
+    cost = np.empty(n_work + 1, np.int64)
+    cost[0] = 0
+    k = 0
+    for r in range(r0, r1):
+        first[r - r0] = k
+        for c in range(n_ch[r]):
+            item_row[k] = r
+            item_c[k] = c
+            for g in range(n_kv):
+                w = k * n_kv + g
+                cost[w + 1] = cost[w] + min(CHUNK, row_nkeys[r] - c * CHUNK) + ITEM_OVERHEAD
+            k += 1
+    first[r1 - r0] = k
+    n_thr = max(1, min(n_slices, n_work))
+    cuts = np.empty(n_thr + 1, np.int64)
+    w = 0
+    for i in range(n_thr):
+        while w < n_work and cost[w] * n_thr < cost[n_work] * i:
+            w += 1
+        cuts[i] = w
+    cuts[n_thr] = n_work
+    return r1, first, item_row, item_c, n_work, cost, cuts
+
+
+@njit(**_OPTS)
+def _merge_rows(part_acc, part_ml, first, n_ch, r0, r1, out, lse):
+    for r in range(r0, r1):
+        for g in range(part_acc.shape[1]):
+            _merge_chunks(part_acc, part_ml, first[r - r0], n_ch[r], g, out, lse, r, g * part_acc.shape[2])
+
+
+@njit(**_OPTS)
 def attend_rows(q, kaddr, vaddr, row_nkeys, scale, out, lse, n_slices, max_items):
     """out/lse of every row t of q over its keys 0..row_nkeys[t]-1; the K/V rows of kv head g for row
     t start at kaddr[t, g], vaddr[t, g].  Rows are taken in groups of at most max_items chunks
     (bounded scratch; one row may exceed it); a group's work is split into at most n_slices runs
-    of about equal key counts, run in parallel."""
+    of about equal key counts, run in parallel.  Work too small to be worth a parallel launch runs
+    here, on the calling thread: merely entering the parallel driver cost ~1 us, a third of a
+    decode row's attention over a short context."""
+    n_kv = kaddr.shape[1]
+    n_ch = (row_nkeys + (CHUNK - 1)) // CHUNK  # [T] chunks per row
+    total = 0
+    for t in range(row_nkeys.shape[0]):
+        total += (row_nkeys[t] + ITEM_OVERHEAD * n_ch[t]) * n_kv
+    if n_slices > 1 and total >= SERIAL_COST:
+        _attend_rows_par(q, kaddr, vaddr, row_nkeys, scale, out, lse, n_slices, max_items, n_ch)
+        return
+    r0 = 0
+    while r0 < row_nkeys.shape[0]:
+        r1, first, item_row, item_c, n_work, _cost, _cuts = _group(row_nkeys, n_ch, r0, max_items, n_kv, 1)
+        G, D = q.shape[1] // n_kv, q.shape[2]
+        part_acc = np.empty((item_row.shape[0], n_kv, G, D), np.float32)
+        part_ml = np.empty((item_row.shape[0], n_kv, G, 2), np.float32)
+        _works(q, kaddr, vaddr, row_nkeys, scale, item_row, item_c, part_acc, part_ml, 0, n_work)
+        _merge_rows(part_acc, part_ml, first, n_ch, r0, r1, out, lse)
+        r0 = r1
+
+
+@njit(parallel=True, **_OPTS)
+def _attend_rows_par(q, kaddr, vaddr, row_nkeys, scale, out, lse, n_slices, max_items, n_ch):
+    """``attend_rows`` with its groups' work split over the threads (a group too small for that runs
+    serially, with the same arithmetic)."""
     T, H, D = q.shape
     n_kv = kaddr.shape[1]
     G = H // n_kv
-    n_ch = (row_nkeys + (CHUNK - 1)) // CHUNK  # [T] chunks per row
     r0 = 0
     while r0 < T:
-        r1 = r0 + 1
-        tot = n_ch[r0]
-        while r1 < T and tot + n_ch[r1] <= max_items:
-            tot += n_ch[r1]
-            r1 += 1
-        n_work = tot * n_kv  # work w: item w // n_kv (a chunk of a row), kv head w % n_kv
-        first = np.empty(r1 - r0 + 1, np.int64)  # first item of each row of the group
-        item_row = np.empty(tot, np.int64)
-        item_c = np.empty(tot, np.int64)
-        cost = np.empty(n_work + 1, np.int64)  # cumulative key count (+ overhead) of the work
-        cost[0] = 0
-        k = 0
-        for r in range(r0, r1):
-            first[r - r0] = k
-            for c in range(n_ch[r]):
-                item_row[k] = r
-                item_c[k] = c
-                for g in range(n_kv):
-                    w = k * n_kv + g
-                    cost[w + 1] = cost[w] + min(CHUNK, row_nkeys[r] - c * CHUNK) + ITEM_OVERHEAD
-                k += 1
-        first[r1 - r0] = k
+        r1, first, item_row, item_c, n_work, cost, cuts = _group(row_nkeys, n_ch, r0, max_items, n_kv, n_slices)
+        tot = item_row.shape[0]
         part_acc = np.empty((tot, n_kv, G, D), np.float32)
         part_ml = np.empty((tot, n_kv, G, 2), np.float32)
-        n_thr = max(1, min(n_slices, n_work))
-        cuts = np.empty(n_thr + 1, np.int64)  # thread i takes work cuts[i] .. cuts[i + 1] - 1
-        w = 0
-        for i in range(n_thr):
-            while w < n_work and cost[w] * n_thr < cost[n_work] * i:
-                w += 1
-            cuts[i] = w
-        cuts[n_thr] = n_work
+        n_thr = cuts.shape[0] - 1
         # a parallel launch costs microseconds: small groups run on the calling thread (same arithmetic)
         if n_thr == 1 or cost[n_work] < SERIAL_COST:
             _works(q, kaddr, vaddr, row_nkeys, scale, item_row, item_c, part_acc, part_ml, 0, n_work)
@@ -259,9 +303,7 @@ def attend_rows(q, kaddr, vaddr, row_nkeys, scale, out, lse, n_slices, max_items
                     _works_in(q, kaddr, vaddr, row_nkeys, scale, item_row, item_c, part_acc, part_ml, w0, w1,
                               kf, s, lanes)
         if r1 - r0 < 16:
-            for r in range(r0, r1):
-                for g in range(n_kv):
-                    _merge_chunks(part_acc, part_ml, first[r - r0], n_ch[r], g, out, lse, r, g * G)
+            _merge_rows(part_acc, part_ml, first, n_ch, r0, r1, out, lse)
         else:
             for w in prange((r1 - r0) * n_kv):
                 r = r0 + w // n_kv
