@@ -262,10 +262,10 @@ def attend_rows(q, kaddr, vaddr, row_nkeys, scale, out, lse, n_slices, max_items
     if n_slices > 1 and total >= SERIAL_COST:
         _attend_rows_par(q, kaddr, vaddr, row_nkeys, scale, out, lse, n_slices, max_items, n_ch)
         return
+    G, D = q.shape[1] // n_kv, q.shape[2]
     r0 = 0
     while r0 < row_nkeys.shape[0]:
         r1, first, item_row, item_c, n_work, _cost, _cuts = _group(row_nkeys, n_ch, r0, max_items, n_kv, 1)
-        G, D = q.shape[1] // n_kv, q.shape[2]
         part_acc = np.empty((item_row.shape[0], n_kv, G, D), np.float32)
         part_ml = np.empty((item_row.shape[0], n_kv, G, 2), np.float32)
         _works(q, kaddr, vaddr, row_nkeys, scale, item_row, item_c, part_acc, part_ml, 0, n_work)

@@ -126,8 +126,10 @@ def _route_few(h, w, k, ids, wts, nthreads):
     z = np.empty((T, E), np.float32)
     for c in prange(nthreads):
         lanes = np.empty(LANES, np.float32)
-        for t in range(T):
-            _logits(h[t], w, E * c // nthreads, E * (c + 1) // nthreads, z[t], lanes)
+        hi = E * (c + 1) // nthreads
+        for e in range(E * c // nthreads, hi, GROUP):  # a group's rows read once, then used for every token
+            for t in range(T):
+                _logits(h[t], w, e, min(e + GROUP, hi), z[t], lanes)
     p = np.empty(E, np.float32)
     for t in range(T):
         _select(z[t], k, p, ids[t], wts[t])
