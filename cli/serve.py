@@ -7,9 +7,11 @@ it costs nothing to the client commands.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from weaved.cli.fmt import printable
@@ -24,8 +26,11 @@ HELP = (
     "quantization is converted to the shared Q4_0 format once, into the cache. With peers in the profile, or "
     "--federation-port, it also serves the control plane its peers check (TCP, 127.0.0.1 unless the profile's "
     "federation bind says otherwise, every request carrying the federation token). SIGTERM or Ctrl-C stop "
-    "the daemon cleanly: the step in flight finishes, its tokens are committed, the socket is removed."
+    "the daemon cleanly: the step in flight finishes, its tokens are committed, the socket is removed.\n\n"
+    "The first start on a machine (or after an upgrade) compiles the kernels, about a minute, and then starts "
+    "again in the same process to serve them from the cache without the compiler's memory."
 )
+RESTARTED_ENV = "WEAVE_SERVE_RESTARTED"  # set across that one restart, so that it happens at most once
 
 
 # the model and profile options of the commands that load a model in-process (serve, calibrate)
@@ -61,6 +66,23 @@ class _ConvertProgress:
         if tenth > self._shown:
             self._shown = tenth
             _say(f"converting the model: {tenth * 10}%")
+
+
+def _restart_fresh(daemon) -> NoReturn:
+    """Start ``weave serve`` again in this process (same pid, arguments and output) once its load has
+    compiled kernels: compiling leaves LLVM's modules resident for the life of the process (hundreds
+    of MB), while the new image loads the same kernels from numba's disk cache
+    (``weaved.daemon.warmup``).  Nothing is served before: the socket is not bound yet."""
+    import psutil
+
+    resident = psutil.Process().memory_info().rss
+    _say(f"compiled the kernels in {daemon.compiled.seconds:.0f} s; starting again to serve them from the "
+         f"cache without the compiler's memory ({resident / 1e6:.0f} MB resident now)")
+    daemon.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.environ[RESTARTED_ENV] = "1"
+    os.execv(sys.executable, [sys.executable, "-m", "weaved.cli", *sys.argv[1:]])
 
 
 def resolve_model(model: Path | None) -> Path:
@@ -136,10 +158,13 @@ def register(app: typer.Typer) -> None:
         started = time.monotonic()
         daemon = Daemon(prof, model_path, data_dir=data_dir, log_fn=_log_line, federation=federation,
                         chat_template=template)
+        restarted = os.environ.pop(RESTARTED_ENV, None) is not None
         try:
             daemon.load(progress=_say)
         except WeaveError as e:
             raise _fail(e.message) from None
+        if daemon.compiled.kernels and not restarted:
+            _restart_fresh(daemon)
         server = Server(daemon, path, listen=listen, api_key=api_key, log=_log_line, federation=federation)
 
         def ready(where: str) -> None:

@@ -53,6 +53,9 @@ class Metrics:
         self.prefix = Gauge("weave_prefix_cache", "Shared prefixes since start: lookups that hit or missed, "
                             "prompt tokens reused instead of prefilled; and the files held now",
                             ["what"], registry=r)
+        self.compilations = Gauge("weave_kernel_compilations", "Kernels compiled by this process: at load "
+                                  "(none when they came from the cache) and while serving (a request waited)",
+                                  ["phase"], registry=r)
         self.migration_seconds = Gauge("weave_migration_seconds", "Time spent copying KV for session moves "
                                        "since start", registry=r)
 
@@ -89,4 +92,7 @@ class Metrics:
             self.migrations.labels(reason).set(n)
         self.migration_bytes.set(mig.get("bytes", 0))
         self.migration_seconds.set(mig.get("seconds", 0.0))
+        kernels = status.get("kernels") or {}
+        self.compilations.labels("load").set(kernels.get("compiled_at_load", 0))
+        self.compilations.labels("serving").set(kernels.get("compiled_while_serving", 0))
         return generate_latest(self.registry)

@@ -41,10 +41,10 @@ class ServeProc:
 
 
 @contextmanager
-def weave_serve(tmp: Path, *args: str) -> Iterator[ServeProc]:
+def weave_serve(tmp: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[ServeProc]:
     sock, data = tmp / "weave.sock", tmp / "data"
     cmd = [sys.executable, "-m", "weaved.cli", "serve", "--socket", str(sock), "--data-dir", str(data), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     served = ServeProc(proc, sock, data)
     ready = threading.Event()
 

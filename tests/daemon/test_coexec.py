@@ -133,15 +133,17 @@ def test_pools_are_placed_by_class_and_run_together(daemon_factory):
     assert d.get_session(ia)["pool"] == "gpu" and d.get_session(bg)["pool"] == "cpu"
     for sid in (ia, bg):  # warm both pools (first calls load compiled kernels)
         start(d, sid, prompt_ids(8, 0), SamplingParams(max_tokens=2, temperature=0)).finish()
-    long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-    a, b = start(d, ia, prompt_ids(20, 1), long), start(d, bg, prompt_ids(20, 2), long)
-    a.finish()
+    # co-execution: a whole CPU turn runs while the GPU pool's longer turn is streaming - started
+    # after its first token, finished before its last (the stand-in decodes ~10x slower than the CPU)
+    a = start(d, ia, prompt_ids(20, 1), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    a.wait_tokens(1)
+    b = start(d, bg, prompt_ids(20, 2), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     b.finish()
-    assert len(a.tokens) == len(b.tokens) == 60  # ignore_eos: exactly max_tokens
+    a.finish()
+    assert len(a.tokens) == 200 and len(b.tokens) == 20  # ignore_eos: exactly max_tokens
     gpu, cpu = backends(d)
-    assert gpu.stats.decode_tokens >= 59 and cpu.stats.decode_tokens >= 59
-    # co-execution: each pool streamed while the other was streaming (not one after the other)
-    assert a.times[0] < b.times[-1] and b.times[0] < a.times[-1]
+    assert gpu.stats.decode_tokens >= 199 and cpu.stats.decode_tokens >= 19
+    assert a.times[0] < b.times[0] and b.times[-1] < a.times[-1]
 
 
 def test_promotion_mid_generation_moves_bytes_and_recomputes_nothing(daemon_factory, tiny_llama):

@@ -33,7 +33,14 @@ from weaved.daemon.housekeeping import Housekeeper, InlineExecutor
 from weaved.daemon.moves import SessionMoves
 from weaved.daemon.recovery import unfed_tail, unfinished_answer
 from weaved.daemon.session import Session, transcript_entry
-from weaved.daemon.status import device_kv_bytes, device_kv_free_bytes, hardware_status, pool_status, session_status
+from weaved.daemon.status import (
+    device_kv_bytes,
+    device_kv_free_bytes,
+    hardware_status,
+    kernel_status,
+    pool_status,
+    session_status,
+)
 from weaved.daemon.turn_events import TurnEvents
 from weaved.daemon.turns import (
     TurnHandle,
@@ -87,6 +94,8 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
         self.events = EventBus()
         self.moves: SessionMoves | None = None
         self.housekeeper: Housekeeper | None = None
+        # the kernels numba compiled (weaved.daemon.warmup.CompileWatch): in ``load``, then while serving
+        self.compiled = self.compiled_serving = None
         self.started = wall()
 
     # ---- life cycle ------------------------------------------------------------------------------
@@ -104,6 +113,7 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
         from weaved.daemon.migration import Mover
         from weaved.daemon.pools import build_pools
         from weaved.daemon.rates import apply_rates
+        from weaved.daemon.warmup import CompileWatch, warm_up
         from weaved.kv.store import KVStore, model_fingerprint
         from weaved.model.default import cache_dir, served_name
         from weaved.model.loader import open_model
@@ -133,17 +143,23 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
             self._publisher = InlineExecutor()
         say("loading weights and kernels")
         ring = fed.ring_factory(self, self.federation) if self.federation is not None else None
-        self.pools, self.pool_notes = build_pools(self.profile, gguf, self.config, commit=self._commit,
-                                                  reserve=self._reserve, on_event=self.publish, ring=ring,
-                                                  progress=say, make_room=self.make_device_room,
-                                                  make_backend=make_backend, clock=self.clock)
-        self.engines = {name: p.engine for name, p in self.pools.items()}
-        calibrations = CalibrationStore(self.data_dir, cache_dir() / "calibration")
-        self.profile, self.rates = apply_rates(self.profile, self.pools, model_fingerprint(self.config), calibrations,
-                                               say)
-        self.device_rates = [] if make_backend is not None else calibrate_devices(  # (a simulation's are modelled)
-            self.pools, model_fingerprint(self.config), calibrations, say,
-            step_target_s=self.profile.routing.step_target_s)
+        with CompileWatch(on_first=lambda: say("compiling the kernels for this machine (once; about a minute)")
+                          ) as self.compiled:
+            self.pools, self.pool_notes = build_pools(self.profile, gguf, self.config, commit=self._commit,
+                                                      reserve=self._reserve, on_event=self.publish, ring=ring,
+                                                      progress=say, make_room=self.make_device_room,
+                                                      make_backend=make_backend, clock=self.clock)
+            self.engines = {name: p.engine for name, p in self.pools.items()}
+            if make_backend is None:  # the first request then finds them compiled
+                for backend in {id(p.backend): p.backend for p in self.pools.values()
+                                if p.config.backend == "cpu" and p.config.strategy == "standard"}.values():
+                    warm_up(backend, self.config.vocab_size)
+            calibrations = CalibrationStore(self.data_dir, cache_dir() / "calibration")
+            self.profile, self.rates = apply_rates(self.profile, self.pools, model_fingerprint(self.config),
+                                                   calibrations, say)
+            self.device_rates = [] if make_backend is not None else calibrate_devices(  # (a simulation's are modelled)
+                self.pools, model_fingerprint(self.config), calibrations, say,
+                step_target_s=self.profile.routing.step_target_s)
         if not any(p.config.strategy == "standard" for p in self.pools.values()):
             raise WeaveError("the profile has no pool this daemon can run: "
                              + "; ".join(self.pool_notes or ["it names none with the standard strategy"]))
@@ -157,6 +173,7 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
         self._recover()
         if not drive:
             return
+        self.compiled_serving = CompileWatch().__enter__()  # left at shutdown
         self.peers.start()
         for e in self.engines.values():
             e.start()
@@ -203,6 +220,8 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
         self.events.attach_loop(loop)
 
     def shutdown(self) -> None:
+        if self.compiled_serving is not None:
+            self.compiled_serving.__exit__(None, None, None)
         if self.housekeeper is not None:
             self.housekeeper.stop()
         self._publisher.shutdown(wait=True)
@@ -541,4 +560,5 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
             "device_rates": [r.to_dict() for r in getattr(self, "device_rates", ())],
             # the groups this daemon serves for its peers' rings (it is their home's member)
             "groups": self.member_groups.status() if self.member_groups is not None else [],
+            "kernels": kernel_status(self.compiled, self.compiled_serving),
         }

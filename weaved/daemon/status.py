@@ -98,3 +98,11 @@ def session_status(s: Session, pools: dict[str, Pool], now: float) -> dict:
         "deadline_slack_s": round(slack, 3) if slack is not None and slack != float("inf") else None,
         "reason": "; ".join(s.placement.reasons), "ephemeral": s.ephemeral,
     }
+
+
+def kernel_status(at_load, serving) -> dict:
+    """What numba compiled (``weaved.daemon.warmup.CompileWatch``s, None when not watched): in the
+    load of this process, and since - a compilation while serving is a request that waited for it."""
+    return {"compiled_at_load": at_load.kernels if at_load else 0,
+            "compile_s_at_load": round(at_load.seconds, 1) if at_load else 0.0,
+            "compiled_while_serving": serving.kernels if serving else 0}

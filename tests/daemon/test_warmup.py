@@ -1,0 +1,64 @@
+"""``CompileWatch`` counts numba's compilations of Weave's functions - once per new signature, the
+functions they call included in it - and nothing else; ``warm_up`` leaves no trace in the backend."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from numba import njit
+
+from weaved.backends.base import Logits, SeqChunk
+from weaved.backends.cpu import CPUBackend
+from weaved.daemon.warmup import CompileWatch, warm_up
+
+
+def _compiled(module: str, source: str, name: str):
+    """A fresh function (never compiled, never cached) that looks defined in ``module``."""
+    ns = {"__name__": module, "njit": njit}
+    exec(source, ns)
+    return ns[name]
+
+
+def test_the_watch_counts_new_signatures_of_weaves_functions_once_each():
+    helper = _compiled("weaved.probe", "@njit\ndef inner(x):\n    return x * 2\n", "inner")
+    ns_src = "def outer(x):\n    return inner(x) + 1\n"
+    outer = _compiled("weaved.probe", ns_src, "outer")
+    outer.__globals__["inner"] = helper
+    outer = njit(outer)
+    firsts = []
+    with CompileWatch(on_first=lambda: firsts.append(1)) as w:
+        assert outer(1) == 3
+        assert (w.kernels, len(firsts)) == (1, 1)  # inner compiled inside outer's compilation: one
+        assert outer(2) == 5
+        assert w.kernels == 1  # the same signature: no compilation
+        assert outer(1.5) == 4.0
+        assert (w.kernels, len(firsts)) == (2, 1)
+        assert w.seconds > 0
+    assert outer(np.int8(1)) == 3  # uninstalled: not counted
+    assert w.kernels == 2
+
+
+def test_the_watch_leaves_out_functions_of_other_packages_and_counts_other_threads():
+    theirs = njit(_compiled("elsewhere.mod", "def f(x):\n    return x - 1\n", "f"))
+    ours = njit(_compiled("weaved.probe2", "def g(x):\n    return x + 2\n", "g"))
+    with CompileWatch() as w:
+        assert theirs(3) == 2
+        assert w.kernels == 0
+        t = threading.Thread(target=ours, args=(1,))
+        t.start()
+        t.join()
+        assert w.kernels == 1
+
+
+def test_warm_up_touches_no_state_a_session_sees(tiny_qwen3):
+    """The same prompt's logits before and after a warm-up, on a fresh cache: bit-identical."""
+    be = CPUBackend.from_file(tiny_qwen3)
+    prompt = np.arange(3, 19, dtype=np.int32)
+    before = be.forward([SeqChunk(be.new_kv(32), prompt, Logits.ALL)])[0].copy()
+    stats = be.stats
+    steps = stats.steps
+    warm_up(be, be.config.vocab_size)
+    assert be.stats is stats and stats.steps == steps  # no step of a pool's
+    after = be.forward([SeqChunk(be.new_kv(32), prompt, Logits.ALL)])[0]
+    np.testing.assert_array_equal(before, after)
