@@ -40,8 +40,9 @@ def test_a_constrained_neighbour_changes_nothing_for_free_sequences(smol, tokeni
     p = AnswerParser(GENERIC)
     p.push(text)
     p.finish()
-    assert p.answer.calls, text
-    for c in p.answer.calls:
+    done = [c for c in p.answer.calls if c.complete]  # (the token limit may cut the last call)
+    assert done, text
+    for c in done:
         jsonschema.validate(json.loads(c.arguments), ITEM.parameters)
 
 

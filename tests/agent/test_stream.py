@@ -1,5 +1,5 @@
-"""The answer parser: reasoning, content and calls come out the same however the text is chunked, and
-an answer cut mid-call loses nothing."""
+"""The answer parser: reasoning, content and calls come out the same however the text is chunked; an
+answer cut mid-call keeps the call (incomplete) and never turns the call syntax into content."""
 
 from __future__ import annotations
 
@@ -80,13 +80,34 @@ def test_without_thinking_a_think_tag_is_content():
     assert ans.content == "<think>x</think>y" and ans.reasoning == ""
 
 
-@pytest.mark.parametrize("fmt, text", [
-    (HERMES, 'Cut<tool_call>\n{"name": "get_weather", "arguments": {"ci'),
-    (GENERIC, '{"tool_calls": [{"name": "f", "arguments": {"a": 1'),
-    (MISTRAL, '[TOOL_CALLS][{"na'),
+@pytest.mark.parametrize("fmt, text, content, call", [
+    (HERMES, 'Cut<tool_call>\n{"name": "get_weather", "arguments": {"ci', "Cut", ("get_weather", '{"ci')),
+    (GENERIC, '{"tool_calls": [{"name": "f", "arguments": {"a": 1', "", ("f", '{"a": 1')),
+    (GENERIC, '{"tool_calls": [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "argu', "", ("g", "")),
+    (GENERIC, '{"tool_calls": [{"na', "", None),
+    (GENERIC, '{"tool_c', "", None),
+    (MISTRAL, '[TOOL_CALLS][{"na', "", None),
+    (LLAMA3, '{"name": "f", "parameters": {"a": ', "", ("f", '{"a": ')),
 ])
-def test_an_answer_cut_mid_call_is_content(fmt, text):
-    ans, deltas = parse(fmt, text, 3)
-    assert ans.calls == []
-    assert ans.content == text
-    assert assembled(deltas)[0] == text
+def test_an_answer_cut_mid_call_keeps_the_call_incomplete_and_no_syntax_as_content(fmt, text, content, call):
+    """As OpenAI answers a call cut by max_tokens: the call with its arguments so far; the envelope is
+    never content, and the streamed deltas assemble to what the whole answer says."""
+    for step in (1, 3, len(text)):
+        ans, deltas = parse(fmt, text, step)
+        assert ans.content == content
+        complete = [(c.name, c.arguments) for c in ans.calls if c.complete]
+        cut = [(c.name, c.arguments) for c in ans.calls if not c.complete]
+        assert cut == ([call] if call else [])
+        if text.startswith('{"tool_calls": [{"name": "f", "arguments": {"a": 1}}'):
+            assert complete == [("f", '{"a": 1}')]
+        else:
+            assert complete == []
+        got_content, _, got_calls = assembled(deltas)
+        assert got_content == content
+        assert got_calls == [(c.name, c.arguments) for c in ans.calls]
+
+
+def test_text_that_breaks_the_call_syntax_is_still_content():
+    text = '[TOOL_CALLS] is what I would write'
+    ans, deltas = parse(MISTRAL, text, 2)
+    assert ans.calls == [] and ans.content == text == assembled(deltas)[0]

@@ -127,6 +127,44 @@ def test_a_streamed_call_is_assembled_by_the_sdk(request, server):
     _validate(got)
 
 
+@pytest.mark.parametrize("server", ["generic", "hermes"])
+def test_a_call_cut_by_the_token_limit_stays_an_incomplete_call(request, server):
+    """The limit falls inside the arguments: the call is given (name, arguments so far) under
+    ``length``, streamed and not alike, the envelope is never content, and the Responses API marks the
+    call incomplete."""
+    socket = request.getfixturevalue(server).socket
+    sdk = _sdk(socket)
+    kw = dict(model="default", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=20, temperature=0,
+              parallel_tool_calls=False)
+    whole = sdk.chat.completions.create(**kw)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length"
+    assert not choice.message.content, choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name in ("get_weather", "get_time")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.function.arguments)
+    content, calls, reasons = "", {}, []
+    for chunk in sdk.chat.completions.create(**kw, stream=True):  # (the SDK's stream helper refuses length)
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for c in delta.tool_calls or []:
+            slot = calls.setdefault(c.index, ["", ""])
+            slot[0] += c.function.name or ""
+            slot[1] += c.function.arguments or ""
+        reasons.append(chunk.choices[0].finish_reason)
+    assert reasons[-1] == "length" and content == ""
+    assert [tuple(v) for v in calls.values()] == [(call.function.name, call.function.arguments)]
+    with uds_client(socket, timeout=120.0) as c:
+        r = c.post("/v1/responses", json={"input": ASK[0]["content"], "tools": [t["function"] | {"type": "function"}
+                                                                                 for t in TOOLS],
+                                          "tool_choice": "required", "max_output_tokens": 20, "temperature": 0,
+                                          "parallel_tool_calls": False, "store": False}).json()
+    assert r["status"] == "incomplete"
+    assert [(i["type"], i["status"], i["name"]) for i in r["output"]] == \
+        [("function_call", "incomplete", call.function.name)]
+
+
 def test_json_schema_output_validates(generic):
     sdk = _sdk(generic.socket)
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}

@@ -45,7 +45,11 @@ def test_health_models_status(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "fake-model"
     assert client.get("/v1/models/fake-model").json()["context_length"] == 4096
-    assert client.get("/v1/models/other").status_code == 404
+    assert client.get("/v1/models/default").json()["id"] == "fake-model"  # the alias requests may use
+    other = client.get("/v1/models/other")  # the same 404 a request naming it gets
+    assert other.status_code == 404
+    assert other.json()["error"]["type"] == "invalid_request_error"
+    assert other.json()["error"]["code"] == "model_not_found"
     assert client.get("/v1/status").json()["pools"][0]["name"] == "cpu"
 
 

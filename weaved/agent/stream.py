@@ -5,8 +5,9 @@
 "id", "type", "function": {"name", "arguments": ""}}]}`` then ``{"tool_calls": [{"index", "function":
 {"arguments": fragment}}]}`` as the arguments arrive.  Text that might still turn into a marker
 (``<think>``, the call trigger) is held back until it is known.  A constrained answer always has its
-format's exact syntax; should an answer end mid-call (``max_tokens``), ``finish`` gives back what was
-not a complete call as content, so nothing is lost.
+format's exact syntax; should an answer end mid-call (``max_tokens``), the call it was writing stays a
+call, marked incomplete (``ToolCall.complete``), and the call syntax never becomes content - streamed
+or not, a client sees the same.  Text that breaks the syntax (an unconstrained answer) is content.
 """
 
 from __future__ import annotations
@@ -56,16 +57,26 @@ class AnswerParser:
         if self._state in ("resp", "tail"):  # the response string's text is out already
             self._buf = ""
         elif self._state == "calls" or self._state.startswith("call"):
-            rest = self._raw_since_calls + self._buf
-            self._calls = [c for c in self._calls if c.get("done")]
-            if self._state != "call:between" or rest.strip():  # cut mid-call: that part is content
-                self._emit(out, "content", rest)
+            # cut mid-call (the token limit, a cancel): the call syntax is no content; a call whose name
+            # was written stays a call, incomplete, with its arguments as far as they came (as OpenAI
+            # answers a call cut by max_tokens), as its deltas already streamed it
             self._buf = ""
+        elif self._state == "main?" and self._lead_prefix(self._buf.lstrip()):
+            self._buf = ""  # cut inside the opening of an answer's envelope: nothing was said yet
         elif self._buf:
             self._emit(out, "reasoning_content" if self._state == "reasoning" else "content", self._buf)
             self._buf = ""
-        self.answer.calls = [ToolCall(c["id"], c["name"], c["args"]) for c in self._calls if c.get("done")]
+        self.answer.calls = [ToolCall(c["id"], c["name"], c["args"], complete=bool(c.get("done")))
+                             for c in self._calls]
         return _merge(out)
+
+    def _lead_prefix(self, s: str) -> bool:
+        """Whether ``s`` is a proper start of the text that opens calls or a response in this format."""
+        fmt = self.fmt
+        if fmt is None or fmt.trigger or not s:
+            return False
+        leads = ('{"tool_calls": [', '{"response": "') if fmt.name == "generic" else ("<|python_tag|>",)
+        return any(lead.startswith(s) and s != lead for lead in leads)
 
     # ---- states ----------------------------------------------------------------------------------
     def _emit(self, out: list[dict], key: str, text: str) -> None:

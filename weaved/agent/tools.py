@@ -49,6 +49,7 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # the arguments object as JSON text (OpenAI's shape)
+    complete: bool = True  # False: the answer was cut (token limit, cancel) while writing it
 
     def to_openai(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}

@@ -84,8 +84,10 @@ def assistant_message(ans: Answer) -> dict:
 
 
 def finish_reason(turn: Turn, ans: Answer) -> str | None:
-    """``tool_calls`` when the answer ended by itself with calls."""
-    return "tool_calls" if ans.calls and turn.finish_reason == "stop" else turn.finish_reason
+    """``tool_calls`` when the answer ended by itself with complete calls (a call cut by the token limit
+    is still given, with what came of its arguments, under ``length``)."""
+    done = ans.calls and all(c.complete for c in ans.calls)
+    return "tool_calls" if done and turn.finish_reason == "stop" else turn.finish_reason
 
 
 def _choice(turn: Turn, index: int, meta: _Meta, events: list[dict], tokenizer) -> dict:

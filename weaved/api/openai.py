@@ -14,9 +14,8 @@ from weaved.api import body
 from weaved.api.chat import answer_chat
 from weaved.api.completions import answer_completion
 from weaved.api.models import ChatRequest, CompletionRequest
-from weaved.api.params import session_from
+from weaved.api.params import check_model, session_from
 from weaved.api.state import state_of
-from weaved.errors import NotFound
 
 router = APIRouter()
 
@@ -34,10 +33,8 @@ async def list_models(request: Request) -> dict:
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(request: Request, model_id: str) -> dict:
-    m = _model(request)
-    if model_id != m["id"]:
-        raise NotFound(f"no model {model_id!r}; this daemon serves {m['id']!r}", param="model")
-    return m
+    check_model(state_of(request), model_id)  # the served name or its alias, as requests may name it
+    return _model(request)
 
 
 @router.post("/v1/chat/completions")

@@ -53,8 +53,16 @@ class OutputItems:
             self._ensure(ev, "message")
         return ev
 
-    def close(self) -> list[dict]:
-        """The end of the answer: the open item is done."""
+    def close(self, calls: list | None = None, cut: bool = False) -> list[dict]:
+        """The end of the answer: the open item is done - ``incomplete`` when the answer was ``cut``
+        (token limit, cancel) in it, or when it is a call the parser's ``calls`` (``ToolCall``s) say
+        was not complete."""
+        unfinished = {c.id for c in calls or () if not c.complete}
+        for item in self.items:  # a call cut mid-arguments is never reported complete
+            if item["type"] == "function_call" and item["call_id"] in unfinished:
+                item["incomplete"] = True
+        if cut and self._open is not None:
+            self._open["incomplete"] = True
         return self._close()
 
     # ---- items -----------------------------------------------------------------------------------
@@ -93,8 +101,9 @@ class OutputItems:
             return []
         i = self.items.index(item)
         ev: list[dict] = []
+        status = "incomplete" if item.pop("incomplete", False) else "completed"
         if item["type"] == "message":
-            item["status"] = "completed"
+            item["status"] = status
             part = item["content"][0]
             ev += [{"type": "response.output_text.done", "item_id": item["id"], "output_index": i,
                     "content_index": 0, "text": part["text"], "logprobs": []},
@@ -107,7 +116,7 @@ class OutputItems:
                    {"type": "response.reasoning_summary_part.done", "item_id": item["id"], "output_index": i,
                     "summary_index": 0, "part": part}]
         else:
-            item["status"] = "completed"
+            item["status"] = status
             ev.append({"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": i,
                        "arguments": item["arguments"]})
         ev.append({"type": "response.output_item.done", "output_index": i, "item": item})

@@ -95,7 +95,7 @@ async def create_response(request: Request) -> Response:
     for delta in parser.finish():
         reply.items.feed(delta)
     reply.items.ensure_any()
-    reply.items.close()
+    reply.items.close(parser.answer.calls, cut=turn.finish_reason != "stop")
     obj = reply.finish()
     await reply.store(obj)
     return JSONResponse(obj)
@@ -189,7 +189,9 @@ async def _stream(request: Request, reply: _Reply) -> AsyncIterator[bytes]:
             for delta in reply.parser.finish():
                 for out in reply.items.feed(delta):
                     yield ev(out)
-        for out in reply.items.ensure_any() + reply.items.close():
+        ended = reply.items.ensure_any() + reply.items.close(reply.parser.answer.calls,
+                                                             cut=turn.finish_reason != "stop")
+        for out in ended:
             yield ev(out)
         obj = reply.finish()
         await reply.store(obj)
