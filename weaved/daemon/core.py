@@ -263,8 +263,8 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
             raise ContextTooLong(f"max_context must be between 1 and the model's context ({limit})",
                                  param="max_context")
         with self._lock:
-            if len(self.sessions) >= self.profile.host.max_sessions:
-                raise Overloaded(f"too many sessions ({self.profile.host.max_sessions}); delete some or retry later")
+            if not ephemeral:  # a request's throwaway session is bounded by admission, not by this cap
+                self._make_session_room()
             placement = self._place(sla, prompt_tokens, max_context)
             sid = ("tmp-" if ephemeral else "s-") + secrets.token_hex(8)
             context = max_context or min(self.profile.host.default_context, limit)
@@ -312,6 +312,25 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
             ids = [sid for sid, s in self.sessions.items() if not s.ephemeral]
         return [self.get_session(sid) for sid in ids]
 
+    def _make_session_room(self) -> None:
+        """Below the cap on kept sessions, or at it with the least recently active idle Responses chain
+        evicted (a stored chain is kept as room allows, as a cache is; sessions made by
+        ``/v1/sessions`` are never evicted): otherwise Overloaded, which deleting sessions clears."""
+        cap = self.profile.host.max_sessions
+        kept = [s for s in self.sessions.values() if not s.ephemeral]
+        if len(kept) < cap:
+            return
+        chains = self.journal.chain_sessions()
+        idle = [s for s in kept if s.id in chains and not s.busy]
+        if not idle:
+            raise Overloaded(f"too many sessions ({cap} kept, none of them an idle Responses chain to evict): "
+                             f"delete some (weave rm, DELETE /v1/sessions/ID)", retry_after_s=5.0)
+        victim = min(idle, key=lambda s: s.last_active)
+        self.log(f"session {victim.id}: evicted, the least recently used stored Responses chain "
+                 f"({cap} sessions kept)")
+        self.publish("eviction", {"session": victim.id, "reason": f"{cap} sessions kept"})
+        self.delete_session(victim.id)
+
     def delete_session(self, sid: str) -> None:
         with self._lock:
             s = self._get(sid)
@@ -351,8 +370,14 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
         return self.journal.latest_response(sid)
 
     def delete_response(self, rid: str) -> None:
-        self.get_response(rid)
-        self.journal.delete_response(rid)
+        """Delete a stored response; the last of a chain's takes the chain's session with it (unless a
+        turn runs in it)."""
+        sid, _ = self.get_response(rid)
+        if self.journal.delete_response(rid) == 0:
+            with self._lock:
+                s = self.sessions.get(sid)
+                if s is not None and not s.busy:
+                    self.delete_session(sid)
 
     # ---- turns -----------------------------------------------------------------------------------
     def start_turn(self, *, session_id: str | None, messages: list[dict] | None = None,

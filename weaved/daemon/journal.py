@@ -217,21 +217,34 @@ class Journal:
                        (id, session, time.time(), json.dumps(body, ensure_ascii=False)))
 
     def get_response(self, id: str) -> tuple[str, dict] | None:
-        """(session, body) of a stored response, or None."""
+        """(session, body) of a stored response, or None (unknown or deleted)."""
         with self._snapshot() as db:
-            row = db.execute("SELECT session, body FROM responses WHERE id=?", (id,)).fetchone()
+            row = db.execute("SELECT session, body FROM responses WHERE id=? AND body != ''", (id,)).fetchone()
         return None if row is None else (row[0], json.loads(row[1]))
 
     def latest_response(self, session: str) -> str | None:
-        """The id of the last response stored in ``session``'s chain."""
+        """The id of the last response stored in ``session``'s chain - deleted or not: the session's
+        context holds its turn either way, so no earlier response can continue the chain."""
         with self._snapshot() as db:
             row = db.execute("SELECT id FROM responses WHERE session=? ORDER BY created DESC, rowid DESC LIMIT 1",
                              (session,)).fetchone()
         return None if row is None else row[0]
 
-    def delete_response(self, id: str) -> None:
+    def delete_response(self, id: str) -> int:
+        """Delete a stored response (its row stays, emptied, as its chain's record of where it went);
+        the number of its chain's responses still stored."""
         with self._tx() as db:
-            db.execute("DELETE FROM responses WHERE id=?", (id,))
+            row = db.execute("SELECT session FROM responses WHERE id=?", (id,)).fetchone()
+            db.execute("UPDATE responses SET body='' WHERE id=?", (id,))
+            if row is None:
+                return 0
+            (left,) = db.execute("SELECT COUNT(*) FROM responses WHERE session=? AND body != ''", row).fetchone()
+        return left
+
+    def chain_sessions(self) -> set[str]:
+        """The sessions that hold a /v1/responses chain (any response stored in them, deleted or not)."""
+        with self._snapshot() as db:
+            return {r[0] for r in db.execute("SELECT DISTINCT session FROM responses")}
 
     # -- transcript and tokens ---------------------------------------------------------------------
 

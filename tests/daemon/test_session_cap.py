@@ -1,0 +1,81 @@
+"""The cap on kept sessions: stateless requests are not counted against it; at the cap the least
+recently active idle Responses chain is evicted (sessions made by /v1/sessions never are); deleting a
+chain's last stored response deletes its session."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tests.daemon.test_daemon import run_turn
+from weaved.config.load import load_profile
+from weaved.daemon.core import Daemon
+from weaved.errors import NotFound, Overloaded
+from weaved.routing.types import SLA, SLAClass
+
+CAP = 3
+BG = SLA(SLAClass.BACKGROUND)
+
+
+@pytest.fixture
+def daemon(tiny_llama, tmp_path):
+    prof = load_profile("cpu-only")
+    prof = replace(prof, host=replace(prof.host, max_sessions=CAP))
+    d = Daemon(prof, tiny_llama, data_dir=tmp_path / "data", log_fn=lambda m: None)
+    d.load()
+    yield d
+    d.shutdown()
+
+
+def _chain(d: Daemon, rid: str) -> str:
+    """A session holding a stored response, as ``/v1/responses`` makes one."""
+    sid = d.create_session(BG)["id"]
+    d.store_response(sid, rid, {"id": rid, "object": "response"})
+    return sid
+
+
+def test_stateless_requests_run_when_the_kept_sessions_are_at_the_cap(daemon):
+    kept = [daemon.create_session(BG)["id"] for _ in range(CAP)]
+    with pytest.raises(Overloaded, match="delete some"):
+        daemon.create_session(BG)
+    events, _ = run_turn(daemon, None, "Hello")
+    assert events[-1]["type"] == "done"
+    assert sorted(s["id"] for s in daemon.list_sessions()) == sorted(kept)
+
+
+def test_at_the_cap_the_least_recently_used_idle_chain_is_evicted(daemon):
+    mine = daemon.create_session(BG)["id"]
+    old, new = _chain(daemon, "resp_old"), _chain(daemon, "resp_new")
+    run_turn(daemon, old, "Touch the old chain last")  # now the most recently active chain
+    fresh = daemon.create_session(BG)["id"]
+    ids = {s["id"] for s in daemon.list_sessions()}
+    assert ids == {mine, old, fresh}  # the chain used least recently went, the plain session stayed
+    with pytest.raises(NotFound):
+        daemon.get_response("resp_new")
+    assert daemon.get_response("resp_old")[0] == old
+    q = daemon.subscribe(backlog=50)  # (no loop attached: the events published so far)
+    recent = [q.get_nowait() for _ in range(q.qsize())]
+    assert any(ev.get("type") == "eviction" and ev.get("session") == new for ev in recent)
+
+
+def test_without_an_idle_chain_the_cap_refuses_and_says_how_to_make_room(daemon):
+    for _ in range(CAP):
+        daemon.create_session(BG)
+    with pytest.raises(Overloaded, match="none of them an idle Responses chain"):
+        daemon.create_session(BG)
+
+
+def test_deleting_a_chains_last_stored_response_deletes_its_session(daemon):
+    sid = _chain(daemon, "resp_a")
+    daemon.store_response(sid, "resp_b", {"id": "resp_b", "object": "response"})
+    daemon.delete_response("resp_b")
+    # the earlier response stays; the chain's latest is still the deleted one, so nothing continues it
+    assert daemon.get_response("resp_a")[0] == sid
+    assert daemon.latest_response(sid) == "resp_b"
+    with pytest.raises(NotFound):
+        daemon.get_response("resp_b")
+    daemon.delete_response("resp_a")
+    with pytest.raises(NotFound):
+        daemon.get_session(sid)
+    assert daemon.journal.chain_sessions() == set()
