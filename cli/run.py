@@ -5,6 +5,7 @@ from __future__ import annotations
 import json as json_lib
 import sys
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, TextIO
 
@@ -69,7 +70,8 @@ def write_stream(deltas: Iterable[Delta], out: TextIO | None = None,
             out.write(fmt.printable(d.text))  # a model's text may hold escape sequences
         out.flush()
         wrote = wrote or bool(d.text or d.reasoning or d.tool_calls)
-        last = d if d.finish_reason or d.usage else last
+        if d.finish_reason or d.usage:  # (the usage chunk comes after the finish: keep its reason)
+            last = replace(d, finish_reason=d.finish_reason or (last.finish_reason if last else None))
         if stop is not None and stop():
             break
     switch("text")
@@ -79,8 +81,20 @@ def write_stream(deltas: Iterable[Delta], out: TextIO | None = None,
 
 
 def _note_length(last: Delta | None) -> None:
-    if last is not None and last.finish_reason == "length":
+    """Say why an answer stopped short: a note for the token limit; an error (exit 1) when the answer
+    was cut by the daemon - a shutdown, a cancel (e.g. the session deleted) - or the stream ended
+    without a finish, so that a script can tell the answer is incomplete."""
+    reason = last.finish_reason if last is not None else None
+    if reason == "length":
         echo(AT_TOKEN_LIMIT, err=True)
+    elif reason in CUT:
+        raise fail(f"the answer was cut: {CUT[reason]}")
+    elif reason is None:
+        raise fail("the answer ended without a finish (the connection to the daemon was lost)")
+
+
+CUT = {"shutdown": "the daemon shut down", "cancelled": "the turn was cancelled (its session deleted?)",
+       "interrupted": "the daemon stopped in the middle of it"}
 
 
 PromptArg = Annotated[str, typer.Argument(help="The prompt; `-` reads it from stdin.", show_default=False)]

@@ -98,6 +98,7 @@ class FakeDaemon:
         self.requests: list[Seen] = []
         self.events: list[dict] = []  # what was published (the backlog a subscriber may ask for)
         self.disconnects = 0  # streams the client closed before the end
+        self.cut_by: str | None = None  # when set, answers end with this finish reason (e.g. "shutdown")
         self.api_key: str | None = None  # when set, requests need "Authorization: Bearer <key>"
         self._subscribers: list[queue.Queue] = []
         self._lock = threading.Lock()
@@ -347,6 +348,8 @@ class _Handler(BaseHTTPRequestHandler):
         finish = "stop"
         if limit is not None and limit < len(pieces):
             pieces, finish = pieces[:limit], "length"
+        if self.fake.cut_by is not None:
+            pieces, finish = pieces[:1], self.fake.cut_by
         weave = {"session": s.id if session_field is not None else None, "placement": s.placement}
         usage = {"prompt_tokens": s.context_tokens, "completion_tokens": len(pieces),
                  "total_tokens": s.context_tokens + len(pieces),

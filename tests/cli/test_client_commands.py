@@ -175,6 +175,14 @@ def test_run_json_prints_the_completion(fake):
     assert data["object"] == "chat.completion" and data["choices"][0]["message"]["content"] == "You said: hi."
 
 
+@pytest.mark.parametrize("reason, says", [("shutdown", "the daemon shut down"), ("cancelled", "cancelled")])
+def test_run_fails_when_the_daemon_cuts_the_answer(fake, reason, says):
+    fake.cut_by = reason
+    res = weave(fake, "run", "hello there")
+    assert res.exit_code == 1 and res.stdout == "You\n"
+    assert res.stderr.startswith("weave: error: the answer was cut: ") and says in res.stderr
+
+
 def test_run_refuses_an_empty_prompt(fake):
     res = weave(fake, "run", "-", input="  \n")
     assert res.exit_code == 2 and res.stderr == "weave: error: the prompt is empty\n"

@@ -224,11 +224,11 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
             self.compiled_serving.__exit__(None, None, None)
         if self.housekeeper is not None:
             self.housekeeper.stop()
-        self._publisher.shutdown(wait=True)
         if getattr(self, "peers", None) is not None:
             self.peers.stop()
-        for e in self.engines.values():
+        for e in self.engines.values():  # (their last turns' ends may still queue prefixes to publish)
             e.stop()
+        self._publisher.shutdown(wait=True)
         for p in self.pools.values():  # e.g. release the members of this daemon's rings
             p.backend.close()
         if self.member_groups is not None:

@@ -120,7 +120,13 @@ class TurnEvents:
                 if drop:
                     self._drop_ephemeral(s)
 
-        self._publisher.submit(job)
+        try:
+            self._publisher.submit(job)
+        except RuntimeError:  # shutting down: the publisher takes no more work (a later prefill, nothing worse)
+            self.store.prefixes.settle(tokens[: s.kv.length])
+            s.publishing = None
+            done.set()
+            return False
         return True
 
     def _record_turn_end(self, s: Session, seq: Sequence, kind: str) -> None:
