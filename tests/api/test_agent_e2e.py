@@ -68,6 +68,14 @@ def _validate(calls, tools=TOOLS) -> None:
         jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
 
 
+def _complete(choice) -> list:
+    """The calls an answer finished: all of them, but the last when the token limit cut it."""
+    calls = list(choice.message.tool_calls or [])
+    cut = choice.finish_reason == "length"
+    assert calls[: len(calls) - cut], "no complete call"
+    return calls[: len(calls) - cut]
+
+
 @pytest.mark.parametrize("server", ["generic", "hermes"])
 def test_a_full_tool_round_trip(request, server):
     sdk = _sdk(request.getfixturevalue(server).socket)
@@ -95,10 +103,10 @@ def test_named_and_parallel_choices(request, server):
         tool_choice={"type": "function", "function": {"name": "get_time"}})
     calls = named.choices[0].message.tool_calls
     assert calls and all(c.function.name == "get_time" for c in calls)
-    _validate(calls)
+    _validate(_complete(named.choices[0]))
     many = sdk.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="required",
                                        max_tokens=120, temperature=0)
-    _validate(many.choices[0].message.tool_calls)
+    _validate(_complete(many.choices[0]))
     ids = [c.id for c in many.choices[0].message.tool_calls]
     assert len(set(ids)) == len(ids)
 

@@ -24,6 +24,7 @@ from weaved.api.models import ChatRequest
 from weaved.api.params import chat_params, check_model, check_vocab
 from weaved.api.sse import DONE, frame, sse_response, stream_chunk
 from weaved.api.state import state_of
+from weaved.api.tool_results import check_tool_results
 from weaved.api.turn import Turn, TurnSpec, resolve, start_turn
 from weaved.errors import InvalidRequest
 
@@ -41,7 +42,9 @@ async def answer_chat(request: Request, req: ChatRequest, session_id: str | None
     if req.detach and req.n > 1:
         raise InvalidRequest("detach answers one choice into the session's transcript; n must be 1", param="n")
     info, sla = await resolve(state, session_id, req.sla, request.headers)
-    spec = TurnSpec(session_id, params, sla, messages=[m.to_dict() for m in req.messages], answer=answer)
+    messages = [m.to_dict() for m in req.messages]
+    check_tool_results(messages, None if session_id is not None else set())  # (a session's last calls: unknown)
+    spec = TurnSpec(session_id, params, sla, messages=messages, answer=answer)
     meta = _Meta(state.daemon.model_name, req.logprobs)
     usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.n > 1:

@@ -28,6 +28,7 @@ from weaved.api.response_items import OutputItems, new_id
 from weaved.api.responses_models import ResponsesRequest
 from weaved.api.sse import DONE, frame, sse_response
 from weaved.api.state import state_of
+from weaved.api.tool_results import check_tool_results
 from weaved.api.turn import Turn, TurnSpec, start_turn
 from weaved.engine.sampling import SamplingParams
 from weaved.errors import Conflict, InvalidRequest, NotFound
@@ -62,7 +63,9 @@ async def create_response(request: Request) -> Response:
         if not req.store:
             raise InvalidRequest("store: false cannot continue a stored chain (the turn would enter it unrecorded)",
                                  param="store")
-        sid, _ = await run_in_threadpool(daemon.get_response, req.previous_response_id)
+        sid, previous = await run_in_threadpool(daemon.get_response, req.previous_response_id)
+        check_tool_results(messages, {i.get("call_id") for i in previous.get("output") or ()
+                                      if i.get("type") == "function_call"}, param="input")
         latest = await run_in_threadpool(daemon.latest_response, sid)
         if latest != req.previous_response_id:
             raise Conflict(f"only a chain's latest response can be continued; {req.previous_response_id!r} was "
@@ -70,14 +73,16 @@ async def create_response(request: Request) -> Response:
         info = await run_in_threadpool(daemon.get_session, sid)
         if (info.get("system") or None) != (req.instructions or None):
             await run_in_threadpool(daemon.set_system, sid, req.instructions)
-    elif req.store:
-        info = await run_in_threadpool(partial(daemon.create_session, sla or SLA(SLAClass.INTERACTIVE), None,
-                                               req.instructions))
-        sid, created_session = info["id"], True
     else:
-        sid, info = None, None
-        if req.instructions:
-            messages = [{"role": "system", "content": req.instructions}, *messages]
+        check_tool_results(messages, set(), param="input")  # (a fresh chain: no call before its input)
+        if req.store:
+            info = await run_in_threadpool(partial(daemon.create_session, sla or SLA(SLAClass.INTERACTIVE), None,
+                                                   req.instructions))
+            sid, created_session = info["id"], True
+        else:
+            sid, info = None, None
+            if req.instructions:
+                messages = [{"role": "system", "content": req.instructions}, *messages]
     try:
         turn = await start_turn(state, TurnSpec(sid, params, sla, messages=messages, answer=answer), info)
     except BaseException:
