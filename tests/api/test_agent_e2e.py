@@ -173,6 +173,31 @@ def test_a_call_cut_by_the_token_limit_stays_an_incomplete_call(request, server)
         [("function_call", "incomplete", call.function.name)]
 
 
+@pytest.mark.parametrize("server", ["generic", "hermes"])
+def test_a_sessions_transcript_keeps_its_calls_with_the_ids_the_api_gave(request, server):
+    """A session's answer with calls is kept as OpenAI's assistant message (calls and their ids, no
+    envelope as content); its tool results are accepted by those ids and refused by any other."""
+    served = request.getfixturevalue(server)
+    with uds_client(served.socket, timeout=120.0) as c:
+        sid = c.post("/v1/sessions", json={}).json()["id"]
+        turn = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 80, "temperature": 0,
+                "parallel_tool_calls": False}
+        r = c.post(f"/v1/sessions/{sid}/turns", json=turn).json()
+        calls = r["choices"][0]["message"]["tool_calls"]
+        kept = c.get(f"/v1/sessions/{sid}").json()["messages"][-1]
+        assert kept["role"] == "assistant" and kept["tool_calls"] == calls
+        assert not kept["content"] and kept["finish_reason"] == "stop"
+        wrong = {"role": "tool", "tool_call_id": "call_not_made", "content": "18C"}
+        refused = c.post(f"/v1/sessions/{sid}/turns", json={**turn, "messages": [wrong], "tool_choice": "auto"})
+        assert refused.status_code == 400 and "call_not_made" in refused.json()["error"]["message"]
+        assert c.get(f"/v1/sessions/{sid}").json()["messages"][-1] == kept  # nothing changed
+        answer = {"role": "tool", "tool_call_id": calls[0]["id"], "content": "18C and sunny"}
+        ok = c.post(f"/v1/sessions/{sid}/turns", json={**turn, "messages": [answer], "tool_choice": "none",
+                                                          "max_tokens": 8})
+        assert ok.status_code == 200, ok.text
+        c.delete(f"/v1/sessions/{sid}")
+
+
 def test_json_schema_output_validates(generic):
     sdk = _sdk(generic.socket)
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}

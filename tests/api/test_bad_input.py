@@ -210,3 +210,11 @@ def test_oversized_body(client, bystander, monkeypatch):
 def test_event_backlog_is_bounded(client, bystander):
     assert_error(client.get("/v1/events", params={"backlog": 201}), 400, "backlog")
     assert_error(client.get("/v1/events", params={"backlog": -1}), 400, "backlog")
+
+
+def test_an_orphan_tool_result_is_a_400_before_anything_runs(client, fake):
+    orphan = {"role": "tool", "tool_call_id": "call_x", "content": "18C"}
+    r = client.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}, orphan]})
+    err = assert_error(r, 400, param="messages", type_="invalid_request_error")
+    assert "call_x" in err["message"]
+    assert not [c for c in fake.calls if c[0] == "start_turn"]

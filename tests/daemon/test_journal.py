@@ -290,3 +290,16 @@ def test_kill_9_keeps_kv_files_and_journal_consistent(tmp_path):
         rows = kv.data[:, :, :, : r.kv_length]  # [L, 2, Hkv, kv_length, D]
         expected = np.asarray(r.tokens, dtype=np.float16)[None, None, None, :, None]
         assert np.array_equal(rows, np.broadcast_to(expected, rows.shape))
+
+
+def test_an_answer_keeps_its_parsed_form_across_a_restart(tmp_path):
+    from weaved.daemon.turns import message_extra
+
+    j = Journal(tmp_path / "j.db")
+    j.create_session("s1", {"class": "interactive"}, 4096, None, None)
+    parsed = {"content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                               "function": {"name": "f", "arguments": "{}"}}]}
+    j.finish_message("s1", "assistant", '{"tool_calls": [...]}', [1, 2], "stop", extra={"answer": parsed})
+    j.close()
+    m = Journal(tmp_path / "j.db").get("s1").messages[-1]
+    assert m["content"] == '{"tool_calls": [...]}' and message_extra(m) == {"answer": parsed}

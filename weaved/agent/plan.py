@@ -97,9 +97,9 @@ class AnswerPlan:
         param = "response_format" if not self.offers_tools else "tools"
         return self._grammar.compile(lark, param=param)
 
-    def parser(self) -> AnswerParser:
+    def parser(self, call_seed: str | None = None) -> AnswerParser:
         return AnswerParser(self.fmt if self.offers_tools else None, thinking=self.thinking,
-                            in_reasoning=self.in_reasoning)
+                            in_reasoning=self.in_reasoning, call_seed=call_seed)
 
     def _special_id(self, text: str) -> int | None:
         return self._grammar.special_id(text) if self._grammar is not None else None

@@ -30,10 +30,13 @@ class Answer:
 
 class AnswerParser:
     """``fmt``: the call format when calls are parsed (None: tools off); ``thinking``: a ``<think>``
-    block may open the answer; ``in_reasoning``: the prompt already opened it."""
+    block may open the answer; ``in_reasoning``: the prompt already opened it; ``call_seed``: the
+    calls' ids derive from it (two parsers of one answer give the same ids), else they are random."""
 
-    def __init__(self, fmt: CallFormat | None = None, *, thinking: bool = False, in_reasoning: bool = False):
+    def __init__(self, fmt: CallFormat | None = None, *, thinking: bool = False, in_reasoning: bool = False,
+                 call_seed: str | None = None):
         self.fmt = fmt
+        self._call_seed = call_seed  # calls' ids: from (seed, index) when given (``tools.call_id``)
         self.answer = Answer()
         self._buf = ""  # text not yet classified
         self._state = "reasoning" if in_reasoning else ("think?" if thinking else "main?")
@@ -228,7 +231,7 @@ class AnswerParser:
             name = self._buf[:i]
             self._raw_since_calls += self._buf[: i + 1]
             self._buf = self._buf[i + 1:]
-            call = {"id": call_id(self.fmt.id_style), "name": name, "args": ""}
+            call = {"id": call_id(self.fmt.id_style, self._call_seed, len(self._calls)), "name": name, "args": ""}
             self._calls.append(call)
             idx = len(self._calls) - 1
             out.append({"tool_calls": [{"index": idx, "id": call["id"], "type": "function",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import string
@@ -55,12 +56,19 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def call_id(style: str = "openai") -> str:
-    """A fresh call id: OpenAI's ``call_`` + 24 characters, or Mistral's nine alphanumerics (its
-    templates refuse any other shape)."""
+def call_id(style: str = "openai", seed: str | None = None, index: int = 0) -> str:
+    """A call id: OpenAI's ``call_`` + 24 characters, or Mistral's nine alphanumerics (its templates
+    refuse any other shape).  Fresh and random, or with ``seed`` the same for the same (seed, index):
+    the daemon records a turn's calls with the ids the API answered with."""
+    if seed is None:
+        if style == "mistral":
+            return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+        return "call_" + secrets.token_hex(12)
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
     if style == "mistral":
-        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
-    return "call_" + secrets.token_hex(12)
+        alphabet = string.ascii_letters + string.digits
+        return "".join(alphabet[b % len(alphabet)] for b in digest[:9])
+    return "call_" + digest[:12].hex()
 
 
 def arguments_object(arguments: str | dict | None) -> dict | str:

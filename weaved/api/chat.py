@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from weaved.agent.stream import Answer, AnswerParser
+from weaved.agent.tool_results import check_tool_results
 from weaved.api.agent_models import answer_spec
 from weaved.api.choices import collect_all, merged, start_choices, total_usage, watch
 from weaved.api.logprobs import chat_entry
@@ -24,7 +25,6 @@ from weaved.api.models import ChatRequest
 from weaved.api.params import chat_params, check_model, check_vocab
 from weaved.api.sse import DONE, frame, sse_response, stream_chunk
 from weaved.api.state import state_of
-from weaved.api.tool_results import check_tool_results
 from weaved.api.turn import Turn, TurnSpec, resolve, start_turn
 from weaved.errors import InvalidRequest
 
@@ -43,7 +43,8 @@ async def answer_chat(request: Request, req: ChatRequest, session_id: str | None
         raise InvalidRequest("detach answers one choice into the session's transcript; n must be 1", param="n")
     info, sla = await resolve(state, session_id, req.sla, request.headers)
     messages = [m.to_dict() for m in req.messages]
-    check_tool_results(messages, None if session_id is not None else set())  # (a session's last calls: unknown)
+    if session_id is None:  # (a session's turn: the daemon checks against its last answer's calls)
+        check_tool_results(messages, set())
     spec = TurnSpec(session_id, params, sla, messages=messages, answer=answer)
     meta = _Meta(state.daemon.model_name, req.logprobs)
     usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -73,7 +74,7 @@ class _Meta:
 
 def _parser(turn: Turn) -> AnswerParser:
     plan = getattr(turn.handle, "answer", None)
-    return plan.parser() if plan is not None else AnswerParser()
+    return plan.parser(getattr(turn.handle, "call_seed", None)) if plan is not None else AnswerParser()
 
 
 def assistant_message(ans: Answer) -> dict:

@@ -22,13 +22,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from weaved.agent.stream import AnswerParser
+from weaved.agent.tool_results import check_tool_results
 from weaved.api import body
 from weaved.api.params import FIT_CONTEXT_MAX_TOKENS, SAMPLING_DEFAULTS, check_model, sla_from
 from weaved.api.response_items import OutputItems, new_id
 from weaved.api.responses_models import ResponsesRequest
 from weaved.api.sse import DONE, frame, sse_response
 from weaved.api.state import state_of
-from weaved.api.tool_results import check_tool_results
 from weaved.api.turn import Turn, TurnSpec, start_turn
 from weaved.engine.sampling import SamplingParams
 from weaved.errors import Conflict, InvalidRequest, NotFound
@@ -127,7 +127,7 @@ class _Reply:
         self.created = int(time.time())
         self.items = OutputItems()
         plan = getattr(turn.handle, "answer", None)
-        self.parser = plan.parser() if plan is not None else AnswerParser()
+        self.parser = plan.parser(getattr(turn.handle, "call_seed", None)) if plan is not None else AnswerParser()
 
     def obj(self, status: str) -> dict:
         r, t = self.req, self.turn

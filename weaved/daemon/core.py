@@ -23,6 +23,7 @@ from pathlib import Path
 
 from weaved.agent.grammar import GrammarEngine
 from weaved.agent.plan import AnswerPlan, AnswerSpec
+from weaved.agent.tool_results import answered_calls, check_tool_results
 from weaved.backends.base import Backend
 from weaved.config.profile import PoolConfig, Profile
 from weaved.daemon.choices import TurnChoices
@@ -32,7 +33,7 @@ from weaved.daemon.forks import SessionForks
 from weaved.daemon.housekeeping import Housekeeper, InlineExecutor
 from weaved.daemon.moves import SessionMoves
 from weaved.daemon.recovery import unfed_tail, unfinished_answer
-from weaved.daemon.session import Session, transcript_entry
+from weaved.daemon.session import Session, transcript_entry, transcript_view
 from weaved.daemon.status import (
     device_kv_bytes,
     device_kv_free_bytes,
@@ -303,7 +304,8 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
             return {
                 "id": s.id, "sla": s.sla.to_dict(), "max_context": s.max_context, "system": s.system,
                 "placement": s.placement.to_dict(), "status": "busy" if s.busy else "idle",
-                "context_tokens": s.context_tokens, "messages": list(s.messages), "created": s.created,
+                "context_tokens": s.context_tokens, "messages": [transcript_view(m) for m in s.messages],
+                "created": s.created,
                 "pool": s.pool, "backend": self.engines[s.pool].backend.name if s.pool in self.engines else None,
             }
 
@@ -409,6 +411,7 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
                 raise Conflict(f"session {session_id} is already generating a turn", param="session")
             try:
                 if messages is not None:
+                    check_tool_results(messages, answered_calls(s.messages))
                     new, keep = chat_turn_tokens(self.tokenizer, s, messages, render=plan.render)
                 else:
                     new, keep = prompt_turn_tokens(self.tokenizer, s, prompt)
@@ -475,11 +478,12 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
             n_prompt = len(s.committed) + len(new)
             seq.emit = lambda ev, s=s, seq=seq: self._on_turn_event(s, seq, ev, emit, n_prompt, first)
             s.turn = seq
+            s.answer_plan, s.call_seed = plan, secrets.token_hex(8)
             s.last_active = self.wall()
             run_in = self.moves.prepare_turn(s, seq, len(new))
         handle = TurnHandle(s.id, n_prompt, keep, cancel=lambda sid=s.id: self.cancel_turn(sid),
                             placement=s.placement.to_dict(), answer=plan,
-                            reprefilled=reprefilled)
+                            reprefilled=reprefilled, call_seed=s.call_seed)
         self.engines[run_in].submit(seq)
         return handle
 

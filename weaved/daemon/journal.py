@@ -56,7 +56,7 @@ CREATE TABLE messages (
     kv_at     INTEGER NOT NULL,             -- committed KV length when the message was recorded
     created   REAL NOT NULL,
     finish_reason TEXT,                     -- an answer's: stop, length, cancelled, interrupted, ...
-    extra     TEXT,                         -- JSON: tool_calls, tool_call_id, name, reasoning_content
+    extra     TEXT,                         -- JSON: tool_calls, tool_call_id, name, reasoning_content, answer
     PRIMARY KEY (session, seq)
 ) WITHOUT ROWID;
 CREATE TABLE responses (
@@ -272,9 +272,10 @@ class Journal:
         return self._append_message(id, role, content, token_ids, extra=extra)
 
     def finish_message(self, id: str, role: str, content: str, token_ids: list[int] | None = None,
-                       finish_reason: str | None = None) -> int:
-        """Record the reply once the turn ends (its tokens are already committed), with why it ended."""
-        return self._append_message(id, role, content, token_ids, finish_reason)
+                       finish_reason: str | None = None, extra: dict | None = None) -> int:
+        """Record the reply once the turn ends (its tokens are already committed), with why it ended
+        (``extra``: its parsed form)."""
+        return self._append_message(id, role, content, token_ids, finish_reason, extra)
 
     def commit_tokens(self, id: str, token_ids: list[int], new_kv_length: int) -> None:
         """Append ``token_ids`` and advance ``kv_length`` to ``new_kv_length`` in one transaction.

@@ -30,6 +30,10 @@ class Session:
     kv_at: str | None = None  # the pool whose backend holds a copy of its KV (None: only the file)
     move_reason: str | None = None  # why it was sent to ``where`` while idle (its KV follows at the next turn)
     publishing: threading.Event | None = None  # set once its context's prefix is stored (being copied until then)
+    # the running (or last) chat turn's answer plan (weaved.agent.plan.AnswerPlan) and the seed of its
+    # calls' ids: its answer is recorded parsed, with the ids the API answered with
+    answer_plan: object | None = None
+    call_seed: str | None = None
 
     @property
     def pool(self) -> str:
@@ -48,10 +52,25 @@ class Session:
         return self.turn is not None and not self.turn.status.done
 
 
-def transcript_entry(role: str, content: str, finish_reason: str | None = None) -> dict:
+def transcript_entry(role: str, content: str, finish_reason: str | None = None, answer: dict | None = None) -> dict:
     """One message of a session's transcript.  An answer says why it ended (``stop``, ``length``,
-    ``cancelled``, or ``interrupted`` when the daemon stopped in the middle of it: a crash or kill)."""
+    ``cancelled``, or ``interrupted`` when the daemon stopped in the middle of it: a crash or kill).
+    ``content`` is the text as generated, which the chat template renders again at the next turn (so
+    the context's tokens stay the KV's); ``answer`` (a chat turn's) is that text parsed as the API
+    returned it - ``content``, ``tool_calls``, ``reasoning_content``; empty when it is the text."""
     entry = {"role": role, "content": content}
     if finish_reason is not None:
         entry["finish_reason"] = finish_reason
+    if answer is not None:
+        entry["answer"] = answer
     return entry
+
+
+def transcript_view(entry: dict) -> dict:
+    """A transcript message as the API shows it: an answer's parsed form (OpenAI's assistant message,
+    calls with their ids) in place of its raw text."""
+    view = {k: v for k, v in entry.items() if k != "answer"}
+    answer = entry.get("answer")
+    if answer:
+        view = {"role": entry["role"], **answer, **{k: v for k, v in view.items() if k not in ("role", "content")}}
+    return view

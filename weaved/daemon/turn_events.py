@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 
 from weaved.daemon.session import Session, transcript_entry
+from weaved.daemon.turns import parsed_answer
 from weaved.engine.sequence import Sequence
 from weaved.kv.cache import KVCache
 from weaved.kv.prefixes import BLOCK as PREFIX_BLOCK
@@ -137,7 +138,9 @@ class TurnEvents:
             s.tail = list(seq.pending) if kind == "done" else []
             text = "".join(seq.text)
             if seq.generated and kind == "done":
-                s.messages.append(transcript_entry("assistant", text, seq.finish_reason))
+                answer = parsed_answer(s.answer_plan, s.call_seed, text)
+                s.messages.append(transcript_entry("assistant", text, seq.finish_reason, answer))
                 if not s.ephemeral:
-                    self.journal.finish_message(s.id, "assistant", text, list(seq.generated), seq.finish_reason)
+                    self.journal.finish_message(s.id, "assistant", text, list(seq.generated), seq.finish_reason,
+                                                extra=None if answer is None else {"answer": answer})
             s.last_active = self.wall()

@@ -31,6 +31,7 @@ class TurnHandle:
     placement: dict | None = None  # where the turn runs (the session's placement, as of its start)
     answer: AnswerPlan | None = None  # a chat turn's answer plan: the API parses the answer with it
     reprefilled: int = 0  # committed tokens the template rewrote, fed again this turn
+    call_seed: str | None = None  # the answer's call ids derive from it (``AnswerPlan.parser``), as recorded
 
 
 def chat_turn_tokens(tok: Tokenizer, s: Session, new_messages: list[dict],
@@ -97,9 +98,31 @@ def turn_constraint(plan: AnswerPlan | None, params: SamplingParams) -> TokenCon
 
 def message_extra(m: dict) -> dict | None:
     """A message's fields beyond role and content (tool calls, the call a tool result answers, a name,
-    thinking sent back), as the journal keeps them."""
-    extra = {k: m[k] for k in ("name", "tool_calls", "tool_call_id", "reasoning_content") if m.get(k) is not None}
+    thinking sent back; a generated answer's parsed form), as the journal keeps them."""
+    extra = {k: m[k] for k in ("name", "tool_calls", "tool_call_id", "reasoning_content", "answer")
+             if m.get(k) is not None}
     return extra or None
+
+
+def parsed_answer(plan, call_seed: str | None, text: str) -> dict | None:
+    """A chat turn's generated ``text`` as the API returned it (``plan``: its ``AnswerPlan``; the calls'
+    ids from ``call_seed``, as the API's parser made them): OpenAI's assistant message fields - none
+    when that is the text itself (no calls, no reasoning) -, or None for a turn without a plan (a raw
+    prompt's)."""
+    if plan is None:
+        return None
+    parser = plan.parser(call_seed)
+    parser.push(text)
+    parser.finish()
+    ans = parser.answer
+    if not ans.calls and not ans.reasoning and ans.content == text:
+        return {}
+    out: dict = {"content": ans.content if (ans.content or not ans.calls) else None}
+    if ans.reasoning:
+        out["reasoning_content"] = ans.reasoning
+    if ans.calls:
+        out["tool_calls"] = [c.to_openai() for c in ans.calls]
+    return out
 
 
 def check_fits(s: Session, keep: int, new: list[int], max_tokens: int) -> None:

@@ -3,13 +3,31 @@
 A ``tool`` message (a Responses ``function_call_output``) follows the assistant message whose
 ``tool_calls`` it answers - directly or after other tool messages - and its ``tool_call_id`` is one of
 those calls' ids.  Results at the very start of a request's messages answer the calls of the answer
-before it: the previous response's ``function_call`` items for a Responses chain (``earlier``), or a
-session's last answer, whose call ids this check does not know (``earlier`` None: accepted).
+before it: a session's last answer (``answered_calls`` of its transcript; a Responses chain's
+previous ``function_call`` items), or none for a stateless request (``earlier`` None: unknown, accepted).
 """
 
 from __future__ import annotations
 
 from weaved.errors import InvalidRequest
+
+
+def answered_calls(transcript: list[dict]) -> set[str] | None:
+    """The calls a session's next messages may answer first: those of its transcript's last assistant
+    message (before any tool results) - a generated answer's parsed calls (its ``answer``) or calls a
+    client sent; None when unknown (an answer recorded without its parsed form)."""
+    for m in reversed(transcript):
+        role = m.get("role")
+        if role == "tool":
+            continue
+        if role != "assistant":
+            return set()
+        answer = m.get("answer")
+        calls = (answer or {}).get("tool_calls") or m.get("tool_calls")
+        if calls:
+            return {c.get("id") for c in calls}
+        return None if "finish_reason" in m and answer is None else set()
+    return set()
 
 
 def check_tool_results(messages: list[dict], earlier: set[str] | None, *, param: str = "messages") -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.test_bad_input import CHAT, assert_error
-from weaved.api.tool_results import check_tool_results
+from weaved.agent.tool_results import answered_calls, check_tool_results
+from weaved.daemon.session import transcript_entry, transcript_view
 from weaved.errors import InvalidRequest
 
 USER = {"role": "user", "content": "Weather in Paris?"}
@@ -42,8 +42,29 @@ def test_results_that_answer_no_call_are_refused(messages, earlier, says):
         check_tool_results(messages, earlier)
 
 
-def test_an_orphan_tool_result_is_a_400_before_anything_runs(client, fake):
-    r = client.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}, tool("call_x")]})
-    err = assert_error(r, 400, param="messages", type_="invalid_request_error")
-    assert "call_x" in err["message"]
-    assert not [c for c in fake.calls if c[0] == "start_turn"]
+
+CALL = {"id": "call_k", "type": "function", "function": {"name": "w", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("transcript, calls", [
+    ([], set()),
+    ([USER], set()),
+    ([USER, {"role": "assistant", "content": "raw", "finish_reason": "stop", "answer": {"content": None,
+                                                                                          "tool_calls": [CALL]}}],
+     {"call_k"}),
+    ([USER, {"role": "assistant", "content": "hi", "finish_reason": "stop", "answer": {}}], set()),
+    ([USER, {"role": "assistant", "content": "raw", "finish_reason": "stop"}], None),  # recorded unparsed
+    ([USER, CALLS, tool("call_a")], {"call_a", "call_b"}),  # a client's calls, one answered already
+])
+def test_a_sessions_last_answer_says_which_calls_its_next_results_may_answer(transcript, calls):
+    assert answered_calls(transcript) == calls
+
+
+def test_a_transcripts_view_shows_an_answer_parsed_and_keeps_its_raw_text_for_the_template():
+    raw = '{"tool_calls": [{"name": "w", "arguments": {}}]}'
+    entry = transcript_entry("assistant", raw, "stop", {"content": None, "tool_calls": [CALL]})
+    assert entry["content"] == raw  # what the next turn's template renders: the KV's tokens
+    assert transcript_view(entry) == {"role": "assistant", "content": None, "tool_calls": [CALL],
+                                      "finish_reason": "stop"}
+    plain = transcript_entry("assistant", "hello", "length", {})
+    assert transcript_view(plain) == {"role": "assistant", "content": "hello", "finish_reason": "length"}
