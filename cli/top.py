@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
 from weaved.cli.client import resolve_address
-from weaved.cli.common import ApiKeyOpt, SocketOpt
+from weaved.cli.common import ApiKeyOpt, SocketOpt, fail
+
+
+def on_a_terminal() -> bool:
+    return sys.stdin.isatty() and sys.stdout.isatty()
 
 
 def top(socket: SocketOpt = None, api_key: ApiKeyOpt = None,
@@ -14,8 +19,10 @@ def top(socket: SocketOpt = None, api_key: ApiKeyOpt = None,
         = 1.0) -> None:
     """Watch the daemon: host and GPU load, pools, sessions, peers, throughput and events.
 
-    Keys: p promote, d demote, x delete, / filter, s sort, q quit.
+    Keys: p promote, d demote, x delete, / filter, s sort, q or Ctrl-C quit.  Needs a terminal.
     """
+    if not on_a_terminal():
+        raise fail("weave top needs a terminal; 'weave status' (or --json) prints the daemon's state once", 2)
     from weaved.tui.app import WeaveTop
 
     WeaveTop(resolve_address(socket), api_key=api_key, poll_interval_s=interval).run()

@@ -12,6 +12,7 @@ Keys: ``p`` promote, ``d`` demote, ``x`` delete (after a confirmation), ``/`` fi
 from __future__ import annotations
 
 import asyncio
+import signal
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -44,6 +45,7 @@ class WeaveTop(App):
         Binding("slash", "filter", "Filter", key_display="/"),
         Binding("s", "sort", "Sort"),
         Binding("q", "quit", "Quit"),
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),  # as in top and htop
     ]
 
     def __init__(self, address: str, *, api_key: str | None = None, poll_interval_s: float = 1.0,
@@ -81,6 +83,9 @@ class WeaveTop(App):
 
     def on_mount(self) -> None:
         self.sub_title = self.address
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # leave the terminal as it was found, whoever stops us
+            loop.add_signal_handler(sig, self.exit)
         if self.probe is None:
             self.probe = HostProbe()
         self.sample_host()

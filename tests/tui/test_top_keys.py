@@ -219,13 +219,45 @@ def test_no_gpu_is_said(fake):
 
 def test_weave_top_command_opens_the_view_on_the_socket(monkeypatch, tmp_path):
     from typer.testing import CliRunner
+    from weaved.cli import top as top_cmd
     from weaved.cli.app import app as cli
 
     opened = []
     monkeypatch.setattr(WeaveTop, "run", lambda self: opened.append((self.address, self.poll_interval_s)))
-    res = CliRunner().invoke(cli, ["top", "--interval", "2"], env={"WEAVE_SOCKET": str(tmp_path / "w.sock")})
+    env = {"WEAVE_SOCKET": str(tmp_path / "w.sock")}
+    res = CliRunner().invoke(cli, ["top", "--interval", "2"], env=env)  # (the runner's output is no terminal)
+    assert res.exit_code == 2 and "needs a terminal" in res.output and opened == []
+    monkeypatch.setattr(top_cmd, "on_a_terminal", lambda: True)
+    res = CliRunner().invoke(cli, ["top", "--interval", "2"], env=env)
     assert res.exit_code == 0, res.output
     assert opened == [(str(tmp_path / "w.sock"), 2.0)]
+
+
+def test_ctrl_c_quits(fake):
+    async def scenario():
+        app = top(fake)
+        async with app.run_test(size=SIZE) as pilot:
+            await loaded(pilot, app)
+            await pilot.press("ctrl+c")
+            await until(pilot, lambda: not app.is_running, what="the exit")
+
+    run(scenario())
+
+
+def test_sigterm_and_sighup_end_the_app_so_the_terminal_is_restored(fake):
+    import asyncio
+    import signal
+
+    async def scenario(sig):
+        app = top(fake)
+        async with app.run_test(size=SIZE) as pilot:
+            await loaded(pilot, app)
+            handler = asyncio.get_running_loop()._signal_handlers[sig]  # what the signal would run
+            handler._run()
+            await until(pilot, lambda: not app.is_running, what="the exit")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        run(scenario(sig))
 
 
 def test_a_gpu_stand_in_pool_and_device_kv_are_shown(fake, monkeypatch):
