@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import typer
 from weaved.cli.client import Client
-from weaved.cli.errors import ClientError, DaemonNotRunning
+from weaved.cli.errors import ApiError, ClientError, DaemonNotRunning
 from weaved.cli.fmt import printable
 
 EXIT_FAILED = 1
@@ -85,14 +85,21 @@ def print_json(data: Any) -> None:
 
 def remove_each(items: list[str], remove: Callable[[str], Any], said: Callable[[str], str], json: bool) -> None:
     """Remove each item through the daemon (``remove(item)`` answers its record), saying ``said(item)``
-    as each goes, or printing every record as JSON at the end."""
-    done = []
+    as each goes, or printing every record as JSON at the end.  An item the daemon refuses (unknown, ...)
+    does not stop the others: each refusal is reported, and the command then fails (exit 1)."""
+    done, refused = [], []
     for item in items:
-        done.append(remove(item))
+        try:
+            done.append(remove(item))
+        except ApiError as e:  # (a lost daemon, DaemonNotRunning, ends it at once)
+            refused.append(f"{item}: {e}")
+            continue
         if not json:
             echo(said(item))
     if json:
         print_json(done)
+    if refused:
+        raise ClientError("; ".join(refused))
 
 
 def sla_class(value: SLAClass | str | None) -> str | None:

@@ -86,6 +86,13 @@ def test_rm_deletes_each_session(fake):
     assert data == [{"id": "s-a71e04c9b2d35f18", "object": "session.deleted", "deleted": True}]
 
 
+def test_rm_deletes_every_session_it_can_and_reports_the_rest(fake):
+    res = weave(fake, "rm", "s-nope", IDLE, "s-gone")
+    assert res.exit_code == 1 and res.stdout == f"deleted {IDLE}\n"
+    assert res.stderr == "weave: error: s-nope: no session 's-nope'; s-gone: no session 's-gone'\n"
+    assert IDLE not in fake.sessions
+
+
 def test_promote_and_demote(fake):
     out = ok(weave(fake, "promote", IDLE))
     assert out.startswith(f"{IDLE}: interactive, TTFT 500ms -> pool cpu")
