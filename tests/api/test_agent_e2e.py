@@ -198,6 +198,18 @@ def test_a_sessions_transcript_keeps_its_calls_with_the_ids_the_api_gave(request
         c.delete(f"/v1/sessions/{sid}")
 
 
+def test_a_name_the_template_does_not_render_is_refused_not_dropped(generic):
+    with uds_client(generic.socket, timeout=120.0) as c:
+        named = [{"role": "user", "content": "Hi", "name": "alice"}]
+        r = c.post("/v1/chat/completions", json={"messages": named, "max_tokens": 4})
+        assert r.status_code == 400 and "messages[0].name" in r.json()["error"]["message"]
+        tool_named = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "name": "get_time", "content": "12:00"}]
+        ok = c.post("/v1/chat/completions", json={"messages": tool_named, "tools": TOOLS, "max_tokens": 4})
+        assert ok.status_code == 200, ok.text  # a tool result's name is the tool's (the generic format says it)
+
+
 def test_json_schema_output_validates(generic):
     sdk = _sdk(generic.socket)
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}

@@ -32,6 +32,14 @@ class FunctionDef(BaseModel):
             raise ValueError("function names are 1-64 letters, digits, '_' or '-'")
         return v
 
+    @field_validator("parameters")
+    @classmethod
+    def _object(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError("a function's parameters must be a JSON schema of type object (its arguments "
+                             "are an object)")
+        return v
+
 
 class ToolDef(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -31,7 +31,7 @@ class SLABody(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
 
@@ -108,7 +108,7 @@ class Sampling(BaseModel):
 
     model: str | None = None  # the served model's name or "default" (else 404 model_not_found)
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)  # OpenAI's range
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=0)  # extension (as vLLM and llama.cpp)
     min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)  # extension
@@ -118,7 +118,7 @@ class Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = Field(None, ge=0)  # extension (as vLLM): no end of turn before this many
     stop_token_ids: list[int] | None = None  # extension (as vLLM)
-    seed: int | None = Field(None, ge=0, lt=2**64)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # any int64 (as OpenAI) or uint64 (as llama.cpp)
     ignore_eos: bool | None = None  # extension (as vLLM): generate max_tokens, past end of turn
     stop: str | list[str] | None = None
     stream: bool = False
@@ -163,6 +163,8 @@ class Sampling(BaseModel):
         would change the answer is either honoured or refused here by name."""
         if not 1 <= self.n <= MAX_CHOICES:
             return "n", f"n must be between 1 and {MAX_CHOICES}"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed with stream: true (as OpenAI)"
         extra = self.model_extra or {}
         for name in sorted(extra):
             if name in INERT_FIELDS:

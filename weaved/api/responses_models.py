@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from weaved.agent.plan import AnswerSpec
 from weaved.api.agent_models import (
@@ -105,10 +105,16 @@ class TextFormat(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     type: Literal["text", "json_schema", "json_object"]
-    name: str = "response"
+    name: str | None = None  # required with json_schema, as OpenAI requires it
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> TextFormat:
+        if self.type == "json_schema" and not self.name:
+            raise ValueError("a json_schema format needs its name")
+        return self
 
 
 class TextOptions(BaseModel):
@@ -135,7 +141,7 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, lt=2**64)  # extension
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # extension (a negative one: its two's complement)
     truncation: Literal["disabled"] | None = None  # "auto" would drop context: refused
     chat_template_kwargs: dict[str, Any] | None = None  # extension, as on chat completions
     sla: SLABody | None = None  # Weave extension

@@ -47,6 +47,7 @@ from weaved.daemon.turns import (
     TurnHandle,
     chat_turn_tokens,
     check_fits,
+    check_names_rendered,
     fitted,
     message_extra,
     prompt_turn_tokens,
@@ -412,6 +413,7 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
             try:
                 if messages is not None:
                     check_tool_results(messages, answered_calls(s.messages))
+                    check_names_rendered(plan.render, list(s.messages) + list(messages))
                     new, keep = chat_turn_tokens(self.tokenizer, s, messages, render=plan.render)
                 else:
                     new, keep = prompt_turn_tokens(self.tokenizer, s, prompt)

@@ -104,6 +104,18 @@ def message_extra(m: dict) -> dict | None:
     return extra or None
 
 
+def check_names_rendered(render: Callable[[list[dict]], str], messages: list[dict]) -> None:
+    """A message's ``name`` (OpenAI's participant name) is honoured only by the chat template: refuse
+    one the template does not render (the prompt would be the same without it) rather than drop it."""
+    named = [i for i, m in enumerate(messages) if m.get("name") and m.get("role") != "tool"]
+    if not named:
+        return
+    bare = [{k: v for k, v in m.items() if k != "name"} if i in named else m for i, m in enumerate(messages)]
+    if render(bare) == render(messages):
+        raise InvalidRequest(f"messages[{named[0]}].name: this model's chat template does not use a message's "
+                             f"name; leave it out, or say it in the content", param="messages")
+
+
 def parsed_answer(plan, call_seed: str | None, text: str) -> dict | None:
     """A chat turn's generated ``text`` as the API returned it (``plan``: its ``AnswerPlan``; the calls'
     ids from ``call_seed``, as the API's parser made them): OpenAI's assistant message fields - none
