@@ -50,6 +50,8 @@ def validation_error(errors: list) -> InvalidRequest:
     loc = [p for p in loc if not _is_type_tag(p)]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")  # a validator's own message
+    if first.get("type") == "extra_forbidden" and loc:  # the wording the top-level fields get
+        msg = f"unknown or unsupported field {loc[-1]!r}"
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
     return InvalidRequest(f"{param}: {msg}{more}" if param else f"{msg}{more}", param=param)
 

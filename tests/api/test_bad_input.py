@@ -124,9 +124,9 @@ def test_invalid_sla_headers(client, bystander, headers: dict, param: str):
     {"prompt": 5}, {"prompt": ""}, {"prompt": []}, {"prompt": ["a", "b"]}, {"prompt": [1, -2]},
     {"prompt": [1, 999999]}, {"prompt": "x", "logprobs": 21}, {"prompt": "x", "echo": 1},
     {"prompt": "x", "best_of": 3}, {"prompt": "x", "max_tokens": 0}, {"prompt": [1.5]}, {"prompt": [True]},
-    {"prompt": [[1, -1]]}, {"prompt": {"text": "x"}}, {"prompt": [1, "a"]},
+    {"prompt": [[1, -1]]}, {"prompt": {"text": "x"}}, {"prompt": [1, "a"]}, {"prompt": "x", "echo": True, "n": 2},
 ], ids=["int", "empty", "empty-list", "batch", "negative-id", "id-beyond-vocab", "logprobs-21", "echo-int",
-        "best-of", "max-tokens-zero", "float-id", "bool-id", "nested-negative-id", "object", "mixed"])
+        "best-of", "max-tokens-zero", "float-id", "bool-id", "nested-negative-id", "object", "mixed", "echo-n"])
 def test_bad_completions(client, bystander, body: dict):
     err = assert_error(client.post("/v1/completions", json=body), 400, type_="invalid_request_error")
     if err["param"] == "prompt":  # a message that says what was wanted, not a union's "Input should be"
@@ -225,3 +225,14 @@ def test_an_orphan_tool_result_is_a_400_before_anything_runs(client, fake):
     err = assert_error(r, 400, param="messages", type_="invalid_request_error")
     assert "call_x" in err["message"]
     assert not [c for c in fake.calls if c[0] == "start_turn"]
+
+
+def test_unknown_fields_are_named_alike_everywhere_and_images_are_said_to_be_unsupported(client, fake):
+    for path, body in ((CHAT, {"messages": USER, "foo": 1}), ("/v1/sessions", {"foo": 1})):
+        err = assert_error(client.post(path, json=body), 400, param="foo")
+        assert "unknown or unsupported field 'foo'" in err["message"]
+    image = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                          {"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    err = assert_error(client.post(CHAT, json={"messages": image}), 400)
+    assert "image_url content parts are not supported" in err["message"] and "Input should be" not in err["message"]
+

@@ -51,7 +51,7 @@ def test_add_list_get_and_remove(client, fake):
     ({"name": "q", "url": "http://h:1"}, 400, "token", "Field required"),
     ({"name": "q", "url": "http://h:1", "token": ""}, 400, "token", "at least 1"),
     ({"name": "q", "url": "http://h:1", "token": 5}, 400, "token", "string"),
-    ({"name": "q", "url": "http://h:1", "token": "t", "extra": 1}, 400, "extra", "Extra inputs"),
+    ({"name": "q", "url": "http://h:1", "token": "t", "extra": 1}, 400, "extra", "unknown or unsupported field"),
 ])
 def test_bad_additions_are_refused_and_change_nothing(client, body, status, param, words):
     r = client.post("/v1/peers", json=body)

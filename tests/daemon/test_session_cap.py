@@ -79,3 +79,12 @@ def test_deleting_a_chains_last_stored_response_deletes_its_session(daemon):
     with pytest.raises(NotFound):
         daemon.get_session(sid)
     assert daemon.journal.chain_sessions() == set()
+
+
+def test_a_turn_is_held_to_the_sessions_max_context_not_its_page_rounded_file(daemon):
+    from weaved.engine.sampling import SamplingParams
+    from weaved.errors import ContextTooLong
+
+    sid = daemon.create_session(BG, max_context=100)["id"]  # its KV file holds 128 positions
+    with pytest.raises(ContextTooLong, match="context of 100 tokens"):
+        run_turn(daemon, sid, "Hello", SamplingParams(max_tokens=90, temperature=0))

@@ -30,6 +30,8 @@ async def answer_completion(request: Request, req: CompletionRequest) -> Respons
     state = state_of(request)
     check_model(state, req.model)
     params = completion_params(req)
+    if req.echo and req.n > 1:  # the choices fork one prefill: only the first would have the prompt's rows
+        raise InvalidRequest("n > 1 cannot be combined with echo", param="n")
     prompt = req.single_prompt()
     tokenizer = state.daemon.tokenizer
     check_vocab(tokenizer, params)

@@ -58,6 +58,16 @@ class Message(BaseModel):
     reasoning_content: str | None = None
     refusal: str | None = None  # sent back by SDKs on assistant messages; must be null here
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind != "text":
+                    raise ValueError(f"{kind} content parts are not supported: this model takes text only")
+        return v
+
     @model_validator(mode="after")
     def _shape(self) -> Message:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):

@@ -65,7 +65,10 @@ async def create_response(request: Request) -> Response:
         if not req.store:
             raise InvalidRequest("store: false cannot continue a stored chain (the turn would enter it unrecorded)",
                                  param="store")
-        sid, previous = await run_in_threadpool(daemon.get_response, req.previous_response_id)
+        try:
+            sid, previous = await run_in_threadpool(daemon.get_response, req.previous_response_id)
+        except NotFound as e:
+            raise NotFound(e.message, param="previous_response_id") from None
         check_tool_results(messages, {i.get("call_id") for i in previous.get("output") or ()
                                       if i.get("type") == "function_call"}, param="input")
         latest = await run_in_threadpool(daemon.latest_response, sid)

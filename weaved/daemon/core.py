@@ -366,7 +366,7 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
         """(session, response object) of a stored response; NotFound when unknown (or its session is gone)."""
         found = self.journal.get_response(rid)
         if found is None or found[0] not in self.sessions:
-            raise NotFound(f"no stored response {rid!r}", param="previous_response_id")
+            raise NotFound(f"no stored response {rid!r}")
         return found
 
     def latest_response(self, sid: str) -> str | None:

@@ -73,11 +73,17 @@ def prompt_turn_tokens(tok: Tokenizer, s: Session, prompt: str | list[int]) -> t
     return s.tail + list(ids), len(s.committed)
 
 
+def _context(s: Session) -> int:
+    """The positions a session's turns may fill: its ``max_context`` (its KV file is that rounded up to
+    whole pages, which a turn never uses beyond)."""
+    return min(s.kv.capacity, s.max_context)
+
+
 def fitted(params: SamplingParams, s: Session, keep: int, new: list[int]) -> SamplingParams:
     """``params`` with a ``fit_context`` bound cut to what the session's context holds after the prompt."""
     if not params.fit_context:
         return params
-    room = s.kv.capacity - (keep + len(new))
+    room = _context(s) - (keep + len(new))
     try:
         return replace(params, max_tokens=max(1, min(params.max_tokens, room)), fit_context=False)
     except ValueError as e:  # min_tokens beyond what fits
@@ -142,7 +148,7 @@ def check_fits(s: Session, keep: int, new: list[int], max_tokens: int) -> None:
     if not new:
         raise InvalidRequest("the turn adds no tokens", param="messages")
     total = keep + len(new)
-    cap = s.kv.capacity
+    cap = _context(s)
     if total >= cap:
         raise ContextTooLong(f"the prompt needs {total} tokens of context but the session holds {cap}")
     if total + max_tokens > cap:
