@@ -88,6 +88,17 @@ def test_typed_stream_events_assemble_the_same_response(served):
     # cut by max_output_tokens: OpenAI's last event for that is response.incomplete
     assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
     assert "".join(text) == last.response.output_text and last.response.output_text
+    msg = [o for o in last.response.output if o.type == "message"][0]
+    assert msg.status == "incomplete"  # the item the limit cut, as OpenAI marks it
+    # on the wire as OpenAI sends it: each event named by an "event:" line, and no [DONE] after the last
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(served.socket)), timeout=120.0) as h, \
+            h.stream("POST", "http://weave/v1/responses", json={"input": "Hi", "max_output_tokens": 3,
+                                                                "stream": True, "store": False}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    datas = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
+    assert names == [d["type"] for d in datas] and names[-1] == "response.incomplete"
+    assert not any("[DONE]" in line for line in lines)
 
 
 def test_structured_text_and_stored_objects(served):

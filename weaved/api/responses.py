@@ -27,7 +27,7 @@ from weaved.api import body
 from weaved.api.params import FIT_CONTEXT_MAX_TOKENS, SAMPLING_DEFAULTS, check_model, sla_from
 from weaved.api.response_items import OutputItems, new_id
 from weaved.api.responses_models import ResponsesRequest
-from weaved.api.sse import DONE, frame, sse_response
+from weaved.api.sse import frame, sse_response
 from weaved.api.state import state_of
 from weaved.api.turn import Turn, TurnSpec, start_turn
 from weaved.engine.sampling import SamplingParams
@@ -184,7 +184,7 @@ async def _stream(request: Request, reply: _Reply) -> AsyncIterator[bytes]:
         nonlocal seq
         e = {**e, "sequence_number": seq}
         seq += 1
-        return frame(e)
+        return frame(e, event=e["type"])  # as OpenAI sends them: named events, no [DONE] at the end
 
     turn.watch(request)
     try:
@@ -208,7 +208,6 @@ async def _stream(request: Request, reply: _Reply) -> AsyncIterator[bytes]:
         kind = {"completed": "response.completed", "failed": "response.failed"}.get(obj["status"],
                                                                                     "response.incomplete")
         yield ev({"type": kind, "response": obj})
-        yield DONE
     finally:
         turn.unwatch()
         turn.abandon()

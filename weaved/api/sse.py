@@ -11,8 +11,10 @@ DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"  # a comment line: clients ignore it; a dead client makes the write fail
 
 
-def frame(data: dict) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+def frame(data: dict, event: str | None = None) -> bytes:
+    """One server-sent event: ``data`` as JSON, named ``event`` when given (the Responses API names each)."""
+    head = b"event: " + event.encode() + b"\n" if event else b""
+    return head + b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 def stream_chunk(meta, obj: str, choice: dict, *, usage: bool = False, weave: dict | None = None) -> dict:
