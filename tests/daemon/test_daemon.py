@@ -349,7 +349,7 @@ def test_a_session_created_empty_is_placed_again_by_its_first_turn(daemon):
     assert any("short prompt (0 <" in r for r in before)
     events, h = run_turn(daemon, sid, "Tell me about the sea and the sky")
     after = daemon.get_session(sid)["placement"]
-    assert after["reasons"][0] == f"placed again at its first turn, which brings {h.prompt_tokens} tokens"
+    assert after["reasons"][0] == f"placed again at its first turn, which brought {h.prompt_tokens} tokens"
     assert any(f"short prompt ({h.prompt_tokens} <" in r for r in after["reasons"])
     assert h.placement == after  # what the API reports for the turn
     assert daemon.journal.list(with_tokens=False)[-1].placement == after  # and what a restart finds

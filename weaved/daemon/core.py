@@ -533,15 +533,17 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
 
     # ---- SLA changes ---------------------------------------------------------------------------------
     def promote(self, sid: str) -> dict:
-        return self._change_sla(sid, SLA(SLAClass.INTERACTIVE, 500.0, None), "promotion")
+        return self._change_sla(sid, SLAClass.INTERACTIVE, 500.0, "promotion")
 
     def demote(self, sid: str, reason: str = "demotion") -> dict:
-        return self._change_sla(sid, SLA(SLAClass.BACKGROUND, None, None), reason)
+        return self._change_sla(sid, SLAClass.BACKGROUND, None, reason)
 
-    def _change_sla(self, sid: str, sla: SLA, kind: str) -> dict:
+    def _change_sla(self, sid: str, cls: SLAClass, ttft_ms: float | None, kind: str) -> dict:
+        """The session's class and first-token target change; its whole-answer budget (``ttlt_s``), the
+        client's own, is kept."""
         with self._lock:
             s = self._get(sid)
-            s.sla = sla
+            sla = s.sla = SLA(cls, ttft_ms, s.sla.ttlt_s)
             new = self.moves.replace(s, kind)
         event = "promotion" if sla.cls is SLAClass.INTERACTIVE else "demotion"
         self.publish(event, {"session": sid, "placement": new.to_dict(), "reason": kind})

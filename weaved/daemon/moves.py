@@ -140,7 +140,7 @@ class SessionMoves:
         if new.decode_strategy != s.placement.decode_strategy or new == s.placement:
             return None
         new = Placement(new.prefill_strategy, new.decode_strategy, new.prefill_pool, new.decode_pool, new.priority,
-                        (f"placed again at its first turn, which brings {n_prompt} tokens", *new.reasons))
+                        (f"placed again at its first turn, which brought {n_prompt} tokens", *new.reasons))
         s.placement = new
         if not s.ephemeral:
             self.journal.set_placement(s.id, new.to_dict())

@@ -1,6 +1,6 @@
-"""The cap on kept sessions: stateless requests are not counted against it; at the cap the least
-recently active idle Responses chain is evicted (sessions made by /v1/sessions never are); deleting a
-chain's last stored response deletes its session."""
+"""A session's limits: the cap on kept sessions (stateless requests are not counted; at the cap the
+least recently active idle Responses chain is evicted, sessions made by /v1/sessions never are;
+deleting a chain's last stored response deletes its session), its context, its answer budget."""
 
 from __future__ import annotations
 
@@ -88,3 +88,9 @@ def test_a_turn_is_held_to_the_sessions_max_context_not_its_page_rounded_file(da
     sid = daemon.create_session(BG, max_context=100)["id"]  # its KV file holds 128 positions
     with pytest.raises(ContextTooLong, match="context of 100 tokens"):
         run_turn(daemon, sid, "Hello", SamplingParams(max_tokens=90, temperature=0))
+
+
+def test_promotion_and_demotion_keep_the_sessions_own_answer_budget(daemon):
+    sid = daemon.create_session(SLA(SLAClass.BACKGROUND, None, 120.0))["id"]
+    assert daemon.promote(sid)["sla"] == {"class": "interactive", "ttft_ms": 500.0, "ttlt_s": 120.0}
+    assert daemon.demote(sid)["sla"] == {"class": "background", "ttft_ms": None, "ttlt_s": 120.0}
