@@ -19,14 +19,16 @@ HELP = (
     "they already are); norms and biases are float32. Metadata (tokenizer, chat template, "
     "hyper-parameters) is copied unchanged.\n\n"
     "Sources may be of any quantization gguf-py reads (Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, F16, BF16, F32 ...); "
-    "architectures: llama, qwen2, qwen3, gemma3. `weave serve --model X` converts a model that needs it by "
-    "itself (once, into the cache); this command writes the converted file where you choose."
+    "architectures: llama (Mixtral-style experts too), qwen2, qwen3, qwen3moe, gemma3. `weave serve --model X` "
+    "converts a model that needs it by itself (once, into the cache); this command writes the converted file "
+    "where you choose."
 )
 
 
-def _fail(message: str) -> typer.Exit:
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    """``weave: error: ...``; exit 2 for bad usage (the arguments), 1 when the conversion fails."""
     typer.echo(f"weave: error: {message}", err=True)
-    return typer.Exit(1)
+    return typer.Exit(code)
 
 
 def register(app: typer.Typer) -> None:
@@ -40,11 +42,11 @@ def register(app: typer.Typer) -> None:
         force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite OUT if it exists.")] = False,
     ) -> None:
         if not src.exists():
-            raise _fail(f"input file not found: {src}")
+            raise _fail(f"input file not found: {src}", 2)
         if src.is_dir():
-            raise _fail(f"input is a directory, not a GGUF file: {src}")
+            raise _fail(f"input is a directory, not a GGUF file: {src}", 2)
         if dst.exists() and not force:
-            raise _fail(f"{dst} already exists; pass --force to overwrite it")
+            raise _fail(f"{dst} already exists; pass --force to overwrite it", 2)
 
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

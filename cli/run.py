@@ -151,6 +151,10 @@ def read_tools(path: Path | None, choice: str | None) -> dict:
         raise fail(f"{path} must hold a JSON list of tool definitions", 2)
     out: dict = {"tools": tools}
     if choice is not None:
+        names = [(t.get("function") or {}).get("name") for t in tools]
+        if choice not in ("auto", "required", "none") and choice not in names:
+            raise fail(f"--tool-choice must be auto, required, none or a function of {path} "
+                       f"({', '.join(map(str, names)) or 'none there'}), got {choice!r}", 2)
         out["tool_choice"] = choice if choice in ("auto", "required", "none") else \
             {"type": "function", "function": {"name": choice}}
     return out

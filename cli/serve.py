@@ -44,9 +44,10 @@ def _say(message: str) -> None:
     typer.echo(printable(f"weave: {message}"))
 
 
-def _fail(message: str) -> typer.Exit:
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    """``weave: error: ...``; exit 2 for bad usage (the arguments), 1 when serving fails."""
     typer.echo(printable(f"weave: error: {message}"), err=True)
-    return typer.Exit(1)
+    return typer.Exit(code)
 
 
 def _log_line(message: str) -> None:
@@ -134,8 +135,11 @@ def register(app: typer.Typer) -> None:
         try:  # everything that can be refused is refused before the model loads
             if listen is not None:
                 if not api_key:
-                    raise ServerError("--listen needs an API key (--api-key or WEAVE_API_KEY)")
-                parse_listen(listen)
+                    raise _fail("--listen needs an API key (--api-key or WEAVE_API_KEY)", 2)
+                try:
+                    parse_listen(listen)
+                except ServerError as e:
+                    raise _fail(str(e), 2) from None
             check_socket_free(path)
             prof = load_profile(profile)
             federation = federation_listen(prof, federation_port)

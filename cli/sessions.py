@@ -139,8 +139,9 @@ def fork(session_id: IdArg,
          sla: Annotated[SLAClass | None, typer.Option("--sla", show_default=False,
                                                       help="The fork's SLA class (default: the parent's).")] = None,
          socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
-    """Fork a session: a new session with its context, shared instead of computed again (sub-agents,
-    retries, tree search).  The fork has its own SLA and placement and outlives its parent."""
+    """Fork a session: a new session with its context, shared, not computed again (sub-agents, retries).
+
+    The fork has its own SLA and placement and outlives its parent."""
     with connect(socket, api_key) as client:
         s = client.fork(session_id, turn, sla_body(sla_class(sla)) if sla is not None else None)
     if json:

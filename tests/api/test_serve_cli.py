@@ -30,12 +30,12 @@ def _serve(*args: str, env: dict | None = None):
 
 def test_listen_without_a_key_is_refused(tmp_path: Path):
     r = _serve("--socket", str(tmp_path / "w.sock"), "--listen", "127.0.0.1:0")
-    assert r.exit_code == 1 and "API key" in r.output
+    assert r.exit_code == 2 and "API key" in r.output  # bad usage
 
 
 def test_bad_listen_address_is_refused(tmp_path: Path):
     r = _serve("--socket", str(tmp_path / "w.sock"), "--listen", "nowhere", "--api-key", "k")
-    assert r.exit_code == 1 and "HOST:PORT" in r.output
+    assert r.exit_code == 2 and "HOST:PORT" in r.output
 
 
 def test_live_socket_is_refused(tmp_path: Path):

@@ -340,6 +340,11 @@ def test_submit_sends_a_tools_file_and_a_choice(fake, tmp_path):
     assert res.exit_code == 2 and "list of tool definitions" in res.stderr
     res = weave(fake, "submit", "x", "--tool-choice", "auto")
     assert res.exit_code == 2 and "--tool-choice needs --tools" in res.stderr
+    f.write_text(json.dumps(tools), encoding="utf-8")
+    sent = len(fake.requests)
+    res = weave(fake, "submit", "x", "--tools", str(f), "--tool-choice", "nope")
+    assert res.exit_code == 2 and "'nope'" in res.stderr and "lookup" in res.stderr
+    assert len(fake.requests) == sent  # refused before anything was sent
 
 
 def test_streams_show_reasoning_and_tool_calls():

@@ -40,7 +40,7 @@ def test_refuses_to_overwrite_then_force(q4_1_model, tmp_path):
     out = tmp_path / "out.gguf"
     out.write_bytes(b"keep me")
     result = runner.invoke(app, ["convert", str(q4_1_model), str(out)])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # bad usage
     line = _error_line(result)
     assert "already exists" in line and "--force" in line
     assert out.read_bytes() == b"keep me"
@@ -51,20 +51,20 @@ def test_refuses_to_overwrite_then_force(q4_1_model, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("make_input", "message"),
+    ("make_input", "message", "code"),
     [
-        (lambda d: d / "missing.gguf", "input file not found"),
-        (lambda d: d, "is a directory"),
-        (lambda d: (d / "notes.txt", (d / "notes.txt").write_text("hello"))[0], "not a readable GGUF"),
-        (lambda d: write_tiny_gguf(d / "gpt2.gguf", "gpt2", n_layers=1), "unsupported architecture 'gpt2'"),
+        (lambda d: d / "missing.gguf", "input file not found", 2),  # bad usage
+        (lambda d: d, "is a directory", 2),
+        (lambda d: (d / "notes.txt", (d / "notes.txt").write_text("hello"))[0], "not a readable GGUF", 1),
+        (lambda d: write_tiny_gguf(d / "gpt2.gguf", "gpt2", n_layers=1), "unsupported architecture 'gpt2'", 1),
     ],
     ids=["missing", "directory", "not-gguf", "unsupported-arch"],
 )
-def test_errors_are_one_line_with_exit_code_1(tmp_path, make_input, message):
+def test_errors_are_one_line_with_their_exit_code(tmp_path, make_input, message, code):
     src = make_input(tmp_path)
     out = tmp_path / "out.gguf"
     result = runner.invoke(app, ["convert", str(src), str(out)])
-    assert result.exit_code == 1
+    assert result.exit_code == code
     assert message in _error_line(result)
     assert not out.exists()
 
