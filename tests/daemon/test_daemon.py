@@ -314,6 +314,30 @@ def test_deleting_a_session_mid_turn_ends_its_stream_and_its_file(daemon):
         assert f"{sid}.kv" not in maps  # the file's mapping went with the session, not at collection
 
 
+def test_a_delete_that_reaches_the_engine_before_the_turn_still_cancels_it(daemon):
+    """The turn is registered under the lock, sent to its engine after it: a delete in between sends its
+    cancel first, and the engine takes that cancel before the sequence arrives."""
+    sid = daemon.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    engine = daemon.engines[daemon.sessions[sid].pool]
+    submit = engine.submit
+
+    def late(seq):
+        daemon.delete_session(sid)
+        deadline = time.monotonic() + 30
+        while engine.has_work() and time.monotonic() < deadline:  # the engine thread takes the cancel
+            time.sleep(0.001)
+        submit(seq)
+
+    engine.submit = late
+    try:
+        stream = Stream()
+        daemon.start_turn(session_id=sid, messages=[{"role": "user", "content": "Count"}], params=LONG, emit=stream)
+        assert stream.done.wait(60), "the stream never ended"
+    finally:
+        engine.submit = submit
+    assert [ev["type"] for ev in stream.events] == ["done"] and stream.events[-1]["finish_reason"] == "cancelled"
+
+
 def test_a_turn_right_after_a_cancel_waits_for_it_instead_of_conflict(daemon):
     sid = daemon.create_session(SLA(SLAClass.INTERACTIVE, 500, None))["id"]
     stream = Stream()

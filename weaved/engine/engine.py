@@ -234,8 +234,8 @@ class BatchEngine:
             self._prefill_outside(s)
         for sid, callback in detach:
             self._hand_over(sid, callback)
-        for s in self._active:
-            if s.session_id in cancelled and not s.status.done:
+        for s in self._active:  # (the flag too: a cancel sent before the sequence reached this engine)
+            if (s.session_id in cancelled or s.cancel_requested) and not s.status.done:
                 self.out.finish(s, SeqStatus.CANCELLED, "cancelled")
         self._active = [s for s in self._active if not s.status.done]
         if self._active:
