@@ -44,6 +44,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, smollm2_q4_0: Path, profile
         yield proc
     assert proc.proc.returncode == 0, proc.output
     assert not proc.socket.exists()
+    assert "Task was destroyed" not in proc.output  # e.g. an events subscriber's pending read, left behind
 
 
 @pytest.fixture
@@ -183,6 +184,9 @@ def test_metrics_and_events(http, served):
             if len(got) == 2:
                 break
     assert got == ["placement", "promotion"]
+    for _ in range(5):  # subscribers that leave while the stream waits for an event
+        with http.stream("GET", "/v1/events") as ev:
+            next(ev.iter_lines())
     text = http.get("/metrics").text
     assert 'weave_pool_queue_depth{pool="cpu"}' in text and 'weave_kv_bytes{tier="file"}' in text
     assert "weave_time_to_first_token_seconds_bucket" in text

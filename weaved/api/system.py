@@ -55,6 +55,7 @@ async def _event_frames(request: Request, state: ApiState, queue: asyncio.Queue)
             pass
 
     stop = {asyncio.create_task(hung_up()), asyncio.create_task(state.closing.wait())}
+    get: asyncio.Task | None = None
     try:
         yield KEEPALIVE  # sends the headers now, so a client knows it is subscribed
         while True:
@@ -67,7 +68,7 @@ async def _event_frames(request: Request, state: ApiState, queue: asyncio.Queue)
             if done:  # the client left or the daemon is closing
                 return
             yield KEEPALIVE
-    finally:
-        for t in stop:
+    finally:  # (the wait may be cancelled mid-way, its queue read still pending)
+        for t in (*stop, *([get] if get is not None else [])):
             t.cancel()
         state.daemon.unsubscribe(queue)
