@@ -149,10 +149,15 @@ def register(app: typer.Typer) -> None:
             _say(note)
         template = None
         if chat_template is not None:
+            from weaved.model.chat_template import ChatTemplate
+
             try:
                 template = chat_template.read_text()
+                ChatTemplate(template).check()
             except OSError as e:
-                raise _fail(f"cannot read the chat template {chat_template}: {e.strerror or e}") from None
+                raise _fail(f"cannot read the chat template {chat_template}: {e.strerror or e}", 2) from None
+            except ValueError as e:  # (a syntax error: every chat request would be refused)
+                raise _fail(f"{chat_template}: {e}", 2) from None
         model_path = resolve_model(model)
 
         from weaved.daemon.core import Daemon

@@ -60,3 +60,13 @@ def test_bad_profile_is_refused(tmp_path: Path):
 def test_missing_model_is_refused(tmp_path: Path):
     r = _serve("--socket", str(tmp_path / "w.sock"), "--profile", "cpu-only", "--model", str(tmp_path / "no.gguf"))
     assert r.exit_code == 1 and "not found" in r.output
+
+
+def test_a_chat_template_that_cannot_be_read_or_compiled_is_refused_at_start(tmp_path: Path):
+    sock = str(tmp_path / "w.sock")
+    r = _serve("--socket", sock, "--chat-template", str(tmp_path / "missing.jinja"))
+    assert r.exit_code == 2 and "cannot read the chat template" in r.output
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }")
+    r = _serve("--socket", sock, "--chat-template", str(broken))
+    assert r.exit_code == 2 and "does not compile" in r.output and "broken.jinja" in r.output

@@ -57,6 +57,10 @@ class ChatTemplate:
         except TemplateSyntaxError as e:
             raise ValueError(f"the chat template does not compile: {e}") from None
 
+    def check(self) -> None:
+        """ValueError when the source does not compile (a file given at start is refused there)."""
+        self._compiled  # noqa: B018  (compiled once, kept)
+
     @property
     def mentions_tools(self) -> bool:
         """Whether the template has a branch for tool definitions (else Weave's generic format is used)."""
