@@ -115,3 +115,35 @@ def test_a_stored_calibration_that_measured_smaller_batches_is_measured_again(ti
         assert not any("calibrat" in m for m in again.said)
     finally:
         again.shutdown()
+
+
+def test_a_calibration_that_does_not_fit_is_measured_again_and_never_stored(tiny_llama, tmp_path, cache,
+                                                                           monkeypatch):
+    """A busy host makes step times the model cannot fit: measured again, and a fit still that poor serves
+    only this run (a stored one would mislead admission until someone recalibrated by hand)."""
+    from weaved.daemon import rates
+
+    real, fits = rates.measure, []
+
+    def noisy(*a, **kw):
+        m = real(*a, **kw)
+        fits.append(m)
+        m.max_error = lambda: 0.95  # what a measurement beside other work gave
+        return m
+
+    monkeypatch.setattr(rates, "measure", noisy)
+    d = _daemon(tiny_llama, tmp_path / "a")
+    try:
+        assert len(fits) == rates.MEASURES
+        assert d.status()["rates"]["source"] == "calibrated"  # used for this run
+        assert any("measuring again (2 of 3)" in m for m in d.said) and any("not stored" in m for m in d.said)
+        assert not list((tmp_path / "a" / "calibration").glob("*.json"))
+        assert not list((cache / "calibration").glob("*.json"))
+    finally:
+        d.shutdown()
+    monkeypatch.setattr(rates, "measure", real)
+    d = _daemon(tiny_llama, tmp_path / "b")  # the next start measures afresh, and a fit that fits is kept
+    try:
+        assert any("calibrated in" in m for m in d.said) and list((cache / "calibration").glob("*.json"))
+    finally:
+        d.shutdown()
