@@ -338,6 +338,47 @@ def test_a_delete_that_reaches_the_engine_before_the_turn_still_cancels_it(daemo
     assert [ev["type"] for ev in stream.events] == ["done"] and stream.events[-1]["finish_reason"] == "cancelled"
 
 
+def test_a_turn_cancelled_before_its_first_token_still_leaves_an_answer(daemon):
+    """Cancelled in its prefill: an empty answer marked cancelled, so the transcript's roles keep
+    alternating (a template like Gemma's refuses two user turns in a row) and the next turn runs."""
+    sid = daemon.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    engine = daemon.engines[daemon.sessions[sid].pool]
+    submit = engine.submit
+
+    def cancelled_first(seq):
+        daemon.cancel_turn(sid)
+        submit(seq)
+
+    engine.submit = cancelled_first
+    try:
+        stream = Stream()
+        daemon.start_turn(session_id=sid, messages=[{"role": "user", "content": "Count"}], params=LONG, emit=stream)
+        assert stream.done.wait(60)
+    finally:
+        engine.submit = submit
+    assert stream.events[-1]["finish_reason"] == "cancelled" and stream.events[-1]["usage"]["completion_tokens"] == 0
+    msgs = daemon.get_session(sid)["messages"]
+    assert [(m["role"], m["content"], m.get("finish_reason")) for m in msgs] == [
+        ("user", "Count", None), ("assistant", "", "cancelled")]
+    ev, _ = run_turn(daemon, sid, "Again")
+    assert ev[-1]["type"] == "done"
+    assert [m["role"] for m in daemon.get_session(sid)["messages"]] == ["user", "assistant", "user", "assistant"]
+
+
+def test_a_turn_stopped_before_its_first_token_is_marked_interrupted_after_a_restart(tiny_llama, tmp_path):
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    d.journal.add_message(sid, "user", "Hello", [1, 2, 3])  # a turn's input, recorded before its prefill
+    d.shutdown()
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        msgs = d.get_session(sid)["messages"]
+        assert [(m["role"], m["content"], m.get("finish_reason")) for m in msgs] == [
+            ("user", "Hello", None), ("assistant", "", "interrupted")]
+    finally:
+        d.shutdown()
+
+
 def test_a_turn_right_after_a_cancel_waits_for_it_instead_of_conflict(daemon):
     sid = daemon.create_session(SLA(SLAClass.INTERACTIVE, 500, None))["id"]
     stream = Stream()

@@ -29,13 +29,15 @@ def unfed_tail(rec) -> list[int]:
 
 
 def unfinished_answer(rec, decode: Callable[[list[int]], str]) -> tuple[str, list[int]] | None:
-    """Text and ids of the answer a turn had committed when the daemon stopped, if any.
+    """Text and ids of the answer a turn had committed when the daemon stopped (empty when it stopped
+    before the first token: in the prompt's prefill, or queued), or None when no turn was cut.
 
-    A turn records its prompt tokens with its last input message; what was committed after them is
-    the answer so far."""
-    if not rec.messages or rec.messages[-1]["role"] != "user":
+    A turn records its prompt tokens with its last input message (user, tool result, raw prompt); what
+    was committed after them is the answer so far.  A cut turn gets an answer, empty or not, so the
+    transcript's roles keep alternating (templates such as Gemma's refuse two user turns in a row)."""
+    if not rec.messages or rec.messages[-1]["role"] == "assistant":
         return None
     last = rec.messages[-1]
     start = (last["kv_at"] or 0) + len(last["token_ids"] or [])
     ids = rec.tokens[start:]
-    return (decode(ids), ids) if ids else None
+    return decode(ids) if ids else "", ids

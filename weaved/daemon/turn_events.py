@@ -137,10 +137,13 @@ class TurnEvents:
                 return
             s.tail = list(seq.pending) if kind == "done" else []
             text = "".join(seq.text)
-            if seq.generated and kind == "done":
+            # an answer - empty when the turn ended before its first token (cancelled or stopped in its
+            # prefill, failed) - so the transcript's roles keep alternating
+            if seq.generated or kind == "error" or seq.finish_reason in ("cancelled", "shutdown"):
+                reason = seq.finish_reason or ("error" if kind == "error" else "stop")
                 answer = parsed_answer(s.answer_plan, s.call_seed, text)
-                s.messages.append(transcript_entry("assistant", text, seq.finish_reason, answer))
+                s.messages.append(transcript_entry("assistant", text, reason, answer))
                 if not s.ephemeral:
-                    self.journal.finish_message(s.id, "assistant", text, list(seq.generated), seq.finish_reason,
+                    self.journal.finish_message(s.id, "assistant", text, list(seq.generated), reason,
                                                 extra=None if answer is None else {"answer": answer})
             s.last_active = self.wall()
