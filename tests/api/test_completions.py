@@ -74,3 +74,28 @@ def test_completion_in_a_session(client, fake: FakeDaemon):
     assert r.json()["weave"]["session"] == sid
     r = client.post("/v1/completions", json={"prompt": "y", "max_tokens": 2}, headers={"X-Weave-Session": sid})
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 3
+
+
+def test_a_bos_the_tokenizer_added_is_not_an_echoed_token_so_offsets_index_the_text():
+    """As llama.cpp answers echo + logprobs on a model that adds BOS (Gemma): no ``<bos>`` entry, and
+    each offset is where its token starts in the text."""
+    from weaved.api.completions import _add
+    from weaved.api.logprobs import CompletionLogprobs
+
+    class Tok:
+        bos_id, bos_text = 2, "<bos>"
+        pieces = {2: b"<bos>", 10: b"The", 11: b" capital", 12: b" is"}
+
+        def token_bytes(self, t: int) -> bytes:
+            return self.pieces[t]
+
+    echo = "The capital is"
+    lps = CompletionLogprobs(Tok())
+    _add(lps, {"type": "prompt_logprobs", "items": [(2, None, None), (10, -3.0, [(10, -3.0)]),
+                                                     (11, -1.0, [(11, -1.0)]), (12, -0.5, [(12, -0.5)])]}, echo)
+    got = lps.to_dict()
+    assert got["tokens"] == ["The", " capital", " is"] and got["text_offset"] == [0, 3, 11]
+    assert [echo[o:o + len(t)] for t, o in zip(got["tokens"], got["text_offset"], strict=True)] == got["tokens"]
+    kept = CompletionLogprobs(Tok())  # a prompt that writes the BOS text itself keeps it
+    _add(kept, {"type": "prompt_logprobs", "items": [(2, None, None), (10, -3.0, [(10, -3.0)])]}, "<bos>The")
+    assert kept.to_dict()["tokens"] == ["<bos>", "The"]

@@ -73,10 +73,14 @@ class _Meta:
         self.echo = echo
 
 
-def _add(lps: CompletionLogprobs, ev: dict) -> None:
-    """Add a ``prompt_logprobs`` or ``token`` event's entries."""
+def _add(lps: CompletionLogprobs, ev: dict, echo: str = "") -> None:
+    """Add a ``prompt_logprobs`` or ``token`` event's entries.  A BOS the tokenizer put in front of the
+    prompt is not in the echoed text: left out (as llama.cpp does), so every offset is into the text."""
     if ev["type"] == "prompt_logprobs":
+        bos, bos_text = getattr(lps.tokenizer, "bos_id", None), getattr(lps.tokenizer, "bos_text", "")
         for token_id, lp, top in ev["items"]:
+            if not len(lps) and lp is None and bos is not None and token_id == bos and not echo.startswith(bos_text):
+                continue
             lps.add(token_id, lp, top)
     elif ev["type"] == "token" and "logprob" in ev:
         lps.add(ev["token"], ev["logprob"], ev.get("top_logprobs", ()))
@@ -91,7 +95,7 @@ def _body(turn: Turn, meta: _Meta, events: list[dict], tokenizer) -> dict:
         for ev in events:
             if ev["type"] == "token" and not generating:
                 lps.offset, generating = len(meta.echo), True  # offsets count from the end of the echo
-            _add(lps, ev)
+            _add(lps, ev, meta.echo)
         logprobs = lps.to_dict()
     choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": turn.finish_reason}
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
@@ -114,7 +118,7 @@ async def _stream(request: Request, turn: Turn, meta: _Meta, usage: bool, tokeni
     try:
         async for ev in turn.events():
             if ev["type"] == "prompt_logprobs":
-                _add(lps, ev)
+                _add(lps, ev, meta.echo)
                 continue
             if echo_pending and ev["type"] in ("token", "done"):
                 lps.offset = len(meta.echo)  # generated tokens' offsets count from the end of the prompt

@@ -33,7 +33,7 @@ class CompletionLogprobs:
     """
 
     def __init__(self, tokenizer, offset: int = 0):
-        self._tok = tokenizer
+        self.tokenizer = tokenizer
         self.offset = offset
         self.tokens: list[str] = []
         self.token_logprobs: list[float | None] = []
@@ -41,7 +41,7 @@ class CompletionLogprobs:
         self.text_offset: list[int] = []
 
     def add(self, token_id: int, logprob: float | None, top: Iterable[tuple[int, float]] | None) -> None:
-        text, _ = token_piece(self._tok, token_id)
+        text, _ = token_piece(self.tokenizer, token_id)
         self.tokens.append(text)
         self.token_logprobs.append(None if logprob is None else float(logprob))
         if logprob is None:
@@ -49,7 +49,7 @@ class CompletionLogprobs:
         else:
             alts: dict[str, float] = {}
             for alt_id, alt_lp in top or ():
-                alts.setdefault(token_piece(self._tok, alt_id)[0], float(alt_lp))
+                alts.setdefault(token_piece(self.tokenizer, alt_id)[0], float(alt_lp))
             self.top_logprobs.append(alts)
         self.text_offset.append(self.offset)
         self.offset += len(text)
