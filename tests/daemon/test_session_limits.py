@@ -94,3 +94,24 @@ def test_promotion_and_demotion_keep_the_sessions_own_answer_budget(daemon):
     sid = daemon.create_session(SLA(SLAClass.BACKGROUND, None, 120.0))["id"]
     assert daemon.promote(sid)["sla"] == {"class": "interactive", "ttft_ms": 500.0, "ttlt_s": 120.0}
     assert daemon.demote(sid)["sla"] == {"class": "background", "ttft_ms": None, "ttlt_s": 120.0}
+
+
+def test_a_fork_keeps_its_answers_finish_reasons_and_calls_across_a_restart(tiny_llama, tmp_path):
+    from tests.daemon.test_daemon import make_daemon
+    from weaved.engine.sampling import SamplingParams
+
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    sid = d.create_session(BG)["id"]
+    run_turn(d, sid, "Count to a hundred", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    run_turn(d, sid, "Again", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    whole = d.fork_session(sid)["id"]
+    first = d.fork_session(sid, turn=1)["id"]
+    want = {c: [(m["role"], m.get("finish_reason")) for m in d.get_session(c)["messages"]] for c in (whole, first)}
+    assert want[whole][1] == ("assistant", "length") and len(want[first]) == 2
+    d.shutdown()
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        for c in (whole, first):
+            assert [(m["role"], m.get("finish_reason")) for m in d.get_session(c)["messages"]] == want[c]
+    finally:
+        d.shutdown()

@@ -43,7 +43,11 @@ class SessionForks:
             child.messages.extend(dict(m) for m in messages)
             self.journal.commit_tokens(cid, tokens, len(tokens))
             for m in messages:  # recorded after the tokens: a restart sees finished turns, nothing unfed
-                self.journal.add_message(cid, m["role"], m["content"], None, extra=message_extra(m))
+                if m.get("finish_reason") is not None:  # an answer keeps why it ended (a cut call says so)
+                    self.journal.finish_message(cid, m["role"], m["content"], None, m["finish_reason"],
+                                                extra=message_extra(m))
+                else:
+                    self.journal.add_message(cid, m["role"], m["content"], None, extra=message_extra(m))
         self.publish("fork", {"session": cid, "parent": sid, "turn": turn, "tokens": len(tokens),
                               "shared_tokens": shared})
         return {**self.get_session(cid), "forked_from": sid, "shared_tokens": shared}
@@ -62,6 +66,7 @@ class SessionForks:
         if cut == len(rec.messages):
             return list(parent.messages), list(parent.committed), list(parent.tail)
         kv_at = rec.messages[cut]["kv_at"]
-        keys = ("role", "content", "finish_reason", "name", "tool_calls", "tool_call_id", "reasoning_content")
+        keys = ("role", "content", "finish_reason", "name", "tool_calls", "tool_call_id", "reasoning_content",
+                "answer")
         messages = [{k: m[k] for k in keys if m.get(k) is not None} for m in rec.messages[:cut]]
         return messages, list(rec.tokens[:kv_at]), []
