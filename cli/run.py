@@ -13,6 +13,7 @@ import typer
 from weaved.cli import fmt
 from weaved.cli.client import Client, Delta, sla_body
 from weaved.cli.common import ApiKeyOpt, JsonOpt, SLAClass, SocketOpt, connect, echo, fail, print_json, sla_class
+from weaved.cli.errors import ApiError
 
 SystemOpt = Annotated[str | None, typer.Option("--system", help="A system prompt.", show_default=False)]
 MaxTokensOpt = Annotated[int | None, typer.Option(
@@ -213,7 +214,11 @@ def submit(
         record = {"id": info["id"], "placement": info.get("placement")}
         header = f"session   {info['id']}\nplacement {fmt.placement_summary(info.get('placement'))}"
         if not wait:
-            client.detach_turn(info["id"], msgs, **sampling)
+            try:
+                client.detach_turn(info["id"], msgs, **sampling)
+            except ApiError:  # the task was refused (no chat template, too long, ...): no empty session left
+                client.delete_session(info["id"])
+                raise
             print_json({**record, "status": "running"}) if json else echo(header)
             return
         if json:

@@ -99,6 +99,7 @@ class FakeDaemon:
         self.events: list[dict] = []  # what was published (the backlog a subscriber may ask for)
         self.disconnects = 0  # streams the client closed before the end
         self.cut_by: str | None = None  # when set, answers end with this finish reason (e.g. "shutdown")
+        self.refuse_turns: str | None = None  # when set, every turn is refused (400) with this message
         self.api_key: str | None = None  # when set, requests need "Authorization: Bearer <key>"
         self._subscribers: list[queue.Queue] = []
         self._lock = threading.Lock()
@@ -338,6 +339,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self, s: FakeSession, body: dict, session_field: str | None = "") -> None:
         messages = body.get("messages") or []
+        if self.fake.refuse_turns is not None:
+            self._json(*_error(400, self.fake.refuse_turns, "invalid_request_error", "messages"))
+            return
         if not messages:
             self._json(*_error(400, "messages: List should have at least 1 item", "invalid_request_error",
                                "messages"))

@@ -86,6 +86,14 @@ def test_rm_deletes_each_session(fake):
     assert data == [{"id": "s-a71e04c9b2d35f18", "object": "session.deleted", "deleted": True}]
 
 
+def test_a_submitted_task_the_daemon_refuses_leaves_no_empty_session(fake):
+    fake.refuse_turns = "the model has no chat template"
+    before = set(fake.sessions)
+    res = weave(fake, "submit", "label the tickets")
+    assert res.exit_code == 1 and "no chat template" in res.stderr
+    assert set(fake.sessions) == before
+
+
 def test_rm_deletes_every_session_it_can_and_reports_the_rest(fake):
     res = weave(fake, "rm", "s-nope", IDLE, "s-gone")
     assert res.exit_code == 1 and res.stdout == f"deleted {IDLE}\n"
