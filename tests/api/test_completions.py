@@ -77,8 +77,9 @@ def test_completion_in_a_session(client, fake: FakeDaemon):
 
 
 def test_a_bos_the_tokenizer_added_is_not_an_echoed_token_so_offsets_index_the_text():
-    """As llama.cpp answers echo + logprobs on a model that adds BOS (Gemma): no ``<bos>`` entry, and
-    each offset is where its token starts in the text."""
+    """Echo + logprobs on a model that adds BOS (Gemma): the BOS keeps its entry (the entries are the
+    model's positions, as scoring harnesses align them) but takes no room in the text, so each offset is
+    where its token starts in the text and none goes backwards."""
     from weaved.api.completions import _add
     from weaved.api.logprobs import CompletionLogprobs
 
@@ -94,8 +95,9 @@ def test_a_bos_the_tokenizer_added_is_not_an_echoed_token_so_offsets_index_the_t
     _add(lps, {"type": "prompt_logprobs", "items": [(2, None, None), (10, -3.0, [(10, -3.0)]),
                                                      (11, -1.0, [(11, -1.0)]), (12, -0.5, [(12, -0.5)])]}, echo)
     got = lps.to_dict()
-    assert got["tokens"] == ["The", " capital", " is"] and got["text_offset"] == [0, 3, 11]
-    assert [echo[o:o + len(t)] for t, o in zip(got["tokens"], got["text_offset"], strict=True)] == got["tokens"]
-    kept = CompletionLogprobs(Tok())  # a prompt that writes the BOS text itself keeps it
+    assert got["tokens"] == ["<bos>", "The", " capital", " is"] and got["text_offset"] == [0, 0, 3, 11]
+    shown = list(zip(got["tokens"], got["text_offset"], strict=True))[1:]
+    assert [echo[o:o + len(t)] for t, o in shown] == got["tokens"][1:]
+    kept = CompletionLogprobs(Tok())  # a prompt that writes the BOS text itself has it in its text
     _add(kept, {"type": "prompt_logprobs", "items": [(2, None, None), (10, -3.0, [(10, -3.0)])]}, "<bos>The")
-    assert kept.to_dict()["tokens"] == ["<bos>", "The"]
+    assert kept.to_dict()["text_offset"] == [0, 5]

@@ -75,13 +75,13 @@ class _Meta:
 
 def _add(lps: CompletionLogprobs, ev: dict, echo: str = "") -> None:
     """Add a ``prompt_logprobs`` or ``token`` event's entries.  A BOS the tokenizer put in front of the
-    prompt is not in the echoed text: left out (as llama.cpp does), so every offset is into the text."""
+    prompt stays an entry (the entries are the model's positions) but is not in the echoed text: it takes
+    no room there, so every offset indexes the text."""
     if ev["type"] == "prompt_logprobs":
         bos, bos_text = getattr(lps.tokenizer, "bos_id", None), getattr(lps.tokenizer, "bos_text", "")
         for token_id, lp, top in ev["items"]:
-            if not len(lps) and lp is None and bos is not None and token_id == bos and not echo.startswith(bos_text):
-                continue
-            lps.add(token_id, lp, top)
+            first_bos = not len(lps) and lp is None and bos is not None and token_id == bos
+            lps.add(token_id, lp, top, in_text=not (first_bos and not echo.startswith(bos_text)))
     elif ev["type"] == "token" and "logprob" in ev:
         lps.add(ev["token"], ev["logprob"], ev.get("top_logprobs", ()))
 

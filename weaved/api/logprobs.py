@@ -40,7 +40,10 @@ class CompletionLogprobs:
         self.top_logprobs: list[dict[str, float] | None] = []
         self.text_offset: list[int] = []
 
-    def add(self, token_id: int, logprob: float | None, top: Iterable[tuple[int, float]] | None) -> None:
+    def add(self, token_id: int, logprob: float | None, top: Iterable[tuple[int, float]] | None,
+            in_text: bool = True) -> None:
+        """One token's entry; ``in_text`` False for a token the choice's text does not hold (a BOS the
+        tokenizer added): its offset is where the text starts, and it moves no later offset."""
         text, _ = token_piece(self.tokenizer, token_id)
         self.tokens.append(text)
         self.token_logprobs.append(None if logprob is None else float(logprob))
@@ -52,7 +55,7 @@ class CompletionLogprobs:
                 alts.setdefault(token_piece(self.tokenizer, alt_id)[0], float(alt_lp))
             self.top_logprobs.append(alts)
         self.text_offset.append(self.offset)
-        self.offset += len(text)
+        self.offset += len(text) if in_text else 0
 
     def __len__(self) -> int:
         return len(self.tokens)
