@@ -153,12 +153,13 @@ def test_s_cycles_the_sort_column(fake):
     run(scenario())
 
 
-def test_q_quits(fake):
+@pytest.mark.parametrize("key", ["q", "ctrl+c"])  # Ctrl-C as in top and htop
+def test_q_and_ctrl_c_quit(fake, key):
     async def scenario():
         app = top(fake)
         async with app.run_test(size=SIZE) as pilot:
             await loaded(pilot, app)
-            await pilot.press("q")
+            await pilot.press(key)
             await until(pilot, lambda: not app.is_running, what="the exit")
 
     run(scenario())
@@ -231,17 +232,6 @@ def test_weave_top_command_opens_the_view_on_the_socket(monkeypatch, tmp_path):
     res = CliRunner().invoke(cli, ["top", "--interval", "2"], env=env)
     assert res.exit_code == 0, res.output
     assert opened == [(str(tmp_path / "w.sock"), 2.0)]
-
-
-def test_ctrl_c_quits(fake):
-    async def scenario():
-        app = top(fake)
-        async with app.run_test(size=SIZE) as pilot:
-            await loaded(pilot, app)
-            await pilot.press("ctrl+c")
-            await until(pilot, lambda: not app.is_running, what="the exit")
-
-    run(scenario())
 
 
 def test_sigterm_and_sighup_end_the_app_so_the_terminal_is_restored(fake):

@@ -132,16 +132,18 @@ class TurnEvents:
 
     def _record_turn_end(self, s: Session, seq: Sequence, kind: str) -> None:
         """The answer into the transcript and the journal - unless the session was deleted meanwhile."""
+        text = "".join(seq.text)
+        # its parsed form, off the lock (the turn has ended: nothing changes its plan now); an ephemeral
+        # session's transcript goes with it, so it is not parsed
+        answer = None if s.ephemeral else parsed_answer(s.answer_plan, s.call_seed, text)
         with self._lock:
             if self.sessions.get(s.id) is not s:
                 return
             s.tail = list(seq.pending) if kind == "done" else []
-            text = "".join(seq.text)
             # an answer - empty when the turn ended before its first token (cancelled or stopped in its
             # prefill, failed) - so the transcript's roles keep alternating
             if seq.generated or kind == "error" or seq.finish_reason in ("cancelled", "shutdown"):
                 reason = seq.finish_reason or ("error" if kind == "error" else "stop")
-                answer = parsed_answer(s.answer_plan, s.call_seed, text)
                 s.messages.append(transcript_entry("assistant", text, reason, answer))
                 if not s.ephemeral:
                     self.journal.finish_message(s.id, "assistant", text, list(seq.generated), reason,
