@@ -91,6 +91,8 @@ class FakeDaemon:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._subscribers: set[asyncio.Queue] = set()
         self.shut_down = False
+        self.stopping = False  # (stop_turns ran: turns end as "shutdown", none starts)
+        self.responses: dict[str, tuple[str, dict]] = {}  # stored /v1/responses: id -> (session, body)
 
     # ---- life cycle ------------------------------------------------------------------------------
     def load(self, progress=None) -> None:
@@ -102,12 +104,16 @@ class FakeDaemon:
     def release(self) -> None:
         self._go.set()
 
-    def shutdown(self) -> None:
-        self.shut_down = True
+    def stop_turns(self) -> None:
+        self.stopping = True
         with self._lock:
             for s in self.sessions.values():
                 s.cancel.set()
         self._go.set()
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+        self.stop_turns()
         for t in list(self._threads):
             t.join(5)
 
@@ -150,12 +156,29 @@ class FakeDaemon:
             s.cancel.set()
             del self.sessions[sid]
 
+    # ---- stored responses (a closed journal refuses them, as the daemon's does) ---------------------
+    def store_response(self, sid: str, rid: str, body: dict) -> None:
+        if self.shut_down:
+            raise RuntimeError("Cannot operate on a closed database.")
+        self.responses[rid] = (sid, body)
+
+    def get_response(self, rid: str) -> tuple[str, dict]:
+        if rid not in self.responses:
+            raise NotFound(f"no stored response {rid!r}")
+        return self.responses[rid]
+
+    def latest_response(self, sid: str) -> str | None:
+        return next((r for r, (s, _) in reversed(self.responses.items()) if s == sid), None)
+
+    def response_end(self, rid: str) -> int | None:
+        return None
+
     # ---- turns -----------------------------------------------------------------------------------
     def start_turn(self, *, session_id, messages=None, prompt=None, params, sla=None, echo=False, emit,
-                   answer=None):
+                   answer=None, continues=None):
         self.calls.append(("start_turn", {"session_id": session_id, "messages": messages, "prompt": prompt,
                                           "params": params, "sla": sla, "echo": echo, "answer": answer}))
-        if self.shut_down:
+        if self.stopping:
             raise Overloaded("shutting down")
         if (messages is None) == (prompt is None):
             raise InvalidRequest("a turn needs either messages or a prompt")
@@ -228,7 +251,7 @@ class FakeDaemon:
                 emit({"type": "error", "message": self.fail})
                 return
         if s.cancel.is_set():
-            reason = "shutdown" if self.shut_down else "cancelled"
+            reason = "shutdown" if self.stopping else "cancelled"
             with self._lock:
                 self.cancelled.append(s.id)
         with self._lock:

@@ -5,6 +5,7 @@ stream events, structured text, stored responses, and the refusals."""
 from __future__ import annotations
 
 import json
+import signal
 
 import httpx
 import jsonschema
@@ -57,6 +58,37 @@ def test_a_chain_with_tools_survives_a_restart(tmp_path, smollm2_q4_0):
             sdk.responses.create(model="default", previous_response_id="resp_nope", input="x")
         with pytest.raises(openai.BadRequestError):
             sdk.responses.create(model="default", previous_response_id=third.id, input="x", store=False)
+
+
+def test_a_response_streaming_at_a_stop_ends_incomplete_and_its_chain_goes_on(tmp_path, smollm2_q4_0):
+    with weave_serve(tmp_path, "--model", str(smollm2_q4_0)) as proc:
+        sdk = _sdk(proc.socket)
+        first = sdk.responses.create(model="default", input="Hi", max_output_tokens=8, temperature=0)
+        names, last = [], None
+        stream = sdk.responses.create(model="default", previous_response_id=first.id, temperature=0,
+                                      input="Write the numbers from 1 to 1000, separated by commas.",
+                                      max_output_tokens=3000, stream=True)
+        for ev in stream:
+            names.append(ev.type)
+            if ev.type == "response.output_text.delta" and names.count(ev.type) == 1:
+                proc.proc.send_signal(signal.SIGTERM)  # the daemon stops with the answer under way
+            last = ev
+        assert last.type == "response.incomplete", names[-3:]
+        assert last.response.incomplete_details.reason == "shutdown"
+        assert proc.proc.wait(60) == 0, proc.output
+        assert "Traceback" not in proc.output  # (the response was stored before the journal closed)
+    with weave_serve(tmp_path, "--model", str(smollm2_q4_0)) as proc:  # stored, and it continues the chain
+        sdk = _sdk(proc.socket)
+        cut = sdk.responses.retrieve(last.response.id)
+        assert cut.status == "incomplete" and cut.output_text == last.response.output_text
+        nxt = sdk.responses.create(model="default", previous_response_id=cut.id, input="Thanks.",
+                                   max_output_tokens=4, temperature=0)
+        assert nxt.usage.input_tokens_details.cached_tokens >= first.usage.total_tokens
+        with pytest.raises(openai.ConflictError, match=f"latest is '{nxt.id}'"):
+            sdk.responses.create(model="default", previous_response_id=first.id, input="again")
+        sdk.responses.delete(nxt.id)
+        with pytest.raises(openai.ConflictError, match="was deleted, so the chain cannot be continued"):
+            sdk.responses.create(model="default", previous_response_id=cut.id, input="again")
 
 
 @pytest.fixture(scope="module")

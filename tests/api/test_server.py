@@ -191,6 +191,20 @@ def test_shutdown_ends_streams_and_turns(sock_path):
     assert not sock_path.exists()
 
 
+def test_a_response_streaming_at_shutdown_is_stored_before_the_daemon_closes(sock_path):
+    fake = FakeDaemon(hold=True, context_length=4096)
+    with serving(fake, sock_path) as server, uds_client(sock_path) as c:
+        with c.stream("POST", "/v1/responses", json={"input": "hi", "max_output_tokens": 5, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)  # the turn is running
+            server.stop()
+            datas = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    last = datas[-1]
+    assert last["type"] == "response.incomplete" and last["response"]["incomplete_details"]["reason"] == "shutdown"
+    assert fake.responses[last["response"]["id"]][1]["status"] == "incomplete"
+    assert fake.shut_down
+
+
 def test_keep_alive_survives_bad_requests(fake: FakeDaemon, sock_path):
     """Every malformed body is answered 400 on a connection that stays usable: one raw socket, several
     requests in a row on it."""

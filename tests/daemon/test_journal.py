@@ -303,3 +303,41 @@ def test_an_answer_keeps_its_parsed_form_across_a_restart(tmp_path):
     j.close()
     m = Journal(tmp_path / "j.db").get("s1").messages[-1]
     assert m["content"] == '{"tool_calls": [...]}' and message_extra(m) == {"answer": parsed}
+
+
+def test_a_rewind_drops_later_messages_and_tokens_and_responses_keep_their_end(tmp_path):
+    path = tmp_path / "j.db"
+    j = Journal(path)
+    j.create_session("s", SLA, 100, None, None)
+    j.add_message("s", "user", "one", None)
+    j.commit_tokens("s", [1, 2, 3], 3)
+    j.finish_message("s", "assistant", "a", None, "stop")
+    j.add_response("resp_1", "s", {"id": "resp_1"}, messages=2)
+    j.add_message("s", "user", "orphan", None)
+    j.commit_tokens("s", [4, 5], 5)
+    j.finish_message("s", "assistant", "cut", None, "interrupted")
+    j.rewind("s", 2, 3)
+    j.close()
+    j = Journal(path)
+    r = j.get("s")
+    assert [m["content"] for m in r.messages] == ["one", "a"] and r.tokens == [1, 2, 3] and r.kv_length == 3
+    assert j.response_end("resp_1") == 2 and j.response_end("resp_nope") is None
+
+
+def test_a_version_3_journal_gains_the_responses_end(tmp_path):
+    old = tmp_path / "v3.db"
+    j = Journal(old)
+    j.create_session("s", SLA, 100, None, None)
+    j.close()
+    db = sqlite3.connect(old)  # as Weave wrote it before a response recorded its transcript's end
+    db.executescript("""
+        DROP TABLE responses;
+        CREATE TABLE responses (id TEXT PRIMARY KEY, session TEXT NOT NULL, created REAL NOT NULL, body TEXT NOT NULL);
+        INSERT INTO responses VALUES ('resp_old', 's', 1, '{"id": "resp_old"}');
+        PRAGMA user_version=3;
+    """)
+    db.close()
+    j = Journal(old)
+    assert j.get_response("resp_old") == ("s", {"id": "resp_old"}) and j.response_end("resp_old") is None
+    j.add_response("resp_new", "s", {"id": "resp_new"}, messages=0)
+    assert j.response_end("resp_new") == 0

@@ -60,7 +60,7 @@ async def create_response(request: Request) -> Response:
         raise InvalidRequest(bad[1], param=bad[0])
     params, answer, messages = _params(req), req.answer(), req.messages()
     sla = sla_from(req.sla, request.headers)
-    created_session = False
+    created_session, continues = False, None
     if req.previous_response_id is not None:
         if not req.store:
             raise InvalidRequest("store: false cannot continue a stored chain (the turn would enter it unrecorded)",
@@ -73,8 +73,14 @@ async def create_response(request: Request) -> Response:
                                       if i.get("type") == "function_call"}, param="input")
         latest = await run_in_threadpool(daemon.latest_response, sid)
         if latest != req.previous_response_id:
-            raise Conflict(f"only a chain's latest response can be continued; {req.previous_response_id!r} was "
-                           f"followed by {latest!r}", param="previous_response_id")
+            try:
+                await run_in_threadpool(daemon.get_response, latest)
+                why = f"the chain's latest is {latest!r}"
+            except NotFound:
+                why = f"the chain's latest, {latest!r}, was deleted, so the chain cannot be continued"
+            raise Conflict(f"only a chain's latest response can be continued, and {req.previous_response_id!r} "
+                           f"is not: {why}", param="previous_response_id")
+        continues = await run_in_threadpool(daemon.response_end, req.previous_response_id)
         info = await run_in_threadpool(daemon.get_session, sid)
         if (info.get("system") or None) != (req.instructions or None):
             await run_in_threadpool(daemon.set_system, sid, req.instructions)
@@ -89,7 +95,8 @@ async def create_response(request: Request) -> Response:
             if req.instructions:
                 messages = [{"role": "system", "content": req.instructions}, *messages]
     try:
-        turn = await start_turn(state, TurnSpec(sid, params, sla, messages=messages, answer=answer), info)
+        turn = await start_turn(state, TurnSpec(sid, params, sla, messages=messages, answer=answer,
+                                                   continues=continues), info)
     except BaseException:
         if created_session:
             with contextlib.suppress(NotFound):

@@ -199,12 +199,14 @@ class Server:
         if listeners:
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
-        await asyncio.get_running_loop().run_in_executor(None, self.daemon.shutdown)  # finish the step, commit
-        for server, sock in listeners:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.daemon.stop_turns)  # finish the step: running turns end
+        for server, sock in listeners:  # their responses finish (a stored response is recorded)
             if server.started:
                 await server.shutdown(sockets=[sock])
             else:
                 sock.close()
+        await loop.run_in_executor(None, self.daemon.shutdown)  # then the journal and the files close
 
     def _signals(self, loop: asyncio.AbstractEventLoop, *, install: bool) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -41,6 +41,7 @@ class TurnSpec:
     prompt: str | list[int] | None = None  # completions: text or token ids
     echo: bool = False  # the prompt tokens' log-probabilities too
     answer: AnswerSpec | None = None  # chat: tools, response format, template arguments
+    continues: int | None = None  # a stored response's transcript end the turn follows (Responses chains)
 
 
 class TurnFailed(WeaveError):
@@ -207,7 +208,7 @@ async def start_turn(state: ApiState, spec: TurnSpec, session_info: dict | None 
         session_id = session_info["id"]
     queue: asyncio.Queue = asyncio.Queue()
     start = partial(daemon.start_turn, session_id=session_id, messages=spec.messages, prompt=spec.prompt,
-                    params=spec.params, sla=spec.sla, echo=spec.echo, answer=spec.answer,
+                    params=spec.params, sla=spec.sla, echo=spec.echo, answer=spec.answer, continues=spec.continues,
                     emit=emitter(asyncio.get_running_loop(), queue))
     try:
         handle = await run_in_threadpool(start)

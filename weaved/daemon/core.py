@@ -26,6 +26,7 @@ from weaved.agent.plan import AnswerPlan, AnswerSpec
 from weaved.agent.tool_results import answered_calls, check_tool_results
 from weaved.backends.base import Backend
 from weaved.config.profile import PoolConfig, Profile
+from weaved.daemon.chains import ResponseChains
 from weaved.daemon.choices import TurnChoices
 from weaved.daemon.device_room import DeviceRoom
 from weaved.daemon.events import EventBus
@@ -70,7 +71,7 @@ KV_ALIGN = 32  # capacities are multiples of this: keeps the file's per-head run
 CANCEL_WAIT_S = 30.0  # how long a new turn waits for its session's cancelled turn to end (one engine step)
 
 
-class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
+class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
     def __init__(self, profile: Profile, model_path: Path, *, data_dir: Path | None = None,
                  log_fn: Callable[[str], None] = print, federation=None, chat_template: str | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
@@ -98,6 +99,7 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
         self.housekeeper: Housekeeper | None = None
         # the kernels numba compiled (weaved.daemon.warmup.CompileWatch): in ``load``, then while serving
         self.compiled = self.compiled_serving = None
+        self._turns_stopped = False  # (stop_turns has run)
         self.started = wall()
 
     # ---- life cycle ------------------------------------------------------------------------------
@@ -221,7 +223,13 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
         """The API's event loop: where ``/v1/events`` subscribers read."""
         self.events.attach_loop(loop)
 
-    def shutdown(self) -> None:
+    def stop_turns(self) -> None:
+        """Shutdown's first half: the engines stop after their current step (a running turn ends,
+        marked ``shutdown``), with the journal still open for what the API records as those turns end
+        (a stored response).  ``shutdown`` does it too; once is enough."""
+        if self._turns_stopped:
+            return
+        self._turns_stopped = True
         if self.compiled_serving is not None:
             self.compiled_serving.__exit__(None, None, None)
         if self.housekeeper is not None:
@@ -230,6 +238,9 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
             self.peers.stop()
         for e in self.engines.values():  # (their last turns' ends may still queue prefixes to publish)
             e.stop()
+
+    def shutdown(self) -> None:
+        self.stop_turns()
         self._publisher.shutdown(wait=True)
         for p in self.pools.values():  # e.g. release the members of this daemon's rings
             p.backend.close()
@@ -315,25 +326,6 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
             ids = [sid for sid, s in self.sessions.items() if not s.ephemeral]
         return [self.get_session(sid) for sid in ids]
 
-    def _make_session_room(self) -> None:
-        """Below the cap on kept sessions, or at it with the least recently active idle Responses chain
-        evicted (a stored chain is kept as room allows, as a cache is; sessions made by
-        ``/v1/sessions`` are never evicted): otherwise Overloaded, which deleting sessions clears."""
-        cap = self.profile.host.max_sessions
-        kept = [s for s in self.sessions.values() if not s.ephemeral]
-        if len(kept) < cap:
-            return
-        chains = self.journal.chain_sessions()
-        idle = [s for s in kept if s.id in chains and not s.busy]
-        if not idle:
-            raise Overloaded(f"too many sessions ({cap} kept, none of them an idle Responses chain to evict): "
-                             f"delete some (weave rm, DELETE /v1/sessions/ID)", retry_after_s=5.0)
-        victim = min(idle, key=lambda s: s.last_active)
-        self.log(f"session {victim.id}: evicted, the least recently used stored Responses chain "
-                 f"({cap} sessions kept)")
-        self.publish("eviction", {"session": victim.id, "reason": f"{cap} sessions kept"})
-        self.delete_session(victim.id)
-
     def delete_session(self, sid: str) -> None:
         with self._lock:
             s = self._get(sid)
@@ -356,41 +348,16 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
             if not s.ephemeral:
                 self.journal.set_system(sid, system)
 
-    # ---- stored responses: a /v1/responses chain lives in one session --------------------------------
-    def store_response(self, sid: str, rid: str, body: dict) -> None:
-        with self._lock:
-            self._get(sid)
-        self.journal.add_response(rid, sid, body)
-
-    def get_response(self, rid: str) -> tuple[str, dict]:
-        """(session, response object) of a stored response; NotFound when unknown (or its session is gone)."""
-        found = self.journal.get_response(rid)
-        if found is None or found[0] not in self.sessions:
-            raise NotFound(f"no stored response {rid!r}")
-        return found
-
-    def latest_response(self, sid: str) -> str | None:
-        return self.journal.latest_response(sid)
-
-    def delete_response(self, rid: str) -> None:
-        """Delete a stored response; the last of a chain's takes the chain's session with it (unless a
-        turn runs in it)."""
-        sid, _ = self.get_response(rid)
-        if self.journal.delete_response(rid) == 0:
-            with self._lock:
-                s = self.sessions.get(sid)
-                if s is not None and not s.busy:
-                    self.delete_session(sid)
-
     # ---- turns -----------------------------------------------------------------------------------
     def start_turn(self, *, session_id: str | None, messages: list[dict] | None = None,
                    prompt: str | list[int] | None = None, params: SamplingParams, sla: SLA | None = None,
                    echo: bool = False, emit: Callable[[dict], None], answer: AnswerSpec | None = None,
-                   answer_plan: AnswerPlan | None = None) -> TurnHandle:
+                   answer_plan: AnswerPlan | None = None, continues: int | None = None) -> TurnHandle:
         """Start a turn: ``messages`` (a chat turn; ``answer`` says what its answer may hold - tools,
         response format - see ``weaved.agent``) or a raw ``prompt`` (``answer_plan``: a prompt that ends
-        where a chat answer starts - a forked choice - and is constrained as that answer).  WeaveError
-        for a turn it refuses; nothing has changed then."""
+        where a chat answer starts - a forked choice - and is constrained as that answer).  ``continues``:
+        the transcript length the turn follows (a stored response's end, ``chains``): entries past it are
+        dropped first.  WeaveError for a turn it refuses; nothing else has changed then."""
         if (messages is None) == (prompt is None):
             raise InvalidRequest("a turn needs either messages or a prompt")
         if messages is not None and not messages:
@@ -410,6 +377,8 @@ class Daemon(SessionForks, TurnChoices, DeviceRoom, TurnEvents):
             s = self._get(session_id)
             if s.turn is not None and not s.turn.ended.is_set():
                 raise Conflict(f"session {session_id} is already generating a turn", param="session")
+            if continues is not None:
+                self._rewind(s, continues)
             try:
                 if messages is not None:
                     check_tool_results(messages, answered_calls(s.messages))

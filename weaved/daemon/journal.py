@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Statements are split on ";" (executescript would commit our transaction): keep ";" out of comments.
 _SCHEMA = """
@@ -63,7 +63,8 @@ CREATE TABLE responses (
     id      TEXT PRIMARY KEY,               -- a stored /v1/responses answer: resp_...
     session TEXT NOT NULL,                  -- the session its chain continues in
     created REAL NOT NULL,
-    body    TEXT NOT NULL                   -- JSON: the response object as returned
+    body    TEXT NOT NULL,                  -- JSON: the response object as returned
+    messages INTEGER                        -- its session's transcript length once it was answered
 );
 CREATE TABLE tokens (
     session TEXT NOT NULL,
@@ -134,12 +135,16 @@ class Journal:
                     if stmt.strip():
                         self._db.execute(stmt)
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            elif version in (1, 2):  # answers gained their finish reason (2); messages their extras, responses (3)
+            elif version in (1, 2, 3):
+                # answers gained their finish reason (2); messages their extras and responses (3); a
+                # response where its chain's transcript ended (4)
                 if version == 1:
                     self._db.execute("ALTER TABLE messages ADD COLUMN finish_reason TEXT")
-                self._db.execute("ALTER TABLE messages ADD COLUMN extra TEXT")
-                self._db.execute("CREATE TABLE responses (id TEXT PRIMARY KEY, session TEXT NOT NULL, "
-                                 "created REAL NOT NULL, body TEXT NOT NULL)")
+                if version < 3:
+                    self._db.execute("ALTER TABLE messages ADD COLUMN extra TEXT")
+                    self._db.execute("CREATE TABLE responses (id TEXT PRIMARY KEY, session TEXT NOT NULL, "
+                                     "created REAL NOT NULL, body TEXT NOT NULL)")
+                self._db.execute("ALTER TABLE responses ADD COLUMN messages INTEGER")
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             elif version != SCHEMA_VERSION:
                 raise JournalError(
@@ -211,10 +216,19 @@ class Journal:
 
     # -- stored responses (/v1/responses chains) -----------------------------------------------------
 
-    def add_response(self, id: str, session: str, body: dict) -> None:
+    def add_response(self, id: str, session: str, body: dict, messages: int | None = None) -> None:
+        """Store a response of ``session``'s chain; ``messages``: the session's transcript length with
+        its answer (what a continuation of it starts from)."""
         with self._tx() as db:
-            db.execute("INSERT INTO responses (id, session, created, body) VALUES (?, ?, ?, ?)",
-                       (id, session, time.time(), json.dumps(body, ensure_ascii=False)))
+            db.execute("INSERT INTO responses (id, session, created, body, messages) VALUES (?, ?, ?, ?, ?)",
+                       (id, session, time.time(), json.dumps(body, ensure_ascii=False), messages))
+
+    def response_end(self, id: str) -> int | None:
+        """The transcript length of its session when response ``id`` was stored (None: unknown, or
+        stored by a Weave that did not record it)."""
+        with self._snapshot() as db:
+            row = db.execute("SELECT messages FROM responses WHERE id=?", (id,)).fetchone()
+        return None if row is None else row[0]
 
     def get_response(self, id: str) -> tuple[str, dict] | None:
         """(session, body) of a stored response, or None (unknown or deleted)."""
@@ -302,20 +316,30 @@ class Journal:
     def truncate(self, id: str, kv_length: int) -> None:
         """Forget committed tokens from position ``kv_length`` on (mirrors ``KVCache.truncate``)."""
         with self._tx() as db:
-            old = self._kv_length(db, id)
-            if not 0 <= kv_length <= old:
-                raise ValueError(f"session {id!r}: cannot truncate kv_length {old} to {kv_length}")
-            db.execute("DELETE FROM tokens WHERE session=? AND start>=?", (id, kv_length))
-            row = db.execute(
-                "SELECT start, ids FROM tokens WHERE session=? AND start<? ORDER BY start DESC LIMIT 1",
-                (id, kv_length),
-            ).fetchone()
-            if row is not None and row[0] + len(row[1]) // 4 > kv_length:  # the cut falls inside this row
-                db.execute(
-                    "UPDATE tokens SET ids=? WHERE session=? AND start=?",
-                    (row[1][: (kv_length - row[0]) * 4], id, row[0]),
-                )
-            db.execute("UPDATE sessions SET kv_length=?, updated=? WHERE id=?", (kv_length, time.time(), id))
+            self._truncate(db, id, kv_length)
+
+    def _truncate(self, db: sqlite3.Connection, id: str, kv_length: int) -> None:
+        old = self._kv_length(db, id)
+        if not 0 <= kv_length <= old:
+            raise ValueError(f"session {id!r}: cannot truncate kv_length {old} to {kv_length}")
+        db.execute("DELETE FROM tokens WHERE session=? AND start>=?", (id, kv_length))
+        row = db.execute(
+            "SELECT start, ids FROM tokens WHERE session=? AND start<? ORDER BY start DESC LIMIT 1",
+            (id, kv_length),
+        ).fetchone()
+        if row is not None and row[0] + len(row[1]) // 4 > kv_length:  # the cut falls inside this row
+            db.execute(
+                "UPDATE tokens SET ids=? WHERE session=? AND start=?",
+                (row[1][: (kv_length - row[0]) * 4], id, row[0]),
+            )
+        db.execute("UPDATE sessions SET kv_length=?, updated=? WHERE id=?", (kv_length, time.time(), id))
+
+    def rewind(self, id: str, messages: int, kv_length: int) -> None:
+        """Forget the transcript from message ``messages`` on and the committed tokens from position
+        ``kv_length`` on, in one transaction (a session taken back to an earlier turn's end)."""
+        with self._tx() as db:
+            self._truncate(db, id, kv_length)
+            db.execute("DELETE FROM messages WHERE session=? AND seq>=?", (id, messages))
 
     # -- reads -------------------------------------------------------------------------------------
 

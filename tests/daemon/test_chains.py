@@ -1,0 +1,68 @@
+"""Stored Responses chains in the daemon: a continuation starts from its response's end, so a turn no
+stored response holds (cut by a crash, cancelled, or posted to the session directly) is not in its
+context - and the rewind outlives a restart."""
+
+from __future__ import annotations
+
+import threading
+
+from tests.daemon.test_daemon import GREEDY, make_daemon, run_turn
+from weaved.daemon.core import Daemon
+from weaved.routing.types import SLA, SLAClass
+
+
+def _continue(d: Daemon, sid: str, text: str, continues: int) -> list[dict]:
+    done, events = threading.Event(), []
+
+    def emit(ev: dict) -> None:
+        events.append(ev)
+        if ev["type"] in ("done", "error"):
+            done.set()
+
+    d.start_turn(session_id=sid, messages=[{"role": "user", "content": text}], params=GREEDY, emit=emit,
+                 continues=continues)
+    assert done.wait(120), "turn did not finish"
+    return events
+
+
+def _answer(events: list[dict]) -> str:
+    return "".join(e["text"] for e in events if e["type"] == "token")
+
+
+def test_a_continuation_drops_the_turns_past_its_response(tiny_llama, tmp_path):
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        chain = d.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+        plain = d.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+        for sid in (chain, plain):
+            run_turn(d, sid, "Name a colour.")
+        d.store_response(chain, "resp_1", {"id": "resp_1"})
+        end = d.response_end("resp_1")
+        assert end == 2
+        run_turn(d, chain, "A turn the client never saw.")  # e.g. its response was lost to a crash
+        assert len(d.get_session(chain)["messages"]) == 4
+        answer = _answer(_continue(d, chain, "And another?", end))
+        expected = _answer(run_turn(d, plain, "And another?")[0])
+        assert answer == expected  # the context held the chain only: the same bits as a session without it
+        got = d.get_session(chain)
+        assert [m["content"] for m in got["messages"][:3]] == ["Name a colour.",
+                                                                d.get_session(plain)["messages"][1]["content"],
+                                                                "And another?"]
+        assert got["context_tokens"] == d.get_session(plain)["context_tokens"]
+        q = d.subscribe(backlog=50)  # (no loop attached: the events published so far)
+        seen = [q.get_nowait() for _ in range(q.qsize())]
+        assert [ev["messages"] for ev in seen if ev.get("type") == "rewind"] == [2]
+        # a continuation at the session's end drops nothing
+        before = d.get_session(chain)["messages"]
+        d.store_response(chain, "resp_2", {"id": "resp_2"})
+        _continue(d, chain, "Thanks.", d.response_end("resp_2"))
+        assert d.get_session(chain)["messages"][:len(before)] == before
+    finally:
+        d.shutdown()
+    d = make_daemon(tiny_llama, tmp_path / "data")  # the rewind was journalled
+    try:
+        msgs = d.get_session(chain)["messages"]
+        assert [m["content"] for m in msgs][2:] == ["And another?", msgs[3]["content"], "Thanks.", msgs[5]["content"]]
+        assert "A turn the client never saw." not in [m["content"] for m in msgs]
+    finally:
+        d.shutdown()

@@ -1,0 +1,87 @@
+"""Stored Responses chains: a ``/v1/responses`` chain lives in one session, each stored response
+recording where the session's transcript ended with its answer.
+
+A continuation names a response; the session's context must then be exactly the chain through it.  A
+turn of that session that no stored response holds - a turn cut by a crash or a shutdown before its
+response was stored, a cancelled one (never stored), or a turn posted to the session directly - would
+otherwise sit in the context unseen by the client, so a continuation first rewinds the session to its
+response's end (``rewind``): the transcript, the committed tokens and the KV rows past it go.
+"""
+
+from __future__ import annotations
+
+from weaved.daemon.session import Session
+from weaved.errors import NotFound, Overloaded
+from weaved.kv.cache import KVCache
+
+
+class ResponseChains:
+    """The daemon's stored-response methods (a mixin of the daemon: it uses the daemon's lock, sessions,
+    journal and KV store)."""
+
+    def store_response(self, sid: str, rid: str, body: dict) -> None:
+        with self._lock:
+            end = len(self._get(sid).messages)
+        self.journal.add_response(rid, sid, body, messages=end)
+
+    def get_response(self, rid: str) -> tuple[str, dict]:
+        """(session, response object) of a stored response; NotFound when unknown (or its session is gone)."""
+        found = self.journal.get_response(rid)
+        if found is None or found[0] not in self.sessions:
+            raise NotFound(f"no stored response {rid!r}")
+        return found
+
+    def latest_response(self, sid: str) -> str | None:
+        return self.journal.latest_response(sid)
+
+    def response_end(self, rid: str) -> int | None:
+        """The transcript length of its session with response ``rid``'s answer (None: not recorded)."""
+        return self.journal.response_end(rid)
+
+    def delete_response(self, rid: str) -> None:
+        """Delete a stored response; the last of a chain's takes the chain's session with it (unless a
+        turn runs in it)."""
+        sid, _ = self.get_response(rid)
+        if self.journal.delete_response(rid) == 0:
+            with self._lock:
+                s = self.sessions.get(sid)
+                if s is not None and not s.busy:
+                    self.delete_session(sid)
+
+    def _make_session_room(self) -> None:
+        """Below the cap on kept sessions, or at it with the least recently active idle Responses chain
+        evicted (a stored chain is kept as room allows, as a cache is; sessions made by
+        ``/v1/sessions`` are never evicted): otherwise Overloaded, which deleting sessions clears."""
+        cap = self.profile.host.max_sessions
+        kept = [s for s in self.sessions.values() if not s.ephemeral]
+        if len(kept) < cap:
+            return
+        chains = self.journal.chain_sessions()
+        idle = [s for s in kept if s.id in chains and not s.busy]
+        if not idle:
+            raise Overloaded(f"too many sessions ({cap} kept, none of them an idle Responses chain to evict): "
+                             f"delete some (weave rm, DELETE /v1/sessions/ID)", retry_after_s=5.0)
+        victim = min(idle, key=lambda s: s.last_active)
+        self.log(f"session {victim.id}: evicted, the least recently used stored Responses chain "
+                 f"({cap} sessions kept)")
+        self.publish("eviction", {"session": victim.id, "reason": f"{cap} sessions kept"})
+        self.delete_session(victim.id)
+
+    def _rewind(self, s: Session, messages: int) -> None:
+        """Take idle session ``s`` back to its first ``messages`` transcript entries (an answer's end):
+        the later entries, their committed tokens and KV rows go.  Under the daemon's lock."""
+        if len(s.messages) <= messages:
+            return
+        rec = self.journal.get(s.id)
+        kv_at = rec.messages[messages]["kv_at"]  # committed when the first dropped entry was recorded
+        dropped = len(s.messages) - messages
+        if isinstance(s.kv, KVCache):
+            self.store.unshare(s.kv, kv_at)
+        s.kv.truncate(kv_at)
+        del s.committed[kv_at:]
+        del s.messages[messages:]
+        s.tail = []  # (the next turn's rendering writes the answer's end again)
+        self.journal.rewind(s.id, messages, kv_at)
+        self.publish("rewind", {"session": s.id, "messages": dropped, "from": kv_at})
+        self.log(f"session {s.id}: {dropped} transcript entries past the continued response dropped "
+                 f"(a turn no stored response holds), context back to {kv_at} tokens")
