@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import threading
 import time
@@ -28,6 +29,7 @@ from weaved.backends.base import Backend
 from weaved.config.profile import PoolConfig, Profile
 from weaved.daemon.chains import ResponseChains
 from weaved.daemon.choices import TurnChoices
+from weaved.daemon.data_lock import lock_data_dir
 from weaved.daemon.device_room import DeviceRoom
 from weaved.daemon.events import EventBus
 from weaved.daemon.forks import SessionForks
@@ -100,6 +102,7 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
         # the kernels numba compiled (weaved.daemon.warmup.CompileWatch): in ``load``, then while serving
         self.compiled = self.compiled_serving = None
         self._turns_stopped = False  # (stop_turns has run)
+        self._data_lock: int | None = None  # the data directory's lock (data_lock.py), held while loaded
         self.started = wall()
 
     # ---- life cycle ------------------------------------------------------------------------------
@@ -124,6 +127,8 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
         from weaved.model.tokenizer import Tokenizer
 
         say = progress or (lambda m: None)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._data_lock = lock_data_dir(self.data_dir)  # (before anything in it is read or written)
         say(f"opening {self.model_path.name}")
         gguf, file_config = open_model(self.model_path)
         self.config = config or file_config
@@ -250,6 +255,9 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
             self.journal.close()
         if hasattr(self, "store"):
             self.store.settle(timeout=10.0)
+        if self._data_lock is not None:
+            os.close(self._data_lock)
+            self._data_lock = None
 
     # ---- sessions --------------------------------------------------------------------------------
     def _system_state(self) -> SystemState:

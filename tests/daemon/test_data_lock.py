@@ -1,0 +1,24 @@
+"""One daemon per data directory: a second one is refused before it touches the directory, naming the
+first's pid; the lock goes with the daemon that held it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.daemon.test_daemon import make_daemon
+from weaved.errors import Conflict
+
+
+def test_a_second_daemon_on_a_data_directory_is_refused_until_the_first_stops(tiny_llama, tmp_path):
+    first = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        journal = (tmp_path / "data" / "journal.sqlite").stat().st_mtime_ns
+        with pytest.raises(Conflict, match=f"another daemon \\(pid {os.getpid()}\\) uses the data directory"):
+            make_daemon(tiny_llama, tmp_path / "data")
+        assert (tmp_path / "data" / "journal.sqlite").stat().st_mtime_ns == journal
+        make_daemon(tiny_llama, tmp_path / "other").shutdown()  # another directory is another daemon's
+    finally:
+        first.shutdown()
+    make_daemon(tiny_llama, tmp_path / "data").shutdown()

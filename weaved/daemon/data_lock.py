@@ -1,0 +1,32 @@
+"""One daemon per data directory: an exclusive lock on ``<data dir>/daemon.lock`` for the daemon's
+life.  Two daemons on one directory - through different sockets - would both recover its sessions and
+write the same KV files and journal.  The lock file holds the owner's pid, for the refusal's message;
+it stays when the daemon stops (removing it would race a starting daemon), and the kernel lets go of
+the lock when the owner exits, however it exits."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from weaved.errors import Conflict
+
+LOCK_NAME = "daemon.lock"
+
+
+def lock_data_dir(data_dir: Path) -> int:
+    """Take the directory's lock (a descriptor: closing it releases the lock); Conflict, naming the
+    owner, when another process holds it."""
+    path = Path(data_dir) / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        who = f"another daemon (pid {owner})" if owner.isdigit() else "another daemon"
+        raise Conflict(f"{who} uses the data directory {data_dir}; stop it, or pass another --data-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
