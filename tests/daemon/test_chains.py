@@ -1,13 +1,16 @@
 """Stored Responses chains in the daemon: a continuation starts from its response's end, so a turn no
 stored response holds (cut by a crash, cancelled, or posted to the session directly) is not in its
-context - and the rewind outlives a restart."""
+context - and the rewind outlives a restart.  A chain (or session) of another model is named as such."""
 
 from __future__ import annotations
 
 import threading
 
+import pytest
+
 from tests.daemon.test_daemon import GREEDY, make_daemon, run_turn
 from weaved.daemon.core import Daemon
+from weaved.errors import Conflict, NotFound
 from weaved.routing.types import SLA, SLAClass
 
 
@@ -64,5 +67,30 @@ def test_a_continuation_drops_the_turns_past_its_response(tiny_llama, tmp_path):
         msgs = d.get_session(chain)["messages"]
         assert [m["content"] for m in msgs][2:] == ["And another?", msgs[3]["content"], "Thanks.", msgs[5]["content"]]
         assert "A turn the client never saw." not in [m["content"] for m in msgs]
+    finally:
+        d.shutdown()
+
+
+def test_a_session_of_another_model_is_named_not_denied(tiny_llama, tiny_qwen2, tmp_path):
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        sid = d.create_session(SLA(SLAClass.BATCH))["id"]
+        d.store_response(sid, "resp_1", {"id": "resp_1"})
+    finally:
+        d.shutdown()
+    other = make_daemon(tiny_qwen2, tmp_path / "data")  # the same data directory, another model
+    try:
+        for call in (lambda: other.get_session(sid), lambda: other.delete_session(sid),
+                     lambda: other.get_response("resp_1")):
+            with pytest.raises(Conflict, match="this daemon did not recover.*made for model"):
+                call()
+        with pytest.raises(NotFound):
+            other.get_session("s-nope")
+        assert other.list_sessions() == []
+    finally:
+        other.shutdown()
+    d = make_daemon(tiny_llama, tmp_path / "data")  # and back: nothing was lost
+    try:
+        assert d.get_response("resp_1")[0] == sid
     finally:
         d.shutdown()

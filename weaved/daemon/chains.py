@@ -11,7 +11,7 @@ response's end (``rewind``): the transcript, the committed tokens and the KV row
 from __future__ import annotations
 
 from weaved.daemon.session import Session
-from weaved.errors import NotFound, Overloaded
+from weaved.errors import Conflict, NotFound, Overloaded
 from weaved.kv.cache import KVCache
 
 
@@ -27,6 +27,9 @@ class ResponseChains:
     def get_response(self, rid: str) -> tuple[str, dict]:
         """(session, response object) of a stored response; NotFound when unknown (or its session is gone)."""
         found = self.journal.get_response(rid)
+        if found is not None and found[0] in self.unrecovered:
+            raise Conflict(f"stored response {rid!r} is in session {found[0]}, which this daemon did not recover: "
+                           f"{self.unrecovered[found[0]]}")
         if found is None or found[0] not in self.sessions:
             raise NotFound(f"no stored response {rid!r}")
         return found

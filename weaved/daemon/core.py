@@ -102,6 +102,7 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
         # the kernels numba compiled (weaved.daemon.warmup.CompileWatch): in ``load``, then while serving
         self.compiled = self.compiled_serving = None
         self._turns_stopped = False  # (stop_turns has run)
+        self.unrecovered: dict[str, str] = {}  # sessions of the journal left out at load -> why
         self._data_lock: int | None = None  # the data directory's lock (data_lock.py), held while loaded
         self.started = wall()
 
@@ -211,6 +212,7 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
                 kv = self._new_kv(rec.id, placement, cap, list(rec.tokens[: rec.kv_length]))
             except Exception as exc:  # a KV file made for another model, or lost; no ring: keep the rest serving
                 self.log(f"session {rec.id} not recovered: {exc}")
+                self.unrecovered[rec.id] = str(exc)
                 continue
             messages = [{**transcript_entry(m["role"], m["content"], m["finish_reason"]), **(message_extra(m) or {})}
                         for m in rec.messages]
@@ -315,6 +317,9 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
     def _get(self, sid: str) -> Session:
         s = self.sessions.get(sid)
         if s is None:
+            if sid in self.unrecovered:  # kept on disk for the daemon that can serve it
+                raise Conflict(f"session {sid} is in the data directory but this daemon did not recover it: "
+                               f"{self.unrecovered[sid]}", param="session")
             raise NotFound(f"no session {sid!r}", param="session")
         return s
 
