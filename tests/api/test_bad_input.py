@@ -99,6 +99,9 @@ WRONG = [
     pytest.param({"messages": USER, "sla": {"klass": "batch"}}, "sla.klass", id="sla-unknown-key"),
     pytest.param({"messages": USER, "sla": "interactive"}, "sla", id="sla-string"),
     pytest.param({"messages": USER, "session": ""}, "session", id="session-empty"),
+    pytest.param({"messages": USER, "store": True}, "store", id="store-true-keeps-nothing"),
+    pytest.param({"messages": USER, "metadata": {"k": 1}}, "metadata", id="metadata-not-a-string"),
+    pytest.param({"messages": USER, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", id="metadata-17"),
 ]
 
 
@@ -236,3 +239,13 @@ def test_unknown_fields_are_named_alike_everywhere_and_images_are_said_to_be_uns
     err = assert_error(client.post(CHAT, json={"messages": image}), 400)
     assert "image_url content parts are not supported" in err["message"] and "Input should be" not in err["message"]
 
+
+
+def test_bookkeeping_fields_with_their_openai_shape_are_accepted(client, fake):
+    r = client.post(CHAT, json={"messages": USER, "store": False, "metadata": {"run": "42"}, "user": "u-1",
+                                "service_tier": "auto"})
+    assert r.status_code == 200, r.text
+    assert_error(client.post("/v1/responses", json={"input": "hi", "metadata": {"k": 1}}), 400, "metadata",
+                 "invalid_request_error")
+    r = client.post("/v1/responses", json={"input": "hi", "metadata": {"k": "v"}, "max_output_tokens": 4})
+    assert r.status_code == 200 and r.json()["metadata"] == {"k": "v"}

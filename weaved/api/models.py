@@ -110,6 +110,23 @@ INERT_FIELDS = frozenset({"metadata", "store", "user", "service_tier", "prompt_c
                           "prompt_cache_retention"})
 
 
+def inert_field_problem(name: str, value: Any, *, stored: bool) -> str | None:
+    """Why an inert field's value is refused (None: it is fine).  ``metadata`` has OpenAI's shape (at
+    most 16 string values of at most 512 characters, keys of at most 64); ``store`` true is refused where
+    nothing is stored (``stored`` False: chat completions keep nothing to retrieve)."""
+    if name == "store" and value not in (None, False) and not stored:
+        return ("store: true is not offered here (nothing is kept to retrieve): use the Responses API, "
+                "which stores by default, or a session")
+    if name == "metadata" and value is not None:
+        if not isinstance(value, dict) or len(value) > 16:
+            return "metadata must be an object of at most 16 key-value pairs"
+        for k, v in value.items():
+            if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
+                return (f"metadata values must be strings of at most 512 characters and keys at most 64 "
+                        f"characters (key {k[:64]!r})")
+    return None
+
+
 class Sampling(BaseModel):
     """Fields shared by chat completions, session turns and completions.  Unknown fields are kept (in
     ``model_extra``) only so that ``unsupported`` can refuse them by name."""
@@ -178,6 +195,9 @@ class Sampling(BaseModel):
         extra = self.model_extra or {}
         for name in sorted(extra):
             if name in INERT_FIELDS:
+                problem = inert_field_problem(name, extra[name], stored=False)
+                if problem is not None:
+                    return name, problem
                 continue
             if name in ("functions", "function_call"):
                 return name, f"{name} is deprecated and not supported; send tools and tool_choice"

@@ -23,7 +23,7 @@ from weaved.api.agent_models import (
     ToolDef,
     answer_spec,
 )
-from weaved.api.models import INERT_FIELDS, SLABody, StreamOptions
+from weaved.api.models import INERT_FIELDS, SLABody, StreamOptions, inert_field_problem
 from weaved.errors import InvalidRequest
 
 MAX_INPUT_ITEMS = 4096
@@ -150,9 +150,12 @@ class ResponsesRequest(BaseModel):
     def unsupported(self) -> tuple[str, str] | None:
         if self.include:
             return "include", f"include values are not supported: {sorted(set(self.include))}"
-        for name in sorted(self.model_extra or {}):
+        for name, value in sorted((self.model_extra or {}).items()):
             if name not in INERT_FIELDS:
                 return name, f"unknown or unsupported field {name!r}"
+            problem = inert_field_problem(name, value, stored=True)
+            if problem is not None:
+                return name, problem
         if isinstance(self.input, list) and len(self.input) > MAX_INPUT_ITEMS:
             return "input", f"at most {MAX_INPUT_ITEMS} input items"
         return None
