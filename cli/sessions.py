@@ -67,6 +67,8 @@ def show_text(s: dict) -> str:
     ]
     if created:
         lines.append(f"created   {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(created))}")
+    if s.get("forked_from"):
+        lines.append(f"forked    from {s['forked_from']}")
     if s.get("system"):
         lines.append(f"system    {s['system']}")
     messages = s.get("messages") or []

@@ -65,6 +65,7 @@ class FakeSession:
     ephemeral: bool = False
     placement: dict = field(default_factory=dict)
     busy: bool = False
+    forked_from: str | None = None
 
     @property
     def cls(self) -> str:
@@ -78,7 +79,8 @@ class FakeSession:
         return {"id": self.id, "sla": dict(self.sla), "max_context": self.max_context, "system": self.system,
                 "placement": self.placement, "status": "busy" if self.busy else "idle",
                 "context_tokens": self.context_tokens, "messages": list(self.messages),
-                "created": self.created, "pool": self.placement["decode_pool"], "backend": "cpu"}
+                "created": self.created, "forked_from": self.forked_from, "pool": self.placement["decode_pool"],
+                "backend": "cpu"}
 
     def status_row(self) -> dict:  # a row of /v1/status "sessions", as status_dict
         return {"id": self.id, "class": self.cls, "pool": self.placement["decode_pool"], "backend": "cpu",

@@ -68,6 +68,9 @@ def test_show_prints_sla_placement_and_transcript(fake):
     assert "sla       background\n" in out
     assert "placement pool cpu (standard prefill, standard decode): background: throughput-tolerant" in out
     assert out.endswith("user: Write the changelog\nassistant: Done: 12 entries.\n")
+    assert "forked" not in out
+    fake.sessions[IDLE].forked_from = "s-parent"
+    assert "forked    from s-parent\n" in ok(weave(fake, "show", IDLE))
 
 
 def test_show_json_and_unknown_session(fake):

@@ -324,13 +324,14 @@ def test_a_rewind_drops_later_messages_and_tokens_and_responses_keep_their_end(t
     assert j.response_end("resp_1") == 2 and j.response_end("resp_nope") is None
 
 
-def test_a_version_3_journal_gains_the_responses_end(tmp_path):
+def test_a_version_3_journal_gains_the_responses_end_and_the_forks_parent(tmp_path):
     old = tmp_path / "v3.db"
     j = Journal(old)
     j.create_session("s", SLA, 100, None, None)
     j.close()
-    db = sqlite3.connect(old)  # as Weave wrote it before a response recorded its transcript's end
+    db = sqlite3.connect(old)  # as Weave wrote it before responses recorded their end and forks their parent
     db.executescript("""
+        ALTER TABLE sessions DROP COLUMN forked_from;
         DROP TABLE responses;
         CREATE TABLE responses (id TEXT PRIMARY KEY, session TEXT NOT NULL, created REAL NOT NULL, body TEXT NOT NULL);
         INSERT INTO responses VALUES ('resp_old', 's', 1, '{"id": "resp_old"}');
@@ -341,3 +342,6 @@ def test_a_version_3_journal_gains_the_responses_end(tmp_path):
     assert j.get_response("resp_old") == ("s", {"id": "resp_old"}) and j.response_end("resp_old") is None
     j.add_response("resp_new", "s", {"id": "resp_new"}, messages=0)
     assert j.response_end("resp_new") == 0
+    assert j.get("s").forked_from is None
+    j.create_session("f", SLA, 100, None, None, forked_from="s")
+    assert j.get("f").forked_from == "s"

@@ -96,7 +96,7 @@ def test_promotion_and_demotion_keep_the_sessions_own_answer_budget(daemon):
     assert daemon.demote(sid)["sla"] == {"class": "background", "ttft_ms": None, "ttlt_s": 120.0}
 
 
-def test_a_fork_keeps_its_answers_finish_reasons_and_calls_across_a_restart(tiny_llama, tmp_path):
+def test_a_fork_keeps_its_parent_and_its_answers_finish_reasons_and_calls_across_a_restart(tiny_llama, tmp_path):
     from tests.daemon.test_daemon import make_daemon
     from weaved.engine.sampling import SamplingParams
 
@@ -113,5 +113,9 @@ def test_a_fork_keeps_its_answers_finish_reasons_and_calls_across_a_restart(tiny
     try:
         for c in (whole, first):
             assert [(m["role"], m.get("finish_reason")) for m in d.get_session(c)["messages"]] == want[c]
+            assert d.get_session(c)["forked_from"] == sid  # the lineage is kept, also past the parent's end
+        d.delete_session(sid)
+        assert d.get_session(whole)["forked_from"] == sid and d.get_session(first)["forked_from"] == sid
+        assert d.get_session(d.create_session(BG)["id"])["forked_from"] is None
     finally:
         d.shutdown()

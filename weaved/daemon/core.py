@@ -222,6 +222,7 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
                 self.journal.finish_message(rec.id, "assistant", partial[0], partial[1], "interrupted")
             self.sessions[rec.id] = Session(rec.id, sla, rec.max_context, rec.system, placement, kv,
                                             list(rec.tokens), messages, created=rec.created,
+                                            forked_from=rec.forked_from,
                                             tail=unfed_tail(rec) if partial is None else [])
         if self.sessions:
             self.log(f"recovered {len(self.sessions)} session(s) from {self.data_dir}")
@@ -280,7 +281,7 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
             raise ContextTooLong(str(exc), param="max_context") from exc
 
     def create_session(self, sla: SLA, max_context: int | None = None, system: str | None = None, *,
-                       ephemeral: bool = False, prompt_tokens: int = 0) -> dict:
+                       ephemeral: bool = False, prompt_tokens: int = 0, forked_from: str | None = None) -> dict:
         limit = self.config.context_length
         if max_context is not None and not 1 <= max_context <= limit:
             raise ContextTooLong(f"max_context must be between 1 and the model's context ({limit})",
@@ -294,10 +295,11 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
             cap = -(-context // KV_ALIGN) * KV_ALIGN
             kv = self._new_kv(sid, placement, cap, memory_only=ephemeral)
             s = Session(sid, sla, context, system, placement, kv, [], [], ephemeral=ephemeral,
-                        last_active=self.wall())
+                        last_active=self.wall(), forked_from=forked_from)
             self.sessions[sid] = s
             if not ephemeral:
-                self.journal.create_session(sid, sla.to_dict(), s.max_context, system, placement.to_dict())
+                self.journal.create_session(sid, sla.to_dict(), s.max_context, system, placement.to_dict(),
+                                            forked_from=forked_from)
         self.publish("placement", {"session": sid, "placement": placement.to_dict()})
         if not ephemeral:
             self.log(f"session {sid}: {sla.cls.value} -> {placement.decode_pool} ({'; '.join(placement.reasons)})")
@@ -330,7 +332,7 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
                 "id": s.id, "sla": s.sla.to_dict(), "max_context": s.max_context, "system": s.system,
                 "placement": s.placement.to_dict(), "status": "busy" if s.busy else "idle",
                 "context_tokens": s.context_tokens, "messages": [transcript_view(m) for m in s.messages],
-                "created": s.created,
+                "created": s.created, "forked_from": s.forked_from,
                 "pool": s.pool, "backend": self.engines[s.pool].backend.name if s.pool in self.engines else None,
             }
 

@@ -31,7 +31,7 @@ class SessionForks:
             if not isinstance(parent.kv, KVCache):
                 raise InvalidRequest("a session decoded on a ring cannot be forked", param="session")
             messages, tokens, tail = self._fork_point(parent, turn)
-        info = self.create_session(sla or parent.sla, parent.max_context, parent.system)
+        info = self.create_session(sla or parent.sla, parent.max_context, parent.system, forked_from=sid)
         cid = info["id"]
         with self._lock:
             child = self.sessions.get(cid)
@@ -50,7 +50,7 @@ class SessionForks:
                     self.journal.add_message(cid, m["role"], m["content"], None, extra=message_extra(m))
         self.publish("fork", {"session": cid, "parent": sid, "turn": turn, "tokens": len(tokens),
                               "shared_tokens": shared})
-        return {**self.get_session(cid), "forked_from": sid, "shared_tokens": shared}
+        return {**self.get_session(cid), "shared_tokens": shared}
 
     def _fork_point(self, parent: Session, turn: int | None) -> tuple[list[dict], list[int], list[int]]:
         """(messages, committed tokens, unfed tail) of the parent now, or through its ``turn``-th answer

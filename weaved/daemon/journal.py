@@ -45,7 +45,8 @@ CREATE TABLE sessions (
     system      TEXT,
     placement   TEXT,                       -- JSON (with its reasons) or NULL
     status      TEXT NOT NULL,
-    kv_length   INTEGER NOT NULL DEFAULT 0  -- committed positions == number of committed token ids
+    kv_length   INTEGER NOT NULL DEFAULT 0, -- committed positions == number of committed token ids
+    forked_from TEXT                        -- the session it was forked from (NULL: not a fork)
 );
 CREATE TABLE messages (
     session   TEXT NOT NULL,
@@ -94,6 +95,7 @@ class SessionRecord:
     # {"seq", "role", "content", "token_ids" (list | None), "kv_at", "created", "finish_reason" (None but
     # for answers)} and a message's extras ("tool_calls", "tool_call_id", "name", "reasoning_content")
     messages: list[dict]
+    forked_from: str | None = None  # the session it was forked from
 
 
 def _pack(ids: list[int]) -> bytes:
@@ -137,7 +139,7 @@ class Journal:
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             elif version in (1, 2, 3):
                 # answers gained their finish reason (2); messages their extras and responses (3); a
-                # response where its chain's transcript ended (4)
+                # response where its chain's transcript ended, a fork its parent (4)
                 if version == 1:
                     self._db.execute("ALTER TABLE messages ADD COLUMN finish_reason TEXT")
                 if version < 3:
@@ -145,6 +147,7 @@ class Journal:
                     self._db.execute("CREATE TABLE responses (id TEXT PRIMARY KEY, session TEXT NOT NULL, "
                                      "created REAL NOT NULL, body TEXT NOT NULL)")
                 self._db.execute("ALTER TABLE responses ADD COLUMN messages INTEGER")
+                self._db.execute("ALTER TABLE sessions ADD COLUMN forked_from TEXT")
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             elif version != SCHEMA_VERSION:
                 raise JournalError(
@@ -174,17 +177,17 @@ class Journal:
 
     def create_session(
         self, id: str, sla: dict, max_context: int, system: str | None, placement: dict | None,
-        status: str = "active",
+        status: str = "active", forked_from: str | None = None,
     ) -> None:
         now = time.time()
         with self._tx() as db:
             if db.execute("SELECT 1 FROM sessions WHERE id=?", (id,)).fetchone():
                 raise ValueError(f"session {id!r} already exists in the journal")
             db.execute(
-                "INSERT INTO sessions (id, created, updated, sla, max_context, system, placement, status)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO sessions (id, created, updated, sla, max_context, system, placement, status, forked_from)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (id, now, now, json.dumps(sla), max_context, system,
-                 None if placement is None else json.dumps(placement), status),
+                 None if placement is None else json.dumps(placement), status, forked_from),
             )
 
     def _set(self, id: str, column: str, value: object) -> None:
@@ -344,7 +347,7 @@ class Journal:
     # -- reads -------------------------------------------------------------------------------------
 
     def _record(self, db: sqlite3.Connection, row: tuple, with_tokens: bool) -> SessionRecord:
-        id, created, updated, sla, max_context, system, placement, status, kv_length = row
+        id, created, updated, sla, max_context, system, placement, status, kv_length, forked_from = row
         tokens: list[int] = []
         if with_tokens:
             blobs = db.execute("SELECT ids FROM tokens WHERE session=? ORDER BY start", (id,)).fetchall()
@@ -360,9 +363,10 @@ class Journal:
             id=id, sla=json.loads(sla), max_context=max_context, system=system,
             placement=None if placement is None else json.loads(placement), status=status,
             created=created, updated=updated, kv_length=kv_length, tokens=tokens, messages=messages,
+            forked_from=forked_from,
         )
 
-    _COLUMNS = "id, created, updated, sla, max_context, system, placement, status, kv_length"
+    _COLUMNS = "id, created, updated, sla, max_context, system, placement, status, kv_length, forked_from"
 
     @contextmanager
     def _snapshot(self) -> Iterator[sqlite3.Connection]:

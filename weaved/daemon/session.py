@@ -34,6 +34,7 @@ class Session:
     # calls' ids: its answer is recorded parsed, with the ids the API answered with
     answer_plan: object | None = None
     call_seed: str | None = None
+    forked_from: str | None = None  # the session it was forked from (kept after the parent is deleted)
 
     @property
     def pool(self) -> str:
