@@ -10,6 +10,8 @@ in one process do not share counters.
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 __all__ = ["Metrics", "CONTENT_TYPE"]
 
@@ -45,19 +47,8 @@ class Metrics:
         self.kv_cap = Gauge("weave_kv_cap_bytes", "The cap on total KV bytes", registry=r)
         self.kv_reserved = Gauge("weave_kv_reserved_bytes", "KV bytes reserved by sessions", registry=r)
         self.sessions = Gauge("weave_sessions", "Sessions held by the daemon", registry=r)
-        # read from the daemon's counters at scrape time, hence gauges; they only ever grow
-        self.migrations = Gauge("weave_migrations", "Session moves that changed backend since start, by reason",
-                                ["reason"], registry=r)
-        self.migration_bytes = Gauge("weave_migration_bytes", "KV bytes copied between memories by session "
-                                     "moves since start", registry=r)
-        self.prefix = Gauge("weave_prefix_cache", "Shared prefixes since start: lookups that hit or missed, "
-                            "prompt tokens reused instead of prefilled; and the files held now",
-                            ["what"], registry=r)
-        self.compilations = Gauge("weave_kernel_compilations", "Kernels compiled by this process: at load "
-                                  "(none when they came from the cache) and while serving (a request waited)",
-                                  ["phase"], registry=r)
-        self.migration_seconds = Gauge("weave_migration_seconds", "Time spent copying KV for session moves "
-                                       "since start", registry=r)
+        self._daemon_counters = _DaemonCounters()  # the daemon's own running totals, read at scrape time
+        r.register(self._daemon_counters)
 
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -84,15 +75,46 @@ class Metrics:
         self.kv_cap.set(kv.get("cap_bytes") or 0)
         self.kv_reserved.set(kv.get("reserved_bytes") or 0)
         self.sessions.set(sum(1 for s in status.get("sessions", []) if not s.get("ephemeral")))
-        for what, n in (kv.get("prefixes") or {}).items():
-            if what in ("hits", "misses", "reused_tokens", "files", "bytes", "in_use", "published"):
-                self.prefix.labels(what).set(n or 0)
-        mig = status.get("migrations") or {}
-        for reason, n in (mig.get("by_reason") or {}).items():
-            self.migrations.labels(reason).set(n)
-        self.migration_bytes.set(mig.get("bytes", 0))
-        self.migration_seconds.set(mig.get("seconds", 0.0))
-        kernels = status.get("kernels") or {}
-        self.compilations.labels("load").set(kernels.get("compiled_at_load", 0))
-        self.compilations.labels("serving").set(kernels.get("compiled_while_serving", 0))
+        self._daemon_counters.status = status
         return generate_latest(self.registry)
+
+
+class _DaemonCounters(Collector):
+    """Totals the daemon keeps itself (``/v1/status``), exposed with their true types at each scrape:
+    counters for what only grows since start (moves, prefix lookups, compilations), gauges for what is
+    held now (prefix files)."""
+
+    def __init__(self) -> None:
+        self.status: dict = {}
+
+    def collect(self):
+        mig = self.status.get("migrations") or {}
+        moves = CounterMetricFamily("weave_migrations", "Session moves that changed backend since start, by reason",
+                                    labels=["reason"])
+        for reason, n in sorted((mig.get("by_reason") or {}).items()):
+            moves.add_metric([reason], n)
+        yield moves
+        yield CounterMetricFamily("weave_migration_bytes", "KV bytes copied between memories by session moves",
+                                  value=mig.get("bytes", 0))
+        yield CounterMetricFamily("weave_migration_seconds", "Time spent copying KV for session moves",
+                                  value=mig.get("seconds", 0.0))
+        pre = (self.status.get("kv") or {}).get("prefixes") or {}
+        lookups = CounterMetricFamily("weave_prefix_lookups", "New sessions' prompts looked up in the shared "
+                                      "prefixes, by result", labels=["result"])
+        lookups.add_metric(["hit"], pre.get("hits") or 0)
+        lookups.add_metric(["miss"], pre.get("misses") or 0)
+        yield lookups
+        yield CounterMetricFamily("weave_prefix_reused_tokens", "Prompt tokens taken from shared prefixes instead "
+                                  "of prefilled", value=pre.get("reused_tokens") or 0)
+        yield CounterMetricFamily("weave_prefixes_published", "Shared prefix files written",
+                                  value=pre.get("published") or 0)
+        for what, doc in (("files", "Shared prefix files held"), ("bytes", "Bytes of shared prefix files held"),
+                          ("in_use", "Shared prefix files mapped by a session now")):
+            yield GaugeMetricFamily(f"weave_prefix_{what}", doc, value=pre.get(what) or 0)
+        kernels = self.status.get("kernels") or {}
+        comp = CounterMetricFamily("weave_kernel_compilations", "Kernels compiled by this process: at load (none "
+                                   "when they came from the cache) and while serving (a request waited)",
+                                   labels=["phase"])
+        comp.add_metric(["load"], kernels.get("compiled_at_load", 0))
+        comp.add_metric(["serving"], kernels.get("compiled_while_serving", 0))
+        yield comp

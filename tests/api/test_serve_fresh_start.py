@@ -60,7 +60,7 @@ def test_a_cold_kernel_cache_is_compiled_at_load_and_served_by_a_fresh_process(t
             assert c.post(f"/v1/sessions/{sid}/fork", json={}).status_code == 200
             # the warm-up at load ran every path these took: none waited for a compilation
             assert _kernels(c)["compiled_while_serving"] == 0
-            assert 'weave_kernel_compilations{phase="serving"} 0.0' in c.get("/metrics").text
+            assert 'weave_kernel_compilations_total{phase="serving"} 0.0' in c.get("/metrics").text
     assert served.proc.returncode == 0, served.output
     with weave_serve(tmp_path / "second", "--model", str(smollm2_q4_0), env=env) as again:
         assert "compiling" not in again.output and "starting again" not in again.output, again.output
