@@ -420,6 +420,15 @@ def test_a_session_created_empty_is_placed_again_by_its_first_turn(daemon):
     assert daemon.journal.list(with_tokens=False)[-1].placement == after  # and what a restart finds
     run_turn(daemon, sid, "And the stars?")
     assert daemon.get_session(sid)["placement"] == after  # later turns keep it
+    # a stateless request's session is placed once, with its prompt: one event, not a first guess too
+    q0 = daemon.subscribe(backlog=200)
+    seen = q0.qsize()
+    _, h = run_turn(daemon, None, "Tell me about the sea and the sky")
+    q = daemon.subscribe(backlog=200)
+    new = [q.get_nowait() for _ in range(q.qsize())][seen:]
+    placed = [e for e in new if e["type"] == "placement"]
+    assert len(placed) == 1 and placed[0]["session"] == h.session_id
+    assert not any("short prompt (0 <" in r for r in placed[0]["placement"]["reasons"])  # it saw the prompt
 
 
 def test_fsync_durability_flushes_each_commit_before_the_journal_records_it(tiny_llama, tmp_path, monkeypatch):

@@ -300,8 +300,8 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
             if not ephemeral:
                 self.journal.create_session(sid, sla.to_dict(), s.max_context, system, placement.to_dict(),
                                             forked_from=forked_from)
-        self.publish("placement", {"session": sid, "placement": placement.to_dict()})
-        if not ephemeral:
+        if not ephemeral:  # (an ephemeral session's placement is published once, at its turn, with its prompt)
+            self.publish("placement", {"session": sid, "placement": placement.to_dict()})
             self.log(f"session {sid}: {sla.cls.value} -> {placement.decode_pool} ({'; '.join(placement.reasons)})")
         return self.get_session(sid)
 
@@ -447,8 +447,8 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
                 self.publish("placement", {"session": s.id, "placement": moved.to_dict()})
             elif first:  # its first turn: the router sees the real prompt now (what a stored prefix leaves)
                 new_pl = self.moves.place_first_turn(s, len(new))
-                if new_pl is not None:
-                    self.publish("placement", {"session": s.id, "placement": new_pl.to_dict()})
+                if new_pl is not None or s.ephemeral:
+                    self.publish("placement", {"session": s.id, "placement": s.placement.to_dict()})
             if messages is not None:
                 for i, m in enumerate(messages):
                     s.messages.append(dict(m))
