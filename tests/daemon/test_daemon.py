@@ -156,7 +156,13 @@ def test_promote_and_demote_change_placement(daemon):
     sid = daemon.create_session(SLA(SLAClass.BACKGROUND))["id"]
     p = daemon.promote(sid)["placement"]
     assert p["priority"] == 2 and any("no GPU pool" in r for r in p["reasons"])
+    assert any("priority raised to 2" in r for r in p["reasons"])
     assert daemon.demote(sid)["placement"]["priority"] == 1
+    # promoting an interactive session keeps the client's first-token target and says nothing was raised
+    sid = daemon.create_session(SLA(SLAClass.INTERACTIVE, ttft_ms=200.0))["id"]
+    again = daemon.promote(sid)
+    assert again["sla"]["ttft_ms"] == 200.0
+    assert any("priority kept at the highest, 2" in r for r in again["placement"]["reasons"])
 
 
 CHILD = textwrap.dedent("""

@@ -524,9 +524,12 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
 
     def _change_sla(self, sid: str, cls: SLAClass, ttft_ms: float | None, kind: str) -> dict:
         """The session's class and first-token target change; its whole-answer budget (``ttlt_s``), the
-        client's own, is kept."""
+        client's own, is kept - and so is its first-token target when the class stays (promoting an
+        interactive session re-places it, e.g. onto a GPU pool that now has room)."""
         with self._lock:
             s = self._get(sid)
+            if s.sla.cls is cls:
+                ttft_ms = s.sla.ttft_ms
             sla = s.sla = SLA(cls, ttft_ms, s.sla.ttlt_s)
             new = self.moves.replace(s, kind)
         event = "promotion" if sla.cls is SLAClass.INTERACTIVE else "demotion"

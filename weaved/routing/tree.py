@@ -327,8 +327,8 @@ def promote(current: Placement, req: SessionRequest, state: SystemState, thresho
                            f"nothing recomputed")
             return Placement("standard", "standard", g.name, g.name, prio, tuple(reasons))
         why = "every GPU pool is full" if pools_of(state, "gpu") else "no GPU pool on this host"
-        return stay(TOP_PRIORITY, f"{why}: priority raised to {TOP_PRIORITY} within {here.describe()} "
-                                  f"instead")
+        done = "raised to" if current.priority < TOP_PRIORITY else "kept at the highest,"
+        return stay(TOP_PRIORITY, f"{why}: priority {done} {TOP_PRIORITY} within {here.describe()} instead")
     if here.device_kind == "cpu":
         return stay(prio, f"stays on {here.describe()} at priority {prio}")
     c = with_room(pools_of(state, "cpu"), need)
