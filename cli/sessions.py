@@ -155,6 +155,7 @@ def fork(session_id: IdArg,
 
 def register(app: typer.Typer) -> None:
     app.command()(ps)
+    app.command("ls", hidden=True)(ps)  # (what people type first)
     app.command()(show)
     app.command()(rm)
     app.command()(fork)

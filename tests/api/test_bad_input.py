@@ -241,11 +241,15 @@ def test_unknown_fields_are_named_alike_everywhere_and_images_are_said_to_be_uns
 
 
 
-def test_bookkeeping_fields_with_their_openai_shape_are_accepted(client, fake):
+def test_bookkeeping_fields_with_their_openai_shape_are_accepted_and_empty_input_is_named(client, fake):
     r = client.post(CHAT, json={"messages": USER, "store": False, "metadata": {"run": "42"}, "user": "u-1",
                                 "service_tier": "auto"})
     assert r.status_code == 200, r.text
     assert_error(client.post("/v1/responses", json={"input": "hi", "metadata": {"k": 1}}), 400, "metadata",
                  "invalid_request_error")
+    for empty in ("", []):
+        r = client.post("/v1/responses", json={"input": empty})
+        assert_error(r, 400, "input", "invalid_request_error")
+        assert r.json()["error"]["message"] == "input: must not be empty: a string, or a list of at least one item"
     r = client.post("/v1/responses", json={"input": "hi", "metadata": {"k": "v"}, "max_output_tokens": 4})
     assert r.status_code == 200 and r.json()["metadata"] == {"k": "v"}

@@ -59,6 +59,7 @@ def test_ps_hides_one_off_sessions_unless_all(fake):
 def test_ps_with_no_sessions(fake):
     fake.sessions.clear()
     assert ok(weave(fake, "ps")) == "no sessions\n"
+    assert ok(weave(fake, "ls")) == "no sessions\n"  # the name people type first
     assert json.loads(ok(weave(fake, "ps", "--json"))) == []
 
 

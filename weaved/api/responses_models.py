@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from weaved.agent.plan import AnswerSpec
 from weaved.api.agent_models import (
@@ -128,7 +128,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    input: str | list[InputItem] = Field(min_length=1)
+    input: str | list[InputItem]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
@@ -146,6 +146,13 @@ class ResponsesRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None  # extension, as on chat completions
     sla: SLABody | None = None  # Weave extension
     include: list[str] | None = None  # extra output data: none is offered here (an empty list is fine)
+
+    @field_validator("input")
+    @classmethod
+    def _input(cls, v: str | list) -> str | list:
+        if not v:
+            raise ValueError("must not be empty: a string, or a list of at least one item")
+        return v
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.include:
