@@ -10,6 +10,8 @@ response's end (``rewind``): the transcript, the committed tokens and the KV row
 
 from __future__ import annotations
 
+import contextlib
+
 from weaved.daemon.session import Session
 from weaved.errors import Conflict, NotFound, Overloaded
 from weaved.kv.cache import KVCache
@@ -48,7 +50,9 @@ class ResponseChains:
         if self.journal.delete_response(rid) == 0:
             with self._lock:
                 s = self.sessions.get(sid)
-                if s is not None and not s.busy:
+                idle = s is not None and not s.busy
+            if idle:  # (off the lock: deleting may wait for its context's prefix to be stored)
+                with contextlib.suppress(NotFound):
                     self.delete_session(sid)
 
     def _make_session_room(self) -> None:
@@ -60,7 +64,8 @@ class ResponseChains:
         if len(kept) < cap:
             return
         chains = self.journal.chain_sessions()
-        idle = [s for s in kept if s.id in chains and not s.busy]
+        # idle, and not storing its context as a prefix: deleting it then waits for nothing (under the lock)
+        idle = [s for s in kept if s.id in chains and not s.busy and (s.publishing is None or s.publishing.is_set())]
         if not idle:
             raise Overloaded(f"too many sessions ({cap} kept, none of them an idle Responses chain to evict): "
                              f"delete some (weave rm, DELETE /v1/sessions/ID)", retry_after_s=5.0)
