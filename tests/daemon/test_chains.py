@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tests.daemon.test_daemon import GREEDY, make_daemon, run_turn
+from tests.daemon.support import GREEDY, make_daemon, run_turn
 from weaved.daemon.core import Daemon
 from weaved.errors import Conflict, NotFound
 from weaved.routing.types import SLA, SLAClass

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.daemon.test_daemon import make_daemon
+from tests.daemon.support import make_daemon
 from weaved.errors import Conflict
 
 

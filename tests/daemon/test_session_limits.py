@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.daemon.test_daemon import run_turn
+from tests.daemon.support import run_turn
 from weaved.config.load import load_profile
 from weaved.daemon.core import Daemon
 from weaved.errors import NotFound, Overloaded
@@ -97,7 +97,7 @@ def test_promotion_and_demotion_keep_the_sessions_own_answer_budget(daemon):
 
 
 def test_a_fork_keeps_its_parent_and_its_answers_finish_reasons_and_calls_across_a_restart(tiny_llama, tmp_path):
-    from tests.daemon.test_daemon import make_daemon
+    from tests.daemon.support import make_daemon
     from weaved.engine.sampling import SamplingParams
 
     d = make_daemon(tiny_llama, tmp_path / "data")

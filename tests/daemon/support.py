@@ -1,0 +1,60 @@
+"""What the daemon's in-process tests share: a loaded daemon on a test model, a turn run to its end, a
+turn's events as a client reads them."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from weaved.config.load import load_profile
+from weaved.daemon.core import Daemon
+from weaved.engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+def make_daemon(model: Path, data_dir: Path) -> Daemon:
+    d = Daemon(load_profile("cpu-only"), model, data_dir=data_dir, log_fn=lambda m: None)
+    d.load()
+    return d
+
+
+def run_turn(d: Daemon, sid: str | None, text: str, params: SamplingParams = GREEDY) -> tuple[list[dict], object]:
+    done = threading.Event()
+    events: list[dict] = []
+
+    def emit(ev: dict) -> None:
+        events.append(ev)
+        if ev["type"] in ("done", "error"):
+            done.set()
+
+    h = d.start_turn(session_id=sid, messages=[{"role": "user", "content": text}], params=params, emit=emit)
+    assert done.wait(120), "turn did not finish"
+    return events, h
+
+
+def prefilled(d: Daemon) -> int:
+    return sum(e.counters.tokens_prefilled for e in d.engines.values())
+
+
+LONG = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+
+
+class Stream:
+    """A turn's events as a client reads them, with a wait for its first token and for its end."""
+
+    def __init__(self, hold: bool = False) -> None:
+        self.events: list[dict] = []
+        self.first = threading.Event()
+        self.done = threading.Event()
+        self.go = threading.Event()  # with hold: the engine thread waits in the first token for this
+        if not hold:
+            self.go.set()
+
+    def __call__(self, ev: dict) -> None:  # the engine thread
+        self.events.append(ev)
+        if ev["type"] == "token" and not self.first.is_set():
+            self.first.set()
+            self.go.wait(30)
+        if ev["type"] in ("done", "error"):
+            self.done.set()

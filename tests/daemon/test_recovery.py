@@ -1,0 +1,154 @@
+"""Restarts: every session comes back from its last committed token, after a clean stop or kill -9,
+and a turn cut by the stop is marked so."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from tests.daemon.support import GREEDY, make_daemon, prefilled, run_turn
+from weaved.daemon.core import Daemon
+from weaved.daemon.journal import Journal
+from weaved.routing.types import SLA, SLAClass
+
+
+def test_restart_recovers_sessions_and_their_kv(tiny_llama, tmp_path):
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    sid = d.create_session(SLA(SLAClass.INTERACTIVE, 500, None))["id"]
+    run_turn(d, sid, "Remember the number seven")
+    ctx = d.get_session(sid)["context_tokens"]
+    d.shutdown()
+    d2 = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        info = d2.get_session(sid)
+        assert info["sla"]["class"] == "interactive" and len(info["messages"]) == 2
+        assert info["context_tokens"] == ctx  # the unfed last token of the turn comes back too
+        _, h = run_turn(d2, sid, "Which number?")
+        assert prefilled(d2) == h.prompt_tokens - h.cached_tokens < 20
+    finally:
+        d2.shutdown()
+
+
+def _prompt_turn(d: Daemon, sid: str, ids: list[int]) -> tuple[list[int], object]:
+    done = threading.Event()
+    toks: list[int] = []
+
+    def emit(ev: dict) -> None:
+        if ev["type"] == "token" and ev["token"] is not None:
+            toks.append(ev["token"])
+        if ev["type"] in ("done", "error"):
+            done.set()
+
+    h = d.start_turn(session_id=sid, prompt=ids, params=GREEDY, emit=emit)
+    assert done.wait(120), "turn did not finish"
+    return toks, h
+
+
+def test_prompt_session_continues_after_restart_as_without(tiny_llama, tmp_path):
+    """A prompt-only session: the next turn after a restart feeds the answer's unfed last token, so it
+    sees the context (and gives the tokens) a daemon that never stopped does."""
+    first, second = [5, 6, 7, 8, 9], [10, 11, 12]
+
+    def session(d: Daemon) -> str:
+        return d.create_session(SLA(SLAClass.BACKGROUND))["id"]
+
+    plain = make_daemon(tiny_llama, tmp_path / "plain")
+    try:
+        sid = session(plain)
+        _prompt_turn(plain, sid, first)
+        want, hw = _prompt_turn(plain, sid, second)
+        want_ctx = plain.get_session(sid)["context_tokens"]
+    finally:
+        plain.shutdown()
+    d = make_daemon(tiny_llama, tmp_path / "restarted")
+    sid = session(d)
+    _prompt_turn(d, sid, first)
+    ctx = d.get_session(sid)["context_tokens"]
+    d.shutdown()
+    d2 = make_daemon(tiny_llama, tmp_path / "restarted")
+    try:
+        assert d2.get_session(sid)["context_tokens"] == ctx
+        got, h = _prompt_turn(d2, sid, second)
+        assert h.prompt_tokens == hw.prompt_tokens and prefilled(d2) == len(second) + 1
+        assert d2.get_session(sid)["context_tokens"] == want_ctx
+        assert got == want and got
+    finally:
+        d2.shutdown()
+
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from weaved.daemon.core import Daemon
+    from weaved.engine.sampling import SamplingParams
+    from weaved.config.load import load_profile
+    from weaved.routing.types import SLA, SLAClass
+    d = Daemon(load_profile("cpu-only"), Path(sys.argv[1]), data_dir=Path(sys.argv[2]), log_fn=lambda m: None)
+    d.load()
+    sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    d.start_turn(session_id=sid, messages=[{"role": "user", "content": "Tell me a long story"}],
+                 params=SamplingParams(max_tokens=1500, temperature=0, stop_token_ids=()), emit=lambda ev: None)
+    print(sid, flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.slow
+def test_kill_9_mid_generation_loses_nothing_committed(tiny_llama, tmp_path):
+    data = tmp_path / "data"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tiny_llama), str(data)], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        sid = child.stdout.readline().strip()
+        assert sid.startswith("s-")
+        j = Journal(data / "journal.sqlite")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until the answer has some committed tokens
+            rec = j.get(sid)
+            if rec is not None and rec.messages and rec.kv_length > len(rec.messages[-1]["token_ids"] or []) + 5:
+                break
+            time.sleep(0.05)
+        j.close()
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(30)
+    d = make_daemon(tiny_llama, data)
+    try:
+        info = d.get_session(sid)
+        assert [m["role"] for m in info["messages"]] == ["user", "assistant"]  # the partial answer is kept
+        assert info["messages"][1]["finish_reason"] == "interrupted"  # ... and marked as cut by the crash
+        assert "finish_reason" not in info["messages"][0]
+        kv = d.sessions[sid].kv
+        assert kv.length == len(d.sessions[sid].committed) > 5
+        _, h = run_turn(d, sid, "Go on")
+        assert prefilled(d) == h.prompt_tokens - h.cached_tokens < 20  # nothing stored was recomputed
+        assert d.get_session(sid)["messages"][3]["finish_reason"] in ("stop", "length")
+    finally:
+        d.shutdown()
+    d = make_daemon(tiny_llama, data)  # the marks are in the journal: a second restart keeps them
+    try:
+        reasons = [m.get("finish_reason") for m in d.get_session(sid)["messages"]]
+        assert reasons[:2] == [None, "interrupted"] and reasons[3] in ("stop", "length")
+    finally:
+        d.shutdown()
+
+
+def test_a_turn_stopped_before_its_first_token_is_marked_interrupted_after_a_restart(tiny_llama, tmp_path):
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    d.journal.add_message(sid, "user", "Hello", [1, 2, 3])  # a turn's input, recorded before its prefill
+    d.shutdown()
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        msgs = d.get_session(sid)["messages"]
+        assert [(m["role"], m["content"], m.get("finish_reason")) for m in msgs] == [
+            ("user", "Hello", None), ("assistant", "", "interrupted")]
+    finally:
+        d.shutdown()
