@@ -118,13 +118,51 @@ def test_a_model_larger_than_ram_is_refused_with_the_numbers(tiny_llama, tmp_pat
     d.shutdown()
 
 
+def test_a_kv_cap_too_small_or_a_data_directory_that_is_a_file_is_refused_at_load(tiny_llama, tmp_path):
+    import dataclasses
+
+    from weaved.errors import WeaveError
+
+    prof = load_profile("cpu-only")
+    tiny = dataclasses.replace(prof, host=dataclasses.replace(prof.host, kv_cap_bytes=1024))
+    d = Daemon(tiny, tiny_llama, data_dir=tmp_path / "a", log_fn=lambda m: None)
+    with pytest.raises(WeaveError, match=r"kv_cap_bytes \(1,024 bytes\) holds 4 positions .* at least 256: raise it"):
+        d.load()
+    d.shutdown()
+    (tmp_path / "file").write_text("not a directory")
+    d = Daemon(prof, tiny_llama, data_dir=tmp_path / "file", log_fn=lambda m: None)
+    with pytest.raises(WeaveError, match="is a file, not a directory"):
+        d.load()
+    d.shutdown()
+
+
+def test_sessions_recovered_past_a_lowered_kv_cap_are_noted(tiny_llama, tmp_path):
+    import dataclasses
+
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    sid = d.create_session(SLA(SLAClass.BATCH), max_context=2048)["id"]
+    run_turn(d, sid, "Hello there " * 200)  # past the first 256 positions the session reserves
+    assert d.store.reserved_bytes() > 300 * d.config.kv_bytes_per_token
+    d.shutdown()
+    prof = load_profile("cpu-only")
+    bpt = d.config.kv_bytes_per_token
+    low = dataclasses.replace(prof, host=dataclasses.replace(prof.host, kv_cap_bytes=300 * bpt))
+    d = Daemon(low, tiny_llama, data_dir=tmp_path / "data", log_fn=lambda m: None)
+    d.load()
+    try:
+        assert any("more than the cap" in n and "weave rm" in n for n in d.status()["pool_notes"])
+        assert d.get_session(sid)["messages"][0]["content"] == "Hello there " * 200  # it is kept
+    finally:
+        d.shutdown()
+
+
 def test_a_session_created_empty_is_placed_again_by_its_first_turn(daemon):
     sid = daemon.create_session(SLA(SLAClass.BACKGROUND))["id"]
     before = daemon.get_session(sid)["placement"]["reasons"]
     assert any("short prompt (0 <" in r for r in before)
     events, h = run_turn(daemon, sid, "Tell me about the sea and the sky")
     after = daemon.get_session(sid)["placement"]
-    assert after["reasons"][0] == f"placed again at its first turn, which brought {h.prompt_tokens} tokens"
+    assert after["reasons"][0] == f"placed again at its first turn ({h.prompt_tokens} prompt tokens to compute)"
     assert any(f"short prompt ({h.prompt_tokens} <" in r for r in after["reasons"])
     assert h.placement == after  # what the API reports for the turn
     assert daemon.journal.list(with_tokens=False)[-1].placement == after  # and what a restart finds

@@ -70,6 +70,7 @@ log = logging.getLogger("weave.daemon")
 SLA_RANK = {SLAClass.INTERACTIVE: SLARank.INTERACTIVE, SLAClass.BACKGROUND: SLARank.BACKGROUND,
             SLAClass.BATCH: SLARank.BATCH}
 KV_ALIGN = 32  # capacities are multiples of this: keeps the file's per-head runs page-aligned
+MIN_KV_POSITIONS = 256  # the smallest KV cap a daemon starts with, in positions of its model
 CANCEL_WAIT_S = 30.0  # how long a new turn waits for its session's cancelled turn to end (one engine step)
 
 
@@ -128,6 +129,9 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
         from weaved.model.tokenizer import Tokenizer
 
         say = progress or (lambda m: None)
+        if self.data_dir.exists() and not self.data_dir.is_dir():
+            raise WeaveError(f"the data directory {self.data_dir} is a file, not a directory: pass another "
+                             f"--data-dir (or set the profile's host.data_dir)")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._data_lock = lock_data_dir(self.data_dir)  # (before anything in it is read or written)
         say(f"opening {self.model_path.name}")
@@ -139,7 +143,7 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
         from weaved.federation import service as fed
         from weaved.federation.shard_files import delete_group_files
 
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._check_kv_cap()
         self.store = KVStore(self.data_dir / "kv", self.config, cap_bytes=self.profile.host.kv_cap_bytes,
                              share=self.profile.host.prefix_cache)
         delete_group_files(self.store)  # ring shards never outlive their group: rebuilt from transcripts
@@ -181,6 +185,12 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
                                   system_state=self._system_state, lock=self._lock, make_room=self.make_device_room)
         say("recovering sessions")
         self._recover()
+        reserved, cap = self.store.reserved_bytes(), self.profile.host.kv_cap_bytes
+        if reserved > cap:  # (a cap lowered since they were made: they run, new sessions find no room)
+            self.pool_notes.append(f"the recovered sessions reserve {reserved / 2**20:.1f} MiB of KV, more than the "
+                                   f"cap of {cap / 2**20:.1f} MiB: a new session finds no room until some are "
+                                   f"deleted (weave rm) or the cap (host.kv_cap_bytes) is raised")
+            self.log(f"note: {self.pool_notes[-1]}")
         if not drive:
             return
         self.compiled_serving = CompileWatch().__enter__()  # left at shutdown
@@ -189,6 +199,15 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
             e.start()
         limits = [p.config.idle_demote_s for p in self.pools.values() if p.config.idle_demote_s is not None]
         self.housekeeper = Housekeeper.for_idle_demotion(limits, self.demote_idle)
+
+    def _check_kv_cap(self) -> None:
+        """Refuse a KV cap too small for a useful session of this model (a profile's typo, a unit left
+        out), before serving requests that could only fail."""
+        bpt, cap = self.config.kv_bytes_per_token, self.profile.host.kv_cap_bytes
+        if cap < MIN_KV_POSITIONS * bpt:
+            raise WeaveError(f"the profile's host.kv_cap_bytes ({cap:,} bytes) holds {cap // bpt} positions of "
+                             f"{self.model_name}'s KV ({bpt:,} bytes each); a session needs at least "
+                             f"{MIN_KV_POSITIONS}: raise it (e.g. kv_cap_bytes = \"4GiB\", or \"auto\")")
 
     def _check_memory(self) -> None:
         """Refuse a model the CPU pool cannot hold: it repacks every matrix into memory once, so its

@@ -130,7 +130,7 @@ class SessionMoves:
 
     def place_first_turn(self, s: Session, n_prompt: int) -> Placement | None:
         """A session placed before it had a prompt (created empty, so the router saw 0 tokens) is placed
-        again when its first turn brings ``n_prompt`` tokens; returns the new placement, or None when it
+        again when its first turn brings ``n_prompt`` tokens to compute (past a stored prefix); returns the new placement, or None when it
         stays (the same answer, or a different decode strategy, whose KV would live elsewhere).  Caller
         holds ``self.lock``."""
         try:
@@ -140,7 +140,8 @@ class SessionMoves:
         if new.decode_strategy != s.placement.decode_strategy or new == s.placement:
             return None
         new = Placement(new.prefill_strategy, new.decode_strategy, new.prefill_pool, new.decode_pool, new.priority,
-                        (f"placed again at its first turn, which brought {n_prompt} tokens", *new.reasons))
+                        (f"placed with its prompt ({n_prompt} tokens to compute)" if s.ephemeral else
+                         f"placed again at its first turn ({n_prompt} prompt tokens to compute)", *new.reasons))
         s.placement = new
         if not s.ephemeral:
             self.journal.set_placement(s.id, new.to_dict())
