@@ -45,6 +45,8 @@ def register(app: typer.Typer) -> None:
             raise _fail(f"input file not found: {src}", 2)
         if src.is_dir():
             raise _fail(f"input is a directory, not a GGUF file: {src}", 2)
+        if dst.is_dir():
+            raise _fail(f"{dst} is a directory: name the file to write (e.g. {dst / src.name})", 2)
         if dst.exists() and not force:
             raise _fail(f"{dst} already exists; pass --force to overwrite it", 2)
 

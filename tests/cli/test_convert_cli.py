@@ -49,6 +49,10 @@ def test_refuses_to_overwrite_then_force(q4_1_model, tmp_path):
     assert result.exit_code == 0, result.output
     assert not needs_conversion(out)
 
+    for flags in ([], ["--force"]):  # a directory is never overwritten, and says so before any work
+        result = runner.invoke(app, ["convert", str(q4_1_model), str(tmp_path), *flags])
+        assert result.exit_code == 2 and "is a directory: name the file to write" in _error_line(result)
+
 
 @pytest.mark.parametrize(
     ("make_input", "message", "code"),
