@@ -342,3 +342,24 @@ def test_shape_help_names_every_shape():
     (opt,) = [p for p in command.params if p.name == "shape"]
     listed = inspect.cleandoc(opt.help).split("cached (")[1].split(")")[0]
     assert sorted(n.strip() for n in listed.split(",")) == sorted(SHAPES)
+
+
+def test_a_busy_machine_is_said_in_the_report_and_the_table_explains_its_columns(tmp_path, monkeypatch):
+    import psutil
+
+    from weaved.bench import runner
+
+    fake = FakeMeasure()
+    monkeypatch.setattr(runner, "measure_in_subprocess", fake)
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None: 100.0)
+    said: list[str] = []
+    rep = runner.run_bench(BenchConfig(tmp_path / "m.gguf", threads=2, rounds=1), tokens=[1] * 9000,
+                           progress=said.append)
+    assert len(rep["warnings"]) == 1 and "CPUs were busy before starting" in rep["warnings"][0]
+    assert any("warning:" in m for m in said) and json.loads(json.dumps(rep))["warnings"] == rep["warnings"]
+    table = format_table(rep)
+    assert table.splitlines()[-1] == f"warning: {rep['warnings'][0]}"
+    assert "ratio: Weave / llama.cpp (above 1: Weave is faster)" in table
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None: 0.0)
+    assert "warnings" not in runner.run_bench(BenchConfig(tmp_path / "m.gguf", threads=1, rounds=1),
+                                              tokens=[1] * 9000, progress=said.append)

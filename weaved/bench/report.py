@@ -84,4 +84,7 @@ def format_table(report: dict[str, Any], reps: int | None = None) -> str:
     for side, d in (("weave", w), ("llama.cpp", b)):
         if "error" in d:
             lines.append(f"{side} failed: {d['error']}")
+    lines.append("ratio: Weave / llama.cpp (above 1: Weave is faster); decode @N: one sequence with N tokens "
+                 "of context; batch K: K sequences decoding at once")
+    lines += [f"warning: {m}" for m in report.get("warnings") or ()]
     return "\n".join(lines)

@@ -71,7 +71,7 @@ def measure_in_subprocess(side: str, cfg: BenchConfig, tokens: Sequence[int]) ->
             return pool.submit(measure_side, side, cfg, list(tokens)).result()
 
 
-def _warn_if_busy(threads: int, progress: Progress) -> None:
+def _warn_if_busy(threads: int, progress: Progress) -> str | None:
     """Say so when other work already occupies the cores: llama.cpp's workers spin while they wait,
     so a loaded machine distorts its figures far more than Weave's.  (CPU use sampled over half a
     second, not the load average, which lags by a minute.)"""
@@ -80,10 +80,11 @@ def _warn_if_busy(threads: int, progress: Progress) -> None:
     cpus = os.cpu_count() or 1
     busy = psutil.cpu_percent(interval=0.5) / 100.0 * cpus  # CPUs' worth of work running now
     if busy + threads > cpus + 0.5:
-        progress(
-            f"warning: {busy:.1f} of {cpus} CPUs busy before starting; "
-            f"with {threads} more threads the figures will be unreliable"
-        )
+        warning = (f"{busy:.1f} of {cpus} CPUs were busy before starting; with {threads} more threads "
+                   f"the figures are unreliable")
+        progress(f"warning: {warning}")
+        return warning
+    return None
 
 
 def run_bench(
@@ -98,9 +99,10 @@ def run_bench(
     A side that raises is reported as ``{"error": message}`` so the other side's figures survive.
     """
     progress = progress or stderr_progress("bench")
+    warnings = []
     if measure is None:
         measure = measure_in_subprocess
-        _warn_if_busy(cfg.threads, progress)
+        warnings.append(_warn_if_busy(cfg.threads, progress))
     if tokens is None:
         progress("tokenizing the filler prompts")
         tokens = filler_tokens(cfg.model, cfg.tokens_needed)
@@ -116,7 +118,10 @@ def run_bench(
                 rounds[side].append({"error": f"{type(exc).__name__}: {exc}"})
                 progress(f"{side} failed: {rounds[side][-1]['error']}")
     results = {side: _median_over_rounds(rs) for side, rs in rounds.items()}
-    return build_report(str(cfg.model), cfg.threads, results["weave"], results["llama_cpp"])
+    report = build_report(str(cfg.model), cfg.threads, results["weave"], results["llama_cpp"])
+    if any(warnings):  # (in the report too: a script reading --json sees why the figures are off)
+        report["warnings"] = [w for w in warnings if w]
+    return report
 
 
 def _median_over_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:

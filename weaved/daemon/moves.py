@@ -130,9 +130,9 @@ class SessionMoves:
 
     def place_first_turn(self, s: Session, n_prompt: int) -> Placement | None:
         """A session placed before it had a prompt (created empty, so the router saw 0 tokens) is placed
-        again when its first turn brings ``n_prompt`` tokens to compute (past a stored prefix); returns the new placement, or None when it
-        stays (the same answer, or a different decode strategy, whose KV would live elsewhere).  Caller
-        holds ``self.lock``."""
+        again when its first turn brings ``n_prompt`` tokens to compute (past a stored prefix); returns
+        the new placement, or None when it stays (the same answer, or a different decode strategy, whose
+        KV would live elsewhere).  Caller holds ``self.lock``."""
         try:
             new = place(SessionRequest(s.sla, n_prompt, s.max_context), self.system_state(), self.routing)
         except RoutingError:  # e.g. no room now: the turn runs where the session is, as before
