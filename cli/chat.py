@@ -27,7 +27,8 @@ COMMANDS = """\
 /promote   make this session interactive (re-placed for latency, runs first)
 /demote    make it background work (re-placed for throughput)
 /session   show the session: id, SLA, placement, context
-/reset     forget the conversation: start a new session with the same options
+/reset     forget the conversation: start a new session with the same options (the old one is
+           deleted if this chat made it, else kept)
 /exit      leave (also Ctrl-D); the session stays in the daemon
 Ctrl-C stops an answer while it is being written."""
 BUSY_RETRY_S = 5.0  # after Ctrl-C the daemon needs a moment (its next step) to cancel the turn
