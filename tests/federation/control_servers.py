@@ -22,10 +22,11 @@ FINGERPRINT = "f00dfeedf00dfeed"  # the local node's model in these tests
 N_LAYERS = 30
 
 
-def report(node: str, fingerprint: str = FINGERPRINT, free_tokens: int = 1000) -> dict:
-    """A node report as ``weaved.federation.node_report`` shapes it."""
+def report(node: str, fingerprint: str = FINGERPRINT, free_tokens: int = 1000, instance: str | None = None) -> dict:
+    """A node report as ``weaved.federation.node_report`` shapes it (``instance``: the daemon's id;
+    by default one per node name)."""
     return {
-        "version": 1, "node": node,
+        "version": 1, "node": node, "instance": instance or f"instance-of-{node}",
         "model": {"name": "SmolLM2-135M-Instruct-Q4_0", "arch": "llama", "fingerprint": fingerprint,
                   "n_layers": N_LAYERS, "kv_bytes_per_token": 92160, "context_length": 8192},
         "hardware": {"physical_cores": 2, "logical_cpus": 2, "memory_bytes": 8 << 30, "cpu_model": "test",
@@ -88,8 +89,9 @@ def serve_app(app) -> Iterator[Running]:
 
 
 @contextmanager
-def peer_node(node: str, token: str, fingerprint: str = FINGERPRINT) -> Iterator[Running]:
+def peer_node(node: str, token: str, fingerprint: str = FINGERPRINT, instance: str | None = None
+              ) -> Iterator[Running]:
     """A stand-in daemon's control plane answering with a fixed report."""
-    app = create_federation_app(lambda: report(node, fingerprint), token, node)
+    app = create_federation_app(lambda: report(node, fingerprint, instance=instance), token, node)
     with serve_app(app) as running:
         yield running

@@ -94,6 +94,23 @@ def test_checks_mark_peers_alive_unauthorized_dead_and_judge_their_layers():
         assert dead["kv"]["free_tokens"] == 1000 and dead["reported_at"] is not None  # the last report, dated
 
 
+def test_a_peer_that_is_this_daemon_or_another_peer_again_is_not_counted():
+    me = LocalModel(LOCAL.name, FINGERPRINT, N_LAYERS, instance="instance-of-me")
+    with peer_node("me", "tok", instance="instance-of-me") as own, peer_node("b", "tok-b") as b:
+        reg = PeerRegistry([PeerConfig("me", own.url, "tok"), PeerConfig("b", b.url, "tok-b"),
+                            PeerConfig("b-again", b.url.replace("127.0.0.1", "localhost"), "tok-b")],
+                           local=me, interval_s=0.2, timeout_s=2.0, log=lambda m: None)
+        reg.check_now()
+        p = {p["name"]: p for p in reg.list()}
+        assert p["me"]["state"] == "self" and not p["me"]["alive"]
+        assert "this daemon itself: remove it from the peers" in p["me"]["last_error"]
+        states = sorted((p["b"]["state"], p["b-again"]["state"]))
+        assert states == ["alive", "duplicate"]  # whichever answered first is the peer, the other its twin
+        twin = p["b"] if p["b"]["state"] == "duplicate" else p["b-again"]
+        assert "the same daemon as peer" in twin["last_error"]
+        assert reg.peers_alive() == 1 and [c.name for c in reg.usable()] in (["b"], ["b-again"])
+
+
 def test_an_endpoint_that_is_not_a_weave_peer_is_dead_with_the_reason():
     async def app(scope, receive, send):  # answers 200 with something else
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/html")]})

@@ -106,6 +106,7 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
         self.unrecovered: dict[str, str] = {}  # sessions of the journal left out at load -> why
         self._data_lock: int | None = None  # the data directory's lock (data_lock.py), held while loaded
         self.started = wall()
+        self.instance = secrets.token_hex(8)  # this daemon process, as its peers' checks see it
 
     # ---- life cycle ------------------------------------------------------------------------------
     def load(self, progress: Callable[[str], None] | None = None, *, config: ModelConfig | None = None,

@@ -44,6 +44,7 @@ def node_report(daemon: Any) -> dict:
     return {
         "version": REPORT_VERSION,
         "node": prof.host.name,
+        "instance": getattr(daemon, "instance", None),  # this process's id: a peer that is us says it
         "model": {"name": daemon.model_name, "arch": cfg.arch, "fingerprint": model_fingerprint(cfg),
                   "n_layers": cfg.n_layers, "kv_bytes_per_token": per_token, "context_length": cfg.context_length},
         "hardware": hardware_report(),

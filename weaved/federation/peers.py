@@ -33,6 +33,8 @@ from weaved.errors import Conflict, InvalidRequest, NotFound
 from weaved.federation.peer_store import load_peers, save_peers
 from weaved.federation.probe import ALIVE, DEAD, UNKNOWN, Probe, probe
 
+SELF, DUPLICATE = "self", "duplicate"  # states of a peer that is no other daemon
+
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # run-time names travel in URL paths
 MAX_TOKEN_CHARS = 4096
 MAX_CHECK_THREADS = 8
@@ -45,6 +47,7 @@ class LocalModel:
     name: str
     fingerprint: str
     n_layers: int
+    instance: str | None = None  # this daemon's own id (``Daemon.instance``): a peer reporting it is us
 
 
 @dataclass
@@ -209,6 +212,8 @@ class PeerRegistry:
             if self._peers.get(peer.config.name) is not peer:
                 return  # removed (or replaced) while it was being checked
             was = peer.state
+            if result.state == ALIVE:
+                result = self._same_daemon(peer, result)
             peer.state, peer.checked_at = result.state, now
             if result.latency_ms is not None:
                 peer.latency_ms = result.latency_ms
@@ -220,6 +225,24 @@ class PeerRegistry:
         if was != result.state:
             self._log(f"peer {peer.config.name!r}: {was} -> {result.state}"
                       + (f" ({result.error})" if result.error else ""))
+
+    def _same_daemon(self, peer: _Peer, result: Probe) -> Probe:
+        """A live answer from this daemon itself, or from a daemon another peer already is (one node named
+        twice, e.g. under ``localhost`` and ``127.0.0.1``), is not another peer: it would count twice and
+        join its own ring.  The lock held."""
+        instance = (result.report or {}).get("instance")
+        if instance is None:
+            return result
+        if self.local is not None and instance == self.local.instance:
+            return Probe(SELF, latency_ms=result.latency_ms,
+                         error="this is this daemon itself: remove it from the peers (a shared peers list "
+                               "may name every node; each must leave itself out)")
+        twin = next((o.config.name for o in self._peers.values() if o is not peer and o.state == ALIVE
+                     and (o.report or {}).get("instance") == instance), None)
+        if twin is not None:
+            return Probe(DUPLICATE, latency_ms=result.latency_ms,
+                         error=f"the same daemon as peer {twin!r} (another url for it): remove one of them")
+        return result
 
     def check_now(self) -> None:
         """Check every peer once, concurrently; returns when all are recorded (each within about two

@@ -51,7 +51,7 @@ def peer_registry(daemon: Any):
     from weaved.kv.store import model_fingerprint
 
     fed, cfg = daemon.profile.federation, daemon.config
-    local = LocalModel(daemon.model_name, model_fingerprint(cfg), cfg.n_layers)
+    local = LocalModel(daemon.model_name, model_fingerprint(cfg), cfg.n_layers, getattr(daemon, "instance", None))
     return PeerRegistry(daemon.profile.peers, store_path=daemon.data_dir / PEERS_FILE, local=local,
                         interval_s=fed.health_interval_s, timeout_s=fed.health_timeout_s, log=daemon.log)
 
