@@ -136,6 +136,21 @@ def test_a_kv_cap_too_small_or_a_data_directory_that_is_a_file_is_refused_at_loa
     d.shutdown()
 
 
+def test_a_pool_on_a_device_this_host_lacks_is_refused_with_the_way_out(tiny_llama, tmp_path):
+    import dataclasses
+
+    from weaved.daemon.pools import PoolError
+
+    pytest.importorskip("torch")
+    prof = load_profile("cpu-only")
+    gpu = dataclasses.replace(prof.pools[0], name="gpu", backend="torch", device="cuda:7")
+    d = Daemon(dataclasses.replace(prof, pools=(*prof.pools, gpu)), tiny_llama, data_dir=tmp_path / "a",
+               log_fn=lambda m: None)
+    with pytest.raises(PoolError, match=r"pool 'gpu' runs on device 'cuda:7', which is unavailable .* only_if_gpu"):
+        d.load()
+    d.shutdown()
+
+
 def test_sessions_recovered_past_a_lowered_kv_cap_are_noted(tiny_llama, tmp_path):
     import dataclasses
 

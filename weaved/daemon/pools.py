@@ -33,11 +33,16 @@ from weaved.engine.admission import Capacity
 from weaved.engine.engine import BatchEngine
 from weaved.engine.scheduler import SchedulerConfig
 from weaved.engine.sequence import SeqStatus, Sequence
+from weaved.errors import WeaveError
 from weaved.model.config import ModelConfig
 from weaved.model.gguf_file import GGUFFile
 from weaved.routing.types import PoolState, pool_state
 
 log = logging.getLogger("weave.pools")
+
+
+class PoolError(WeaveError):
+    """A pool of the profile that this host cannot run, though the profile asks for it."""
 
 
 @dataclass
@@ -234,9 +239,10 @@ def build_pools(profile: Profile, gguf: GGUFFile, config: ModelConfig, *,
                          f"Q-Ring decode does not run")
             continue
         missing = cuda_missing(cfg) if make_backend is None else None
-        if missing is not None:
-            notes.append(f"pool {cfg.name!r} left out: device {cfg.device!r} unavailable ({missing})")
-            continue
+        if missing is not None:  # asked for by name: refused, not left out (only_if_gpu leaves it out at load)
+            raise PoolError(f"pool {cfg.name!r} runs on device {cfg.device!r}, which is unavailable ({missing}): "
+                            f"set only_if_gpu = true on it to leave it out on a host without a GPU, or remove it "
+                            f"from the profile")
         backend, lock = backends.get(cfg) if make_backend is None else backends.shared(make_backend(cfg))
         if cfg.strategy == "qring":
             backend, lock = ring(cfg, backend), threading.Lock()
