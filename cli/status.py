@@ -15,6 +15,11 @@ def pools_table(pools: list[dict]) -> str:
     return fmt.table(headers, rows, right=(5, 6, 7, 8))
 
 
+def _source(st: dict) -> str:
+    """Where the profile came from, when it is a file of the operator's (a shipped one is its name)."""
+    return f" ({st['profile_file']})" if st.get("profile_file") else ""
+
+
 def kv_line(kv: dict) -> str:
     ram = fmt.size(kv.get("ram_bytes")) if kv.get("ram_measured", True) else "unmeasured"
     device = ""
@@ -74,7 +79,8 @@ def status_text(st: dict) -> str:
     lines = [
         f"model     {model.get('name', '?')} ({model.get('arch', '?')}, "
         f"{model.get('context_length', '?')}-token context)",
-        f"profile   {st.get('profile', '?')}, up {fmt.seconds(st.get('uptime_s'))}",
+        f"profile   {st.get('profile', '?')}{_source(st)}, up {fmt.seconds(st.get('uptime_s'))}",
+        *([f"data      {st['data_dir']} (durability {st.get('durability', '?')})"] if st.get("data_dir") else []),
         f"sessions  {len(sessions)} ({busy} generating)",
         f"kv        {kv_line(st.get('kv') or {})}",
         *hardware_lines(st.get("hardware") or {}),

@@ -137,7 +137,8 @@ class FakeDaemon:
         return {
             "model": {"name": MODEL, "path": f"/models/{MODEL}.gguf", "arch": "llama",
                       "context_length": 8192},
-            "profile": "cpu-only", "uptime_s": 3725.0,
+            "profile": "cpu-only", "profile_file": None, "durability": "page-cache", "data_dir": "/srv/weave",
+            "uptime_s": 3725.0,
             "pools": [{"name": "cpu", "backend": "cpu", "device": "cpu", "strategy": "standard",
                        "variant": {"speculative": False, "max_batch": 16, "prefill_chunk": 256,
                                    "token_budget": 272},

@@ -120,7 +120,12 @@ def test_promote_and_demote(fake):
 def test_status_shows_model_pools_kv_hardware_and_peers(fake):
     out = ok(weave(fake, "status"))
     assert out.startswith("model     SmolLM2-135M-Instruct-Q4_0 (llama, 8192-token context)\n")
-    assert "profile   cpu-only, up 1h02m\n" in out
+    assert "profile   cpu-only, up 1h02m\n" in out  # a shipped profile: its name says which
+    assert "data      /srv/weave (durability page-cache)\n" in out
+    from weaved.cli.status import status_text
+
+    mine = status_text({"profile": "mine", "profile_file": "/etc/weave/mine.toml", "uptime_s": 5.0})
+    assert "profile   mine (/etc/weave/mine.toml), up 5.0s\n" in mine  # the operator's own file: where it is
     assert "sessions  4 (3 generating)\n" in out
     assert ("kv        4 session file(s): 180.0 MiB on disk, 92.0 MiB in RAM, 192.0 MiB reserved of a "
             "12.0 GiB cap\n") in out

@@ -440,3 +440,14 @@ def test_device_memory(tmp_path):
     rejects(tmp_path, MINIMAL + gpu.replace('"40GiB"', '"lots"'), "pools[1].device_memory", hw=L40S_EPYC)
     rejects(tmp_path, MINIMAL.replace('backend = "cpu"', 'backend = "cpu"\ndevice_memory = "1GiB"'),
             "pools[0].device_memory", "torch pools only")
+
+
+def test_a_profile_file_is_the_operators_unless_shipped(tmp_path):
+    from importlib.resources import files
+
+    from weaved.config.profile import operator_profile_file
+
+    assert operator_profile_file(load_profile("cpu-only")) is None
+    path = tmp_path / "mine.toml"
+    path.write_text(files("weaved.profiles").joinpath("cpu-only.toml").read_text())
+    assert operator_profile_file(load_profile(str(path))) == str(path)

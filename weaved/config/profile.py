@@ -255,3 +255,12 @@ class Profile:
             if p.name == name:
                 return p
         raise KeyError(f"profile {self.name!r} has no pool {name!r}")
+
+
+def operator_profile_file(profile: Profile) -> str | None:
+    """The file a profile was read from when it is the operator's own (None for a shipped profile,
+    which its name says)."""
+    from importlib.resources import files
+
+    src = Path(profile.source)
+    return None if src.parent == Path(str(files("weaved.profiles"))) else str(src)

@@ -26,7 +26,7 @@ from weaved.agent.grammar import GrammarEngine
 from weaved.agent.plan import AnswerPlan, AnswerSpec
 from weaved.agent.tool_results import answered_calls, check_tool_results
 from weaved.backends.base import Backend
-from weaved.config.profile import PoolConfig, Profile
+from weaved.config.profile import PoolConfig, Profile, operator_profile_file
 from weaved.daemon.chains import ResponseChains
 from weaved.daemon.choices import TurnChoices
 from weaved.daemon.data_lock import lock_data_dir
@@ -589,7 +589,9 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
         return {
             "model": {"name": self.model_name, "path": str(self.model_path), "arch": self.config.arch,
                       "context_length": self.config.context_length},
-            "profile": self.profile.name, "uptime_s": round(self.wall() - self.started, 1),
+            "profile": self.profile.name, "profile_file": operator_profile_file(self.profile),
+            "durability": self.profile.host.durability, "data_dir": str(self.data_dir),
+            "uptime_s": round(self.wall() - self.started, 1),
             "pools": [pool_status(p) for p in pools], "pool_notes": self.pool_notes, "sessions": sessions,
             "kv": {**self.store.tiers(), "device_bytes": device_kv_bytes(pools),
                    "device_free_bytes": device_kv_free_bytes(pools)},
