@@ -451,3 +451,15 @@ def test_a_profile_file_is_the_operators_unless_shipped(tmp_path):
     path = tmp_path / "mine.toml"
     path.write_text(files("weaved.profiles").joinpath("cpu-only.toml").read_text())
     assert operator_profile_file(load_profile(str(path))) == str(path)
+
+
+def test_more_kernel_threads_than_cpus_is_noted(tmp_path):
+    import os
+    from importlib.resources import files
+
+    shipped = files("weaved.profiles").joinpath("cpu-only.toml").read_text()
+    assert 'kernels = "auto"' in shipped
+    path = tmp_path / "many.toml"
+    path.write_text(shipped.replace('kernels = "auto"', f"kernels = {(os.cpu_count() or 1) + 30}", 1))
+    assert any("threads.kernels is" in n and "more than this host's" in n for n in load_profile(str(path)).notes)
+    assert not any("threads.kernels" in n for n in load_profile("cpu-only").notes)

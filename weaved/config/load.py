@@ -127,6 +127,10 @@ def _resolve(name: str, source: str, data: dict[str, Any], hardware: Hardware | 
     notes: list[str] = []
     pools = _pools(root, hw, notes)
     threads = _threads(root.sub("threads"), pools, hw)
+    cpus = os.cpu_count() or 1
+    if threads.kernels > cpus:  # (numba's team has at most one thread per CPU)
+        notes.append(f"threads.kernels is {threads.kernels}, more than this host's {cpus} CPUs: the kernels run "
+                     f"on {cpus} threads")
     host = _host(root.sub("host"), source, hw)
     routing = _routing(root.sub("routing"), threads)
     peers = _peers(root)
