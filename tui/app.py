@@ -35,6 +35,9 @@ from weaved.tui.throughput_panel import ThroughputPanel
 DONE_WORDS = {"promote": "promoted", "demote": "demoted", "delete": "deleted"}
 
 
+COMPACT_BELOW_ROWS = 34  # terminal rows under which the panels take their compact heights (.tcss)
+
+
 class WeaveTop(App):
     CSS_PATH = "weave_top.tcss"
     TITLE = "weave top"
@@ -93,6 +96,12 @@ class WeaveTop(App):
         self.run_worker(self._poll_status(), group="status", exit_on_error=False)
         self.run_worker(self._follow_events(), group="events", exit_on_error=False)
         self.sessions.focus()
+
+    def on_resize(self, event) -> None:
+        # a short terminal (e.g. 80x24) cannot give every panel its full height: the gauges, the pools
+        # and the bottom row shrink so the sessions keep their rows and the filter bar stays on screen
+        self.screen.set_class(event.size.height < COMPACT_BELOW_ROWS, "-compact")
+        self.events.scroll_end(animate=False)  # the newest events, whatever the old height showed
 
     async def on_unmount(self) -> None:
         await self.link.aclose()

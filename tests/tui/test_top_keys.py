@@ -323,3 +323,29 @@ def test_the_events_panel_starts_with_what_happened_before(fake):
                         what="the backlog")
 
     run(scenario())
+
+
+def test_a_short_terminal_keeps_every_session_the_filter_and_the_newest_events_on_screen(fake):
+    async def scenario():
+        app = top(fake)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await loaded(pilot, app)
+            assert app.screen.has_class("-compact")
+            table = app.sessions
+            # the border, the header row and all four sessions fit inside the table's own height
+            assert table.region.height >= 2 + 1 + 4 and table.region.bottom <= app.screen.region.bottom
+            await until(pilot, lambda: len(app.events.entries) >= 4, what="the events")
+            for k in range(6):
+                fake.publish("migration", session=BATCH, pool=f"p{k}")
+            await until(pilot, lambda: any("pool=p5" in e for e in app.events.entries), what="the new events")
+            await pilot.pause(0.1)
+            assert app.events.scroll_y == app.events.max_scroll_y  # the newest, not the oldest
+            await pilot.press("slash")
+            bar = app.query_one(FilterBar)
+            assert bar.region.height > 0 and bar.region.bottom <= app.screen.region.bottom  # typed text shows
+            await pilot.press(*"back")
+            assert bar.value == "back"
+        async with top(fake).run_test(size=SIZE) as pilot:
+            assert not pilot.app.screen.has_class("-compact")
+
+    run(scenario())
