@@ -92,8 +92,10 @@ def resolve_model(model: Path | None) -> Path:
 
     if model is None:
         return default_model_path(_ConvertProgress())
+    if model.is_dir():
+        raise _fail(f"{model} is a directory: --model takes a GGUF file", 2)
     if not model.is_file():
-        raise _fail(f"model file not found: {model}")
+        raise _fail(f"model file not found: {model}", 2)
     return ensure_native(model, _ConvertProgress(), log=_say)
 
 

@@ -59,7 +59,9 @@ def test_bad_profile_is_refused(tmp_path: Path):
 
 def test_missing_model_is_refused(tmp_path: Path):
     r = _serve("--socket", str(tmp_path / "w.sock"), "--profile", "cpu-only", "--model", str(tmp_path / "no.gguf"))
-    assert r.exit_code == 1 and "not found" in r.output
+    assert r.exit_code == 2 and "not found" in r.output  # bad usage, as a missing --chat-template
+    r = _serve("--socket", str(tmp_path / "w.sock"), "--profile", "cpu-only", "--model", str(tmp_path))
+    assert r.exit_code == 2 and "is a directory: --model takes a GGUF file" in r.output
 
 
 def test_a_chat_template_that_cannot_be_read_or_compiled_is_refused_at_start(tmp_path: Path):
