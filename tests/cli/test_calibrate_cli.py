@@ -25,4 +25,4 @@ def test_calibrate_measures_prints_and_stores(tiny_llama, tmp_path, monkeypatch)
 
 def test_calibrate_refuses_a_missing_model(tmp_path):
     out = CliRunner().invoke(app, ["calibrate", "--model", str(tmp_path / "none.gguf"), "--profile", "cpu-only"])
-    assert out.exit_code == 1 and "model file not found" in out.output
+    assert out.exit_code == 2 and "model file not found" in out.output  # bad usage, as for serve

@@ -22,3 +22,17 @@ def test_a_second_daemon_on_a_data_directory_is_refused_until_the_first_stops(ti
     finally:
         first.shutdown()
     make_daemon(tiny_llama, tmp_path / "data").shutdown()
+
+
+def test_a_load_that_fails_lets_go_of_the_data_directory(tiny_llama, tmp_path):
+    import dataclasses
+
+    from weaved.config.load import load_profile
+    from weaved.daemon.core import Daemon
+    from weaved.errors import WeaveError
+
+    prof = load_profile("cpu-only")
+    tiny = dataclasses.replace(prof, host=dataclasses.replace(prof.host, kv_cap_bytes=1024))
+    with pytest.raises(WeaveError, match="kv_cap_bytes"):
+        Daemon(tiny, tiny_llama, data_dir=tmp_path / "data", log_fn=lambda m: None).load()  # never shut down
+    make_daemon(tiny_llama, tmp_path / "data").shutdown()  # the directory is free

@@ -116,7 +116,26 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
         A simulation (weaved.sim) replaces three things: ``config`` is the KV layout to keep (the model
         file then only gives the tokenizer), ``make_backend`` makes each pool's backend, and with
         ``drive`` False no thread is started - engines, housekeeper, peers' health checks - and prefixes
-        are published inline: the caller steps the engines (``BatchEngine.run_once``)."""
+        are published inline: the caller steps the engines (``BatchEngine.run_once``).  A load that
+        fails lets go of the data directory (``shutdown`` still closes what it opened)."""
+        if self.data_dir.exists() and not self.data_dir.is_dir():
+            raise WeaveError(f"the data directory {self.data_dir} is a file, not a directory: pass another "
+                             f"--data-dir (or set the profile's host.data_dir)")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._data_lock = lock_data_dir(self.data_dir)  # (before anything in it is read or written)
+        try:
+            self._load(progress, config, make_backend, drive)
+        except BaseException:
+            self._release_data_dir()
+            raise
+
+    def _release_data_dir(self) -> None:
+        if self._data_lock is not None:
+            os.close(self._data_lock)
+            self._data_lock = None
+
+    def _load(self, progress: Callable[[str], None] | None, config: ModelConfig | None,
+              make_backend: Callable[[PoolConfig], Backend] | None, drive: bool) -> None:
         from weaved.calibration.store import CalibrationStore
         from weaved.daemon.device_rates import calibrate_devices
         from weaved.daemon.journal import Journal
@@ -130,11 +149,6 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
         from weaved.model.tokenizer import Tokenizer
 
         say = progress or (lambda m: None)
-        if self.data_dir.exists() and not self.data_dir.is_dir():
-            raise WeaveError(f"the data directory {self.data_dir} is a file, not a directory: pass another "
-                             f"--data-dir (or set the profile's host.data_dir)")
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._data_lock = lock_data_dir(self.data_dir)  # (before anything in it is read or written)
         say(f"opening {self.model_path.name}")
         gguf, file_config = open_model(self.model_path)
         self.config = config or file_config
@@ -278,9 +292,7 @@ class Daemon(SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
             self.journal.close()
         if hasattr(self, "store"):
             self.store.settle(timeout=10.0)
-        if self._data_lock is not None:
-            os.close(self._data_lock)
-            self._data_lock = None
+        self._release_data_dir()
 
     # ---- sessions --------------------------------------------------------------------------------
     def _system_state(self) -> SystemState:
