@@ -1,13 +1,16 @@
 """What the daemon's in-process tests share: a loaded daemon on a test model, a turn run to its end, a
-turn's events as a client reads them."""
+turn's events as a client reads them, and a wait on what another process commits."""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from weaved.config.load import load_profile
 from weaved.daemon.core import Daemon
+from weaved.daemon.journal import Journal, SessionRecord
 from weaved.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -58,3 +61,19 @@ class Stream:
             self.go.wait(30)
         if ev["type"] in ("done", "error"):
             self.done.set()
+
+
+def wait_for_commits(journal: Path, sid: str, done: Callable[[SessionRecord], bool],
+                     timeout_s: float = 120.0) -> None:
+    """Read the journal another process (a daemon about to be killed) writes, until session ``sid``'s
+    record satisfies ``done`` or ``timeout_s`` passes (bounded; the caller checks what it needs)."""
+    j = Journal(journal)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            rec = j.get(sid)
+            if rec is not None and done(rec):
+                return
+            time.sleep(0.05)
+    finally:
+        j.close()

@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.daemon.support import wait_for_commits
 from weaved.backends.cpu import CPUBackend
 from weaved.config.load import load_profile
 from weaved.config.profile import PoolConfig, Profile
 from weaved.daemon.core import Daemon
-from weaved.daemon.journal import Journal
 from weaved.engine.sampling import SamplingParams
 from weaved.routing.types import SLA, SLAClass
 
@@ -272,14 +272,7 @@ def test_kill_9_while_on_the_device_loses_nothing_committed(tiny_llama, tmp_path
     try:
         sid = child.stdout.readline().strip()
         assert sid.startswith("s-")
-        j = Journal(data / "journal.sqlite")
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # some of the answer is committed
-            rec = j.get(sid)
-            if rec is not None and rec.kv_length > 35 + 10:
-                break
-            time.sleep(0.05)
-        j.close()
+        wait_for_commits(data / "journal.sqlite", sid, lambda rec: rec.kv_length > 35 + 10)  # some answer committed
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait(30)

@@ -9,13 +9,11 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 
-from tests.daemon.support import GREEDY, make_daemon, prefilled, run_turn
+from tests.daemon.support import GREEDY, make_daemon, prefilled, run_turn, wait_for_commits
 from weaved.daemon.core import Daemon
-from weaved.daemon.journal import Journal
 from weaved.routing.types import SLA, SLAClass
 
 
@@ -108,14 +106,8 @@ def test_kill_9_mid_generation_loses_nothing_committed(tiny_llama, tmp_path):
     try:
         sid = child.stdout.readline().strip()
         assert sid.startswith("s-")
-        j = Journal(data / "journal.sqlite")
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # wait until the answer has some committed tokens
-            rec = j.get(sid)
-            if rec is not None and rec.messages and rec.kv_length > len(rec.messages[-1]["token_ids"] or []) + 5:
-                break
-            time.sleep(0.05)
-        j.close()
+        wait_for_commits(data / "journal.sqlite", sid,  # until the answer has some committed tokens
+                         lambda rec: rec.messages and rec.kv_length > len(rec.messages[-1]["token_ids"] or []) + 5)
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait(30)
