@@ -24,6 +24,8 @@ import triton.language as tl
 from weaved.kernels.torch_q4 import BLOCK_BYTES, Q4_0, QK, DeviceWeight, Q8Act
 from weaved.kernels.torch_rowwise import check_tensor
 
+NARROW_OUTPUTS = 4096  # a matrix with at most this many outputs loads more blocks at a time (linear_q)
+
 
 @triton.jit
 def weight_blocks(wb, m, kk, QTYPE: tl.constexpr):
@@ -140,12 +142,14 @@ def linear_q(w: DeviceWeight, a: Q8Act, block_n: int | None = None, chunk: int |
     # 32 outputs a program spread a matrix over every multiprocessor; up to 16 rows, 16 blocks loaded at a
     # time hide the memory's latency best (1.2-1.3x faster than 8 on the 2,048- and 8,192-wide matrices);
     # with 64-row tiles (tl.dot needs >= 16) the int32 sums of a chunk cost registers, and 4 blocks at a
-    # time were fastest (2.2-2.4x the 64 x 64 tile with 8 blocks).
+    # time were fastest (2.2-2.4x the 64 x 64 tile with 8 blocks).  On an H200 at 64 rows, a matrix of
+    # at most 4,096 outputs (64-128 programs for 132 multiprocessors) took 8 blocks at a time: 15-17 %
+    # less time on the 1B shape's qkv, out and down; the wide ones stayed fastest with 4.
     block_m = block_m or (16 if T <= 16 else 64)
     if block_m not in (16, 32, 64):
         raise ValueError(f"block_m must be 16, 32 or 64 (tl.dot takes at least 16 rows), got {block_m}")
     block_n = block_n or 32
-    chunk = chunk or (16 if T <= 16 else 4)
+    chunk = chunk or (16 if T <= 16 else 8 if T <= 64 and w.n_out <= NARROW_OUTPUTS else 4)
     grid = (triton.cdiv(T, block_m), triton.cdiv(w.n_out, block_n))
     _q_matmul[grid](a.q.contiguous(), a.d.contiguous(), w.data, y, T, w.n_out, nb,
                     QTYPE=w.qtype, BSZ=BLOCK_BYTES[w.qtype], BLOCK_M=block_m, BLOCK_N=block_n,
