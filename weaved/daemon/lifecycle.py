@@ -1,0 +1,222 @@
+"""The daemon's life cycle: ``load`` (the data directory's lock, the model, the KV store and the journal,
+the pools, the recovered sessions, the engines' threads) and the two halves of a stop (``stop_turns``,
+then ``shutdown``).
+
+A mixin of ``weaved.daemon.core.Daemon``: it sets the attributes the rest of the daemon reads once
+loaded (``config``, ``tokenizer``, ``store``, ``journal``, ``pools``, ``engines``, ``moves``, ...) and
+calls the daemon's own ``_place``, ``_new_kv``, ``_commit`` and ``_reserve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+
+from weaved.agent.grammar import GrammarEngine
+from weaved.backends.base import Backend
+from weaved.config.profile import PoolConfig
+from weaved.daemon.data_lock import lock_data_dir
+from weaved.daemon.housekeeping import Housekeeper, InlineExecutor
+from weaved.daemon.moves import SessionMoves
+from weaved.daemon.recovery import unfed_tail, unfinished_answer
+from weaved.daemon.session import Session, transcript_entry
+from weaved.daemon.turns import message_extra
+from weaved.errors import WeaveError
+from weaved.model.config import ModelConfig
+from weaved.routing.types import SLA, Placement
+
+KV_ALIGN = 32  # capacities are multiples of this: keeps the file's per-head runs page-aligned
+MIN_KV_POSITIONS = 256  # the smallest KV cap a daemon starts with, in positions of its model
+
+
+def aligned(positions: int) -> int:
+    """A KV file's capacity for ``positions``: the next multiple of ``KV_ALIGN``."""
+    return -(-positions // KV_ALIGN) * KV_ALIGN
+
+
+class DaemonLifecycle:
+    def load(self, progress: Callable[[str], None] | None = None, *, config: ModelConfig | None = None,
+             make_backend: Callable[[PoolConfig], Backend] | None = None, drive: bool = True) -> None:
+        """Open the model, the KV store and the journal, build the pools, recover the sessions and start.
+
+        A simulation (weaved.sim) replaces three things: ``config`` is the KV layout to keep (the model
+        file then only gives the tokenizer), ``make_backend`` makes each pool's backend, and with
+        ``drive`` False no thread is started - engines, housekeeper, peers' health checks - and prefixes
+        are published inline: the caller steps the engines (``BatchEngine.run_once``).  A load that
+        fails lets go of the data directory (``shutdown`` still closes what it opened)."""
+        if self.data_dir.exists() and not self.data_dir.is_dir():
+            raise WeaveError(f"the data directory {self.data_dir} is a file, not a directory: pass another "
+                             f"--data-dir (or set the profile's host.data_dir)")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._data_lock = lock_data_dir(self.data_dir)  # (before anything in it is read or written)
+        try:
+            self._load(progress, config, make_backend, drive)
+        except BaseException:
+            self._release_data_dir()
+            raise
+
+    def _release_data_dir(self) -> None:
+        if self._data_lock is not None:
+            os.close(self._data_lock)
+            self._data_lock = None
+
+    def _load(self, progress: Callable[[str], None] | None, config: ModelConfig | None,
+              make_backend: Callable[[PoolConfig], Backend] | None, drive: bool) -> None:
+        from weaved.calibration.store import CalibrationStore
+        from weaved.daemon.device_rates import calibrate_devices
+        from weaved.daemon.journal import Journal
+        from weaved.daemon.migration import Mover
+        from weaved.daemon.pools import build_pools
+        from weaved.daemon.rates import apply_rates
+        from weaved.daemon.warmup import CompileWatch, warm_up
+        from weaved.kv.store import KVStore, model_fingerprint
+        from weaved.model.default import cache_dir, served_name
+        from weaved.model.loader import open_model
+        from weaved.model.tokenizer import Tokenizer
+
+        say = progress or (lambda m: None)
+        say(f"opening {self.model_path.name}")
+        gguf, file_config = open_model(self.model_path)
+        self.config = config or file_config
+        self.model_name = served_name(self.model_path)
+        self.tokenizer = Tokenizer(self.model_path, gguf, chat_template=self.chat_template)
+        self.grammar = GrammarEngine(self.tokenizer)  # builds its tokenizer on the first constrained turn
+        from weaved.federation import service as fed
+        from weaved.federation.shard_files import delete_group_files
+
+        self._check_kv_cap()
+        self.store = KVStore(self.data_dir / "kv", self.config, cap_bytes=self.profile.host.kv_cap_bytes,
+                             share=self.profile.host.prefix_cache)
+        delete_group_files(self.store)  # ring shards never outlive their group: rebuilt from transcripts
+        self.fsync = self.profile.host.durability == "fsync"
+        self.journal = Journal(self.data_dir / "journal.sqlite", fsync=self.fsync)
+        self.peers = fed.peer_registry(self)  # profile and run-time peers, health-checked in the background
+        if make_backend is None and any(p.backend == "cpu" for p in self.profile.pools):
+            self._check_memory()
+        if not drive:
+            self._publisher.shutdown()
+            self._publisher = InlineExecutor()
+        say("loading weights and kernels")
+        ring = fed.ring_factory(self, self.federation) if self.federation is not None else None
+        with CompileWatch(on_first=lambda: say("compiling the kernels for this machine (once; about a minute)")
+                          ) as self.compiled:
+            self.pools, self.pool_notes = build_pools(self.profile, gguf, self.config, commit=self._commit,
+                                                      reserve=self._reserve, on_event=self.publish, ring=ring,
+                                                      progress=say, make_room=self.make_device_room,
+                                                      make_backend=make_backend, clock=self.clock)
+            self.engines = {name: p.engine for name, p in self.pools.items()}
+            if make_backend is None:  # the first request then finds them compiled
+                for backend in {id(p.backend): p.backend for p in self.pools.values()
+                                if p.config.backend == "cpu" and p.config.strategy == "standard"}.values():
+                    warm_up(backend, self.config.vocab_size)
+            calibrations = CalibrationStore(self.data_dir, cache_dir() / "calibration")
+            self.profile, self.rates = apply_rates(self.profile, self.pools, model_fingerprint(self.config),
+                                                   calibrations, say)
+            self.device_rates = [] if make_backend is not None else calibrate_devices(  # (a simulation's are modelled)
+                self.pools, model_fingerprint(self.config), calibrations, say,
+                step_target_s=self.profile.routing.step_target_s)
+        if not any(p.config.strategy == "standard" for p in self.pools.values()):
+            raise WeaveError("the profile has no pool this daemon can run: "
+                             + "; ".join(self.pool_notes or ["it names none with the standard strategy"]))
+        if self.federation is not None:
+            self.member_groups = fed.member_groups(self, self.federation)
+        self.mover = Mover(self.publish, self.clock)
+        self.moves = SessionMoves(pools=self.pools, routing=self.profile.routing, journal=self.journal,
+                                  store=self.store, peers=self.peers, mover=self.mover, publish=self.publish,
+                                  system_state=self._system_state, lock=self._lock, make_room=self.make_device_room)
+        say("recovering sessions")
+        self._recover()
+        reserved, cap = self.store.reserved_bytes(), self.profile.host.kv_cap_bytes
+        if reserved > cap:  # (a cap lowered since they were made: they run, new sessions find no room)
+            self.pool_notes.append(f"the recovered sessions reserve {reserved / 2**20:.1f} MiB of KV, more than the "
+                                   f"cap of {cap / 2**20:.1f} MiB: a new session finds no room until some are "
+                                   f"deleted (weave rm) or the cap (host.kv_cap_bytes) is raised")
+            self.log(f"note: {self.pool_notes[-1]}")
+        if not drive:
+            return
+        self.compiled_serving = CompileWatch().__enter__()  # left at shutdown
+        self.peers.start()
+        for e in self.engines.values():
+            e.start()
+        limits = [p.config.idle_demote_s for p in self.pools.values() if p.config.idle_demote_s is not None]
+        self.housekeeper = Housekeeper.for_idle_demotion(limits, self.demote_idle)
+
+    def _check_kv_cap(self) -> None:
+        """Refuse a KV cap too small for a useful session of this model (a profile's typo, a unit left
+        out), before serving requests that could only fail."""
+        bpt, cap = self.config.kv_bytes_per_token, self.profile.host.kv_cap_bytes
+        if cap < MIN_KV_POSITIONS * bpt:
+            raise WeaveError(f"the profile's host.kv_cap_bytes ({cap:,} bytes) holds {cap // bpt} positions of "
+                             f"{self.model_name}'s KV ({bpt:,} bytes each); a session needs at least "
+                             f"{MIN_KV_POSITIONS}: raise it (e.g. kv_cap_bytes = \"4GiB\", or \"auto\")")
+
+    def _check_memory(self) -> None:
+        """Refuse a model the CPU pool cannot hold: it repacks every matrix into memory once, so its
+        weights take about the file's size in RAM."""
+        import psutil
+
+        size, total = self.model_path.stat().st_size, psutil.virtual_memory().total
+        if size > total:
+            raise WeaveError(f"{self.model_path.name} needs about {size / 2**30:.1f} GiB of memory for its weights "
+                             f"(the file's size: the CPU pool holds them repacked), but this host has "
+                             f"{total / 2**30:.1f} GiB of RAM")
+
+    def _recover(self) -> None:
+        for rec in self.journal.list():
+            sla = SLA.from_dict(rec.sla)
+            placement = Placement.from_dict(rec.placement) if rec.placement else None
+            try:
+                if placement is None or placement.decode_pool not in self.engines:
+                    placement = self._place(sla, rec.kv_length, rec.max_context)
+                cap = aligned(rec.max_context)
+                kv = self._new_kv(rec.id, placement, cap, list(rec.tokens[: rec.kv_length]))
+            except Exception as exc:  # a KV file made for another model, or lost; no ring: keep the rest serving
+                self.log(f"session {rec.id} not recovered: {exc}")
+                self.unrecovered[rec.id] = str(exc)
+                continue
+            messages = [{**transcript_entry(m["role"], m["content"], m["finish_reason"]), **(message_extra(m) or {})}
+                        for m in rec.messages]
+            partial = unfinished_answer(rec, self.tokenizer.decode)
+            if partial is not None:  # the daemon stopped mid-turn: keep what was committed of the answer
+                messages.append(transcript_entry("assistant", partial[0], "interrupted"))
+                self.journal.finish_message(rec.id, "assistant", partial[0], partial[1], "interrupted")
+            self.sessions[rec.id] = Session(rec.id, sla, rec.max_context, rec.system, placement, kv,
+                                            list(rec.tokens), messages, created=rec.created,
+                                            forked_from=rec.forked_from,
+                                            tail=unfed_tail(rec) if partial is None else [])
+        if self.sessions:
+            self.log(f"recovered {len(self.sessions)} session(s) from {self.data_dir}")
+
+    def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The API's event loop: where ``/v1/events`` subscribers read."""
+        self.events.attach_loop(loop)
+
+    def stop_turns(self) -> None:
+        """Shutdown's first half: the engines stop after their current step (a running turn ends,
+        marked ``shutdown``), with the journal still open for what the API records as those turns end
+        (a stored response).  ``shutdown`` does it too; once is enough."""
+        if self._turns_stopped:
+            return
+        self._turns_stopped = True
+        if self.compiled_serving is not None:
+            self.compiled_serving.__exit__(None, None, None)
+        if self.housekeeper is not None:
+            self.housekeeper.stop()
+        if getattr(self, "peers", None) is not None:
+            self.peers.stop()
+        for e in self.engines.values():  # (their last turns' ends may still queue prefixes to publish)
+            e.stop()
+
+    def shutdown(self) -> None:
+        self.stop_turns()
+        self._publisher.shutdown(wait=True)
+        for p in self.pools.values():  # e.g. release the members of this daemon's rings
+            p.backend.close()
+        if self.member_groups is not None:
+            self.member_groups.stop()
+        if hasattr(self, "journal"):
+            self.journal.close()
+        if hasattr(self, "store"):
+            self.store.settle(timeout=10.0)
+        self._release_data_dir()

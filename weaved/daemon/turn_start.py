@@ -1,0 +1,189 @@
+"""Starting a turn, the daemon's busiest path: the request checked against the session (tool results,
+names the template renders, the context), the router's admission and where the turn runs, a stored
+prefix taken for a fresh session's prompt, the transcript and journal written, the sequence submitted.
+Also the wait for a session's previous turn to end and a turn's cancel.
+
+A mixin of ``weaved.daemon.core.Daemon``: every method runs under, or takes, the daemon's lock.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+
+from weaved.agent.plan import AnswerPlan, AnswerSpec
+from weaved.agent.tool_results import answered_calls, check_tool_results
+from weaved.daemon.session import Session
+from weaved.daemon.turns import (
+    TurnHandle,
+    chat_turn_tokens,
+    check_fits,
+    check_names_rendered,
+    fitted,
+    message_extra,
+    prompt_turn_tokens,
+    turn_constraint,
+    turn_sequence,
+)
+from weaved.engine.sampling import SamplingParams
+from weaved.engine.sequence import Sequence, SLARank
+from weaved.errors import Conflict, InvalidRequest, Overloaded, WeaveError
+from weaved.kv.cache import KVCache
+from weaved.routing.types import SLA, Placement, SLAClass
+
+SLA_RANK = {SLAClass.INTERACTIVE: SLARank.INTERACTIVE, SLAClass.BACKGROUND: SLARank.BACKGROUND,
+            SLAClass.BATCH: SLARank.BATCH}
+CANCEL_WAIT_S = 30.0  # how long a new turn waits for its session's cancelled turn to end (one engine step)
+
+
+class TurnStarts:
+    def start_turn(self, *, session_id: str | None, messages: list[dict] | None = None,
+                   prompt: str | list[int] | None = None, params: SamplingParams, sla: SLA | None = None,
+                   echo: bool = False, emit: Callable[[dict], None], answer: AnswerSpec | None = None,
+                   answer_plan: AnswerPlan | None = None, continues: int | None = None) -> TurnHandle:
+        """Start a turn: ``messages`` (a chat turn; ``answer`` says what its answer may hold - tools,
+        response format - see ``weaved.agent``) or a raw ``prompt`` (``answer_plan``: a prompt that ends
+        where a chat answer starts - a forked choice - and is constrained as that answer).  ``continues``:
+        the transcript length the turn follows (a stored response's end, ``chains``): entries past it are
+        dropped first.  WeaveError for a turn it refuses; nothing else has changed then."""
+        if (messages is None) == (prompt is None):
+            raise InvalidRequest("a turn needs either messages or a prompt")
+        if messages is not None and not messages:
+            raise InvalidRequest("messages must not be empty", param="messages")
+        if messages is not None and not self.tokenizer.chat_template:
+            raise InvalidRequest(f"the model {self.model_name} has no chat template, so it cannot take messages: "
+                                 f"serve it with --chat-template FILE, or send a prompt to /v1/completions",
+                                 param="messages")
+        plan = AnswerPlan(answer or AnswerSpec(), self.tokenizer, self.grammar) if messages is not None else answer_plan
+        if plan is not None and plan.spec.constrained:
+            _ = self.grammar.lltokenizer  # built once (seconds for a large vocabulary), not under the lock
+        if session_id is None:
+            info = self.create_session(sla or SLA(SLAClass.INTERACTIVE), ephemeral=True)
+            session_id = info["id"]
+        self._await_previous_turn(session_id)
+        with self._lock:
+            s = self._get(session_id)
+            if s.turn is not None and not s.turn.ended.is_set():
+                raise Conflict(f"session {session_id} is already generating a turn", param="session")
+            if continues is not None:
+                self._rewind(s, continues)
+            try:
+                if messages is not None:
+                    check_tool_results(messages, answered_calls(s.messages))
+                    check_names_rendered(plan.render, list(s.messages) + list(messages))
+                    new, keep = chat_turn_tokens(self.tokenizer, s, messages, render=plan.render)
+                else:
+                    new, keep = prompt_turn_tokens(self.tokenizer, s, prompt)
+                # the answer the router budgets for: what max_tokens allows, or a typical one when unset
+                answer = min(params.max_tokens, self.profile.routing.answer_tokens) if params.fit_context \
+                    else params.max_tokens
+                params = fitted(params, s, keep, new)
+                check_fits(s, keep, new, params.max_tokens)
+                constraint = turn_constraint(plan, params)
+                # a fresh session's prompt may start with a stored prefix: its prefill cost is the rest
+                cached = self.store.cached_prefix(new[:-1]) if (
+                    not s.committed and isinstance(s.kv, KVCache) and self.store.share) else 0
+                moved, predicted = self._admit(s, new[cached:], params, sla or s.sla, answer)
+            except WeaveError:
+                if s.ephemeral:
+                    self._drop_ephemeral(s)
+                raise
+            reprefilled = len(s.committed) - keep
+            if reprefilled:  # the template rewrote history (e.g. dropped earlier thinking): re-prefill from there
+                self.publish("reprefill", {"session": s.id, "from": keep, "tokens": reprefilled})
+                if isinstance(s.kv, KVCache):
+                    self.store.unshare(s.kv, keep)
+                s.kv.truncate(keep)
+                del s.committed[keep:]
+                if not s.ephemeral:
+                    self.journal.truncate(s.id, keep)
+            s.tail = []
+            first = not s.committed  # the session's first turn: its prompt may start with a stored prefix
+            if first and isinstance(s.kv, KVCache):
+                shared = self.store.share_prefix(s.kv, new)
+                held = self.store.copy_prefix(s.kv, new, shared)  # kept short blocks past it, copied
+                if held:  # those rows are mapped or copied, not computed: the turn feeds the rest
+                    s.committed.extend(new[:held])
+                    if not s.ephemeral:
+                        if self.fsync and held > shared:
+                            self.store.flush(s.kv)  # the copied rows reach the disk before the journal
+                        self.journal.commit_tokens(s.id, new[:held], held)
+                    new, keep = new[held:], held
+            resla = sla is not None and sla.cls != s.sla.cls
+            if sla is not None and sla != s.sla:
+                s.sla = sla
+            if resla or self.moves.misplaced(s):  # a check-in: the router re-places the session first
+                new_pl = self.moves.replace(s, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion")
+                self.publish("placement", {"session": s.id, "placement": new_pl.to_dict()})
+            elif moved is not None:  # a throughput-tolerant turn spills to a GPU pool, or returns to the CPU
+                self.moves.send(s, moved, "spill" if self.pools[moved.decode_pool].device_kind == "gpu" else "return")
+                self.publish("placement", {"session": s.id, "placement": moved.to_dict()})
+            elif first:  # its first turn: the router sees the real prompt now (what a stored prefix leaves)
+                new_pl = self.moves.place_first_turn(s, len(new))
+                if new_pl is not None or s.ephemeral:
+                    self.publish("placement", {"session": s.id, "placement": s.placement.to_dict()})
+            if messages is not None:
+                for i, m in enumerate(messages):
+                    s.messages.append(dict(m))
+                    if not s.ephemeral:  # the last message carries the turn's prompt tokens (see recovery)
+                        ids = list(new) if i == len(messages) - 1 else None
+                        self.journal.add_message(s.id, m["role"], m["content"], ids, extra=message_extra(m))
+            elif not s.ephemeral:
+                self.journal.add_message(s.id, "prompt", prompt if isinstance(prompt, str) else "", list(new))
+            seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, arrival=self.clock(),
+                                default_ttlt_s=self._default_ttlt(s.sla),
+                                constraint=constraint)
+            seq.forecast = predicted
+            n_prompt = len(s.committed) + len(new)
+            seq.emit = lambda ev, s=s, seq=seq: self._on_turn_event(s, seq, ev, emit, n_prompt, first)
+            s.turn = seq
+            s.answer_plan, s.call_seed = plan, secrets.token_hex(8)
+            s.last_active = self.wall()
+            run_in = self.moves.prepare_turn(s, seq, len(new))
+        handle = TurnHandle(s.id, n_prompt, keep, cancel=lambda sid=s.id: self.cancel_turn(sid),
+                            placement=s.placement.to_dict(), answer=plan,
+                            reprefilled=reprefilled, call_seed=s.call_seed)
+        self.engines[run_in].submit(seq)
+        return handle
+
+    def _admit(self, s: Session, new: list[int], params: SamplingParams, sla: SLA, answer: int
+               ) -> tuple[Placement | None, tuple[float, float] | None]:
+        """Where the turn runs (``SessionMoves.route_turn``: a placement to move the session to, or None to
+        stay) and the router's forecast for it there, or Overloaded (503 with Retry-After) for a turn no
+        pool can take without missing an SLA it has accepted (``weaved.engine.admission``); nothing has
+        changed yet when it refuses."""
+        probe = Sequence(session_id=s.id, kv=s.kv, pending=list(new), params=params,
+                         rank=SLA_RANK[sla.cls], ttft_s=sla.ttft_ms / 1000 if sla.ttft_ms else None,
+                         ttlt_s=sla.ttlt_s or self._default_ttlt(sla))
+        moved, pool, refusal = self.moves.route_turn(s, probe, sla, answer)
+        if refusal is not None:
+            self.publish("refusal", {"session": s.id, "pool": pool, "class": sla.cls.value,
+                                     "reason": refusal.reason, "retry_after_s": round(refusal.retry_after_s, 1)})
+            raise Overloaded(f"pool {pool!r} is at capacity: {refusal.reason}; retry in "
+                             f"{refusal.retry_after_s:.0f} s", retry_after_s=refusal.retry_after_s)
+        return moved, probe.forecast
+
+    def _default_ttlt(self, sla: SLA) -> float | None:
+        """The TTLT budget of a throughput-tolerant turn whose SLA names none (the profile's)."""
+        th = self.profile.routing
+        return {SLAClass.BACKGROUND: th.background_ttlt_s, SLAClass.BATCH: th.batch_ttlt_s}.get(sla.cls)
+
+    def _await_previous_turn(self, sid: str) -> None:
+        """Wait (bounded) for the session's last turn to be over when it is only ending: cancelled by a
+        client that hung up and came back, or finished but not yet recorded.  A turn still generating
+        is left alone (start_turn refuses the new one)."""
+        with self._lock:
+            s = self.sessions.get(sid)
+            turn = s.turn if s is not None else None
+        if turn is not None and (turn.cancel_requested or turn.status.done):
+            turn.ended.wait(CANCEL_WAIT_S)
+        if s is not None and s.publishing is not None:  # its prefix is being copied: its rows must hold still
+            s.publishing.wait(CANCEL_WAIT_S)
+
+    def cancel_turn(self, sid: str) -> None:
+        with self._lock:
+            s = self.sessions.get(sid)
+            if s is None or not s.busy:
+                return
+            s.turn.cancel_requested = True
+        self.engines[s.pool].cancel(sid)
