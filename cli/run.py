@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json as json_lib
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, TextIO
@@ -166,7 +166,7 @@ def _turn_result(client: Client, sid: str, msgs: list[dict], sampling: dict) -> 
     choice = (answer.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     out = {"content": message.get("content", ""), "finish_reason": choice.get("finish_reason"),
-           "usage": answer.get("usage")}
+           "usage": answer.get("usage"), "placement": (answer.get("weave") or {}).get("placement")}
     for key in ("reasoning_content", "tool_calls"):
         if message.get(key):
             out[key] = message[key]
@@ -209,24 +209,41 @@ def submit(
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed,
                 **read_tools(tools, tool_choice)}
     msgs = [{"role": "user", "content": text}]
+    # The placement printed is the one the task's turn runs with: a session is placed again when its
+    # first turn brings the prompt (the one made at creation saw no tokens).
     with connect(socket, api_key) as client:
         info = client.create_session(sla_body(sla_class(sla), ttft_ms, ttlt_s), max_context, system)
-        record = {"id": info["id"], "placement": info.get("placement")}
-        header = f"session   {info['id']}\nplacement {fmt.placement_summary(info.get('placement'))}"
         if not wait:
             try:
-                client.detach_turn(info["id"], msgs, **sampling)
+                started = client.detach_turn(info["id"], msgs, **sampling)
             except ApiError:  # the task was refused (no chat template, too long, ...): no empty session left
                 client.delete_session(info["id"])
                 raise
-            print_json({**record, "status": "running"}) if json else echo(header)
+            placement = started.get("placement") or info.get("placement")
+            if json:
+                print_json({"id": info["id"], "placement": placement, "status": "running"})
+            else:
+                echo(f"session   {info['id']}\nplacement {fmt.placement_summary(placement)}")
             return
         if json:
-            print_json({**record, **_turn_result(client, info["id"], msgs, sampling)})
+            result = _turn_result(client, info["id"], msgs, sampling)
+            print_json({"id": info["id"], **result, "placement": result["placement"] or info.get("placement")})
             return
-        echo(header, err=True)
-        last = write_stream(client.stream_turn(info["id"], msgs, **sampling))
+        echo(f"session   {info['id']}", err=True)
+        last = write_stream(_with_placement(client.stream_turn(info["id"], msgs, **sampling), info))
     _note_length(last)
+
+
+def _with_placement(deltas: Iterable[Delta], info: dict) -> Iterator[Delta]:
+    """``deltas``, after printing (to stderr) the placement the first chunk brings - or the session's
+    own when none does."""
+    said = False
+    for d in deltas:
+        if not said:
+            said = True
+            echo(f"placement {fmt.placement_summary((d.weave or {}).get('placement') or info.get('placement'))}",
+                 err=True)
+        yield d
 
 
 def register(app: typer.Typer) -> None:

@@ -349,6 +349,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(*_error(400, "messages: List should have at least 1 item", "invalid_request_error",
                                "messages"))
             return
+        if not s.messages and s.placement:  # as the daemon does: placed again once the prompt is known
+            words = sum(len(m["content"].split()) for m in messages)
+            s.placement = {**s.placement, "reasons": [f"placed again at its first turn ({words} prompt tokens to "
+                                                      f"compute)", *s.placement["reasons"]]}
         s.messages.extend({"role": m["role"], "content": m["content"]} for m in messages)
         pieces = reply_pieces(messages[-1]["content"])
         limit = body.get("max_tokens")

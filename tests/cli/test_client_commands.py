@@ -215,8 +215,9 @@ def test_run_refuses_an_empty_prompt(fake):
 def test_submit_returns_id_and_placement_at_once(fake):
     out = ok(weave(fake, "submit", "label the tickets", "--ttlt-s", "3600", "--max-context", "4096"))
     sid = out.splitlines()[0].split()[1]
+    # the placement the task's turn runs with (the session is placed again when its prompt is known)
     assert out.splitlines()[1].startswith("placement pool cpu (standard prefill, standard decode): "
-                                          "background")
+                                          "placed again at its first turn (3 prompt tokens to compute); background")
     create, turn = fake.requests[-2:]
     assert create.body == {"sla": {"class": "background", "ttlt_s": 3600.0}, "max_context": 4096}
     assert turn.path == f"/v1/sessions/{sid}/turns"
@@ -243,6 +244,7 @@ def test_submit_wait_streams_the_result(fake):
     res = weave(fake, "submit", "--wait", "--sla", "batch", "task two")
     assert ok(res) == "You said: task two.\n"
     assert res.stderr.startswith("session   s-") and "batch: throughput-tolerant" in res.stderr
+    assert "placed again at its first turn (2 prompt tokens to compute)" in res.stderr.splitlines()[1]
     assert fake.requests[-1].body["stream"] is True
 
 
@@ -250,6 +252,7 @@ def test_submit_wait_json_is_one_object_at_the_end(fake):
     data = json.loads(ok(weave(fake, "submit", "--wait", "--json", "--max-tokens", "2", "x y z")))
     assert data["content"] == "You said:" and data["finish_reason"] == "length"
     assert data["usage"]["completion_tokens"] == 2 and data["id"].startswith("s-")
+    assert data["placement"]["reasons"][0] == "placed again at its first turn (3 prompt tokens to compute)"
 
 
 def test_submit_refuses_two_sources_and_no_task(fake, tmp_path):
