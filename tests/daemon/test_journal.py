@@ -332,6 +332,7 @@ def test_a_version_3_journal_gains_the_responses_end_and_the_forks_parent(tmp_pa
     db = sqlite3.connect(old)  # as Weave wrote it before responses recorded their end and forks their parent
     db.executescript("""
         ALTER TABLE sessions DROP COLUMN forked_from;
+        DROP TABLE detached;
         DROP TABLE responses;
         CREATE TABLE responses (id TEXT PRIMARY KEY, session TEXT NOT NULL, created REAL NOT NULL, body TEXT NOT NULL);
         INSERT INTO responses VALUES ('resp_old', 's', 1, '{"id": "resp_old"}');
@@ -345,3 +346,32 @@ def test_a_version_3_journal_gains_the_responses_end_and_the_forks_parent(tmp_pa
     assert j.get("s").forked_from is None
     j.create_session("f", SLA, 100, None, None, forked_from="s")
     assert j.get("f").forked_from == "s"
+
+
+def test_a_version_4_journal_gains_the_detached_turns(tmp_path):
+    old = tmp_path / "v4.db"
+    j = Journal(old)
+    j.create_session("s", SLA, 100, None, None)
+    j.close()
+    db = sqlite3.connect(old)  # as Weave wrote it before detached turns were journaled
+    db.executescript("DROP TABLE detached; PRAGMA user_version=4;")
+    db.close()
+    j = Journal(old)
+    assert j.detached() == []
+    j.set_detached("s", {"messages": [{"role": "user", "content": "go"}], "detach": True}, 2)
+    assert j.detached() == [("s", {"messages": [{"role": "user", "content": "go"}], "detach": True}, 2)]
+
+
+def test_detached_turns_are_kept_until_dropped_and_go_with_their_session(tmp_path):
+    j = Journal(tmp_path / "j.db")
+    for sid in ("a", "b"):
+        j.create_session(sid, SLA, 100, None, None)
+    j.set_detached("a", {"n": 1}, 0)
+    j.set_detached("b", {"n": 2}, 4)
+    j.set_detached("a", {"n": 3}, 2)  # run again: the same session's record replaced
+    j.close()
+    j = Journal(tmp_path / "j.db")  # (across a restart)
+    assert sorted(j.detached()) == [("a", {"n": 3}, 2), ("b", {"n": 2}, 4)]
+    j.drop_detached("a")
+    j.delete("b")
+    assert j.detached() == []

@@ -75,9 +75,10 @@ class ResponseChains:
         self.publish("eviction", {"session": victim.id, "reason": f"{cap} sessions kept"})
         self.delete_session(victim.id)
 
-    def _rewind(self, s: Session, messages: int) -> None:
+    def _rewind(self, s: Session, messages: int, why: str) -> None:
         """Take idle session ``s`` back to its first ``messages`` transcript entries (an answer's end):
-        the later entries, their committed tokens and KV rows go.  Under the daemon's lock."""
+        the later entries, their committed tokens and KV rows go (``why``: for the log).  Under the
+        daemon's lock."""
         if len(s.messages) <= messages:
             return
         rec = self.journal.get(s.id)
@@ -91,5 +92,4 @@ class ResponseChains:
         s.tail = []  # (the next turn's rendering writes the answer's end again)
         self.journal.rewind(s.id, messages, kv_at)
         self.publish("rewind", {"session": s.id, "messages": dropped, "from": kv_at})
-        self.log(f"session {s.id}: {dropped} transcript entries past the continued response dropped "
-                 f"(a turn no stored response holds), context back to {kv_at} tokens")
+        self.log(f"session {s.id}: {dropped} transcript entries dropped, {why}; context back to {kv_at} tokens")

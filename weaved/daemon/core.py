@@ -189,6 +189,31 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
             if not s.ephemeral:
                 self.journal.set_system(sid, system)
 
+    def cut_detached_turns(self) -> list[tuple[str, dict, int]]:
+        """(session, request, transcript length before it) of each detached turn a stop or a crash cut,
+        for the API to run again (``start_turn``'s ``detached``).  A session left out at load (another
+        model's) keeps its record for when that model is served again; a record whose session's
+        transcript does not end with that turn's cut answer is stale and dropped (run again, it would
+        take back turns that came after)."""
+        out = []
+        with self._lock:
+            for sid, body, n in self.journal.detached():
+                s = self.sessions.get(sid)
+                if s is None:
+                    continue
+                last = s.messages[-1] if s.messages else {}
+                if (len(s.messages) == n + len(body.get("messages") or ()) + 1 and last.get("role") == "assistant"
+                        and last.get("finish_reason") in ("shutdown", "interrupted")):
+                    out.append((sid, body, n))
+                else:
+                    self.log(f"session {sid}: a detached turn's record no longer matches its transcript; dropped")
+                    self.journal.drop_detached(sid)
+        return out
+
+    def forget_detached_turn(self, sid: str) -> None:
+        """Give up running a cut detached turn again (it was refused); its partial answer stays."""
+        self.journal.drop_detached(sid)
+
     # ---- SLA changes ---------------------------------------------------------------------------------
     def promote(self, sid: str) -> dict:
         return self._change_sla(sid, SLAClass.INTERACTIVE, 500.0, "promotion")

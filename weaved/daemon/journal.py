@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Statements are split on ";" (executescript would commit our transaction): keep ";" out of comments.
 _SCHEMA = """
@@ -66,6 +66,11 @@ CREATE TABLE responses (
     created REAL NOT NULL,
     body    TEXT NOT NULL,                  -- JSON: the response object as returned
     messages INTEGER                        -- its session's transcript length once it was answered
+);
+CREATE TABLE detached (
+    session  TEXT PRIMARY KEY,              -- a session whose detached turn has not ended yet
+    body     TEXT NOT NULL,                 -- JSON: the turn's request, to run again after a restart
+    messages INTEGER NOT NULL               -- its session's transcript length before the turn
 );
 CREATE TABLE tokens (
     session TEXT NOT NULL,
@@ -137,17 +142,20 @@ class Journal:
                     if stmt.strip():
                         self._db.execute(stmt)
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            elif version in (1, 2, 3):
+            elif version in (1, 2, 3, 4):
                 # answers gained their finish reason (2); messages their extras and responses (3); a
-                # response where its chain's transcript ended, a fork its parent (4)
+                # response where its chain's transcript ended, a fork its parent (4); detached turns (5)
                 if version == 1:
                     self._db.execute("ALTER TABLE messages ADD COLUMN finish_reason TEXT")
                 if version < 3:
                     self._db.execute("ALTER TABLE messages ADD COLUMN extra TEXT")
                     self._db.execute("CREATE TABLE responses (id TEXT PRIMARY KEY, session TEXT NOT NULL, "
                                      "created REAL NOT NULL, body TEXT NOT NULL)")
-                self._db.execute("ALTER TABLE responses ADD COLUMN messages INTEGER")
-                self._db.execute("ALTER TABLE sessions ADD COLUMN forked_from TEXT")
+                if version < 4:
+                    self._db.execute("ALTER TABLE responses ADD COLUMN messages INTEGER")
+                    self._db.execute("ALTER TABLE sessions ADD COLUMN forked_from TEXT")
+                self._db.execute("CREATE TABLE detached (session TEXT PRIMARY KEY, body TEXT NOT NULL, "
+                                 "messages INTEGER NOT NULL)")
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             elif version != SCHEMA_VERSION:
                 raise JournalError(
@@ -214,8 +222,27 @@ class Journal:
         """Forget a session entirely (no error if it is unknown)."""
         with self._tx() as db:
             for table, key in (("tokens", "session"), ("messages", "session"), ("responses", "session"),
-                               ("sessions", "id")):
+                               ("detached", "session"), ("sessions", "id")):
                 db.execute(f"DELETE FROM {table} WHERE {key}=?", (id,))
+
+    # -- detached turns: run again after a restart that cut them ------------------------------------
+
+    def set_detached(self, session: str, body: dict, messages: int) -> None:
+        """Record ``session``'s detached turn (its request ``body``; the transcript's length before it)
+        until ``drop_detached``: a stop or a crash in between leaves it here to be run again."""
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO detached (session, body, messages) VALUES (?, ?, ?)",
+                       (session, json.dumps(body, ensure_ascii=False), messages))
+
+    def drop_detached(self, session: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM detached WHERE session=?", (session,))
+
+    def detached(self) -> list[tuple[str, dict, int]]:
+        """(session, request body, transcript length before the turn) of every detached turn not ended."""
+        with self._snapshot() as db:
+            rows = db.execute("SELECT session, body, messages FROM detached ORDER BY rowid").fetchall()
+        return [(sid, json.loads(body), n) for sid, body, n in rows]
 
     # -- stored responses (/v1/responses chains) -----------------------------------------------------
 

@@ -35,6 +35,7 @@ class Session:
     answer_plan: object | None = None
     call_seed: str | None = None
     forked_from: str | None = None  # the session it was forked from (kept after the parent is deleted)
+    detached: bool = False  # its running turn is a detached one, journaled until it ends (run again if cut)
 
     @property
     def pool(self) -> str:

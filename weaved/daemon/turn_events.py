@@ -148,4 +148,7 @@ class TurnEvents:
                 if not s.ephemeral:
                     self.journal.finish_message(s.id, "assistant", text, list(seq.generated), reason,
                                                 extra=None if answer is None else {"answer": answer})
+            if s.detached and seq.finish_reason != "shutdown":  # over: a stop's cut turn stays to run again
+                s.detached = False
+                self.journal.drop_detached(s.id)
             s.last_active = self.wall()

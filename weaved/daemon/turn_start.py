@@ -40,12 +40,15 @@ class TurnStarts:
     def start_turn(self, *, session_id: str | None, messages: list[dict] | None = None,
                    prompt: str | list[int] | None = None, params: SamplingParams, sla: SLA | None = None,
                    echo: bool = False, emit: Callable[[dict], None], answer: AnswerSpec | None = None,
-                   answer_plan: AnswerPlan | None = None, continues: int | None = None) -> TurnHandle:
+                   answer_plan: AnswerPlan | None = None, continues: int | None = None,
+                   detached: dict | None = None) -> TurnHandle:
         """Start a turn: ``messages`` (a chat turn; ``answer`` says what its answer may hold - tools,
         response format - see ``weaved.agent``) or a raw ``prompt`` (``answer_plan``: a prompt that ends
         where a chat answer starts - a forked choice - and is constrained as that answer).  ``continues``:
         the transcript length the turn follows (a stored response's end, ``chains``): entries past it are
-        dropped first.  WeaveError for a turn it refuses; nothing else has changed then."""
+        dropped first.  ``detached``: the request of a turn nobody listens to, journaled until the turn
+        ends, so that a stop or a crash before then leaves it to be run again (``resume_detached``).
+        WeaveError for a turn it refuses; nothing else has changed then."""
         if (messages is None) == (prompt is None):
             raise InvalidRequest("a turn needs either messages or a prompt")
         if messages is not None and not messages:
@@ -66,7 +69,8 @@ class TurnStarts:
             if s.turn is not None and not s.turn.ended.is_set():
                 raise Conflict(f"session {session_id} is already generating a turn", param="session")
             if continues is not None:
-                self._rewind(s, continues)
+                self._rewind(s, continues, "its detached turn, cut by the last stop, runs again" if detached
+                             else "past the continued response (a turn no stored response holds)")
             try:
                 if messages is not None:
                     check_tool_results(messages, answered_calls(s.messages))
@@ -122,6 +126,9 @@ class TurnStarts:
                 new_pl = self.moves.place_first_turn(s, len(new))
                 if new_pl is not None or s.ephemeral:
                     self.publish("placement", {"session": s.id, "placement": s.placement.to_dict()})
+            s.detached = detached is not None and not s.ephemeral
+            if s.detached:
+                self.journal.set_detached(s.id, detached, len(s.messages))
             if messages is not None:
                 for i, m in enumerate(messages):
                     s.messages.append(dict(m))

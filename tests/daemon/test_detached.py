@@ -1,0 +1,67 @@
+"""Detached turns in the journal: kept while they run, dropped when they end, returned after a stop
+that cut one, and dropped as stale when the transcript no longer ends with the cut turn."""
+
+from __future__ import annotations
+
+import threading
+
+from tests.daemon.support import LONG, make_daemon, run_turn
+from weaved.engine.sampling import SamplingParams
+from weaved.routing.types import SLA, SLAClass
+
+TASK = [{"role": "user", "content": "Count to a thousand"}]
+BODY = {"messages": TASK, "detach": True}
+
+
+def _detached_turn(d, sid: str, params, on_event=None) -> threading.Event:
+    done = threading.Event()
+
+    def emit(ev: dict) -> None:
+        if on_event is not None:
+            on_event(ev)
+        if ev["type"] in ("done", "error"):
+            done.set()
+
+    d.start_turn(session_id=sid, messages=TASK, params=params, emit=emit, detached=BODY)
+    return done
+
+
+def test_a_detached_turn_that_ends_leaves_no_record(tiny_llama, tmp_path):
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]
+        assert _detached_turn(d, sid, SamplingParams(max_tokens=4, temperature=0)).wait(120)
+        assert d.journal.detached() == [] and d.cut_detached_turns() == []
+    finally:
+        d.shutdown()
+
+
+def test_a_detached_turn_cut_by_a_stop_is_returned_after_the_restart(tiny_llama, tmp_path):
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    run_turn(d, sid, "Hello")  # a turn before it: the record says where the transcript stood
+    first_token = threading.Event()
+    done = _detached_turn(d, sid, LONG, lambda ev: ev["type"] == "token" and first_token.set())
+    assert first_token.wait(120)
+    d.shutdown()  # the turn ends "shutdown": cut, so its record stays
+    assert done.is_set()
+    d2 = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        assert d2.get_session(sid)["messages"][-1]["finish_reason"] == "shutdown"
+        assert d2.cut_detached_turns() == [(sid, BODY, 2)]
+    finally:
+        d2.shutdown()
+
+
+def test_a_record_that_no_longer_matches_the_transcript_is_dropped(tiny_llama, tmp_path):
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    run_turn(d, sid, "Hello")  # ended normally: a record for it would take this turn back
+    d.journal.set_detached(sid, BODY, 0)
+    d.shutdown()
+    d2 = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        assert d2.cut_detached_turns() == [] and d2.journal.detached() == []
+        assert len(d2.get_session(sid)["messages"]) == 2
+    finally:
+        d2.shutdown()
