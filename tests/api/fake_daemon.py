@@ -92,6 +92,7 @@ class FakeDaemon:
         self._subscribers: set[asyncio.Queue] = set()
         self.shut_down = False
         self.stopping = False  # (stop_turns ran: turns end as "shutdown", none starts)
+        self.cut_detached: list[tuple[str, dict, int]] = []  # (session, request, transcript length) to run again
         self.responses: dict[str, tuple[str, dict]] = {}  # stored /v1/responses: id -> (session, body)
 
     # ---- life cycle ------------------------------------------------------------------------------
@@ -173,9 +174,15 @@ class FakeDaemon:
     def response_end(self, rid: str) -> int | None:
         return None
 
+    def cut_detached_turns(self) -> list:
+        return list(self.cut_detached)
+
+    def forget_detached_turn(self, sid: str) -> None:
+        self.calls.append(("forget_detached_turn", {"session_id": sid}))
+
     # ---- turns -----------------------------------------------------------------------------------
     def start_turn(self, *, session_id, messages=None, prompt=None, params, sla=None, echo=False, emit,
-                   answer=None, continues=None):
+                   answer=None, continues=None, detached=None):
         self.calls.append(("start_turn", {"session_id": session_id, "messages": messages, "prompt": prompt,
                                           "params": params, "sla": sla, "echo": echo, "answer": answer}))
         if self.stopping:

@@ -9,6 +9,7 @@ field or ``X-Weave-Session`` header names) and ``POST /v1/sessions/{id}/turns``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -24,13 +25,16 @@ from weaved.api.logprobs import chat_entry
 from weaved.api.models import ChatRequest
 from weaved.api.params import chat_params, check_model, check_vocab
 from weaved.api.sse import DONE, frame, sse_response, stream_chunk
-from weaved.api.state import state_of
+from weaved.api.state import ApiState, state_of
 from weaved.api.turn import Turn, TurnSpec, resolve, start_turn
 from weaved.errors import InvalidRequest
+from weaved.routing.types import SLA
 
 
-async def answer_chat(request: Request, req: ChatRequest, session_id: str | None) -> Response:
-    state = state_of(request)
+def chat_spec(state: ApiState, req: ChatRequest, session_id: str | None, sla: SLA | None,
+              continues: int | None = None) -> TurnSpec:
+    """The turn ``req`` asks for (a detached one journals ``req`` itself, to run again if a stop cuts
+    it); InvalidRequest for what no turn can answer."""
     check_model(state, req.model)
     params = chat_params(req)
     check_vocab(state.daemon.tokenizer, params)
@@ -41,11 +45,19 @@ async def answer_chat(request: Request, req: ChatRequest, session_id: str | None
                              "transcript", param="detach")
     if req.detach and req.n > 1:
         raise InvalidRequest("detach answers one choice into the session's transcript; n must be 1", param="n")
-    info, sla = await resolve(state, session_id, req.sla, request.headers)
     messages = [m.to_dict() for m in req.messages]
     if session_id is None:  # (a session's turn: the daemon checks against its last answer's calls)
         check_tool_results(messages, set())
-    spec = TurnSpec(session_id, params, sla, messages=messages, answer=answer)
+    detached = req.model_dump(mode="json", exclude_unset=True) if req.detach else None
+    return TurnSpec(session_id, params, sla, messages=messages, answer=answer, continues=continues,
+                    detached=detached)
+
+
+async def answer_chat(request: Request, req: ChatRequest, session_id: str | None) -> Response:
+    state = state_of(request)
+    spec = chat_spec(state, req, session_id, None)  # a bad request is refused before the session is looked up
+    info, sla = await resolve(state, session_id, req.sla, request.headers)
+    spec = dataclasses.replace(spec, sla=sla)
     meta = _Meta(state.daemon.model_name, req.logprobs)
     usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.n > 1:

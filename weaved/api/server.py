@@ -24,6 +24,7 @@ import uvicorn
 
 from weaved.api.app import create_app
 from weaved.api.auth import BearerAuth
+from weaved.api.detached import resume_detached
 
 # An idle keep-alive connection is closed by the client first: httpx (and the openai SDK over it) lets
 # one go after 5 s, uvicorn's default is also 5 s, and when both fire together a client sends its next
@@ -162,6 +163,8 @@ class Server:
         try:
             self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             lock = _lock(self.socket_path)
+            # before any client can connect: a cut task's session is taken back and its turn started again
+            await resume_detached(self.app.state.weave, self.log)
             listeners.append((self._uvicorn(self.app), bind_unix(self.socket_path)))
             where = str(self.socket_path)
             if self.listen is not None:

@@ -42,6 +42,7 @@ class TurnSpec:
     echo: bool = False  # the prompt tokens' log-probabilities too
     answer: AnswerSpec | None = None  # chat: tools, response format, template arguments
     continues: int | None = None  # a stored response's transcript end the turn follows (Responses chains)
+    detached: dict | None = None  # a detached turn's request, journaled until the turn ends
 
 
 class TurnFailed(WeaveError):
@@ -209,7 +210,7 @@ async def start_turn(state: ApiState, spec: TurnSpec, session_info: dict | None 
     queue: asyncio.Queue = asyncio.Queue()
     start = partial(daemon.start_turn, session_id=session_id, messages=spec.messages, prompt=spec.prompt,
                     params=spec.params, sla=spec.sla, echo=spec.echo, answer=spec.answer, continues=spec.continues,
-                    emit=emitter(asyncio.get_running_loop(), queue))
+                    detached=spec.detached, emit=emitter(asyncio.get_running_loop(), queue))
     try:
         handle = await run_in_threadpool(start)
     except BaseException:

@@ -1,0 +1,36 @@
+"""Running cut detached turns again at start (``weaved.api.detached``), with the daemon double: each
+request goes through the same checks as a new one, and one the daemon refuses is given up, logged."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.api.fake_daemon import FakeDaemon
+from weaved.api.app import create_app
+from weaved.api.detached import resume_detached
+from weaved.routing.types import SLA, SLAClass
+
+TASK = {"messages": [{"role": "user", "content": "label the tickets"}], "max_tokens": 5, "detach": True}
+
+
+def test_cut_turns_start_again_and_refused_ones_are_given_up():
+    fake = FakeDaemon(context_length=4096)
+    good = fake.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    bad = fake.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    fake.cut_detached = [(good, TASK, 0), (bad, {**TASK, "temperature": 9}, 2), ("s-gone", TASK, 0)]
+    state = create_app(fake).state.weave
+    lines: list[str] = []
+
+    async def run() -> int:
+        started = await resume_detached(state, lines.append)
+        await asyncio.sleep(0.2)  # the started turn's events drain in the background
+        return started
+
+    assert asyncio.run(run()) == 1
+    starts = [kw for name, kw in fake.calls if name == "start_turn"]
+    assert [kw["session_id"] for kw in starts] == [good]
+    assert starts[0]["messages"] == TASK["messages"] and starts[0]["params"].max_tokens == 5
+    forgotten = [kw["session_id"] for name, kw in fake.calls if name == "forget_detached_turn"]
+    assert forgotten == [bad, "s-gone"]
+    assert any(f"session {bad}: its detached turn" in line and "temperature" in line for line in lines)
+    assert lines[-1] == "1 detached turn(s) cut by the last stop run again"
