@@ -202,6 +202,7 @@ def submit(
     """Submit a task as a new session with SLA tags; prints its id and placement at once.
 
     Without --wait the task runs on in the daemon: follow it with `weave ps`, read it with `weave show ID`.
+    A stop or a crash of the daemon does not lose it: it runs again when the daemon next starts.
     """
     text = read_task(task, file)
     if not text.strip():
