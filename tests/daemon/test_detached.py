@@ -65,3 +65,17 @@ def test_a_record_that_no_longer_matches_the_transcript_is_dropped(tiny_llama, t
         assert len(d2.get_session(sid)["messages"]) == 2
     finally:
         d2.shutdown()
+
+
+def test_a_session_taken_back_before_its_turn_ran_again_still_runs_it(tiny_llama, tmp_path):
+    """A crash after the rewind and before the turn started again: the record still holds."""
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    run_turn(d, sid, "Hello")
+    d.journal.set_detached(sid, BODY, 2)  # where the transcript stands: before the turn
+    d.shutdown()
+    d2 = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        assert d2.cut_detached_turns() == [(sid, BODY, 2)]
+    finally:
+        d2.shutdown()

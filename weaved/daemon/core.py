@@ -202,8 +202,9 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
                 if s is None:
                     continue
                 last = s.messages[-1] if s.messages else {}
-                if (len(s.messages) == n + len(body.get("messages") or ()) + 1 and last.get("role") == "assistant"
-                        and last.get("finish_reason") in ("shutdown", "interrupted")):
+                cut = (len(s.messages) == n + len(body.get("messages") or ()) + 1 and last.get("role") == "assistant"
+                       and last.get("finish_reason") in ("shutdown", "interrupted"))
+                if cut or len(s.messages) == n:  # (n: taken back to before the turn, not yet run again)
                     out.append((sid, body, n))
                 else:
                     self.log(f"session {sid}: a detached turn's record no longer matches its transcript; dropped")
