@@ -149,6 +149,9 @@ def register(app: typer.Typer) -> None:
             raise _fail(str(e)) from None
         for note in prof.notes:
             _say(note)
+        if federation is None and prof.federation.token:
+            _say("note: the profile's [federation] table sets a token, but neither a port nor peers: the "
+                 "control plane is not served (set its port, or pass --federation-port)")
         template = None
         if chat_template is not None:
             from weaved.model.chat_template import ChatTemplate

@@ -76,3 +76,14 @@ def test_weave_serve_refuses_a_control_plane_without_a_token(tmp_path):
     r = CliRunner().invoke(app, ["serve", "--socket", str(tmp_path / "w.sock"), "--profile", str(path),
                                  "--federation-port", "0"], env={"WEAVE_API_KEY": None})
     assert r.exit_code == 1 and "no federation token" in r.output  # before any model loads
+
+
+def test_weave_serve_notes_a_token_that_serves_nothing(tmp_path):
+    from typer.testing import CliRunner
+    from weaved.cli.app import app
+
+    path = write(tmp_path, MINIMAL + '[federation]\ntoken = "tok"\n')
+    r = CliRunner().invoke(app, ["serve", "--socket", str(tmp_path / "w.sock"), "--profile", str(path),
+                                 "--model", str(tmp_path / "missing.gguf")], env={"WEAVE_API_KEY": None})
+    assert "sets a token, but neither a port nor peers" in r.output  # said before the model is looked at
+    assert r.exit_code == 2 and "model file not found" in r.output
