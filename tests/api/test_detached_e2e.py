@@ -30,7 +30,8 @@ def _wait(client, sid: str, done) -> dict:
 
 @pytest.mark.parametrize("stop", ["sigterm", "kill -9"])
 def test_a_detached_turn_cut_by_a_stop_runs_again_after_the_restart(tmp_path, smollm2_q4_0, stop):
-    body = {"messages": TASK, "max_tokens": ANSWER, "temperature": 0, "detach": True}
+    body = {"messages": TASK, "max_tokens": ANSWER, "temperature": 0, "detach": True,
+            "sla": {"class": "background", "ttlt_s": 600}}
     with weave_serve(tmp_path, "--model", str(smollm2_q4_0)) as proc:
         with uds_client(proc.socket) as c:
             sid = c.post("/v1/sessions", json={"sla": {"class": "background"}}).json()["id"]

@@ -34,3 +34,21 @@ def test_cut_turns_start_again_and_refused_ones_are_given_up():
     assert forgotten == [bad, "s-gone"]
     assert any(f"session {bad}: its detached turn" in line and "temperature" in line for line in lines)
     assert lines[-1] == "1 detached turn(s) cut by the last stop run again"
+
+
+def test_a_journaled_request_reads_back_as_the_same_request():
+    """What a detached turn journals validates again into the request it was (aliased fields too:
+    ``sla.class``, ``json_schema.schema``)."""
+    from weaved.api.chat import chat_spec
+    from weaved.api.models import ChatRequest
+
+    fake = FakeDaemon(context_length=4096)
+    sid = fake.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    body = {**TASK, "sla": {"class": "batch", "ttlt_s": 600},
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "labels", "schema": {"type": "object"}}},
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    req = ChatRequest.model_validate(body)
+    spec = chat_spec(create_app(fake).state.weave, req, sid, None)
+    assert ChatRequest.model_validate(spec.detached) == req
+    assert spec.detached["sla"] == {"class": "batch", "ttlt_s": 600.0}

@@ -48,7 +48,7 @@ def chat_spec(state: ApiState, req: ChatRequest, session_id: str | None, sla: SL
     messages = [m.to_dict() for m in req.messages]
     if session_id is None:  # (a session's turn: the daemon checks against its last answer's calls)
         check_tool_results(messages, set())
-    detached = req.model_dump(mode="json", exclude_unset=True) if req.detach else None
+    detached = req.model_dump(mode="json", exclude_unset=True, by_alias=True) if req.detach else None
     return TurnSpec(session_id, params, sla, messages=messages, answer=answer, continues=continues,
                     detached=detached)
 
