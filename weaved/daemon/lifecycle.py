@@ -36,6 +36,8 @@ def aligned(positions: int) -> int:
 
 
 class DaemonLifecycle:
+    """``load`` once, then ``stop_turns`` and ``shutdown`` (in that order, or ``shutdown`` alone)."""
+
     def load(self, progress: Callable[[str], None] | None = None, *, config: ModelConfig | None = None,
              make_backend: Callable[[PoolConfig], Backend] | None = None, drive: bool = True) -> None:
         """Open the model, the KV store and the journal, build the pools, recover the sessions and start.

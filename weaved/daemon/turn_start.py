@@ -3,7 +3,7 @@ names the template renders, the context), the router's admission and where the t
 prefix taken for a fresh session's prompt, the transcript and journal written, the sequence submitted.
 Also the wait for a session's previous turn to end and a turn's cancel.
 
-A mixin of ``weaved.daemon.core.Daemon``: every method runs under, or takes, the daemon's lock.
+A mixin of ``weaved.daemon.core.Daemon``: what a method changes, it changes under the daemon's lock.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ CANCEL_WAIT_S = 30.0  # how long a new turn waits for its session's cancelled tu
 
 
 class TurnStarts:
+    """Turns begin (and are cancelled) here; their events and ends are ``TurnEvents``'."""
+
     def start_turn(self, *, session_id: str | None, messages: list[dict] | None = None,
                    prompt: str | list[int] | None = None, params: SamplingParams, sla: SLA | None = None,
                    echo: bool = False, emit: Callable[[dict], None], answer: AnswerSpec | None = None,
