@@ -184,7 +184,8 @@ class FakeDaemon:
     def start_turn(self, *, session_id, messages=None, prompt=None, params, sla=None, echo=False, emit,
                    answer=None, continues=None, detached=None):
         self.calls.append(("start_turn", {"session_id": session_id, "messages": messages, "prompt": prompt,
-                                          "params": params, "sla": sla, "echo": echo, "answer": answer}))
+                                          "params": params, "sla": sla, "echo": echo, "answer": answer,
+                                          "detached": detached}))
         if self.stopping:
             raise Overloaded("shutting down")
         if (messages is None) == (prompt is None):

@@ -52,3 +52,16 @@ def test_a_journaled_request_reads_back_as_the_same_request():
     spec = chat_spec(create_app(fake).state.weave, req, sid, None)
     assert ChatRequest.model_validate(spec.detached) == req
     assert spec.detached["sla"] == {"class": "batch", "ttlt_s": 600.0}
+
+
+def test_sla_targets_given_as_headers_are_journaled_with_the_request(client, fake):
+    """A detached turn run again after a restart has no headers: the SLA tags it was given as headers
+    are journaled in its request, so the run again keeps its deadline."""
+    sid = fake.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    r = client.post("/v1/chat/completions", json={**TASK, "session": sid},
+                    headers={"X-Weave-TTLT-S": "900", "X-Weave-TTFT-Ms": "4000"})
+    assert r.status_code == 202, r.text
+    journaled = [kw["detached"] for name, kw in fake.calls if name == "start_turn"][0]
+    assert journaled["sla"] == {"class": "background", "ttft_ms": 4000.0, "ttlt_s": 900.0}
+    from weaved.api.models import ChatRequest
+    assert ChatRequest.model_validate(journaled).sla.ttlt_s == 900.0

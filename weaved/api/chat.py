@@ -53,11 +53,20 @@ def chat_spec(state: ApiState, req: ChatRequest, session_id: str | None, sla: SL
                     detached=detached)
 
 
+def journaled_sla(detached: dict | None, sla: SLA | None) -> dict | None:
+    """A detached request as it is journaled, its SLA tags the resolved ones: targets given as headers
+    (``X-Weave-TTLT-S``, ...) hold for the turn run again after a restart, which has no headers."""
+    if detached is None or sla is None:
+        return detached
+    tags = {k: v for k, v in sla.to_dict().items() if v is not None}
+    return {**detached, "sla": tags}
+
+
 async def answer_chat(request: Request, req: ChatRequest, session_id: str | None) -> Response:
     state = state_of(request)
     spec = chat_spec(state, req, session_id, None)  # a bad request is refused before the session is looked up
     info, sla = await resolve(state, session_id, req.sla, request.headers)
-    spec = dataclasses.replace(spec, sla=sla)
+    spec = dataclasses.replace(spec, sla=sla, detached=journaled_sla(spec.detached, sla))
     meta = _Meta(state.daemon.model_name, req.logprobs)
     usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.n > 1:
