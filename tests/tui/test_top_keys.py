@@ -334,6 +334,12 @@ def test_a_short_terminal_keeps_every_session_the_filter_and_the_newest_events_o
             table = app.sessions
             # the border, the header row and all four sessions fit inside the table's own height
             assert table.region.height >= 2 + 1 + 4 and table.region.bottom <= app.screen.region.bottom
+            # ... no horizontal scrollbar takes a row from them: left and right scroll the wide columns
+            assert table.scrollable_content_region.height >= 1 + 4
+            assert app.pools.scrollable_content_region.height == app.pools.virtual_size.height
+            table.focus()
+            await pilot.press("right", "right")
+            assert table.scroll_x > 0
             await until(pilot, lambda: len(app.events.entries) >= 4, what="the events")
             for k in range(6):
                 fake.publish("migration", session=BATCH, pool=f"p{k}")
