@@ -171,3 +171,28 @@ def test_masks_cost_microseconds(tok, engine):
     c = engine.compile(answer_grammar(AnswerShape(GENERIC, TOOLS, ChoiceMode.AUTO), writer(tok, engine)))
     m = c.allowed()
     assert m.dtype == bool and m.shape == (tok.vocab_size,) and 0 < m.sum() < tok.vocab_size
+
+
+@pytest.mark.parametrize("schema, doc", [
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]}]},
+     {"a": 1, "b": "x"}),
+    ({"$defs": {"base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+      "allOf": [{"$ref": "#/$defs/base"}, {"properties": {"name": {"type": "string"}}, "required": ["name"]}]},
+     {"id": 1, "name": "x"}),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, {"a": 1, "b": 2}),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "anyOf": [{"properties": {"b": {"type": "integer"}}, "required": ["b"]}]}, {"a": 1, "b": 2}),
+], ids=["allOf", "allOf-ref", "required-undeclared", "beside-anyOf"])
+def test_closing_objects_never_refuses_what_the_schema_allows(tok, engine, schema, doc):
+    """Objects whose other keys come from elsewhere (an allOf branch, a reference, an applicator beside
+    them, a required key they do not declare) stay open: the schema compiles and a document valid under
+    it is written token by token through the mask."""
+    jsonschema.validate(doc, schema)
+    lark = answer_grammar(AnswerShape(GENERIC, schema=schema), writer(tok, engine))
+    c = engine.compile(lark)
+    toks = tok.encode(json.dumps(doc), add_bos=False)
+    assert c.valid_prefix(toks) == len(toks)
+    # nested objects of their own are still closed
+    nested = {"type": "object", "properties": {"x": schema, "o": {"type": "object", "properties": {"k": {}}}}}
+    assert closed(nested)["properties"]["o"]["additionalProperties"] is False

@@ -42,25 +42,66 @@ class AnswerShape:
         return self.schema is not None or bool(self.tools)
 
 
+# Applicators beside ``properties`` that may allow more keys: an object schema with one of them is not
+# closed (``additionalProperties`` sees only its own ``properties``, so closing it would refuse the keys
+# a branch or a reference adds).
+OPEN_APPLICATORS = ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas")
+
+
 def closed(schema):
     """``schema`` with ``additionalProperties: false`` on every object schema that declares properties
     and says nothing about others (as xgrammar's strict mode does): the output holds the declared
     properties only - still valid under the original schema - and a small model cannot wander off
-    into inventing keys.  A schema that allows others says so, and keeps that."""
+    into inventing keys.  A schema that allows others says so, and keeps that.  Left open, since
+    closing would refuse what the schema allows: an ``allOf`` branch (and a definition one refers to)
+    and an ``anyOf``/``oneOf`` branch beside an object's own keys, which the other keys must pass; an
+    object beside an applicator (``OPEN_APPLICATORS``); one that requires a key it does not declare."""
+    return _close(schema, _all_of_refs(schema), False)
+
+
+def _all_of_refs(schema) -> set[str]:
+    """The local references (``#/$defs/x``) that some ``allOf`` branch names."""
+    found: set[str] = set()
+
+    def walk(x) -> None:
+        if isinstance(x, list):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for branch in x.get("allOf") or []:
+                if isinstance(branch, dict) and isinstance(branch.get("$ref"), str):
+                    found.add(branch["$ref"])
+            for y in x.values():
+                walk(y)
+
+    walk(schema)
+    return found
+
+
+def _close(schema, keep_open: set[str], branch: bool, path: str = "#"):
     if isinstance(schema, list):
-        return [closed(x) for x in schema]
+        return [_close(x, keep_open, False, path) for x in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for k, v in schema.items():
         if k in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"):
-            out[k] = {name: closed(x) for name, x in v.items()} if isinstance(v, dict) else v
-        elif k in ("items", "additionalItems", "contains", "not", "if", "then", "else", "anyOf", "oneOf", "allOf",
+            out[k] = ({name: _close(x, keep_open, f"{path}/{k}/{name}" in keep_open, f"{path}/{k}/{name}")
+                       for name, x in v.items()} if isinstance(v, dict) else v)
+        elif k in ("allOf", "anyOf", "oneOf") and isinstance(v, list):
+            # an allOf branch, or a union's beside keys of the object's own, meets the other keys
+            beside = k == "allOf" or "properties" in schema or "required" in schema
+            out[k] = [_close(x, keep_open, beside, path) for x in v]
+        elif k in ("items", "additionalItems", "contains", "not", "if", "then", "else",
                    "prefixItems", "additionalProperties"):
-            out[k] = closed(v)
+            out[k] = _close(v, keep_open, False, path)
         else:
             out[k] = v
-    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+    props = out.get("properties")
+    required = out.get("required") if isinstance(out.get("required"), list) else []
+    if (isinstance(props, dict) and not branch and "additionalProperties" not in out
+            and "patternProperties" not in out and not any(a in out for a in OPEN_APPLICATORS)
+            and all(r in props for r in required)):
         out["additionalProperties"] = False
     return out
 
