@@ -74,3 +74,22 @@ def test_the_generic_format_speaks_any_template():
     assert msgs[3] == {"role": "user", "content": "Result of f (call c1):\n42"}
     gemma = ChatTemplate((TEMPLATES / "gemma3.jinja").read_text(), bos_token="<bos>")
     assert "Result of f" in gemma.render(msgs)  # a template that knows only user and model turns
+
+
+def test_parallel_calls_results_are_one_user_turn_for_templates_that_alternate():
+    """Gemma 3's template raises on two user turns in a row: the results of one answer's calls (and
+    words the user adds after them) are one turn."""
+    msgs = generic_messages([
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "function": {"name": "w", "arguments": {"city": "Paris"}}},
+            {"id": "c2", "function": {"name": "w", "arguments": {"city": "Rome"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+        {"role": "tool", "tool_call_id": "c2", "content": "22C"},
+        {"role": "user", "content": "Which is warmer?"}], (Tool("w"),))
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
+    assert msgs[3]["content"] == ("Result of w (call c1):\n18C\n\nResult of w (call c2):\n22C\n\n"
+                                  "Which is warmer?")
+    gemma = ChatTemplate((TEMPLATES / "gemma3.jinja").read_text(), bos_token="<bos>")
+    text = gemma.render(msgs)
+    assert text.count("<start_of_turn>user") == 2 and "22C" in text

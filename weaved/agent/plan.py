@@ -122,7 +122,8 @@ def template_message(m: dict) -> dict:
 
 def generic_messages(msgs: list[dict], tools: tuple[Tool, ...]) -> list[dict]:
     """The conversation for a template with no tool branch: the tools and the answer's envelope in the
-    system turn, past calls as the envelope the model writes, tool results as user turns."""
+    system turn, past calls as the envelope the model writes, tool results as user turns (the results
+    of one answer's calls in one turn: templates such as Gemma 3's refuse two user turns in a row)."""
     names: dict[str, str] = {}
     out = []
     for m in msgs:
@@ -135,9 +136,16 @@ def generic_messages(msgs: list[dict], tools: tuple[Tool, ...]) -> list[dict]:
         elif m["role"] == "tool":
             cid = m.get("tool_call_id") or ""
             name = m.get("name") or names.get(cid, "the tool")
-            out.append({"role": "user", "content": f"Result of {name} (call {cid}):\n{m['content']}"})
+            result = f"Result of {name} (call {cid}):\n{m['content']}"
+            if out and out[-1].get("results"):  # parallel calls' results: one user turn, as templates
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + result}  # alternate roles
+            else:
+                out.append({"role": "user", "content": result, "results": True})
+        elif m["role"] == "user" and out and out[-1].get("results"):  # a user's words after the results
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + (m["content"] or "")}
         else:
             out.append({"role": m["role"], "content": m["content"]})
+    out = [{"role": m["role"], "content": m["content"]} for m in out]
     system = generic_system_text(tools)
     if out and out[0]["role"] == "system":
         out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
