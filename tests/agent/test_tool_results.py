@@ -65,6 +65,8 @@ def test_a_transcripts_view_shows_an_answer_parsed_and_keeps_its_raw_text_for_th
     entry = transcript_entry("assistant", raw, "stop", {"content": None, "tool_calls": [CALL]})
     assert entry["content"] == raw  # what the next turn's template renders: the KV's tokens
     assert transcript_view(entry) == {"role": "assistant", "content": None, "tool_calls": [CALL],
-                                      "finish_reason": "stop"}
+                                      "finish_reason": "tool_calls"}  # as the API returned it
+    cut = transcript_entry("assistant", raw[:20], "length", {"content": None, "tool_calls": [CALL]})
+    assert transcript_view(cut)["finish_reason"] == "length"
     plain = transcript_entry("assistant", "hello", "length", {})
     assert transcript_view(plain) == {"role": "assistant", "content": "hello", "finish_reason": "length"}

@@ -70,9 +70,12 @@ def transcript_entry(role: str, content: str, finish_reason: str | None = None, 
 
 def transcript_view(entry: dict) -> dict:
     """A transcript message as the API shows it: an answer's parsed form (OpenAI's assistant message,
-    calls with their ids) in place of its raw text."""
+    calls with their ids) in place of its raw text, and its finish reason as the API gave it
+    (``tool_calls`` for calls that ended the answer)."""
     view = {k: v for k, v in entry.items() if k != "answer"}
     answer = entry.get("answer")
     if answer:
         view = {"role": entry["role"], **answer, **{k: v for k, v in view.items() if k not in ("role", "content")}}
+        if answer.get("tool_calls") and view.get("finish_reason") == "stop":
+            view["finish_reason"] = "tool_calls"  # as the API returned it (an answer that ended by itself)
     return view
