@@ -111,3 +111,20 @@ def test_text_that_breaks_the_call_syntax_is_still_content():
     text = '[TOOL_CALLS] is what I would write'
     ans, deltas = parse(MISTRAL, text, 2)
     assert ans.calls == [] and ans.content == text == assembled(deltas)[0]
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_reasoning_tokens_are_the_tokens_of_the_reasoning_block(opened):
+    """OpenAI's ``reasoning_tokens``: the tokens from the block's opening marker (or the answer's start,
+    when the prompt opened it) to its closing one, both counted; none of the content's."""
+    tokens = ([] if opened else ["<think>"]) + ["Seven", " is", " prime", ".", "</think>", "\n\n", "Yes", "."]
+    p = AnswerParser(thinking=not opened, in_reasoning=opened)
+    for t in tokens:
+        p.push_token(t)
+    p.finish()
+    assert p.answer.reasoning.strip() == "Seven is prime." and p.answer.content == "Yes."
+    assert p.reasoning_tokens == (5 if opened else 6)
+    plain = AnswerParser(thinking=True)
+    for t in ("Yes", "."):
+        plain.push_token(t)
+    assert plain.reasoning_tokens == 0

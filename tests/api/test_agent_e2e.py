@@ -186,7 +186,7 @@ def test_a_sessions_transcript_keeps_its_calls_with_the_ids_the_api_gave(request
         calls = r["choices"][0]["message"]["tool_calls"]
         kept = c.get(f"/v1/sessions/{sid}").json()["messages"][-1]
         assert kept["role"] == "assistant" and kept["tool_calls"] == calls
-        assert not kept["content"] and kept["finish_reason"] == "stop"
+        assert not kept["content"] and kept["finish_reason"] == r["choices"][0]["finish_reason"] == "tool_calls"
         wrong = {"role": "tool", "tool_call_id": "call_not_made", "content": "18C"}
         refused = c.post(f"/v1/sessions/{sid}/turns", json={**turn, "messages": [wrong], "tool_choice": "auto"})
         assert refused.status_code == 400 and "call_not_made" in refused.json()["error"]["message"]
@@ -231,6 +231,8 @@ def test_reasoning_is_returned_apart_and_a_rewritten_history_is_reprefilled(thin
             "temperature": 0}).json()
         msg = first["choices"][0]["message"]
         assert msg["reasoning_content"] and "<think>" not in (msg["content"] or "")
+        reasoning_tokens = first["usage"]["completion_tokens_details"]["reasoning_tokens"]
+        assert 0 < reasoning_tokens <= first["usage"]["completion_tokens"]
         assert "reprefilled_tokens" not in first["weave"]
         second = http.post(f"/v1/sessions/{sid}/turns", json={
             "messages": [{"role": "user", "content": "And 9?"}], "max_tokens": 8, "temperature": 0}).json()
@@ -238,6 +240,10 @@ def test_reasoning_is_returned_apart_and_a_rewritten_history_is_reprefilled(thin
         assert second["weave"]["reprefilled_tokens"] > 0
         metrics = http.get("/metrics").text
         assert 'weave_tokens_total{kind="reprefilled",sla_class="interactive"}' in metrics
+        resp = http.post("/v1/responses", json={"input": "Is 7 a prime number?", "max_output_tokens": 24,
+                                                "temperature": 0, "store": False}).json()
+        assert [i["type"] for i in resp["output"]][0] == "reasoning"
+        assert 0 < resp["usage"]["output_tokens_details"]["reasoning_tokens"] <= resp["usage"]["output_tokens"]
     chunks = list(sdk.chat.completions.create(model="default", messages=ASK, max_tokens=12, temperature=0,
                                               stream=True))
     reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)

@@ -45,8 +45,18 @@ class AnswerParser:
         self._depth = 0
         self._in_str = self._esc = False
         self._resp = _JsonString()
+        self.reasoning_tokens = 0  # tokens given by push_token inside the reasoning block (its markers too)
 
     # ---- public ----------------------------------------------------------------------------------
+    def push_token(self, text: str) -> list[dict]:
+        """``push`` one generated token's text, counting it in ``reasoning_tokens`` when it is part of
+        the reasoning block (OpenAI's ``reasoning_tokens``)."""
+        before = self._state == "reasoning"
+        out = self.push(text)
+        if before or self._state == "reasoning":
+            self.reasoning_tokens += 1
+        return out
+
     def push(self, text: str) -> list[dict]:
         self._buf += text
         out: list[dict] = []

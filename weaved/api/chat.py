@@ -117,8 +117,11 @@ def finish_reason(turn: Turn, ans: Answer) -> str | None:
 
 def _choice(turn: Turn, index: int, meta: _Meta, events: list[dict], tokenizer) -> dict:
     parser = _parser(turn)
-    parser.push("".join(ev["text"] for ev in events if ev["type"] == "token"))
+    for ev in events:
+        if ev["type"] == "token":
+            parser.push_token(ev["text"])
     parser.finish()
+    turn.reasoning_tokens = parser.reasoning_tokens
     ans = parser.answer
     logprobs = None
     if meta.logprobs:
@@ -157,7 +160,8 @@ async def _stream(request: Request, turns: list[Turn], meta: _Meta, usage: bool)
                 if meta.logprobs and "logprob" in ev:
                     lp = {"content": [chat_entry(tokenizer, ev["token"], ev["logprob"],
                                                  ev.get("top_logprobs", ()))]}
-                deltas = parser.push(ev["text"]) if ev["text"] else []
+                deltas = parser.push_token(ev["text"])
+                t.reasoning_tokens = parser.reasoning_tokens
                 if not deltas and lp is not None:
                     deltas = [{}]
                 for j, delta in enumerate(deltas):

@@ -129,4 +129,5 @@ def total_usage(turns: list[Turn]) -> dict:
     """OpenAI's usage of n choices: the prompt counted once, the completions summed."""
     first = turns[0].usage
     completion = sum(t.usage["completion_tokens"] for t in turns)
-    return {**first, "completion_tokens": completion, "total_tokens": first["prompt_tokens"] + completion}
+    return {**first, "completion_tokens": completion, "total_tokens": first["prompt_tokens"] + completion,
+            "completion_tokens_details": {"reasoning_tokens": sum(t.reasoning_tokens for t in turns)}}

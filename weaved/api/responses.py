@@ -107,8 +107,10 @@ async def create_response(request: Request) -> Response:
         return sse_response(_stream(request, reply))
     events = await turn.collect(request)
     parser = reply.parser
-    for delta in parser.push("".join(ev["text"] for ev in events if ev["type"] == "token")):
-        reply.items.feed(delta)
+    for ev in events:
+        if ev["type"] == "token":
+            for delta in parser.push_token(ev["text"]):
+                reply.items.feed(delta)
     for delta in parser.finish():
         reply.items.feed(delta)
     reply.items.ensure_any()
@@ -174,7 +176,7 @@ class _Reply:
         obj["usage"] = {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                         "total_tokens": u["total_tokens"],
                         "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
-                        "output_tokens_details": {"reasoning_tokens": 0}}
+                        "output_tokens_details": {"reasoning_tokens": self.parser.reasoning_tokens}}
         return obj
 
     async def store(self, obj: dict) -> None:
@@ -199,7 +201,7 @@ async def _stream(request: Request, reply: _Reply) -> AsyncIterator[bytes]:
         yield ev({"type": "response.in_progress", "response": reply.obj("in_progress")})
         async for e in turn.events():
             if e["type"] == "token" and e["text"]:
-                for delta in reply.parser.push(e["text"]):
+                for delta in reply.parser.push_token(e["text"]):
                     for out in reply.items.feed(delta):
                         yield ev(out)
         if turn.error is None:

@@ -62,6 +62,7 @@ class Turn:
         self.error: dict | None = None
         self.completion_tokens = 0
         self._usage: dict | None = None
+        self.reasoning_tokens = 0  # of the answer, as its parser counted them (usage's reasoning_tokens)
         self._last_token_at: float | None = None
         self._watcher: asyncio.Task | None = None
 
