@@ -30,7 +30,8 @@ class Metrics:
         self.requests = Counter("weave_requests", "HTTP requests by route and status code",
                                 ["route", "status"], registry=r)
         self.tokens = Counter("weave_tokens", "Tokens by kind (prompt, cached, completion, reprefilled: "
-                              "context fed again because the chat template rewrote it) and SLA class",
+                              "held context the chat template rewrote, dropped; its new rendering "
+                              "is computed as prompt) and SLA class",
                               ["kind", "sla_class"], registry=r)
         self.turns = Counter("weave_turns", "Finished turns by SLA class and finish reason",
                              ["sla_class", "finish_reason"], registry=r)
