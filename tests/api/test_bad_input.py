@@ -175,6 +175,13 @@ def test_context_limits(client, fake: FakeDaemon, bystander):
     assert err["code"] == "context_length_exceeded"
     err = assert_error(client.post(CHAT, json={"messages": USER, "max_tokens": 5000}), 400, "max_tokens")
     assert err["code"] == "context_length_exceeded"
+    # the error names the field the request gave the limit by
+    err = assert_error(client.post(CHAT, json={"messages": USER, "max_completion_tokens": 5000}), 400,
+                       "max_completion_tokens")
+    assert err["code"] == "context_length_exceeded" and err["message"].startswith("max_completion_tokens 5000")
+    err = assert_error(client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 5000}), 400,
+                       "max_output_tokens")
+    assert err["message"].startswith("max_output_tokens 5000")
     assert all(not s.ephemeral for s in fake.sessions.values())  # refused turns leave no session behind
 
 

@@ -119,3 +119,23 @@ def test_a_fork_keeps_its_parent_and_its_answers_finish_reasons_and_calls_across
         assert d.get_session(d.create_session(BG)["id"])["forked_from"] is None
     finally:
         d.shutdown()
+
+
+@pytest.mark.parametrize("ephemeral, where", [(False, "the session's context"), (True, "this request's context")])
+def test_a_prompt_that_fills_the_context_says_no_room_is_left(ephemeral, where):
+    """A prompt of exactly the context's size leaves nothing for the answer: the error says so (not that it
+    needs what the context holds), and speaks of a stateless request's context as its own."""
+    from types import SimpleNamespace
+
+    from weaved.daemon.turns import check_fits
+    from weaved.errors import ContextTooLong
+
+    s = SimpleNamespace(kv=SimpleNamespace(capacity=128), max_context=100, ephemeral=ephemeral)
+    with pytest.raises(ContextTooLong, match=f"the prompt's 100 tokens fill {where} of 100 tokens: no room"):
+        check_fits(s, 40, [1] * 60, 1)
+    with pytest.raises(ContextTooLong, match=f"the prompt needs 101 tokens of context but {where} holds 100"):
+        check_fits(s, 40, [1] * 61, 1)
+    with pytest.raises(ContextTooLong, match=f"max_tokens 2 with a 99-token prompt exceeds {where} of 100") as e:
+        check_fits(s, 40, [1] * 59, 2)
+    assert e.value.param == "max_tokens"
+    check_fits(s, 40, [1] * 59, 1)

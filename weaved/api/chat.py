@@ -49,8 +49,9 @@ def chat_spec(state: ApiState, req: ChatRequest, session_id: str | None, sla: SL
     if session_id is None:  # (a session's turn: the daemon checks against its last answer's calls)
         check_tool_results(messages, set())
     detached = req.model_dump(mode="json", exclude_unset=True, by_alias=True) if req.detach else None
+    limit = "max_completion_tokens" if req.max_tokens is None and req.max_completion_tokens else "max_tokens"
     return TurnSpec(session_id, params, sla, messages=messages, answer=answer, continues=continues,
-                    detached=detached)
+                    detached=detached, limit_field=limit)
 
 
 def journaled_sla(detached: dict | None, sla: SLA | None) -> dict | None:

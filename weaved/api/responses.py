@@ -96,7 +96,7 @@ async def create_response(request: Request) -> Response:
                 messages = [{"role": "system", "content": req.instructions}, *messages]
     try:
         turn = await start_turn(state, TurnSpec(sid, params, sla, messages=messages, answer=answer,
-                                                   continues=continues), info)
+                                                   continues=continues, limit_field="max_output_tokens"), info)
     except BaseException:
         if created_session:
             with contextlib.suppress(NotFound):

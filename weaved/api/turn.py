@@ -26,7 +26,7 @@ from weaved.api.outbox import outbox
 from weaved.api.params import sla_from
 from weaved.api.state import ApiState
 from weaved.engine.sampling import SamplingParams
-from weaved.errors import NotFound, Overloaded, WeaveError
+from weaved.errors import ContextTooLong, NotFound, Overloaded, WeaveError
 from weaved.routing.types import SLA, SLAClass
 
 _draining: set[asyncio.Task] = set()
@@ -43,6 +43,7 @@ class TurnSpec:
     answer: AnswerSpec | None = None  # chat: tools, response format, template arguments
     continues: int | None = None  # a stored response's transcript end the turn follows (Responses chains)
     detached: dict | None = None  # a detached turn's request, journaled until the turn ends
+    limit_field: str = "max_tokens"  # the request's name for params.max_tokens (errors name it)
 
 
 class TurnFailed(WeaveError):
@@ -194,6 +195,14 @@ async def resolve(state: ApiState, session_id: str | None, sla_body: SLABody | N
     return info, sla_from(sla_body, headers, default)
 
 
+def named_limit(e: ContextTooLong, field: str) -> ContextTooLong:
+    """``e`` naming the request's own field for the answer's length (``max_completion_tokens``,
+    ``max_output_tokens``) where the daemon says ``max_tokens``."""
+    if e.param != "max_tokens" or field == "max_tokens":
+        return e
+    return ContextTooLong(e.message.replace("max_tokens", field, 1), param=field)
+
+
 async def start_turn(state: ApiState, spec: TurnSpec, session_info: dict | None = None) -> Turn:
     """Start ``spec`` on the daemon (WeaveError for a request it refuses; nothing changes then).
     ``session_info`` is the session's record from ``resolve`` when the turn belongs to a session."""
@@ -214,6 +223,11 @@ async def start_turn(state: ApiState, spec: TurnSpec, session_info: dict | None 
                     detached=spec.detached, emit=emitter(asyncio.get_running_loop(), queue))
     try:
         handle = await run_in_threadpool(start)
+    except ContextTooLong as e:
+        if spec.session_id is None:
+            with contextlib.suppress(NotFound):
+                await run_in_threadpool(daemon.delete_session, session_id)
+        raise named_limit(e, spec.limit_field) from None
     except BaseException:
         if spec.session_id is None:  # the refused turn's ephemeral session goes (if still there)
             with contextlib.suppress(NotFound):

@@ -149,12 +149,16 @@ def check_fits(s: Session, keep: int, new: list[int], max_tokens: int) -> None:
         raise InvalidRequest("the turn adds no tokens", param="messages")
     total = keep + len(new)
     cap = _context(s)
-    if total >= cap:
-        raise ContextTooLong(f"the prompt needs {total} tokens of context but the session holds {cap}")
+    where = "this request's context" if s.ephemeral else "the session's context"
+    if total > cap:
+        raise ContextTooLong(f"the prompt needs {total} tokens of context but {where} holds {cap}")
+    if total == cap:
+        raise ContextTooLong(f"the prompt's {total} tokens fill {where} of {cap} tokens: no room is left "
+                             f"for an answer")
     if total + max_tokens > cap:
         raise ContextTooLong(
-            f"max_tokens {max_tokens} with a {total}-token context exceeds the session's context of "
-            f"{cap} tokens", param="max_tokens")
+            f"max_tokens {max_tokens} with a {total}-token prompt exceeds {where} of {cap} tokens",
+            param="max_tokens")
 
 
 def turn_sequence(s: Session, new: list[int], params: SamplingParams, tok: Tokenizer, *, echo: bool, arrival: float,
