@@ -198,6 +198,19 @@ def test_a_sessions_transcript_keeps_its_calls_with_the_ids_the_api_gave(request
         c.delete(f"/v1/sessions/{sid}")
 
 
+def test_a_schema_that_cannot_be_enforced_is_named_beside_tools(generic):
+    """With tools offered too, a response_format schema the grammar engine cannot enforce is the
+    response_format's error, not the tools'; a tool's own bad schema stays the tools'."""
+    bad = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"not": {}}}}
+    with uds_client(generic.socket, timeout=120.0) as c:
+        r = c.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "response_format": bad,
+                                                 "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+        bad_tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]
+        r = c.post("/v1/chat/completions", json={"messages": ASK, "tools": bad_tool, "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
 def test_a_name_the_template_does_not_render_is_refused_not_dropped(generic):
     with uds_client(generic.socket, timeout=120.0) as c:
         named = [{"role": "user", "content": "Hi", "name": "alice"}]

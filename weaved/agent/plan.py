@@ -94,8 +94,15 @@ class AnswerPlan:
             return None
         if self._grammar is None:
             raise InvalidRequest("constrained output is not available on this daemon")
-        param = "response_format" if not self.offers_tools else "tools"
-        return self._grammar.compile(lark, param=param)
+        if not self.offers_tools:
+            return self._grammar.compile(lark, param="response_format")
+        try:
+            return self._grammar.compile(lark, param="tools")
+        except InvalidRequest:
+            if self.spec.schema is not None:  # which part cannot be enforced: the format's schema alone?
+                alone = AnswerShape(self.fmt, schema=self.spec.schema)
+                self._grammar.compile(answer_grammar(alone, LarkWriter(self._special_id)), param="response_format")
+            raise
 
     def parser(self, call_seed: str | None = None) -> AnswerParser:
         return AnswerParser(self.fmt if self.offers_tools else None, thinking=self.thinking,
