@@ -173,11 +173,14 @@ def test_sessions_recovered_past_a_lowered_kv_cap_are_noted(tiny_llama, tmp_path
 
 def test_a_session_created_empty_is_placed_again_by_its_first_turn(daemon):
     sid = daemon.create_session(SLA(SLAClass.BACKGROUND))["id"]
-    before = daemon.get_session(sid)["placement"]["reasons"]
+    first = daemon.get_session(sid)["placement"]
+    before = first["reasons"]
     assert any("short prompt (0 <" in r for r in before)
     events, h = run_turn(daemon, sid, "Tell me about the sea and the sky")
     after = daemon.get_session(sid)["placement"]
-    assert after["reasons"][0] == f"placed again at its first turn ({h.prompt_tokens} prompt tokens to compute)"
+    # the same pools and priority: it stays, and its reasons speak of the real prompt
+    assert after["reasons"][0] == f"its first turn ({h.prompt_tokens} prompt tokens to compute) keeps its placement"
+    assert {k: v for k, v in after.items() if k != "reasons"} == {k: v for k, v in first.items() if k != "reasons"}
     assert any(f"short prompt ({h.prompt_tokens} <" in r for r in after["reasons"])
     assert h.placement == after  # what the API reports for the turn
     assert daemon.journal.list(with_tokens=False)[-1].placement == after  # and what a restart finds

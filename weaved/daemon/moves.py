@@ -14,6 +14,7 @@ device copy at once, since that frees device memory and copies nothing (rows wer
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterable
 
@@ -131,13 +132,22 @@ class SessionMoves:
     def place_first_turn(self, s: Session, n_prompt: int) -> Placement | None:
         """A session placed before it had a prompt (created empty, so the router saw 0 tokens) is placed
         again when its first turn brings ``n_prompt`` tokens to compute (past a stored prefix); returns
-        the new placement, or None when it stays (the same answer, or a different decode strategy, whose
-        KV would live elsewhere).  Caller holds ``self.lock``."""
+        the new placement, or None when it stays (the same pools and priority - its reasons are brought up
+        to date -, or a different decode strategy, whose KV would live elsewhere).  Caller holds
+        ``self.lock``."""
         try:
             new = place(SessionRequest(s.sla, n_prompt, s.max_context), self.system_state(), self.routing)
         except RoutingError:  # e.g. no room now: the turn runs where the session is, as before
             return None
-        if new.decode_strategy != s.placement.decode_strategy or new == s.placement:
+        if new.decode_strategy != s.placement.decode_strategy:
+            return None
+        if dataclasses.replace(new, reasons=()) == dataclasses.replace(s.placement, reasons=()):
+            # the same pools and priority: it stays, and its reasons now say why with the real prompt (the
+            # old ones spoke of an empty one); the free KV in reasons changes by itself, so not compared
+            s.placement = dataclasses.replace(s.placement, reasons=(
+                f"its first turn ({n_prompt} prompt tokens to compute) keeps its placement", *new.reasons))
+            if not s.ephemeral:
+                self.journal.set_placement(s.id, s.placement.to_dict())
             return None
         new = Placement(new.prefill_strategy, new.decode_strategy, new.prefill_pool, new.decode_pool, new.priority,
                         (f"placed with its prompt ({n_prompt} tokens to compute)" if s.ephemeral else
