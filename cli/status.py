@@ -25,9 +25,12 @@ def kv_line(kv: dict) -> str:
     device = ""
     if kv.get("device_free_bytes") is not None:  # GPU pools' paged KV: in use (prefix blocks cached) and free
         device = f"{fmt.size(kv.get('device_bytes'))} on GPU pools ({fmt.size(kv['device_free_bytes'])} free), "
+    pre = kv.get("prefixes") or {}
+    prefixes = (f"; {pre['files']} shared prefix file(s): {fmt.size(pre.get('bytes'))} of their "
+                f"{fmt.size(pre.get('cap_bytes'))} cap" if pre.get("files") else "")
     return (f"{kv.get('sessions', 0)} session file(s): {fmt.size(kv.get('file_bytes'))} on disk, "
             f"{ram} in RAM, {device}{fmt.size(kv.get('reserved_bytes'))} reserved of a "
-            f"{fmt.size(kv.get('cap_bytes'))} cap")
+            f"{fmt.size(kv.get('cap_bytes'))} cap{prefixes}")
 
 
 def hardware_lines(hw: dict) -> list[str]:
@@ -74,14 +77,17 @@ def rates_line(r: dict) -> str:
 
 def status_text(st: dict) -> str:
     model = st.get("model") or {}
-    sessions = [s for s in st.get("sessions") or () if not s.get("ephemeral")]
+    every = st.get("sessions") or ()
+    sessions = [s for s in every if not s.get("ephemeral")]
     busy = sum(1 for s in sessions if s.get("state") not in ("idle", None))
+    stateless = sum(1 for s in every if s.get("ephemeral"))  # requests without a session, running
     lines = [
         f"model     {model.get('name', '?')} ({model.get('arch', '?')}, "
         f"{model.get('context_length', '?')}-token context)",
         f"profile   {st.get('profile', '?')}{_source(st)}, up {fmt.seconds(st.get('uptime_s'))}",
         *([f"data      {st['data_dir']} (durability {st.get('durability', '?')})"] if st.get("data_dir") else []),
-        f"sessions  {len(sessions)} ({busy} generating)",
+        f"sessions  {len(sessions)} ({busy} generating)"
+        + (f"; {stateless} request(s) without a session running" if stateless else ""),
         f"kv        {kv_line(st.get('kv') or {})}",
         *hardware_lines(st.get("hardware") or {}),
     ]

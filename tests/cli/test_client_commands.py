@@ -146,6 +146,19 @@ def test_status_shows_device_kv_and_moves():
     assert "moves     2 KV move(s) between backends, 5.0 MiB copied in 20ms (1 demotion, 1 promotion)" in text
 
 
+def test_status_counts_requests_without_a_session_and_shared_prefix_files():
+    """A plain OpenAI client's requests are stateless: they count as running, not as sessions; and the
+    shared prefixes' files, which hold disk too, are in the kv line."""
+    from weaved.cli.status import status_text
+
+    text = status_text({"sessions": [{"id": "s-1", "state": "idle"}, {"id": "tmp-1", "state": "running",
+                                                                        "ephemeral": True}],
+                        "kv": {"sessions": 1, "file_bytes": 2**20, "reserved_bytes": 2**20, "cap_bytes": 2**30,
+                               "prefixes": {"files": 42, "bytes": 3 * 2**30 // 2, "cap_bytes": 2**31}}})
+    assert "sessions  1 (0 generating); 1 request(s) without a session running\n" in text
+    assert "cap; 42 shared prefix file(s): 1.5 GiB of their 2.0 GiB cap\n" in text
+
+
 def test_status_shows_rings_and_groups():
     from weaved.cli.status import status_text
 
