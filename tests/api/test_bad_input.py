@@ -260,3 +260,15 @@ def test_bookkeeping_fields_with_their_openai_shape_are_accepted_and_empty_input
         assert r.json()["error"]["message"] == "input: must not be empty: a string, or a list of at least one item"
     r = client.post("/v1/responses", json={"input": "hi", "metadata": {"k": "v"}, "max_output_tokens": 4})
     assert r.status_code == 200 and r.json()["metadata"] == {"k": "v"}
+
+
+def test_a_busy_chain_is_a_conflict_on_previous_response_id(client, fake: FakeDaemon):
+    """A Responses client never named a session: the 409 for a chain already being continued speaks of
+    the response it continues."""
+    first = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4})
+    assert first.status_code == 200, first.text
+    rid = first.json()["id"]
+    fake.sessions[first.json()["weave"]["session"]].busy = True
+    err = assert_error(client.post("/v1/responses", json={"input": "more", "previous_response_id": rid,
+                                                           "max_output_tokens": 4}), 409, "previous_response_id")
+    assert rid in err["message"] and "session" not in err["message"]

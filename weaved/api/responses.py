@@ -97,10 +97,13 @@ async def create_response(request: Request) -> Response:
     try:
         turn = await start_turn(state, TurnSpec(sid, params, sla, messages=messages, answer=answer,
                                                    continues=continues, limit_field="max_output_tokens"), info)
-    except BaseException:
+    except BaseException as e:
         if created_session:
             with contextlib.suppress(NotFound):
                 await run_in_threadpool(daemon.delete_session, sid)
+        if isinstance(e, Conflict) and e.param == "session" and req.previous_response_id:
+            raise Conflict(f"response {req.previous_response_id} is already being continued by another request; "
+                           f"continue from the response that one makes", param="previous_response_id") from None
         raise
     reply = _Reply(req, turn, daemon.model_name, sid)
     if req.stream:
