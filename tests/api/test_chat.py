@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.api.fake_daemon import FakeDaemon
 
 USER = [{"role": "user", "content": "hi"}]
@@ -47,6 +49,13 @@ def test_sampling_fields_reach_the_daemon(client, fake: FakeDaemon):
     assert (params.min_p, params.repetition_penalty, params.seed, params.stop) == (0.05, 1.1, 7, ("x",))
     assert params.logprobs is None
     assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("seed, reaches", [(-1, None), (-2, 2**64 - 2), (0, 0)])
+def test_seed_minus_one_is_llama_cpps_no_seed(client, fake: FakeDaemon, seed, reaches):
+    r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "seed": seed})
+    assert r.status_code == 200, r.text
+    assert [c for name, c in fake.calls if name == "start_turn"][-1]["params"].seed == reaches
 
 
 def test_stop_string_ends_the_text(client):

@@ -59,7 +59,9 @@ def _sampling(req: Sampling, max_tokens: int, logprobs: int | None, *, fit_conte
     kw.update({k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
                                                  "ignore_eos", "frequency_penalty", "presence_penalty", "min_tokens")
                if getattr(req, k) is not None})
-    if req.seed is not None and req.seed < 0:  # a negative int64 as its two's complement: its own stream
+    if req.seed == -1:  # llama.cpp's "no seed" (LLAMA_DEFAULT_SEED): a fresh random one, as there
+        kw.pop("seed")
+    elif req.seed is not None and req.seed < 0:  # a negative int64 as its two's complement: its own stream
         kw["seed"] = req.seed % 2**64
     if req.logit_bias:
         kw["logit_bias"] = tuple((int(k), float(v)) for k, v in req.logit_bias.items())
