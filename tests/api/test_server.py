@@ -237,3 +237,20 @@ def test_idle_connections_outlive_the_clients_keep_alive(fake: FakeDaemon):
     client always closes first, so it never sends a request on a connection the server is closing."""
     server = Server(fake, Path("/nonexistent/weave.sock"))
     assert server._uvicorn(server.app).config.timeout_keep_alive > httpx.Limits().keepalive_expiry
+
+
+def test_a_turns_weave_field_gives_the_placement_it_has_now():
+    """A promotion moves a running turn: the finishing chunk's ``weave.placement`` is read then, not kept
+    from the turn's start."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from weaved.api.turn import Turn
+
+    now = {"priority": 0}
+    handle = SimpleNamespace(placement={"priority": 0}, placement_now=lambda: dict(now), reprefilled=0)
+    spec = SimpleNamespace(session_id="s-1")
+    turn = Turn(None, handle, asyncio.Queue(), spec, "batch", {"priority": 0}, 0.0)
+    assert turn.weave()["placement"] == {"priority": 0}
+    now["priority"] = 2
+    assert turn.weave() == {"session": "s-1", "placement": {"priority": 2}}

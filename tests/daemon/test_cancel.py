@@ -113,3 +113,20 @@ def test_a_turn_still_generating_is_not_interrupted_by_a_second(daemon):
                           emit=lambda ev: None)
     daemon.cancel_turn(sid)
     assert stream.done.wait(60)
+
+
+def test_a_turn_promoted_while_it_runs_reports_the_placement_it_ends_under(daemon):
+    """The API's finishing chunk reads the turn's placement as it is then: a promotion moves a running
+    turn at the next step, so its answer must not claim the class it started with."""
+    sid = daemon.create_session(SLA(SLAClass.BATCH))["id"]
+    stream = Stream(hold=True)
+    handle = daemon.start_turn(session_id=sid, messages=[{"role": "user", "content": "Count to a thousand"}],
+                               params=LONG, emit=stream)
+    assert stream.first.wait(60)
+    started = handle.placement
+    promoted = daemon.promote(sid)["placement"]
+    assert handle.placement_now() == promoted and promoted["priority"] > started["priority"]
+    assert handle.placement == started  # (the turn's start, as the first chunk said)
+    daemon.cancel_turn(sid)
+    stream.go.set()
+    assert stream.done.wait(60)

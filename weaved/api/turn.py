@@ -80,8 +80,12 @@ class Turn:
                 "prompt_tokens_details": {"cached_tokens": int(getattr(self.handle, "cached_tokens", 0))}}
 
     def weave(self) -> dict:
-        """The ``weave`` field of every response: the session and its placement (and the committed
-        tokens fed again because the chat template rewrote history, when it did)."""
+        """The ``weave`` field of every response: the session and its placement as it is now (a
+        promotion moves a running turn), and the committed tokens fed again because the chat template
+        rewrote history, when it did."""
+        now = getattr(self.handle, "placement_now", None)
+        if now is not None:  # a promotion or demotion while the turn runs: its finishing chunk says so
+            self.placement = now()
         out = {"session": self.session, "placement": self.placement}
         if getattr(self.handle, "reprefilled", 0):
             out["reprefilled_tokens"] = int(self.handle.reprefilled)

@@ -151,7 +151,8 @@ class TurnStarts:
             run_in = self.moves.prepare_turn(s, seq, len(new))
         handle = TurnHandle(s.id, n_prompt, keep, cancel=lambda sid=s.id: self.cancel_turn(sid),
                             placement=s.placement.to_dict(), answer=plan,
-                            reprefilled=reprefilled, call_seed=s.call_seed)
+                            reprefilled=reprefilled, call_seed=s.call_seed,
+                            placement_now=lambda sess=s: sess.placement.to_dict())
         self.engines[run_in].submit(seq)
         return handle
 

@@ -32,6 +32,7 @@ class TurnHandle:
     answer: AnswerPlan | None = None  # a chat turn's answer plan: the API parses the answer with it
     reprefilled: int = 0  # committed tokens the template rewrote, fed again this turn
     call_seed: str | None = None  # the answer's call ids derive from it (``AnswerPlan.parser``), as recorded
+    placement_now: Callable[[], dict] | None = None  # the session's placement now (a promotion moves a turn)
 
 
 def chat_turn_tokens(tok: Tokenizer, s: Session, new_messages: list[dict],
