@@ -21,7 +21,7 @@ def tool(cid: str) -> dict:
 
 @pytest.mark.parametrize("messages, earlier", [
     ([USER, CALLS, tool("call_a"), tool("call_b")], set()),
-    ([USER, CALLS, tool("call_b"), USER], set()),  # (not every call needs its result)
+    ([USER, CALLS, tool("call_b"), tool("call_a"), USER], set()),  # in any order
     ([tool("call_x"), USER], None),  # a session's turn: the results of its last answer's calls
     ([tool("call_x"), tool("call_y")], {"call_x", "call_y"}),  # a Responses chain's previous calls
 ])
@@ -33,7 +33,10 @@ def test_results_that_answer_a_call_pass(messages, earlier):
     ([USER, tool("call_x")], set(), "none comes before it"),
     ([tool("call_x"), USER], set(), "none comes before it"),  # a stateless request has no answer before it
     ([USER, CALLS, tool("call_c")], set(), "answers no call"),
-    ([USER, CALLS, USER, tool("call_a")], set(), "none comes before it"),  # a user message ended the calls
+    ([USER, CALLS, USER, tool("call_a")], set(), "no result for: call_a, call_b"),  # a user message ended them
+    ([USER, CALLS, tool("call_b"), USER], set(), "no result for: call_a"),  # every call needs its result
+    ([USER, CALLS, tool("call_b")], set(), "no result for: call_a"),  # before the answer asked for, too
+    ([USER], {"call_x"}, "no result for: call_x"),  # a session's last answer's calls
     ([tool("call_x"), USER, CALLS, tool("call_x")], None, "answers no call"),  # later ones are known
     ([tool("call_z")], {"call_x"}, "answers no call"),
 ])

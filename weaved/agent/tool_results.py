@@ -5,6 +5,7 @@ A ``tool`` message (a Responses ``function_call_output``) follows the assistant 
 those calls' ids.  Results at the very start of a request's messages answer the calls of the answer
 before it: a session's last answer (``answered_calls`` of its transcript; a Responses chain's
 previous ``function_call`` items), or none for a stateless request (``earlier`` None: unknown, accepted).
+Every call must have its result before the next message that is not one (or the request's end).
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ def answered_calls(transcript: list[dict]) -> set[str] | None:
 
 
 def check_tool_results(messages: list[dict], earlier: set[str] | None, *, param: str = "messages") -> None:
-    """Raise InvalidRequest (400) for a tool result that answers no call (see the module's doc)."""
+    """Raise InvalidRequest (400) for a tool result that answers no call, and for calls left without
+    their results when the conversation goes on (see the module's doc)."""
     calls: set[str] | None = earlier  # the ids the next tool message may answer; None: unknown
+    answered: set[str] = set()
     leading = True  # no message but tool results so far
     for m in messages:
         role = m.get("role")
@@ -46,6 +49,19 @@ def check_tool_results(messages: list[dict], earlier: set[str] | None, *, param:
             if cid not in calls:
                 raise InvalidRequest(f"the tool result for {cid!r} answers no call of the assistant message "
                                      f"before it (its calls: {', '.join(sorted(calls))})", param=param)
+            answered.add(cid)
             continue
+        _all_answered(calls, answered, param)
         leading = False
         calls = {c.get("id") for c in m.get("tool_calls") or ()} if role == "assistant" else set()
+        answered = set()
+    _all_answered(calls, answered, param)
+
+
+def _all_answered(calls: set[str] | None, answered: set[str], param: str) -> None:
+    """An assistant message's calls must each have their result before the conversation goes on (or
+    ends: the answer asked for follows the results), as OpenAI requires."""
+    missing = sorted((calls or set()) - answered)
+    if missing:
+        raise InvalidRequest(f"an assistant message with tool_calls must be followed by a tool result for each "
+                             f"call; no result for: {', '.join(missing)}", param=param)
