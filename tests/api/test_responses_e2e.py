@@ -133,6 +133,27 @@ def test_typed_stream_events_assemble_the_same_response(served):
     assert not any("[DONE]" in line for line in lines)
 
 
+def test_a_response_being_generated_is_shown_in_progress(served):
+    """A stored response is visible while it streams: in_progress, not deletable until it ends, then the
+    stored object."""
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(served.socket)), base_url="http://weave",
+                      timeout=120.0) as h:
+        with h.stream("POST", "/v1/responses", json={"input": "Count to fifty.", "max_output_tokens": 40,
+                                                     "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            created = next(json.loads(x.removeprefix("data: ")) for x in lines if x.startswith("data: "))
+            rid = created["response"]["id"]
+            seen = h.get(f"/v1/responses/{rid}")
+            assert seen.status_code == 200 and seen.json()["status"] == "in_progress", seen.text
+            refused = h.delete(f"/v1/responses/{rid}")
+            assert refused.status_code == 409 and refused.json()["error"]["param"] == "response_id"
+            for _ in lines:
+                pass
+        done = h.get(f"/v1/responses/{rid}").json()
+        assert done["status"] == "incomplete" and done["output"]
+        assert h.delete(f"/v1/responses/{rid}").json()["deleted"] is True
+
+
 def test_structured_text_and_stored_objects(served):
     sdk = _sdk(served.socket)
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},

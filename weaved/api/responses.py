@@ -108,30 +108,44 @@ async def create_response(request: Request) -> Response:
     reply = _Reply(req, turn, daemon.model_name, sid)
     if req.stream:
         return sse_response(_stream(request, reply))
-    events = await turn.collect(request)
-    parser = reply.parser
-    for ev in events:
-        if ev["type"] == "token":
-            for delta in parser.push_token(ev["text"]):
-                reply.items.feed(delta)
-    for delta in parser.finish():
-        reply.items.feed(delta)
-    reply.items.ensure_any()
-    reply.items.close(parser.answer.calls, cut=turn.finish_reason != "stop")
-    obj = reply.finish()
-    await reply.store(obj)
+    reply.register()
+    try:
+        events = await turn.collect(request)
+        parser = reply.parser
+        for ev in events:
+            if ev["type"] == "token":
+                for delta in parser.push_token(ev["text"]):
+                    reply.items.feed(delta)
+        for delta in parser.finish():
+            reply.items.feed(delta)
+        reply.items.ensure_any()
+        reply.items.close(parser.answer.calls, cut=turn.finish_reason != "stop")
+        obj = reply.finish()
+        await reply.store(obj)
+    finally:
+        reply.unregister()
     return JSONResponse(obj)
 
 
 @router.get("/v1/responses/{rid}")
 async def get_response(request: Request, rid: str) -> dict:
-    _, obj = await run_in_threadpool(state_of(request).daemon.get_response, rid)
+    state = state_of(request)
+    try:
+        _, obj = await run_in_threadpool(state.daemon.get_response, rid)
+    except NotFound:
+        running = state.running_responses.get(rid)
+        if running is None:
+            raise
+        return running.obj("in_progress")  # stored once it ends
     return obj
 
 
 @router.delete("/v1/responses/{rid}")
 async def delete_response(request: Request, rid: str) -> dict:
-    await run_in_threadpool(state_of(request).daemon.delete_response, rid)
+    state = state_of(request)
+    if rid in state.running_responses:
+        raise Conflict(f"response {rid} is still being generated; delete it once it has ended", param="response_id")
+    await run_in_threadpool(state.daemon.delete_response, rid)
     return {"id": rid, "object": "response", "deleted": True}
 
 
@@ -182,6 +196,14 @@ class _Reply:
                         "output_tokens_details": {"reasoning_tokens": self.parser.reasoning_tokens}}
         return obj
 
+    def register(self) -> None:
+        """A response that will be stored is visible (in_progress) while it is generated."""
+        if self.req.store and self.sid is not None:
+            self.turn.state.running_responses[self.id] = self
+
+    def unregister(self) -> None:
+        self.turn.state.running_responses.pop(self.id, None)
+
     async def store(self, obj: dict) -> None:
         if self.req.store and self.sid is not None and obj["status"] in ("completed", "incomplete"):
             await run_in_threadpool(self.turn.state.daemon.store_response, self.sid, self.id, obj)
@@ -199,11 +221,12 @@ async def _stream(request: Request, reply: _Reply) -> AsyncIterator[bytes]:
         return frame(e, event=e["type"])  # as OpenAI sends them: named events, no [DONE] at the end
 
     turn.watch(request)
+    reply.register()  # (here, not before: a stream that never starts never unregisters)
     try:
         yield ev({"type": "response.created", "response": reply.obj("in_progress")})
         yield ev({"type": "response.in_progress", "response": reply.obj("in_progress")})
         async for e in turn.events():
-            if e["type"] == "token" and e["text"]:
+            if e["type"] == "token":
                 for delta in reply.parser.push_token(e["text"]):
                     for out in reply.items.feed(delta):
                         yield ev(out)
@@ -221,5 +244,6 @@ async def _stream(request: Request, reply: _Reply) -> AsyncIterator[bytes]:
                                                                                     "response.incomplete")
         yield ev({"type": kind, "response": obj})
     finally:
+        reply.unregister()
         turn.unwatch()
         turn.abandon()

@@ -17,6 +17,8 @@ class ApiState:
     metrics: Metrics = field(default_factory=Metrics)
     # Set when the server begins to shut down: endless streams (/v1/events) end, new turns get 503.
     closing: asyncio.Event = field(default_factory=asyncio.Event)
+    # Stored responses still being generated, by id (``/v1/responses/{id}`` shows them in_progress).
+    running_responses: dict[str, Any] = field(default_factory=dict)
 
 
 def state_of(request: Request) -> ApiState:
