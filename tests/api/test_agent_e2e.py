@@ -257,6 +257,21 @@ def test_reasoning_is_returned_apart_and_a_rewritten_history_is_reprefilled(thin
                                                 "temperature": 0, "store": False}).json()
         assert [i["type"] for i in resp["output"]][0] == "reasoning"
         assert 0 < resp["usage"]["output_tokens_details"]["reasoning_tokens"] <= resp["usage"]["output_tokens"]
+    # the raw reasoning as OpenAI returns it (content of reasoning_text, not a summary), streamed so
+    kw = dict(model="default", input="Is 7 a prime number?", max_output_tokens=24, temperature=0, store=False)
+    whole = sdk.responses.create(**kw)
+    item = whole.output[0]
+    assert item.type == "reasoning" and item.summary == [] and item.content[0].type == "reasoning_text"
+    with sdk.responses.stream(**kw) as stream:
+        deltas = [ev.delta for ev in stream if ev.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == item.content[0].text
+    # sent back as input, either shape is the next message's reasoning
+    again = sdk.responses.create(model="default", max_output_tokens=4, temperature=0, store=False,
+                                 input=[{"role": "user", "content": "Is 7 a prime number?"},
+                                        item.model_dump(exclude_none=True),
+                                        {"role": "assistant", "content": "Yes."},
+                                        {"role": "user", "content": "And 9?"}])
+    assert again.status in ("completed", "incomplete")
     chunks = list(sdk.chat.completions.create(model="default", messages=ASK, max_tokens=12, temperature=0,
                                               stream=True))
     reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)

@@ -24,9 +24,9 @@ class OutputItems:
         ev: list[dict] = []
         if "reasoning_content" in delta:
             item = self._ensure(ev, "reasoning")
-            item["summary"][0]["text"] += delta["reasoning_content"]
-            ev.append({"type": "response.reasoning_summary_text.delta", "item_id": item["id"],
-                       "output_index": self._index(), "summary_index": 0, "delta": delta["reasoning_content"]})
+            item["content"][0]["text"] += delta["reasoning_content"]
+            ev.append({"type": "response.reasoning_text.delta", "item_id": item["id"],
+                       "output_index": self._index(), "content_index": 0, "delta": delta["reasoning_content"]})
         if "content" in delta and delta["content"]:
             item = self._ensure(ev, "message")
             item["content"][0]["text"] += delta["content"]
@@ -74,7 +74,9 @@ class OutputItems:
             return self._open
         ev += self._close()
         if kind == "reasoning":
-            item = {"type": "reasoning", "id": new_id("rs"), "summary": [{"type": "summary_text", "text": ""}]}
+            # the model's own reasoning, as OpenAI returns raw reasoning (content), not a summary
+            item = {"type": "reasoning", "id": new_id("rs"), "summary": [], "status": "in_progress",
+                    "content": [{"type": "reasoning_text", "text": ""}]}
         else:
             item = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
                     "content": [{"type": "output_text", "text": "", "annotations": []}]}
@@ -84,16 +86,14 @@ class OutputItems:
     def _start(self, ev: list[dict], item: dict) -> None:
         self.items.append(item)
         self._open = item
-        shown = {**item, "summary": []} if item["type"] == "reasoning" else \
-            {**item, "content": []} if item["type"] == "message" else dict(item)
+        shown = {**item, "content": []} if item["type"] in ("reasoning", "message") else dict(item)
         ev.append({"type": "response.output_item.added", "output_index": self._index(), "item": shown})
         if item["type"] == "message":
             ev.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": self._index(),
                        "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}})
         elif item["type"] == "reasoning":
-            ev.append({"type": "response.reasoning_summary_part.added", "item_id": item["id"],
-                       "output_index": self._index(), "summary_index": 0,
-                       "part": {"type": "summary_text", "text": ""}})
+            ev.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": self._index(),
+                       "content_index": 0, "part": {"type": "reasoning_text", "text": ""}})
 
     def _close(self) -> list[dict]:
         item, self._open = self._open, None
@@ -110,11 +110,12 @@ class OutputItems:
                    {"type": "response.content_part.done", "item_id": item["id"], "output_index": i,
                     "content_index": 0, "part": part}]
         elif item["type"] == "reasoning":
-            part = item["summary"][0]
-            ev += [{"type": "response.reasoning_summary_text.done", "item_id": item["id"], "output_index": i,
-                    "summary_index": 0, "text": part["text"]},
-                   {"type": "response.reasoning_summary_part.done", "item_id": item["id"], "output_index": i,
-                    "summary_index": 0, "part": part}]
+            item["status"] = status
+            part = item["content"][0]
+            ev += [{"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": i,
+                    "content_index": 0, "text": part["text"]},
+                   {"type": "response.content_part.done", "item_id": item["id"], "output_index": i,
+                    "content_index": 0, "part": part}]
         else:
             item["status"] = status
             ev.append({"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": i,

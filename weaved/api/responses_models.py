@@ -74,11 +74,25 @@ class SummaryPart(BaseModel):
     text: str
 
 
+class ReasoningTextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["reasoning_text"]
+    text: str
+
+
 class ReasoningItem(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # id, encrypted_content (never produced here)
+    model_config = ConfigDict(extra="ignore")  # id, status, encrypted_content (never produced here)
 
     type: Literal["reasoning"]
     summary: list[SummaryPart] = []
+    content: list[ReasoningTextPart] | None = None  # the raw reasoning (what Weave returns)
+
+    def text(self) -> str:
+        """The reasoning to send back: its raw text, else its summary's."""
+        if self.content:
+            return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.summary)
 
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
@@ -175,7 +189,7 @@ class ResponsesRequest(BaseModel):
         reasoning: str | None = None
         for item in self.input:
             if isinstance(item, ReasoningItem):
-                reasoning = "".join(p.text for p in item.summary)
+                reasoning = item.text()
             elif isinstance(item, MessageItem):
                 role = "system" if item.role == "developer" else item.role
                 msg = {"role": role, "content": item.text()}
