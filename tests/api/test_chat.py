@@ -170,3 +170,13 @@ def test_a_turn_the_engine_fails():
         assert events[-1] == "[DONE]" and events[-2]["error"]["message"] == "the KV cap (1 MiB) is reached"
         assert events[1]["choices"][0]["delta"]["content"] == "H"  # what came before the failure
         assert 'weave_turns_total{finish_reason="error",sla_class="interactive"} 2.0' in client.get("/metrics").text
+
+
+@pytest.mark.parametrize("parameters", [{}, None])
+def test_a_function_with_empty_or_no_parameters_takes_no_arguments(client, fake: FakeDaemon, parameters):
+    fn = {"name": "now"} if parameters is None else {"name": "now", "parameters": parameters}
+    r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2,
+                                                  "tools": [{"type": "function", "function": fn}]})
+    assert r.status_code == 200, r.text
+    answer = [c for name, c in fake.calls if name == "start_turn"][-1]["answer"]
+    assert answer.tools[0].parameters == {"type": "object", "properties": {}}

@@ -102,7 +102,9 @@ def tools_from(defs: list[ToolDef] | None) -> tuple[Tool, ...]:
     out = []
     for i, d in enumerate(defs):
         f = d.function
-        params = f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
+        # no parameters, or an empty schema: a function of no arguments (as OpenAI reads both), not one
+        # whose arguments may be any JSON the model invents
+        params = f.parameters if f.parameters else {"type": "object", "properties": {}}
         if len(json.dumps(params)) > MAX_SCHEMA_BYTES:
             raise InvalidRequest(f"tools[{i}].function.parameters is larger than {MAX_SCHEMA_BYTES} bytes",
                                  param=f"tools[{i}].function.parameters")
