@@ -189,7 +189,9 @@ def submit(
     = None,
     system: SystemOpt = None, max_tokens: MaxTokensOpt = None, temperature: TemperatureOpt = None,
     seed: SeedOpt = None,
-    wait: Annotated[bool, typer.Option("--wait", help="Stay and stream the answer.")] = False,
+    wait: Annotated[bool, typer.Option(
+        "--wait", help="Stay and stream the answer (Ctrl-C then cancels the task; its answer so far is kept).")]
+    = False,
     tools: Annotated[Path | None, typer.Option(
         "--tools", show_default=False,
         help="A JSON file of tool definitions (OpenAI's chat shape: a list of {type: function, function: "
@@ -231,7 +233,12 @@ def submit(
             print_json({"id": info["id"], **result, "placement": result["placement"] or info.get("placement")})
             return
         echo(f"session   {info['id']}", err=True)
-        last = write_stream(_with_placement(client.stream_turn(info["id"], msgs, **sampling), info))
+        try:
+            last = write_stream(_with_placement(client.stream_turn(info["id"], msgs, **sampling), info))
+        except KeyboardInterrupt:  # the stream closes, and with it the turn: say so, not just exit
+            echo(f"\nweave: interrupted: the task was cancelled; its answer so far is kept "
+                 f"(weave show {info['id']})", err=True)
+            raise
     _note_length(last)
 
 

@@ -406,3 +406,17 @@ def test_status_shows_the_rates_in_use_and_their_age():
             "within 6%)") in status_text({"rates": cal})
     given = {"prefill_tokens_per_s": 123.0, "decode_tokens_per_s": 45.0, "source": "profile"}
     assert "decode 45.0 tok/s at a full batch (given by the profile)" in status_text({"rates": given})
+
+
+def test_ctrl_c_during_submit_wait_says_the_task_was_cancelled(fake, monkeypatch):
+    import weaved.cli.run as run_mod
+
+    def interrupted(deltas):
+        next(iter(deltas))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_mod, "write_stream", interrupted)
+    res = weave(fake, "submit", "--wait", "task three")
+    assert res.exit_code != 0
+    sid = res.stderr.splitlines()[0].split()[1]
+    assert f"interrupted: the task was cancelled; its answer so far is kept (weave show {sid})" in res.stderr
