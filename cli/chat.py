@@ -93,6 +93,9 @@ class ChatRepl:
                     break
             except ApiError as e:  # a refused turn or command ends nothing but itself
                 self.say(f"error: {e}")
+                if e.code == "context_length_exceeded" and e.param in ("messages", None):
+                    self.say(f"(the session's context is full: /reset starts a new one, or `weave fork "
+                             f"{self.session_id} --turn N` goes on from an earlier turn)")
         self.finish()
 
     def handle(self, line: str) -> bool:

@@ -65,6 +65,7 @@ class FakeSession:
     ephemeral: bool = False
     placement: dict = field(default_factory=dict)
     busy: bool = False
+    full: bool = False  # its context is full: a turn is refused as the daemon refuses it
     forked_from: str | None = None
 
     @property
@@ -328,6 +329,12 @@ class _Handler(BaseHTTPRequestHandler):
         if s.busy:
             self._json(*_error(409, f"session {sid} is already generating a turn", "conflict_error",
                                "session"))
+            return
+        if s.full:
+            status, err = _error(400, "the prompt needs 8204 tokens of context but the session's context holds 8192",
+                                 "invalid_request_error", "messages")
+            err["error"]["code"] = "context_length_exceeded"
+            self._json(status, err)
             return
         self._answer(s, body)
 

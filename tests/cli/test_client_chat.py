@@ -95,6 +95,13 @@ def test_a_refused_turn_reports_and_the_chat_goes_on(fake):
     assert f"error: session {IDLE} is already generating a turn" in out
 
 
+def test_a_full_session_says_how_to_go_on(fake):
+    fake.sessions[IDLE].full = True
+    out = chat(fake, "--session", IDLE, input="hi\n/exit\n")
+    assert "error: the prompt needs 8204 tokens of context" in out
+    assert f"/reset starts a new one, or `weave fork {IDLE} --turn N` goes on from an earlier turn" in out
+
+
 def test_ctrl_c_stops_the_answer_not_the_chat(fake, monkeypatch):
     """Ctrl-C while tokens arrive: the stream is closed (the daemon sees the client go), the chat goes on."""
     fake.token_delay_s = 0.02
