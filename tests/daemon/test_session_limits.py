@@ -96,6 +96,14 @@ def test_promotion_and_demotion_keep_the_sessions_own_answer_budget(daemon):
     assert daemon.demote(sid)["sla"] == {"class": "background", "ttft_ms": None, "ttlt_s": 120.0}
 
 
+def test_demoting_a_batch_session_never_raises_its_class_or_priority(daemon):
+    sid = daemon.create_session(SLA(SLAClass.BATCH, None, 600.0))["id"]
+    before = daemon.get_session(sid)
+    after = daemon.demote(sid)
+    assert after["sla"] == {"class": "batch", "ttft_ms": None, "ttlt_s": 600.0}
+    assert after["placement"]["priority"] == before["placement"]["priority"]
+
+
 def test_a_fork_keeps_its_parent_and_its_answers_finish_reasons_and_calls_across_a_restart(tiny_llama, tmp_path):
     from tests.daemon.support import make_daemon
     from weaved.engine.sampling import SamplingParams

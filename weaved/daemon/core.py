@@ -220,7 +220,11 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
         return self._change_sla(sid, SLAClass.INTERACTIVE, 500.0, "promotion")
 
     def demote(self, sid: str, reason: str = "demotion") -> dict:
-        return self._change_sla(sid, SLAClass.BACKGROUND, None, reason)
+        """To background (off a GPU pool where a CPU pool has room); a batch session, already below
+        background, keeps its class and is only re-placed."""
+        with self._lock:
+            cls = SLAClass.BATCH if self._get(sid).sla.cls is SLAClass.BATCH else SLAClass.BACKGROUND
+        return self._change_sla(sid, cls, None, reason)
 
     def _change_sla(self, sid: str, cls: SLAClass, ttft_ms: float | None, kind: str) -> dict:
         """The session's class and first-token target change; its whole-answer budget (``ttlt_s``), the
