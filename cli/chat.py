@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 from weaved.cli import fmt
 from weaved.cli.client import Client, sla_body
-from weaved.cli.common import ApiKeyOpt, SLAClass, SocketOpt, connect, echo, sla_class
+from weaved.cli.common import ApiKeyOpt, SLAClass, SocketOpt, connect, echo, fail, sla_class
 from weaved.cli.errors import ApiError
 from weaved.cli.run import AT_TOKEN_LIMIT, MaxTokensOpt, SeedOpt, SystemOpt, TemperatureOpt, write_stream
 
@@ -179,12 +179,16 @@ class ChatRepl:
 def chat(
     session: Annotated[str | None, typer.Option("--session", help="Resume this session.", show_default=False)]
     = None,
-    sla: Annotated[SLAClass, typer.Option("--sla", help="The new session's SLA class.")]
-    = SLAClass.interactive,
+    sla: Annotated[SLAClass | None, typer.Option("--sla", help="The new session's SLA class (default: interactive).",
+                                                 show_default=False)] = None,
     system: SystemOpt = None, max_tokens: MaxTokensOpt = None, temperature: TemperatureOpt = None,
     seed: SeedOpt = None, socket: SocketOpt = None, api_key: ApiKeyOpt = None,
 ) -> None:
     """Chat with the model in a session kept across turns; /help lists the commands."""
+    if session is not None and (system is not None or sla is not None):
+        given = " and ".join(f for f, v in (("--system", system), ("--sla", sla)) if v is not None)
+        raise fail(f"{given} set up a new session; a resumed one keeps its own (change its class with /promote "
+                   f"or /demote)", 2)
     if sys.stdin.isatty():
         try:
             import readline  # noqa: F401 - line editing and history for input()
@@ -193,8 +197,8 @@ def chat(
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
     ahead = _terminal_typeahead if sys.stdin.isatty() else (lambda: None)
     with connect(socket, api_key) as client:
-        ChatRepl(client, session_id=session, sla=sla_class(sla), system=system, sampling=sampling,
-                 typeahead=ahead).run()
+        ChatRepl(client, session_id=session, sla=sla_class(sla or SLAClass.interactive), system=system,
+                 sampling=sampling, typeahead=ahead).run()
 
 
 def _terminal_typeahead() -> str | None:

@@ -175,3 +175,11 @@ def test_typing_during_an_answer_is_not_sent_and_ctrl_d_stops_it_and_leaves(fake
     assert said[-2:] == ["[stopped; leaving]", f"session {IDLE} kept; resume with `weave chat --session {IDLE}`"]
     user = [m["content"] for m in fake.sessions[IDLE].messages if m["role"] == "user"]
     assert user[-2:] == ["first question", "second question"]  # nothing typed ahead was sent; no third turn
+
+
+def test_new_session_options_with_a_resumed_session_are_refused_not_ignored(fake):
+    env = {"WEAVE_SOCKET": str(fake.socket_path), "WEAVE_API_KEY": None, "WEAVE_DEBUG": None}
+    res = runner.invoke(app, ["chat", "--session", IDLE, "--system", "Be terse."], input="", env=env)
+    assert res.exit_code == 2 and "--system set up a new session; a resumed one keeps its own" in res.stderr
+    res = runner.invoke(app, ["chat", "--session", IDLE, "--sla", "batch"], input="", env=env)
+    assert res.exit_code == 2 and "--sla set up a new session" in res.stderr
