@@ -33,7 +33,7 @@ def test_cut_turns_start_again_and_refused_ones_are_given_up():
     forgotten = [kw["session_id"] for name, kw in fake.calls if name == "forget_detached_turn"]
     assert forgotten == [bad, "s-gone"]
     assert any(f"session {bad}: its detached turn" in line and "temperature" in line for line in lines)
-    assert lines[-1] == "1 detached turn(s) cut by the last stop run again"
+    assert lines[-1] == "1 detached turn(s) cut by the last stop or crash run again"
 
 
 def test_a_journaled_request_reads_back_as_the_same_request():

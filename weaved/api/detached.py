@@ -35,11 +35,11 @@ async def resume_detached(state: ApiState, log: Callable[[str], None]) -> int:
             info, sla = await resolve(state, sid, req.sla, Headers())
             turn = await start_turn(state, chat_spec(state, req, sid, sla, continues=messages), info)
         except (WeaveError, ValidationError) as e:
-            log(f"session {sid}: its detached turn, cut by the last stop, is not run again: {e}")
+            log(f"session {sid}: its detached turn, cut by the last stop or crash, is not run again: {e}")
             await run_in_threadpool(daemon.forget_detached_turn, sid)
             continue
         turn.detach()
         started += 1
     if started:
-        log(f"{started} detached turn(s) cut by the last stop run again")
+        log(f"{started} detached turn(s) cut by the last stop or crash run again")
     return started

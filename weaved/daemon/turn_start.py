@@ -71,7 +71,7 @@ class TurnStarts:
             if s.turn is not None and not s.turn.ended.is_set():
                 raise Conflict(f"session {session_id} is already generating a turn", param="session")
             if continues is not None:
-                self._rewind(s, continues, "its detached turn, cut by the last stop, runs again" if detached
+                self._rewind(s, continues, "its detached turn, cut by the last stop or crash, runs again" if detached
                              else "past the continued response (a turn no stored response holds)")
             try:
                 if messages is not None:
