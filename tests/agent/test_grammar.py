@@ -196,3 +196,12 @@ def test_closing_objects_never_refuses_what_the_schema_allows(tok, engine, schem
     # nested objects of their own are still closed
     nested = {"type": "object", "properties": {"x": schema, "o": {"type": "object", "properties": {"k": {}}}}}
     assert closed(nested)["properties"]["o"]["additionalProperties"] is False
+
+
+def test_a_schema_the_engine_cannot_compile_is_named_with_its_detail(tok, engine):
+    """The client reads what is wrong with its schema, without the grammar Weave wrote around it."""
+    lark = answer_grammar(AnswerShape(GENERIC, schema={"type": "string", "pattern": "(ab"}), writer(tok, engine))
+    with pytest.raises(InvalidRequest) as e:
+        engine.compile(lark)
+    assert e.value.message == ("response_format cannot be enforced: failed to compile JSON schema: regex parse "
+                               "error: (ab: unclosed group")

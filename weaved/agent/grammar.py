@@ -15,6 +15,7 @@ dependencies; and its masks cost tens of microseconds (``weave bench --scenario 
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -94,7 +95,7 @@ class GrammarEngine:
         grammar = LLMatcher.grammar_from_lark(lark)
         matcher = LLMatcher(self.lltokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequest(f"{param} cannot be enforced: {_first_line(matcher.get_error())}", param=param)
+            raise InvalidRequest(f"{param} cannot be enforced: {compile_error(matcher.get_error())}", param=param)
         return GrammarConstraint(matcher, self.n_vocab)
 
 
@@ -159,6 +160,17 @@ def _libllama():
         if (lib_dir / name).exists():
             return ctypes.CDLL(str(lib_dir / name))
     raise RuntimeError(f"llama.cpp's library was not found in {lib_dir}")
+
+
+def compile_error(text: str) -> str:
+    """llguidance's compile error as one line a client can act on: without its position in the grammar
+    Weave wrote (``at 1(8): ``) and the echo of that grammar, the detail lines (a regex's) kept."""
+    lines = (text or "unknown error").strip().splitlines()
+    echo = next((i for i, line in enumerate(lines) if re.match(r"\s*\d+ \|", line)), len(lines))
+    lines = [line.strip() for line in lines[:echo] if line.strip() and set(line.strip()) != {"^"}]
+    lines[0] = re.sub(r"^at \d+\(\d+\): ", "", lines[0])
+    details = ": ".join(line.removeprefix("error: ") for line in lines[1:])
+    return (lines[0] + (" " + details if details else ""))[:500]
 
 
 def _first_line(text: str) -> str:
