@@ -50,10 +50,12 @@ def validation_error(errors: list) -> InvalidRequest:
     loc = [p for p in loc if not _is_type_tag(p)]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")  # a validator's own message
+    named = bool(param)
     if first.get("type") == "extra_forbidden" and loc:  # the wording the top-level fields get
         msg = f"unknown or unsupported field {loc[-1]!r}"
+        named = len(loc) > 1  # (a top-level field: its name once)
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    return InvalidRequest(f"{param}: {msg}{more}" if param else f"{msg}{more}", param=param)
+    return InvalidRequest(f"{param}: {msg}{more}" if named else f"{msg}{more}", param=param)
 
 
 def _is_type_tag(part: str) -> bool:

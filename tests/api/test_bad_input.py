@@ -240,11 +240,16 @@ def test_an_orphan_tool_result_is_a_400_before_anything_runs(client, fake):
 def test_unknown_fields_are_named_alike_everywhere_and_images_are_said_to_be_unsupported(client, fake):
     for path, body in ((CHAT, {"messages": USER, "foo": 1}), ("/v1/sessions", {"foo": 1})):
         err = assert_error(client.post(path, json=body), 400, param="foo")
-        assert "unknown or unsupported field 'foo'" in err["message"]
+        assert err["message"] == "unknown or unsupported field 'foo'"  # (its name once)
     image = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                           {"type": "image_url", "image_url": {"url": "data:,"}}]}]
     err = assert_error(client.post(CHAT, json={"messages": image}), 400)
     assert "image_url content parts are not supported" in err["message"] and "Input should be" not in err["message"]
+    picture = [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                            {"type": "input_image", "image_url": "data:,"}]}]
+    err = assert_error(client.post("/v1/responses", json={"input": picture}), 400, param="input")
+    assert "input[0]: input_image content parts are not supported" in err["message"]
+    assert "Input should be" not in err["message"]
 
 
 

@@ -161,6 +161,20 @@ class ResponsesRequest(BaseModel):
     sla: SLABody | None = None  # Weave extension
     include: list[str] | None = None  # extra output data: none is offered here (an empty list is fine)
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        """Content parts other than text (input_image, input_file, ...) are refused by name: the union of
+        item shapes would otherwise answer with every member's complaint."""
+        for i, item in enumerate(v if isinstance(v, list) else ()):
+            parts = item.get("content") if isinstance(item, dict) else None
+            for part in parts if isinstance(parts, list) else ():
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind not in ("input_text", "output_text", "text", "reasoning_text"):
+                    raise ValueError(f"input[{i}]: {kind} content parts are not supported: this model takes "
+                                     f"text only")
+        return v
+
     @field_validator("input")
     @classmethod
     def _input(cls, v: str | list) -> str | list:
