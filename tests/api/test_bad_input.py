@@ -277,3 +277,10 @@ def test_a_busy_chain_is_a_conflict_on_previous_response_id(client, fake: FakeDa
     err = assert_error(client.post("/v1/responses", json={"input": "more", "previous_response_id": rid,
                                                            "max_output_tokens": 4}), 409, "previous_response_id")
     assert rid in err["message"] and "session" not in err["message"]
+
+
+def test_a_chat_shaped_tool_choice_sent_to_responses_says_the_responses_shape(client):
+    body = {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    err = assert_error(client.post("/v1/responses", json=body), 400, param="tool_choice")
+    assert 'names a function as {"type": "function", "name": "f"}' in err["message"]

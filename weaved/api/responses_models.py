@@ -161,6 +161,14 @@ class ResponsesRequest(BaseModel):
     sla: SLABody | None = None  # Weave extension
     include: list[str] | None = None  # extra output data: none is offered here (an empty list is fine)
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice_shape(cls, v: Any) -> Any:
+        if isinstance(v, dict) and isinstance(v.get("function"), dict) and "name" not in v:
+            raise ValueError(f'the Responses API names a function as {{"type": "function", "name": '
+                             f'"{v["function"].get("name", "...")}"}} (not chat completions\' "function" object)')
+        return v
+
     @field_validator("input", mode="before")
     @classmethod
     def _text_only(cls, v: Any) -> Any:
