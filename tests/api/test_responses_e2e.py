@@ -50,6 +50,10 @@ def test_a_chain_with_tools_survives_a_restart(tmp_path, smollm2_q4_0):
         third = sdk.responses.create(model="default", previous_response_id=second.id, instructions=INSTRUCTIONS,
                                      input="And in Rome?", tools=TOOLS, max_output_tokens=12, temperature=0)
         assert third.status in ("completed", "incomplete")
+        # after the restart, each response's input is read back from the chain's transcript
+        given = sdk.responses.input_items.list(second.id).data
+        assert [(i.type, i.call_id, i.output) for i in given] == [
+            ("function_call_output", calls[0].call_id, '{"temperature": 18}')]
         assert third.usage.input_tokens_details.cached_tokens >= second.usage.total_tokens - 1
         # only the latest response of a chain continues; unknown ids are 404; store false cannot continue
         with pytest.raises(openai.ConflictError):
@@ -173,3 +177,19 @@ def test_structured_text_and_stored_objects(served):
     with pytest.raises(openai.BadRequestError) as e:
         sdk.responses.create(model="default", input="Hi", truncation="auto")
     assert "truncation" in str(e.value)
+
+
+def test_a_responses_input_items_are_what_its_request_added(served):
+    sdk = _sdk(served.socket)
+    first = sdk.responses.create(model="default", input="Name a colour.", max_output_tokens=4, temperature=0)
+    second = sdk.responses.create(model="default", previous_response_id=first.id, max_output_tokens=4,
+                                  temperature=0, input=[{"role": "user", "content": "Another."},
+                                                        {"role": "user", "content": "And a third."}])
+    items = sdk.responses.input_items.list(second.id, order="asc")
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [
+        ("message", "user", "Another."), ("message", "user", "And a third.")]
+    newest = sdk.responses.input_items.list(second.id, limit=1)  # newest first, as OpenAI lists them
+    assert [i.content[0].text for i in newest.data] == ["And a third."] and newest.has_more
+    rest = sdk.responses.input_items.list(second.id, after=newest.data[0].id)
+    assert [i.content[0].text for i in rest.data] == ["Another."] and not rest.has_more
+    assert [i.content[0].text for i in sdk.responses.input_items.list(first.id).data] == ["Name a colour."]

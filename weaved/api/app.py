@@ -6,7 +6,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from weaved import http_errors
-from weaved.api import openai, peers, responses, sessions, system
+from weaved.api import input_items, openai, peers, responses, sessions, system
 from weaved.api.state import ApiState
 from weaved.metrics import Metrics
 
@@ -43,7 +43,7 @@ def create_app(daemon, *, metrics: Metrics | None = None) -> FastAPI:
     state = ApiState(daemon, metrics or Metrics())
     app.state.weave = state
     http_errors.install(app)
-    for module in (openai, responses, sessions, system, peers):
+    for module in (openai, responses, input_items, sessions, system, peers):
         app.include_router(module.router)
     app.add_middleware(RequestMetrics, metrics=state.metrics)
     return app

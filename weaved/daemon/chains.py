@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 
-from weaved.daemon.session import Session
-from weaved.errors import Conflict, NotFound, Overloaded
+from weaved.daemon.session import Session, transcript_view
+from weaved.errors import Conflict, InvalidRequest, NotFound, Overloaded
 from weaved.kv.cache import KVCache
 
 
@@ -42,6 +42,18 @@ class ResponseChains:
     def response_end(self, rid: str) -> int | None:
         """The transcript length of its session with response ``rid``'s answer (None: not recorded)."""
         return self.journal.response_end(rid)
+
+    def response_input(self, rid: str) -> list[dict]:
+        """The messages response ``rid`` answered (its input: what its request added to the chain), as
+        the transcript shows them; InvalidRequest for a response stored without its place in it."""
+        sid, obj = self.get_response(rid)
+        end = self.journal.response_end(rid)
+        prev = obj.get("previous_response_id")
+        start = self.journal.response_end(prev) if prev else 0
+        if end is None or start is None:
+            raise InvalidRequest(f"response {rid!r} was stored by a Weave that did not record its input")
+        with self._lock:
+            return [transcript_view(m) for m in self._get(sid).messages[start:end - 1]]
 
     def delete_response(self, rid: str) -> None:
         """Delete a stored response; the last of a chain's takes the chain's session with it (unless a
