@@ -227,15 +227,12 @@ async def start_turn(state: ApiState, spec: TurnSpec, session_info: dict | None 
                     detached=spec.detached, emit=emitter(asyncio.get_running_loop(), queue))
     try:
         handle = await run_in_threadpool(start)
-    except ContextTooLong as e:
-        if spec.session_id is None:
-            with contextlib.suppress(NotFound):
-                await run_in_threadpool(daemon.delete_session, session_id)
-        raise named_limit(e, spec.limit_field) from None
-    except BaseException:
+    except BaseException as e:
         if spec.session_id is None:  # the refused turn's ephemeral session goes (if still there)
             with contextlib.suppress(NotFound):
                 await run_in_threadpool(daemon.delete_session, session_id)
+        if isinstance(e, ContextTooLong):
+            raise named_limit(e, spec.limit_field) from None
         raise
     placement = getattr(handle, "placement", None) or (session_info or {}).get("placement")
     if spec.sla is not None:
