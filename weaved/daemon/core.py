@@ -222,16 +222,17 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
     def demote(self, sid: str, reason: str = "demotion") -> dict:
         """To background (off a GPU pool where a CPU pool has room); a batch session, already below
         background, keeps its class and is only re-placed."""
-        with self._lock:
-            cls = SLAClass.BATCH if self._get(sid).sla.cls is SLAClass.BATCH else SLAClass.BACKGROUND
-        return self._change_sla(sid, cls, None, reason)
+        return self._change_sla(sid, SLAClass.BACKGROUND, None, reason)
 
     def _change_sla(self, sid: str, cls: SLAClass, ttft_ms: float | None, kind: str) -> dict:
         """The session's class and first-token target change; its whole-answer budget (``ttlt_s``), the
         client's own, is kept - and so is its first-token target when the class stays (promoting an
-        interactive session re-places it, e.g. onto a GPU pool that now has room)."""
+        interactive session re-places it, e.g. onto a GPU pool that now has room).  A demotion never
+        raises a batch session."""
         with self._lock:
             s = self._get(sid)
+            if cls is SLAClass.BACKGROUND and s.sla.cls is SLAClass.BATCH:
+                cls = SLAClass.BATCH
             if s.sla.cls is cls:
                 ttft_ms = s.sla.ttft_ms
             sla = s.sla = SLA(cls, ttft_ms, s.sla.ttlt_s)
