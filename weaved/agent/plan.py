@@ -132,7 +132,8 @@ def generic_messages(msgs: list[dict], tools: tuple[Tool, ...]) -> list[dict]:
     system turn, past calls as the envelope the model writes, tool results as user turns (the results
     of one answer's calls in one turn: templates such as Gemma 3's refuse two user turns in a row)."""
     names: dict[str, str] = {}
-    out = []
+    out: list[dict] = []
+    results = False  # out[-1] is a user turn of tool results: more results (and user words) join it
     for m in msgs:
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = []
@@ -140,19 +141,21 @@ def generic_messages(msgs: list[dict], tools: tuple[Tool, ...]) -> list[dict]:
                 names[c["id"]] = c["function"]["name"]
                 calls.append({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
             out.append({"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)})
+            results = False
         elif m["role"] == "tool":
             cid = m.get("tool_call_id") or ""
             name = m.get("name") or names.get(cid, "the tool")
             result = f"Result of {name} (call {cid}):\n{m['content']}"
-            if out and out[-1].get("results"):  # parallel calls' results: one user turn, as templates
-                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + result}  # alternate roles
+            if results:  # parallel calls' results: one user turn, as templates that alternate roles need
+                out[-1]["content"] += "\n\n" + result
             else:
-                out.append({"role": "user", "content": result, "results": True})
-        elif m["role"] == "user" and out and out[-1].get("results"):  # a user's words after the results
-            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + (m["content"] or "")}
+                out.append({"role": "user", "content": result})
+                results = True
+        elif m["role"] == "user" and results:  # a user's words after the results
+            out[-1]["content"] += "\n\n" + (m["content"] or "")
         else:
             out.append({"role": m["role"], "content": m["content"]})
-    out = [{"role": m["role"], "content": m["content"]} for m in out]
+            results = False
     system = generic_system_text(tools)
     if out and out[0]["role"] == "system":
         out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
