@@ -196,16 +196,21 @@ class _Reply:
                         "output_tokens_details": {"reasoning_tokens": self.parser.reasoning_tokens}}
         return obj
 
+    @property
+    def kept(self) -> bool:
+        """Stored once it ends (``store``, in a chain's session)."""
+        return bool(self.req.store) and self.sid is not None
+
     def register(self) -> None:
         """A response that will be stored is visible (in_progress) while it is generated."""
-        if self.req.store and self.sid is not None:
+        if self.kept:
             self.turn.state.running_responses[self.id] = self
 
     def unregister(self) -> None:
         self.turn.state.running_responses.pop(self.id, None)
 
     async def store(self, obj: dict) -> None:
-        if self.req.store and self.sid is not None and obj["status"] in ("completed", "incomplete"):
+        if self.kept and obj["status"] in ("completed", "incomplete"):
             await run_in_threadpool(self.turn.state.daemon.store_response, self.sid, self.id, obj)
 
 
