@@ -68,6 +68,19 @@ def test_the_kv_pool_is_what_the_budget_leaves(tiny_llama, tmp_path):
         d.shutdown()
 
 
+def test_shutdown_gives_the_device_memory_back(tiny_llama, tmp_path):
+    """A process that runs daemons one after another (a benchmark's runs) finds the device as free at
+    each start: the KV pool, the decode graphs' buffers and the sessions' tables go at shutdown."""
+    d = _daemon(tiny_llama, tmp_path, _budget_for(tiny_llama, 3000 * open_model(tiny_llama)[1].kv_bytes_per_token))
+    gpu = d.pools["gpu"].backend
+    sid = d.create_session(IA)["id"]
+    start(d, sid, prompt_ids(100), SHORT).finish()
+    assert d.sessions[sid].pool == "gpu" and gpu.device_kv_bytes() > 0 and gpu.kv_pool.pool.numel() > 0
+    d.shutdown()
+    assert gpu.kv_pool.pool.numel() == 0
+    assert gpu.device_kv_capacity() == 0 and gpu.device_kv_free_bytes() == 0
+
+
 def test_a_full_device_demotes_idle_sessions_to_make_room(tiny_llama, tmp_path):
     _gguf, cfg = open_model(tiny_llama)
     d = _daemon(tiny_llama, tmp_path, _budget_for(tiny_llama, 2200 * cfg.kv_bytes_per_token))

@@ -132,7 +132,8 @@ class Backend(ABC):
         return None
 
     def close(self) -> None:
-        """Release what this backend holds beyond its own process (a ring's members) at shutdown."""
+        """Release, at shutdown, what this backend holds beyond the process's own memory: a ring's
+        members, a device's memory.  The backend serves no step after."""
         return None
 
     def device_kv_bytes(self) -> int:

@@ -114,6 +114,11 @@ class DecodeGraphs:
         """A decode step a graph can run: one token and its logits per sequence, at most 64 sequences."""
         return len(chunks) <= ROWS[-1] and all(len(c.tokens) == 1 and c.logits == Logits.LAST for c in chunks)
 
+    def close(self) -> None:
+        """Drop every graph and their memory pool (the backend's shutdown)."""
+        self._graphs.clear()
+        self._pool = None
+
     def graphs(self) -> list[StepGraph]:
         return list(self._graphs.values())
 

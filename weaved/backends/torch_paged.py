@@ -109,6 +109,17 @@ class PagedKV:
         if device.type == "cuda":
             warm_staging()  # a promotion's pinned chunks, locked now rather than during the first one
 
+    def close(self) -> None:
+        """Give the pool's memory back (the backend's shutdown): every table and cached prefix goes, and
+        the pool holds no block after."""
+        with self._lock:
+            self._tables = weakref.WeakKeyDictionary()
+            self._prefix.clear()
+            self._free = []
+            self._scratch = None
+            self.n_blocks = 0
+            self.pool = self.pool.new_empty((0,) + tuple(self.pool.shape[1:]))
+
     # ---- accounting ------------------------------------------------------------------------------
     def __contains__(self, kv: KVCache) -> bool:
         return kv in self._tables
