@@ -107,3 +107,17 @@ def test_a_full_device_demotes_idle_sessions_to_make_room(tiny_llama, tmp_path):
         assert d.pools["cpu"].backend.stats.prefill_tokens - prefilled == 3
     finally:
         d.shutdown()
+
+
+def test_the_workspace_holds_attentions_partials_not_whole_score_rows(tiny_llama):
+    """A step of T rows over a long context needs its chunks' partial outputs (the Triton kernel's
+    [T, H, n_chunks, D] and [T, H, n_chunks, 2] float32), far less than T x H x context scores."""
+    from weaved.kernels.torch_attention import CHUNK
+
+    _gguf, cfg = open_model(tiny_llama)
+    T, context = 1024, 32768
+    partials = T * cfg.n_heads * (context // CHUNK) * (cfg.head_dim + 2) * 4
+    ws = workspace_bytes(cfg, T, 64, context)
+    short = workspace_bytes(cfg, T, 64, CHUNK)
+    assert ws - short >= partials - T * cfg.n_heads * (cfg.head_dim + 2) * 4  # grows with the chunks
+    assert ws < T * cfg.n_heads * context * 4  # whole rows of scores would not fit beside it

@@ -42,15 +42,20 @@ class DevicePlan:
 def workspace_bytes(cfg: ModelConfig, step_tokens: int, logits_rows: int, context: int) -> int:
     """An upper bound of one step's transient device memory (float32 activations unless said), for
     sequences of up to ``context`` positions."""
+    from weaved.kernels.torch_attention import CHUNK  # (torch is loaded only where a torch pool is)
+
     T = step_tokens
     widest = max(cfg.d_model, cfg.q_dim + 2 * cfg.kv_dim, 2 * cfg.d_ff)
     acts = T * 4 * (3 * cfg.d_model + 2 * widest)  # residual, normed input, a product's output and its input
     quant = T * (widest + widest // 32 * 8)  # the Q8_0 activations (int8 values, a scale and a sum per block)
     new_kv = cfg.n_layers * T * cfg.kv_dim * 2 * 2  # the step's K/V rows, float16
     gathered = context * cfg.kv_dim * 2 * 2  # one sequence's keys and values at a full context
-    scores = T * cfg.n_heads * context * 4  # one chunk's attention scores
+    # attention's partial results: per row, head and chunk of CHUNK keys an unnormalised output and its
+    # running max and sum (the Triton kernel's [T, H, n_chunks, D + 2]; the torch path holds a row
+    # group's share of the same), never a row's scores over the whole context
+    partials = T * cfg.n_heads * -(-context // CHUNK) * (cfg.head_dim + 2) * 4
     logits = logits_rows * cfg.vocab_size * 4 * 2  # the rows and their refinement
-    return acts + quant + new_kv + gathered + scores + logits
+    return acts + quant + new_kv + gathered + partials + logits
 
 
 def plan(cfg: ModelConfig, *, budget: int, weights: int, step_tokens: int, logits_rows: int, context: int,
