@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -300,3 +301,29 @@ def test_stateless_requests_copy_the_short_prompt_blocks_they_share(daemon, tiny
     assert h_fresh.cached_tokens == 0
     tokens = [[e["token"] for e in evs if e["type"] == "token"] for evs in (ev, ev_fresh)]
     assert tokens[0] == tokens[1] and len(tokens[0]) > 3
+
+
+def test_a_prompt_whose_log_probabilities_are_asked_for_computes_every_row(daemon):
+    """A stored prefix's rows have no logits: a raw prompt echoed with its log-probabilities is computed
+    whole, so the second of two equal prompts scores every token, as the first did."""
+    prompt = "The quick brown fox jumps over the lazy dog. Then the dog wakes up and chases the fox around."
+    params = SamplingParams(max_tokens=1, temperature=0)
+
+    def echoed() -> tuple[list[dict], object]:
+        done = threading.Event()
+        events: list[dict] = []
+
+        def emit(ev: dict) -> None:
+            events.append(ev)
+            if ev["type"] in ("done", "error"):
+                done.set()
+
+        h = daemon.start_turn(session_id=None, prompt=prompt, params=params, echo=True, emit=emit)
+        assert done.wait(120), "turn did not finish"
+        return [i for e in events if e["type"] == "prompt_logprobs" for i in e["items"]], h
+
+    first, h1 = echoed()
+    run_turn(daemon, None, "Another request between them.")
+    second, h2 = echoed()
+    assert h1.cached_tokens == 0 and h2.cached_tokens == 0 and len(first) > 16
+    assert second == first

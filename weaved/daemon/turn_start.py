@@ -88,7 +88,7 @@ class TurnStarts:
                 constraint = turn_constraint(plan, params)
                 # a fresh session's prompt may start with a stored prefix: its prefill cost is the rest
                 cached = self.store.cached_prefix(new[:-1]) if (
-                    not s.committed and isinstance(s.kv, KVCache) and self.store.share) else 0
+                    not s.committed and isinstance(s.kv, KVCache) and self.store.share and not echo) else 0
                 moved, predicted = self._admit(s, new[cached:], params, sla or s.sla, answer)
             except WeaveError:
                 if s.ephemeral:
@@ -105,7 +105,8 @@ class TurnStarts:
                     self.journal.truncate(s.id, keep)
             s.tail = []
             first = not s.committed  # the session's first turn: its prompt may start with a stored prefix
-            if first and isinstance(s.kv, KVCache):
+            # (not when the prompt's own log-probabilities are asked for: a stored prefix has no logits)
+            if first and isinstance(s.kv, KVCache) and not echo:
                 shared = self.store.share_prefix(s.kv, new)
                 held = self.store.copy_prefix(s.kv, new, shared)  # kept short blocks past it, copied
                 if held:  # those rows are mapped or copied, not computed: the turn feeds the rest
