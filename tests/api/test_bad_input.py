@@ -169,9 +169,12 @@ def test_unknown_session(client, bystander):
 
 def test_context_limits(client, fake: FakeDaemon, bystander):
     long = [{"role": "user", "content": "x" * 5000}]  # the double's context is 4096 tokens
-    err = assert_error(client.post(CHAT, json={"messages": long, "max_tokens": 1}), 400)
+    err = assert_error(client.post(CHAT, json={"messages": long, "max_tokens": 1}), 400, "messages")
     assert err["code"] == "context_length_exceeded"
-    err = assert_error(client.post("/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 1}), 400)
+    # each endpoint names its own field for what the turn feeds
+    err = assert_error(client.post("/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 1}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded"
+    err = assert_error(client.post("/v1/responses", json={"input": "x" * 5000, "max_output_tokens": 1}), 400, "input")
     assert err["code"] == "context_length_exceeded"
     err = assert_error(client.post(CHAT, json={"messages": USER, "max_tokens": 5000}), 400, "max_tokens")
     assert err["code"] == "context_length_exceeded"

@@ -43,7 +43,7 @@ async def answer_completion(request: Request, req: CompletionRequest) -> Respons
     session_id = session_from(req, request.headers)
     info, sla = await resolve(state, session_id, req.sla, request.headers)
     prompt_logprobs = req.echo and req.logprobs is not None
-    spec = TurnSpec(session_id, params, sla, prompt=prompt, echo=prompt_logprobs)
+    spec = TurnSpec(session_id, params, sla, prompt=prompt, echo=prompt_logprobs, input_field="prompt")
     echo = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if req.echo else ""
     meta = _Meta(state.daemon.model_name, req.logprobs is not None, echo)
     usage = bool(req.stream_options and req.stream_options.include_usage)

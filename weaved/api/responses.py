@@ -96,7 +96,8 @@ async def create_response(request: Request) -> Response:
                 messages = [{"role": "system", "content": req.instructions}, *messages]
     try:
         turn = await start_turn(state, TurnSpec(sid, params, sla, messages=messages, answer=answer,
-                                                   continues=continues, limit_field="max_output_tokens"), info)
+                                                   continues=continues, limit_field="max_output_tokens",
+                                                   input_field="input"), info)
     except BaseException as e:
         if created_session:
             with contextlib.suppress(NotFound):

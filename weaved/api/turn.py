@@ -44,6 +44,7 @@ class TurnSpec:
     continues: int | None = None  # a stored response's transcript end the turn follows (Responses chains)
     detached: dict | None = None  # a detached turn's request, journaled until the turn ends
     limit_field: str = "max_tokens"  # the request's name for params.max_tokens (errors name it)
+    input_field: str = "messages"  # the request's name for what the turn feeds: prompt, input (errors name it)
 
 
 class TurnFailed(WeaveError):
@@ -199,9 +200,12 @@ async def resolve(state: ApiState, session_id: str | None, sla_body: SLABody | N
     return info, sla_from(sla_body, headers, default)
 
 
-def named_limit(e: ContextTooLong, field: str) -> ContextTooLong:
-    """``e`` naming the request's own field for the answer's length (``max_completion_tokens``,
-    ``max_output_tokens``) where the daemon says ``max_tokens``."""
+def named_limit(e: ContextTooLong, field: str, input_field: str = "messages") -> ContextTooLong:
+    """``e`` naming the request's own fields: for the answer's length (``max_completion_tokens``,
+    ``max_output_tokens``) where the daemon says ``max_tokens``, and for what the turn feeds
+    (``prompt``, ``input``) where it says ``messages``."""
+    if e.param == "messages" and input_field != "messages":
+        return ContextTooLong(e.message, param=input_field)
     if e.param != "max_tokens" or field == "max_tokens":
         return e
     return ContextTooLong(e.message.replace("max_tokens", field, 1), param=field)
@@ -232,7 +236,7 @@ async def start_turn(state: ApiState, spec: TurnSpec, session_info: dict | None 
             with contextlib.suppress(NotFound):
                 await run_in_threadpool(daemon.delete_session, session_id)
         if isinstance(e, ContextTooLong):
-            raise named_limit(e, spec.limit_field) from None
+            raise named_limit(e, spec.limit_field, spec.input_field) from None
         raise
     placement = getattr(handle, "placement", None) or (session_info or {}).get("placement")
     if spec.sla is not None:
