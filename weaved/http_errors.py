@@ -87,4 +87,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        # the server closes the connection after an unhandled error: say so, or a client that keeps it
+        # alive sends its next request into a closed socket
+        response = error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        response.headers["Connection"] = "close"
+        return response

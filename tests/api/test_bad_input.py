@@ -89,6 +89,9 @@ WRONG = [
     pytest.param({"messages": USER, "web_search_options": {}}, "web_search_options", id="unknown-field"),
     pytest.param({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop", id="too-many-stops"),
     pytest.param({"messages": USER, "logit_bias": {"x": 1}}, "logit_bias", id="logit-bias-key"),
+    pytest.param({"messages": USER, "logit_bias": {"²": 1}}, "logit_bias", id="logit-bias-superscript"),
+    pytest.param({"messages": USER, "logit_bias": {"٣": 1}}, "logit_bias", id="logit-bias-arabic-digit"),
+    pytest.param({"messages": USER, "logit_bias": {"0012": 1}}, "logit_bias", id="logit-bias-leading-zeros"),
     pytest.param({"messages": USER, "logit_bias": {"1": 101}}, "logit_bias", id="logit-bias-range"),
     pytest.param({"messages": [{"role": "tool", "content": "x"}]}, "messages.0", id="tool-without-call-id"),
     pytest.param({"messages": [{"role": "user", "content": None}]}, "messages.0", id="null-user-content"),
@@ -287,3 +290,15 @@ def test_a_chat_shaped_tool_choice_sent_to_responses_says_the_responses_shape(cl
             "tool_choice": {"type": "function", "function": {"name": "f"}}}
     err = assert_error(client.post("/v1/responses", json=body), 400, param="tool_choice")
     assert 'names a function as {"type": "function", "name": "f"}' in err["message"]
+
+
+def test_an_unhandled_error_says_the_connection_closes(client, fake: FakeDaemon, monkeypatch):
+    """The server drops the connection after a 500: the response says so, so a keep-alive client opens a
+    new one for its next request instead of writing into a closed socket."""
+    def broken(*a, **kw):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(fake, "list_sessions", broken)
+    r = client.get("/v1/sessions")
+    assert_error(r, 500, type_="server_error")
+    assert r.headers["connection"] == "close"

@@ -179,8 +179,8 @@ class Sampling(BaseModel):
         if len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
         for k, b in v.items():
-            if not k.isdigit():
-                raise ValueError(f"keys are token ids (strings of digits), got {k!r}")
+            if not (k.isascii() and k.isdigit()) or str(int(k)) != k:  # "²" and "٣" are digits to Python
+                raise ValueError(f"keys are token ids (strings of the digits 0-9, no leading zeros), got {k!r}")
             if not -100 <= b <= 100:
                 raise ValueError(f"values are in [-100, 100], got {b} for token {k}")
         return v
