@@ -245,10 +245,10 @@ class FakeDaemon:
         while not self._go.wait(0.01):
             if s.cancel.is_set():
                 break
-        for b in data:
+        for at, b in enumerate(data):
             if s.cancel.is_set():
                 break
-            ev = {"type": "token", "token": b, "text": bytes([b]).decode("latin-1")}
+            ev = {"type": "token", "token": b, "text": bytes([b]).decode("latin-1"), "at": at}
             if params.logprobs is not None:
                 ev["logprob"], ev["top_logprobs"] = -0.5, [(b, -0.5)] * n_top
             generated.append(b)

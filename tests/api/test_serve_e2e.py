@@ -112,7 +112,9 @@ def test_completions_echo_logprobs(http):
     assert n == r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert all(x <= 0 for x in lp["token_logprobs"][1:])
-    assert all(len(t) <= 2 for t in lp["top_logprobs"][1:])
+    # up to logprobs + 1 alternatives: the token itself is always among them, as OpenAI's
+    assert all(len(t) <= 3 and t[tok] == x
+               for tok, x, t in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True))
     assert r["choices"][0]["text"].startswith("The capital of France is")
     for tok, lp_, top in zip(lp["tokens"][-2:], lp["token_logprobs"][-2:], lp["top_logprobs"][-2:], strict=True):
         assert top[tok] == lp_ == max(top.values())  # greedy: each generated token is the most likely one
@@ -226,3 +228,27 @@ def test_sigterm_leaves_no_socket_and_a_consistent_journal(tmp_path: Path, smoll
             assert got["context_tokens"] >= rec.kv_length
             again = c.post("/v1/completions", json={"prompt": " 10,", "max_tokens": 2, "session": sid}).json()
             assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == rec.kv_length  # nothing recomputed
+
+
+def test_log_probabilities_follow_the_text_a_stop_string_cuts(http):
+    """A stop string spanning tokens takes them out of the text and out of the log-probabilities: the
+    listed tokens spell the text, and every offset indexes it (completions and chat alike)."""
+    ask = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    full = http.post("/v1/completions", json=ask).json()["choices"][0]
+    toks = full["logprobs"]["tokens"]
+    assert "".join(toks) == full["text"] and len(toks) >= 5
+    stop = toks[2][-1] + toks[3] + toks[4][:1]  # from the end of the third token into the fifth
+    cut = http.post("/v1/completions", json={**ask, "stop": [stop]}).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["text"] == full["text"][: full["text"].index(stop)]
+    lp = cut["logprobs"]
+    assert "".join(lp["tokens"]) == toks[0] + toks[1] + toks[2] and "".join(toks[:3]).startswith(cut["text"])
+    assert all(o < len(cut["text"]) for o in lp["text_offset"])
+    chat = {"messages": QUESTION, "max_tokens": 8, "temperature": 0, "logprobs": True}
+    whole = http.post("/v1/chat/completions", json=chat).json()["choices"][0]
+    words = [c["token"] for c in whole["logprobs"]["content"]]
+    assert "".join(words) == whole["message"]["content"]  # the end-of-turn token is not listed
+    stop = words[1][-1] + words[2]
+    cut = http.post("/v1/chat/completions", json={**chat, "stop": stop}).json()["choices"][0]
+    content = cut["message"]["content"]
+    assert content == whole["message"]["content"][: whole["message"]["content"].index(stop)]
+    assert "".join(c["token"] for c in cut["logprobs"]["content"]) == words[0] + words[1]

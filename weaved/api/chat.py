@@ -21,7 +21,7 @@ from weaved.agent.stream import Answer, AnswerParser
 from weaved.agent.tool_results import check_tool_results
 from weaved.api.agent_models import answer_spec
 from weaved.api.choices import collect_all, merged, start_choices, total_usage, watch
-from weaved.api.logprobs import chat_entry
+from weaved.api.logprobs import TextGate, chat_entry
 from weaved.api.models import ChatRequest
 from weaved.api.params import chat_params, check_model, check_vocab
 from weaved.api.sse import DONE, frame, sse_response, stream_chunk
@@ -126,10 +126,20 @@ def _choice(turn: Turn, index: int, meta: _Meta, events: list[dict], tokenizer) 
     ans = parser.answer
     logprobs = None
     if meta.logprobs:
-        logprobs = {"content": [chat_entry(tokenizer, ev["token"], ev["logprob"], ev.get("top_logprobs", ()))
-                                for ev in events if ev["type"] == "token" and "logprob" in ev]}
+        gate, content = TextGate(), []
+        for ev in events:
+            if ev["type"] == "token":
+                content += gate.push(ev, _entry(tokenizer, ev))
+        logprobs = {"content": content}
     return {"index": index, "message": assistant_message(ans), "logprobs": logprobs,
             "finish_reason": finish_reason(turn, ans)}
+
+
+def _entry(tokenizer, ev: dict) -> dict | None:
+    """A token event's ``logprobs.content`` item (None for an event without one)."""
+    if "logprob" not in ev:
+        return None
+    return chat_entry(tokenizer, ev["token"], ev["logprob"], ev.get("top_logprobs", ()))
 
 
 def _body(turns: list[Turn], meta: _Meta, events: list[list[dict]], tokenizer) -> dict:
@@ -150,6 +160,7 @@ async def _stream(request: Request, turns: list[Turn], meta: _Meta, usage: bool)
     finishing chunks."""
     tokenizer = turns[0].state.daemon.tokenizer
     parsers = [_parser(t) for t in turns]
+    gates = [TextGate() for _ in turns]  # each choice's log-probabilities go out with their text
     watcher = asyncio.create_task(watch(request, turns))
     try:
         for i, t in enumerate(turns):
@@ -157,10 +168,8 @@ async def _stream(request: Request, turns: list[Turn], meta: _Meta, usage: bool)
         async for i, ev in merged(turns):
             t, parser = turns[i], parsers[i]
             if ev["type"] == "token":
-                lp = None
-                if meta.logprobs and "logprob" in ev:
-                    lp = {"content": [chat_entry(tokenizer, ev["token"], ev["logprob"],
-                                                 ev.get("top_logprobs", ()))]}
+                released = gates[i].push(ev, _entry(tokenizer, ev)) if meta.logprobs else []
+                lp = {"content": released} if released else None
                 deltas = parser.push_token(ev["text"])
                 t.reasoning_tokens = parser.reasoning_tokens
                 if not deltas and lp is not None:

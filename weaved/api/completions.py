@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from weaved.api.choices import collect_all, merged, start_choices, total_usage, watch
-from weaved.api.logprobs import CompletionLogprobs
+from weaved.api.logprobs import CompletionLogprobs, TextGate
 from weaved.api.models import CompletionRequest
 from weaved.api.params import check_model, check_vocab, completion_params, session_from
 from weaved.api.sse import DONE, frame, sse_response, stream_chunk
@@ -73,30 +73,44 @@ class _Meta:
         self.echo = echo
 
 
-def _add(lps: CompletionLogprobs, ev: dict, echo: str = "") -> None:
-    """Add a ``prompt_logprobs`` or ``token`` event's entries.  A BOS the tokenizer put in front of the
-    prompt stays an entry (the entries are the model's positions) but is not in the echoed text: it takes
-    no room there, so every offset indexes the text."""
-    if ev["type"] == "prompt_logprobs":
-        bos, bos_text = getattr(lps.tokenizer, "bos_id", None), getattr(lps.tokenizer, "bos_text", "")
-        for token_id, lp, top in ev["items"]:
-            first_bos = not len(lps) and lp is None and bos is not None and token_id == bos
-            lps.add(token_id, lp, top, in_text=not (first_bos and not echo.startswith(bos_text)))
-    elif ev["type"] == "token" and "logprob" in ev:
-        lps.add(ev["token"], ev["logprob"], ev.get("top_logprobs", ()))
+class _Entries:
+    """One choice's log-probability entries as its events arrive: the prompt's (echo), then the generated
+    tokens' that its text holds (``TextGate``)."""
+
+    def __init__(self, tokenizer, echo: str):
+        self.lps = CompletionLogprobs(tokenizer, text_start=len(echo))
+        self.echo = echo
+        self.gate = TextGate()
+
+    def add(self, ev: dict) -> None:
+        """A ``prompt_logprobs`` or ``token`` event.  A BOS the tokenizer put in front of the prompt stays
+        an entry (the entries are the model's positions) but is not in the echoed text: it takes no room
+        there, so every offset indexes the text."""
+        lps = self.lps
+        if ev["type"] == "prompt_logprobs":
+            bos, bos_text = getattr(lps.tokenizer, "bos_id", None), getattr(lps.tokenizer, "bos_text", "")
+            for token_id, lp, top in ev["items"]:
+                first_bos = not len(lps) and lp is None and bos is not None and token_id == bos
+                lps.add(token_id, lp, top, in_text=not (first_bos and not self.echo.startswith(bos_text)))
+        elif ev["type"] == "token":
+            entry = (ev["token"], ev["logprob"], ev.get("top_logprobs", ()), ev.get("at", self.gate.sent)) \
+                if "logprob" in ev else None
+            for token_id, lp, top, at in self.gate.push(ev, entry):
+                lps.add_generated(token_id, lp, top, at)
+
+    def take(self) -> dict | None:
+        """The entries since the last take (one streamed chunk's worth), or None when there are none."""
+        return self.lps.take() if len(self.lps) else None
 
 
 def _body(turn: Turn, meta: _Meta, events: list[dict], tokenizer) -> dict:
     text = meta.echo + "".join(ev["text"] for ev in events if ev["type"] == "token")
     logprobs = None
     if meta.logprobs:
-        lps = CompletionLogprobs(tokenizer)
-        generating = False
+        entries = _Entries(tokenizer, meta.echo)
         for ev in events:
-            if ev["type"] == "token" and not generating:
-                lps.offset, generating = len(meta.echo), True  # offsets count from the end of the echo
-            _add(lps, ev, meta.echo)
-        logprobs = lps.to_dict()
+            entries.add(ev)
+        logprobs = entries.lps.to_dict()
     choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": turn.finish_reason}
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
             "choices": [choice], "usage": turn.usage, "weave": turn.weave()}
@@ -111,23 +125,22 @@ def _chunk(meta: _Meta, text: str, *, logprobs: dict | None = None, finish: str 
 async def _stream(request: Request, turn: Turn, meta: _Meta, usage: bool, tokenizer) -> AsyncIterator[bytes]:
     """Chunks of text (with logprobs).  An echoed prompt goes out whole, with its log-probabilities,
     in the first chunk - sent when the first token (or the end) arrives, so every prompt entry is in."""
-    lps = CompletionLogprobs(tokenizer)
+    entries = _Entries(tokenizer, meta.echo)
     echo_pending = bool(meta.echo)
     first = True
     turn.watch(request)
     try:
         async for ev in turn.events():
             if ev["type"] == "prompt_logprobs":
-                _add(lps, ev, meta.echo)
+                entries.add(ev)
                 continue
             if echo_pending and ev["type"] in ("token", "done"):
-                lps.offset = len(meta.echo)  # generated tokens' offsets count from the end of the prompt
-                yield frame(_chunk(meta, meta.echo, logprobs=lps.take() if meta.logprobs else None, usage=usage,
-                                   weave=turn.weave()))
+                prompt_lp = (entries.take() or CompletionLogprobs(tokenizer).to_dict()) if meta.logprobs else None
+                yield frame(_chunk(meta, meta.echo, logprobs=prompt_lp, usage=usage, weave=turn.weave()))
                 echo_pending, first = False, False
             if ev["type"] == "token":
-                _add(lps, ev)
-                lp = lps.take() if meta.logprobs and len(lps) else None
+                entries.add(ev)
+                lp = entries.take() if meta.logprobs else None
                 if ev["text"] or lp is not None:
                     yield frame(_chunk(meta, ev["text"], logprobs=lp, usage=usage,
                                        weave=turn.weave() if first else None))
@@ -148,14 +161,14 @@ async def _stream(request: Request, turn: Turn, meta: _Meta, usage: bool, tokeni
 async def _stream_choices(request: Request, turns: list[Turn], meta: _Meta, usage: bool,
                           tokenizer) -> AsyncIterator[bytes]:
     """n choices' chunks, merged as they come, each with its index (no echo: refused with n > 1)."""
-    logs = [CompletionLogprobs(tokenizer) for _ in turns]
+    logs = [_Entries(tokenizer, "") for _ in turns]
     watcher = asyncio.create_task(watch(request, turns))
     try:
         async for i, ev in merged(turns):
             t = turns[i]
             if ev["type"] == "token":
-                _add(logs[i], ev)
-                lp = logs[i].take() if meta.logprobs and len(logs[i]) else None
+                logs[i].add(ev)
+                lp = logs[i].take() if meta.logprobs else None
                 if ev["text"] or lp is not None:
                     yield frame(_chunk(meta, ev["text"], logprobs=lp, usage=usage, index=i))
             elif ev["type"] == "done":

@@ -7,6 +7,7 @@ character, which ``bytes`` then carries exactly).
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterable
 
 
@@ -25,16 +26,50 @@ def chat_entry(tokenizer, token_id: int, logprob: float, top: Iterable[tuple[int
     return {"token": text, "logprob": float(logprob), "bytes": list(raw), "top_logprobs": alts}
 
 
+class TextGate:
+    """Which generated tokens' log-probability entries an answer keeps: those whose text it returns.
+
+    A token event's ``at`` is where its decoded piece starts in the generated text.  An entry whose
+    piece starts before the end of the text sent so far is in that text and goes out; one at or past
+    it waits - its text is held back (it may start a stop string, or it is the first bytes of a
+    character) - until the text reaches it.  What still waits when the turn ends never goes out: a
+    stop string or stop token took its text.  Entries keep their order."""
+
+    def __init__(self) -> None:
+        self.sent = 0  # characters of generated text sent
+        self._waiting: list[tuple[int, object]] = []
+
+    def push(self, ev: dict, entry: object | None) -> list:
+        """A token event (``entry``: its entry, or None without log-probabilities): the entries its text
+        releases, in order."""
+        at = ev.get("at", self.sent)
+        self.sent += len(ev["text"])
+        if entry is not None:
+            self._waiting.append((at, entry))
+        n = 0
+        while n < len(self._waiting) and self._waiting[n][0] < self.sent:
+            n += 1
+        out = [e for _, e in self._waiting[:n]]
+        del self._waiting[:n]
+        return out
+
+
 class CompletionLogprobs:
     """Builds ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` as tokens arrive.
 
-    ``text_offset`` is each token's character offset in the choice's text; the first prompt token
-    (nothing before it to predict it) has ``None`` for its log-probability and its alternatives.
+    ``text_offset`` is each token's character offset in the choice's text: a prompt token's counts the
+    echoed prompt's characters before it (decoded as a stream: a character split over two tokens is
+    counted once), a generated token's is ``text_start`` (the echo's length) plus its ``at``.  The
+    first prompt token (nothing before it to predict it) has ``None`` for its log-probability and
+    its alternatives.  ``top_logprobs`` always holds the token itself beside its alternatives (as
+    OpenAI's "up to logprobs + 1").
     """
 
-    def __init__(self, tokenizer, offset: int = 0):
+    def __init__(self, tokenizer, text_start: int = 0):
         self.tokenizer = tokenizer
-        self.offset = offset
+        self.offset = 0  # the echoed prompt's characters so far
+        self.text_start = text_start
+        self._prompt = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.tokens: list[str] = []
         self.token_logprobs: list[float | None] = []
         self.top_logprobs: list[dict[str, float] | None] = []
@@ -42,8 +77,18 @@ class CompletionLogprobs:
 
     def add(self, token_id: int, logprob: float | None, top: Iterable[tuple[int, float]] | None,
             in_text: bool = True) -> None:
-        """One token's entry; ``in_text`` False for a token the choice's text does not hold (a BOS the
-        tokenizer added): its offset is where the text starts, and it moves no later offset."""
+        """A prompt token's entry; ``in_text`` False for a token the choice's text does not hold (a BOS
+        the tokenizer added): its offset is where the text starts, and it moves no later offset."""
+        self._entry(token_id, logprob, top, self.offset)
+        if in_text:
+            self.offset += len(self._prompt.decode(self.tokenizer.token_bytes(token_id)))
+
+    def add_generated(self, token_id: int, logprob: float, top: Iterable[tuple[int, float]] | None,
+                      at: int) -> None:
+        """A generated token's entry; ``at``: where its piece starts in the generated text."""
+        self._entry(token_id, logprob, top, self.text_start + at)
+
+    def _entry(self, token_id: int, logprob: float | None, top, offset: int) -> None:
         text, _ = token_piece(self.tokenizer, token_id)
         self.tokens.append(text)
         self.token_logprobs.append(None if logprob is None else float(logprob))
@@ -53,9 +98,9 @@ class CompletionLogprobs:
             alts: dict[str, float] = {}
             for alt_id, alt_lp in top or ():
                 alts.setdefault(token_piece(self.tokenizer, alt_id)[0], float(alt_lp))
+            alts.setdefault(text, float(logprob))
             self.top_logprobs.append(alts)
-        self.text_offset.append(self.offset)
-        self.offset += len(text) if in_text else 0
+        self.text_offset.append(offset)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -75,6 +75,7 @@ class Sequence:
     error: str | None = None
     sampler: Sampler = field(init=False)
     text: list[str] = field(default_factory=list)  # emitted output text pieces
+    piece_chars: int = 0  # characters the generated tokens decoded to (before the stop checks)
     prefilled: int = 0  # prompt tokens fed this turn
     prev_row: np.ndarray | None = None  # last logits row of the previous prefill chunk (prompt logprobs)
     # called (engine thread) once the prefill is done and the first token sampled: the daemon moves the

@@ -73,7 +73,10 @@ class TurnOutput:
         text = step.text if step is not None else piece
         if text:
             s.text.append(text)
-        ev = {"type": "token", "token": tok, "text": text}
+        # "at": where this token's decoded piece starts in the generated text - the API keeps a token's
+        # log-probability only where the text it returns reaches that far (a stop string's tokens go)
+        ev = {"type": "token", "token": tok, "text": text, "at": s.piece_chars}
+        s.piece_chars += len(piece)
         if lp is not None:
             ev["logprob"], ev["top_logprobs"] = lp
         self.emit(s, ev)
