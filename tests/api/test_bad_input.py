@@ -214,6 +214,13 @@ def test_unknown_routes_and_methods(client, bystander):
     assert "no such endpoint" in assert_error(client.get("/v1/nothing"), 404, type_="not_found_error")["message"]
     assert_error(client.get(CHAT), 405)
     assert_error(client.put("/v1/sessions", json={}), 405)
+    # HEAD wherever GET answers: the same status and headers, no body
+    for path in ("/health", "/v1/models", "/v1/sessions", "/v1/status"):
+        got, head = client.get(path), client.head(path)
+        assert head.status_code == got.status_code == 200 and head.content == b""
+        assert head.headers["content-type"] == got.headers["content-type"]
+    assert client.head("/v1/nothing").status_code == 404 and client.head(CHAT).status_code == 405
+    assert client.head("/v1/events").status_code == 405  # a stream that never ends by itself: GET only
 
 
 def test_oversized_body(client, bystander, monkeypatch):

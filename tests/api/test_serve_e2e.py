@@ -252,3 +252,9 @@ def test_log_probabilities_follow_the_text_a_stop_string_cuts(http):
     content = cut["message"]["content"]
     assert content == whole["message"]["content"][: whole["message"]["content"].index(stop)]
     assert "".join(c["token"] for c in cut["logprobs"]["content"]) == words[0] + words[1]
+
+
+def test_head_answers_where_get_does_and_the_connection_stays_usable(http):
+    head = http.head("/health")
+    assert head.status_code == 200 and head.content == b""
+    assert http.get("/health").status_code == 200  # the next request on the same connection

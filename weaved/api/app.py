@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from weaved import http_errors
 from weaved.api import input_items, openai, peers, responses, sessions, system
 from weaved.api.state import ApiState
 from weaved.metrics import Metrics
+
+STREAMS = ("/v1/events",)  # GET routes whose answer never ends by itself
 
 
 class RequestMetrics:
@@ -44,6 +47,9 @@ def create_app(daemon, *, metrics: Metrics | None = None) -> FastAPI:
     app.state.weave = state
     http_errors.install(app)
     for module in (openai, responses, input_items, sessions, system, peers):
+        for route in module.router.routes:  # HEAD wherever GET answers (RFC 9110; probes use it), not a stream
+            if isinstance(route, APIRoute) and "GET" in route.methods and route.path not in STREAMS:
+                route.methods.add("HEAD")
         app.include_router(module.router)
     app.add_middleware(RequestMetrics, metrics=state.metrics)
     return app
