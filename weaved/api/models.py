@@ -109,11 +109,18 @@ MAX_LOGIT_BIAS = 300  # logit_bias entries per request
 INERT_FIELDS = frozenset({"metadata", "store", "user", "service_tier", "prompt_cache_key", "safety_identifier",
                           "prompt_cache_retention"})
 
+INERT_TYPES = {"store": (bool, "a boolean"), "user": (str, "a string"), "service_tier": (str, "a string"),
+               "prompt_cache_key": (str, "a string"), "safety_identifier": (str, "a string"),
+               "prompt_cache_retention": (str, "a string")}
+
 
 def inert_field_problem(name: str, value: Any, *, stored: bool) -> str | None:
     """Why an inert field's value is refused (None: it is fine).  ``metadata`` has OpenAI's shape (at
     most 16 string values of at most 512 characters, keys of at most 64); ``store`` true is refused where
-    nothing is stored (``stored`` False: chat completions keep nothing to retrieve)."""
+    nothing is stored (``stored`` False: chat completions keep nothing to retrieve).  Each has OpenAI's
+    type (a wrong one is an error, as there)."""
+    if value is not None and name in INERT_TYPES and not isinstance(value, INERT_TYPES[name][0]):
+        return f"{name} must be {INERT_TYPES[name][1]}, got {type(value).__name__}"
     if name == "store" and value not in (None, False) and not stored:
         return ("store: true is not offered here (nothing is kept to retrieve): use the Responses API, "
                 "which stores by default, or a session")
