@@ -45,7 +45,7 @@ def test_compiled_chain_draws_what_the_numpy_chain_draws(vocab):
         if i % 5 == 0:  # masked tokens
             x[rng.integers(0, vocab, vocab // 3)] = -np.inf
         k = int(rng.choice([1, 5, 40, 300]))
-        top_p = float(rng.choice([1.0, 0.95, 0.5]))
+        top_p = float(rng.choice([1.0, 0.95, 0.5, 0.0]))
         min_p = float(rng.choice([0.0, 0.05, 0.3]))
         temp = float(rng.choice([0.3, 0.7, 1.0, 1.8]))
         u = float(rng.random())

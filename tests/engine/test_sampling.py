@@ -112,6 +112,7 @@ def test_top_p_keeps_shortest_prefix_reaching_p():
     assert top_p_filter(_ids(4), vals, 0.8)[0].tolist() == [1, 2, 3]
     assert top_p_filter(_ids(4), vals, 0.95)[0].tolist() == [1, 2, 3, 0]
     assert top_p_filter(_ids(4), vals, 0.01)[0].tolist() == [1]
+    assert top_p_filter(_ids(4), vals, 0.0)[0].tolist() == [1]  # OpenAI's top_p 0: the most probable
 
 
 def test_top_p_on_flat_large_vocab_grows_past_first_selection():
@@ -206,7 +207,7 @@ def test_logprobs_of_is_stable_for_large_logits():
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
         ({"top_k": -1}, "top_k"),
-        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": -0.5}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"min_p": -0.5}, "min_p"),
         ({"min_p": 1.01}, "min_p"),

@@ -143,7 +143,7 @@ class Sampling(BaseModel):
     model: str | None = None  # the served model's name or "default" (else 404 model_not_found)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)  # OpenAI's range
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)  # 0: the most probable alone
     top_k: int | None = Field(None, ge=0)  # extension (as vLLM and llama.cpp)
     min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)  # extension
     repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # extension

@@ -154,7 +154,7 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)  # 0: the most probable alone
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # extension (a negative one: its two's complement)
     truncation: Literal["disabled"] | None = None  # "auto" would drop context: refused
     chat_template_kwargs: dict[str, Any] | None = None  # extension, as on chat completions

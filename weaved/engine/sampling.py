@@ -74,7 +74,7 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, lo=1)
         _check_float("temperature", self.temperature, lo=0.0)
         _check_int("top_k", self.top_k, lo=0)
-        _check_float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
+        _check_float("top_p", self.top_p, lo=0.0, hi=1.0)  # 0 keeps the most probable token (llama.cpp)
         _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
         _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
         _check_int("repeat_last_n", self.repeat_last_n, lo=-1)
