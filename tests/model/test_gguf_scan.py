@@ -62,6 +62,9 @@ def test_tensors_match_gguf_reader(smollm2_reader):
 def test_errors(tmp_path):
     with pytest.raises(FileNotFoundError):
         scan_gguf(tmp_path / "missing.gguf")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.gguf is not a readable GGUF file: it is empty"):
+        scan_gguf(tmp_path / "empty.gguf")
     (tmp_path / "text.gguf").write_text("not a model at all, just some text")
     with pytest.raises(ValueError, match="not a readable GGUF"):
         scan_gguf(tmp_path / "text.gguf")
@@ -74,3 +77,21 @@ def test_errors(tmp_path):
     (tmp_path / "short.gguf").write_bytes(shipped_smollm2_path().read_bytes()[: header.data_offset + 1000])
     with pytest.raises(ValueError, match="truncated"):
         tensor_views(tmp_path / "short.gguf", scan_gguf(tmp_path / "short.gguf"))
+
+
+def test_a_file_without_a_tokenizer_is_refused_by_name(tmp_path):
+    """llama.cpp's own failure only says it could not load the file: the missing vocabulary is named."""
+    import gguf
+    import numpy as np
+
+    from weaved.model.tokenizer import Tokenizer
+
+    path = tmp_path / "notok.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"notok\.gguf has no tokenizer \(no tokenizer\.ggml\.model key\)"):
+        Tokenizer(path)

@@ -96,6 +96,8 @@ def scan_gguf(path: str | os.PathLike[str], want: Callable[[str], bool] = lambda
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such model file: {path}")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is not a readable GGUF file: it is empty")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
             return _Scanner(buf).header(want)

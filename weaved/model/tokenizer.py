@@ -26,8 +26,11 @@ class Tokenizer:
 
         quiet_llama_logs(llama_cpp)
         self.path = Path(path)
-        self._llama = llama_cpp.Llama(str(self.path), vocab_only=True, verbose=False)
         meta = gguf or GGUFFile(self.path)
+        if meta.get("tokenizer.ggml.model") is None:  # llama.cpp would only say it failed to load the file
+            raise ValueError(f"{self.path} has no tokenizer (no tokenizer.ggml.model key): Weave needs the "
+                             f"model's vocabulary in the file, as llama.cpp does")
+        self._llama = llama_cpp.Llama(str(self.path), vocab_only=True, verbose=False)
         self.vocab_size = int(self._llama.n_vocab())
         self.bos_id = _opt_int(meta.get("tokenizer.ggml.bos_token_id"))
         self.eos_id = _opt_int(meta.get("tokenizer.ggml.eos_token_id"))
