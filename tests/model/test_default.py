@@ -79,6 +79,12 @@ def test_ensure_native_converts_once(cache, tmp_path):
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     assert ensure_native(copy, log=logs.append) == ensure_native(src, log=logs.append) == first
     assert len(logs) == 2
+    # and so is a copy under another name: the conversion is linked under that name (served by it)
+    renamed = tmp_path / "elsewhere" / "renamed-q4_1.gguf"
+    shutil.copyfile(src, renamed)
+    linked = ensure_native(renamed, log=logs.append)
+    assert linked.name == converted_name(renamed) and linked != first and len(logs) == 2
+    assert linked.stat().st_ino == first.stat().st_ino  # one file on disk
     # a changed source (other weights, the same size and header) is converted again, under a new name
     write_tiny_gguf(src, n_layers=1, wtype=Q.Q4_1, seed=1)
     changed = ensure_native(src, log=logs.append)

@@ -5,7 +5,8 @@ converted to the shared Q4_0 format the first time it is needed and reused from 
 A model given on the command line whose tensors the engine cannot run natively is converted the same
 way. Converted files are named after the source's content (``content_digest``: its size, header and
 sampled bytes, and the converter's version), so a copy of a file, or a file touched, reuses its
-conversion, a changed source is converted again, and a stale copy is never used.
+conversion (a copy under another name gets a hard link to it under that name, served by that name), a
+changed source is converted again, and a stale copy is never used.
 
 Concurrent processes are safe: conversion runs under an exclusive lock on a file beside the target
 and the target appears by an atomic rename, so nobody ever sees a partial file and the work is done
@@ -139,9 +140,25 @@ def served_name(path: Path) -> str:
     return _QUANT_TAG.sub("", stem) or stem
 
 
+def _link_same_content(target: Path) -> bool:
+    """A conversion of the same content under another file's name (a copy of a model, renamed) is linked
+    as ``target`` (no second conversion, no second copy on disk): True when it was."""
+    digest_suffix = target.name[target.name.rindex("-", 0, target.name.rindex("-")):]  # "-<digest>-q4_0.gguf"
+    for other in sorted(target.parent.glob("*" + digest_suffix)) if target.parent.is_dir() else ():
+        if other.is_file() and not other.name.endswith(".lock"):
+            try:
+                os.link(other, target)
+            except FileExistsError:
+                pass  # another process linked or converted it meanwhile
+            except OSError:
+                return False  # a file system without hard links: convert
+            return target.is_file()
+    return False
+
+
 def _converted_copy(src: Path, progress: ProgressFn | None, log: Callable[[str], None] | None = None) -> Path:
     target = models_dir() / converted_name(src)
-    if target.is_file():
+    if target.is_file() or _link_same_content(target):
         return target
     from weaved.model.architectures import read_config
     from weaved.model.gguf_file import GGUFFile
