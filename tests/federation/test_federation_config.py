@@ -87,3 +87,17 @@ def test_weave_serve_notes_a_token_that_serves_nothing(tmp_path):
                                  "--model", str(tmp_path / "missing.gguf")], env={"WEAVE_API_KEY": None})
     assert "sets a token, but neither a port nor peers" in r.output  # said before the model is looked at
     assert r.exit_code == 2 and "model file not found" in r.output
+
+
+def test_ring_heads_that_do_not_divide_the_models_are_refused_at_start(tmp_path):
+    """The profile cannot know the model: the ring's pool, built at start, checks the value against it."""
+    from types import SimpleNamespace
+
+    from weaved.federation.service import ring_factory
+
+    prof = load(tmp_path, '[federation]\ntoken = "t"\nring_heads_per_group = 7\n')
+    daemon = SimpleNamespace(profile=prof, config=SimpleNamespace(n_kv_heads=3))
+    make = ring_factory(daemon, FederationListen("127.0.0.1", 0, "t"))
+    with pytest.raises(ValueError, match=r"ring_heads_per_group = 7 must divide the model's 3 kv heads "
+                                         r"\(e\.g\. 1, 3\)"):
+        make(None, None)
