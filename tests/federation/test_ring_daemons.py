@@ -136,7 +136,7 @@ def test_a_single_node_refuses_a_context_over_its_cap(nodes):
         r = http.post("/v1/sessions", json={"max_context": RING_CONTEXT})
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]
-    assert f"this node holds at most {NODE_TOKENS}" in msg and "no peer is alive" in msg
+    assert f"this node holds at most {NODE_TOKENS}" in msg and "no peer serving this model is alive" in msg
 
 
 def test_joining_a_group_needs_the_token_and_the_same_model(nodes):

@@ -95,7 +95,7 @@ def test_context_beyond_the_node_without_peers_is_refused_clearly():
     with pytest.raises(RoutingError) as info:
         place(req(BG, prompt=10, max_context=300_000), state(*HOST, ring(), peers=0), TH)
     msg = str(info.value)
-    assert "300000" in msg and "200000" in msg and "no peer is alive" in msg and "[[peers]]" in msg
+    assert "300000" in msg and "200000" in msg and "no peer serving this model is alive" in msg and "[[peers]]" in msg
 
 
 def test_context_beyond_the_node_without_a_ring_pool_is_refused_clearly():

@@ -257,8 +257,9 @@ def _beyond_node(req: SessionRequest, state: SystemState, th: RoutingThresholds,
     if state.peers_alive == 0:
         raise RoutingError(
             f"the session needs up to {ctx} tokens of context but this node holds at most {limit}; Q-Ring "
-            f"decode would spread its KV across peers, but no peer is alive. Federate peers ([[peers]] in "
-            f"the profile), raise the node's KV cap, or ask for a smaller max_context.")
+            f"decode would spread its KV across peers, but no peer serving this model is alive (weave peers "
+            f"lists them). Federate peers that serve it ([[peers]] in the profile), raise the node's KV cap, "
+            f"or ask for a smaller max_context.")
     ring = _ring(state)
     if ring is None:
         raise RoutingError(

@@ -162,7 +162,7 @@ def pool_state(cfg: PoolConfig, *, free_kv_tokens: int, batch_depth: int = 0, qu
 @dataclass(frozen=True)
 class SystemState:
     pools: tuple[PoolState, ...]
-    peers_alive: int  # federated peers answering health checks
+    peers_alive: int  # federated peers answering health checks that serve this model
     ring_batch_depth: int  # decode sessions sharing the Q-Ring across the federation now
     node_kv_tokens: int  # the most context this node holds (its KV cap / the model's KV bytes per token)
     pipeline_possible: bool  # peers with capacity to fill a prefill pipeline
