@@ -180,7 +180,7 @@ def test_a_session_created_empty_is_placed_again_by_its_first_turn(daemon):
     events, h = run_turn(daemon, sid, "Tell me about the sea and the sky")
     after = daemon.get_session(sid)["placement"]
     # the same pools and priority: it stays, and its reasons speak of the real prompt
-    assert after["reasons"][0] == f"its first turn ({h.prompt_tokens} prompt tokens to compute) keeps its placement"
+    assert after["reasons"][0] == f"kept where it was at its first turn ({h.prompt_tokens} prompt tokens to compute)"
     assert {k: v for k, v in after.items() if k != "reasons"} == {k: v for k, v in first.items() if k != "reasons"}
     assert any(f"short prompt ({h.prompt_tokens} <" in r for r in after["reasons"])
     assert h.placement == after  # what the API reports for the turn

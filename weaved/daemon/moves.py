@@ -145,7 +145,7 @@ class SessionMoves:
             # the same pools and priority: it stays, and its reasons now say why with the real prompt (the
             # old ones spoke of an empty one); the free KV in reasons changes by itself, so not compared
             s.placement = dataclasses.replace(s.placement, reasons=(
-                f"its first turn ({n_prompt} prompt tokens to compute) keeps its placement", *new.reasons))
+                f"kept where it was at its first turn ({n_prompt} prompt tokens to compute)", *new.reasons))
             if not s.ephemeral:
                 self.journal.set_placement(s.id, s.placement.to_dict())
             return None
