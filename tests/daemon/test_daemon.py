@@ -172,6 +172,23 @@ def test_sessions_recovered_past_a_lowered_kv_cap_are_noted(tiny_llama, tmp_path
         d.shutdown()
 
 
+def test_a_kv_cap_beyond_the_disk_is_noted(tiny_llama, tmp_path):
+    """The KV files live in the data directory: a cap its disk cannot hold is said at start (sessions
+    past it would fail on a full disk instead of being refused)."""
+    import dataclasses
+    import shutil
+
+    prof = load_profile("cpu-only")
+    huge = shutil.disk_usage(tmp_path).total * 4
+    d = Daemon(dataclasses.replace(prof, host=dataclasses.replace(prof.host, kv_cap_bytes=huge)), tiny_llama,
+               data_dir=tmp_path / "data", log_fn=lambda m: None)
+    d.load()
+    try:
+        assert any("more than the data directory's disk can hold" in n for n in d.status()["pool_notes"])
+    finally:
+        d.shutdown()
+
+
 def test_a_session_created_empty_is_placed_again_by_its_first_turn(daemon):
     sid = daemon.create_session(SLA(SLAClass.BACKGROUND))["id"]
     first = daemon.get_session(sid)["placement"]

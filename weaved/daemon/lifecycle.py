@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from collections.abc import Callable
 
 from weaved.agent.grammar import GrammarEngine
@@ -134,6 +135,13 @@ class DaemonLifecycle:
             self.pool_notes.append(f"the recovered sessions reserve {reserved / 2**20:.1f} MiB of KV, more than the "
                                    f"cap of {cap / 2**20:.1f} MiB: a new session finds no room until some are "
                                    f"deleted (weave rm) or the cap (host.kv_cap_bytes) is raised")
+            self.log(f"note: {self.pool_notes[-1]}")
+        room = shutil.disk_usage(self.data_dir).free + reserved  # the KV files live there
+        if cap > room:  # the cap is what the router counts on: a full disk would fail turns first
+            self.pool_notes.append(f"the KV cap (host.kv_cap_bytes, {cap / 2**30:.1f} GiB) is more than the data "
+                                   f"directory's disk can hold ({room / 2**30:.1f} GiB free with the sessions' KV): "
+                                   f"sessions past it fail with a full disk rather than being refused; lower the "
+                                   f"cap, or use \"auto\"")
             self.log(f"note: {self.pool_notes[-1]}")
         if not drive:
             return
