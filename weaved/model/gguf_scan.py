@@ -101,7 +101,10 @@ def scan_gguf(path: str | os.PathLike[str], want: Callable[[str], bool] = lambda
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
             return _Scanner(buf).header(want)
-        except (struct.error, ValueError, UnicodeDecodeError) as exc:
+        except struct.error as exc:  # a read past the end: the file stops inside its header
+            raise ValueError(f"{path} is not a readable GGUF file: its header is cut short (the file "
+                             f"ends at {path.stat().st_size:,} bytes)") from exc
+        except (ValueError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
 
 
