@@ -72,6 +72,6 @@ def api_stats(http, text: str, tokens: list[int]) -> TokenStats:
     assert len(lps["tokens"]) == n + 1, (len(lps["tokens"]), n)  # the prompt, then the generated token
     assert lps["token_logprobs"][0] is None
     top = np.empty(n - 1, object)
-    for t in range(1, n):
-        (top[t - 1], _), = lps["top_logprobs"][t].items()
+    for t in range(1, n):  # the token itself is listed beside its top alternative: take the most probable
+        top[t - 1] = max(lps["top_logprobs"][t].items(), key=lambda kv: kv[1])[0]
     return TokenStats(np.array(lps["token_logprobs"][1:n], np.float64), top)
