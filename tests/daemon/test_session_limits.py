@@ -116,9 +116,12 @@ def test_a_fork_keeps_its_parent_and_its_answers_finish_reasons_and_calls_across
     first = d.fork_session(sid, turn=1)["id"]
     want = {c: [(m["role"], m.get("finish_reason")) for m in d.get_session(c)["messages"]] for c in (whole, first)}
     assert want[whole][1] == ("assistant", "length") and len(want[first]) == 2
+    context = {c: d.get_session(c)["context_tokens"] for c in (sid, whole, first)}
+    assert context[whole] == context[sid]  # the parent's unfed last token too
     d.shutdown()
     d = make_daemon(tiny_llama, tmp_path / "data")
     try:
+        assert {c: d.get_session(c)["context_tokens"] for c in (sid, whole, first)} == context
         for c in (whole, first):
             assert [(m["role"], m.get("finish_reason")) for m in d.get_session(c)["messages"]] == want[c]
             assert d.get_session(c)["forked_from"] == sid  # the lineage is kept, also past the parent's end

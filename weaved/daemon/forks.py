@@ -42,12 +42,16 @@ class SessionForks:
             child.tail = tail
             child.messages.extend(dict(m) for m in messages)
             self.journal.commit_tokens(cid, tokens, len(tokens))
-            for m in messages:  # recorded after the tokens: a restart sees finished turns, nothing unfed
+            last = len(messages) - 1
+            for i, m in enumerate(messages):  # recorded after the tokens: a restart sees finished turns
+                # the unfed tail (the last answer's sampled token) is recorded as that answer's ids past an
+                # empty input, which is how a restart finds it (``recovery.unfed_tail``)
+                ids = (tail if i == last else []) if tail and i >= last - 1 else None
                 if m.get("finish_reason") is not None:  # an answer keeps why it ended (a cut call says so)
-                    self.journal.finish_message(cid, m["role"], m["content"], None, m["finish_reason"],
+                    self.journal.finish_message(cid, m["role"], m["content"], ids, m["finish_reason"],
                                                 extra=message_extra(m))
                 else:
-                    self.journal.add_message(cid, m["role"], m["content"], None, extra=message_extra(m))
+                    self.journal.add_message(cid, m["role"], m["content"], ids, extra=message_extra(m))
         self.publish("fork", {"session": cid, "parent": sid, "turn": turn, "tokens": len(tokens),
                               "shared_tokens": shared})
         return {**self.get_session(cid), "shared_tokens": shared}
