@@ -40,6 +40,25 @@ def test_session_defaults_and_sla_headers(client, fake: FakeDaemon):
     assert s["sla"]["class"] == "batch"
 
 
+def test_a_turns_sla_tags_change_what_they_name_and_keep_the_rest(client, fake: FakeDaemon):
+    sid = client.post("/v1/sessions", json={"sla": {"class": "background", "ttlt_s": 100}}).json()["id"]
+    client.post(f"/v1/sessions/{sid}/turns", json={"messages": USER, "max_tokens": 2},
+                headers={"X-Weave-TTFT-Ms": "800"})
+    sla = [c for n, c in fake.calls if n == "start_turn"][-1]["sla"]
+    assert sla.to_dict() == {"class": "background", "ttft_ms": 800.0, "ttlt_s": 100.0}
+    # a fork's tags likewise over its parent's (the route passes the parent's SLA as the base)
+    from starlette.datastructures import Headers
+
+    from weaved.api.models import SLABody
+    from weaved.api.params import sla_from
+    from weaved.routing.types import SLA, SLAClass
+
+    parent = SLA(SLAClass.BACKGROUND, None, 100.0)
+    got = sla_from(SLABody.model_validate({"class": "batch"}), Headers({}), parent)
+    assert got.to_dict() == {"class": "batch", "ttft_ms": None, "ttlt_s": 100.0}
+    assert sla_from(None, Headers({}), parent) is None  # no tags: the session's own stay
+
+
 def test_health_models_status(client):
     assert client.get("/health").json() == {"status": "ok", "model": "fake-model"}
     models = client.get("/v1/models").json()

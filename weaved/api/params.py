@@ -105,9 +105,10 @@ def _header_number(headers: Headers, name: str) -> float | None:
     return v
 
 
-def sla_from(body: SLABody | None, headers: Headers, default_class: str = SLAClass.INTERACTIVE) -> SLA | None:
-    """The request's SLA tags (body first, then headers), or None when it gives none.  Tags without a
-    class take ``default_class`` (a session's own class, for a turn of that session)."""
+def sla_from(body: SLABody | None, headers: Headers, base: SLA | None = None) -> SLA | None:
+    """The request's SLA tags (body first, then headers), or None when it gives none.  The tags it leaves
+    out are ``base``'s (a session's own, for a turn or a fork of that session; else an interactive class
+    with no targets): a turn that names only a TTFT keeps the session's class and TTLT budget."""
     cls = body.cls if body is not None else None
     ttft = body.ttft_ms if body is not None else None
     ttlt = body.ttlt_s if body is not None else None
@@ -123,8 +124,10 @@ def sla_from(body: SLABody | None, headers: Headers, default_class: str = SLACla
         ttlt = _header_number(headers, SLA_HEADERS["ttlt_s"])
     if body is None and cls is None and ttft is None and ttlt is None:
         return None
+    base = base or SLA(SLAClass.INTERACTIVE)
     try:
-        return SLA(SLAClass(cls or default_class), ttft, ttlt)
+        return SLA(SLAClass(cls) if cls is not None else base.cls, base.ttft_ms if ttft is None else ttft,
+                   base.ttlt_s if ttlt is None else ttlt)
     except ValueError as e:
         raise InvalidRequest(str(e), param="sla") from None
 

@@ -64,7 +64,8 @@ async def fork(request: Request, session_id: str) -> dict:
     if state.closing.is_set():
         raise Overloaded("the daemon is shutting down")
     req = await body.read_optional(request, SessionFork)
-    sla = sla_from(req.sla, request.headers)
+    parent = await run_in_threadpool(state.daemon.get_session, session_id)
+    sla = sla_from(req.sla, request.headers, SLA.from_dict(parent["sla"]))  # what it leaves out: the parent's
     return await run_in_threadpool(partial(state.daemon.fork_session, session_id, req.turn, sla))
 
 

@@ -193,11 +193,10 @@ def emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
 
 async def resolve(state: ApiState, session_id: str | None, sla_body: SLABody | None,
                   headers: Headers) -> tuple[dict | None, SLA | None]:
-    """The session's record (NotFound for an unknown id) and the turn's SLA tags, if it gives any (tags
-    without a class keep the session's class)."""
+    """The session's record (NotFound for an unknown id) and the turn's SLA tags, if it gives any (the
+    tags it leaves out are the session's)."""
     info = await run_in_threadpool(state.daemon.get_session, session_id) if session_id is not None else None
-    default = info["sla"]["class"] if info is not None else SLAClass.INTERACTIVE
-    return info, sla_from(sla_body, headers, default)
+    return info, sla_from(sla_body, headers, SLA.from_dict(info["sla"]) if info is not None else None)
 
 
 def named_limit(e: ContextTooLong, field: str, input_field: str = "messages") -> ContextTooLong:
