@@ -442,7 +442,7 @@ def test_device_memory(tmp_path):
             "pools[0].device_memory", "torch pools only")
 
 
-def test_a_profile_file_is_the_operators_unless_shipped(tmp_path):
+def test_a_profile_file_is_the_operators_unless_shipped(tmp_path, monkeypatch):
     from importlib.resources import files
 
     from weaved.config.profile import operator_profile_file
@@ -450,7 +450,10 @@ def test_a_profile_file_is_the_operators_unless_shipped(tmp_path):
     assert operator_profile_file(load_profile("cpu-only")) is None
     path = tmp_path / "mine.toml"
     path.write_text(files("weaved.profiles").joinpath("cpu-only.toml").read_text())
-    assert operator_profile_file(load_profile(str(path))) == str(path)
+    assert operator_profile_file(load_profile(str(path))) == str(path.resolve())
+    # given relative to where the daemon starts, it is shown whole (status is read from anywhere)
+    monkeypatch.chdir(tmp_path)
+    assert operator_profile_file(load_profile("./mine.toml")) == str(path.resolve())
 
 
 def test_more_kernel_threads_than_cpus_is_noted(tmp_path):

@@ -263,4 +263,4 @@ def operator_profile_file(profile: Profile) -> str | None:
     from importlib.resources import files
 
     src = Path(profile.source)
-    return None if src.parent == Path(str(files("weaved.profiles"))) else str(src)
+    return None if src.parent == Path(str(files("weaved.profiles"))) else str(src.resolve())
