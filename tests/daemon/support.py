@@ -23,6 +23,11 @@ def make_daemon(model: Path, data_dir: Path) -> Daemon:
 
 
 def run_turn(d: Daemon, sid: str | None, text: str, params: SamplingParams = GREEDY) -> tuple[list[dict], object]:
+    return run_to_end(d, session_id=sid, messages=[{"role": "user", "content": text}], params=params)
+
+
+def run_to_end(d: Daemon, **turn) -> tuple[list[dict], object]:
+    """``d.start_turn(**turn)`` run to its end: its events and its handle."""
     done = threading.Event()
     events: list[dict] = []
 
@@ -31,7 +36,7 @@ def run_turn(d: Daemon, sid: str | None, text: str, params: SamplingParams = GRE
         if ev["type"] in ("done", "error"):
             done.set()
 
-    h = d.start_turn(session_id=sid, messages=[{"role": "user", "content": text}], params=params, emit=emit)
+    h = d.start_turn(**turn, emit=emit)
     assert done.wait(120), "turn did not finish"
     return events, h
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import threading
 
 import pytest
 
-from tests.daemon.support import GREEDY, LONG, Stream, make_daemon, prefilled, run_turn
+from tests.daemon.support import GREEDY, LONG, Stream, make_daemon, prefilled, run_to_end, run_turn
 from weaved.config.load import load_profile
 from weaved.daemon.core import Daemon
 from weaved.daemon.journal import Journal
@@ -326,17 +325,8 @@ def test_a_prompt_whose_log_probabilities_are_asked_for_computes_every_row(daemo
     prompt = "The quick brown fox jumps over the lazy dog. Then the dog wakes up and chases the fox around."
     params = SamplingParams(max_tokens=1, temperature=0)
 
-    def echoed() -> tuple[list[dict], object]:
-        done = threading.Event()
-        events: list[dict] = []
-
-        def emit(ev: dict) -> None:
-            events.append(ev)
-            if ev["type"] in ("done", "error"):
-                done.set()
-
-        h = daemon.start_turn(session_id=None, prompt=prompt, params=params, echo=True, emit=emit)
-        assert done.wait(120), "turn did not finish"
+    def echoed() -> tuple[list, object]:
+        events, h = run_to_end(daemon, session_id=None, prompt=prompt, params=params, echo=True)
         return [i for e in events if e["type"] == "prompt_logprobs" for i in e["items"]], h
 
     first, h1 = echoed()
