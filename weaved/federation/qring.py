@@ -71,6 +71,15 @@ class RingStats:
     wait_seconds: float = 0.0  # the home blocked on returning packets: ring time the overlap did not hide
 
 
+def check_heads_per_group(n_kv_heads: int, heads_per_group: int) -> None:
+    """ValueError unless ``heads_per_group`` (the profile's ``ring_heads_per_group``: kv heads per
+    travelling packet) divides the model's kv heads."""
+    if heads_per_group < 1 or n_kv_heads % heads_per_group:
+        ok = ", ".join(str(d) for d in range(1, n_kv_heads + 1) if n_kv_heads % d == 0)
+        raise ValueError(f"[federation] ring_heads_per_group = {heads_per_group} must divide the model's "
+                         f"{n_kv_heads} kv heads (e.g. {ok})")
+
+
 class RingMember(RingServe):
     """This daemon's place in one ring: the home's driver (rank 0) or a member's serve loop
     (``RingServe.serve``).  Home operations check their arguments before the first message; once a
@@ -81,8 +90,7 @@ class RingMember(RingServe):
                  on_close: Callable[[int, KVCache], None] | None = None):
         if group.rank == HOME and (runner is None or runner.first != 0 or runner.last != config.n_layers):
             raise ValueError("the home needs a LayerRunner over every layer")
-        if heads_per_group < 1 or config.n_kv_heads % heads_per_group:
-            raise ValueError(f"heads_per_group must divide n_kv_heads ({config.n_kv_heads})")
+        check_heads_per_group(config.n_kv_heads, heads_per_group)
         self.group, self.config, self.runner = group, config, runner
         self.shards = ShardTable(config, group.rank, group.world_size, kv_factory, on_close)
         self.capacity: dict[int, int] = {}  # home: each open session's capacity (all shards)

@@ -71,23 +71,17 @@ def advertise_host(bind: str) -> str:
     return socket.gethostname() if bind in ("0.0.0.0", "::", "") else bind
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def ring_factory(daemon: Any, listen: FederationListen):
     """What ``build_pools`` calls for a ``qring`` pool: a ``RingBackend`` homing this daemon's ring
     sessions on the daemon's peers (its registry, KV store and events)."""
+    from weaved.federation.qring import check_heads_per_group
     from weaved.federation.ring_backend import RingBackend
     from weaved.federation.ring_form import FormSpec
     from weaved.kv.store import model_fingerprint
 
     def make(cfg, cpu):
         prof, fed = daemon.profile, daemon.profile.federation
-        kv_heads = daemon.config.n_kv_heads
-        if kv_heads % fed.ring_heads_per_group:  # found at start, not at the first ring turn
-            raise ValueError(f"[federation] ring_heads_per_group = {fed.ring_heads_per_group} must divide the "
-                             f"model's {kv_heads} kv heads (e.g. {', '.join(map(str, _divisors(kv_heads)))})")
+        check_heads_per_group(daemon.config.n_kv_heads, fed.ring_heads_per_group)  # at start, not a first ring turn
         spec = FormSpec(prof.host.name, advertise_host(listen.host), model_fingerprint(daemon.config),
                         fed.ring_timeout_s, fed.ring_idle_timeout_s)
         return RingBackend(cpu, daemon.peers, daemon.store, spec, heads_per_group=fed.ring_heads_per_group,
