@@ -93,8 +93,7 @@ class _Entries:
                 first_bos = not len(lps) and lp is None and bos is not None and token_id == bos
                 lps.add(token_id, lp, top, in_text=not (first_bos and not self.echo.startswith(bos_text)))
         elif ev["type"] == "token":
-            entry = (ev["token"], ev["logprob"], ev.get("top_logprobs", ()), ev.get("at", self.gate.sent)) \
-                if "logprob" in ev else None
+            entry = (ev["token"], ev["logprob"], ev.get("top_logprobs", ()), ev["at"]) if "logprob" in ev else None
             for token_id, lp, top, at in self.gate.push(ev, entry):
                 lps.add_generated(token_id, lp, top, at)
 
@@ -135,8 +134,8 @@ async def _stream(request: Request, turn: Turn, meta: _Meta, usage: bool, tokeni
                 entries.add(ev)
                 continue
             if echo_pending and ev["type"] in ("token", "done"):
-                prompt_lp = (entries.take() or CompletionLogprobs(tokenizer).to_dict()) if meta.logprobs else None
-                yield frame(_chunk(meta, meta.echo, logprobs=prompt_lp, usage=usage, weave=turn.weave()))
+                yield frame(_chunk(meta, meta.echo, logprobs=entries.lps.take() if meta.logprobs else None,
+                                   usage=usage, weave=turn.weave()))
                 echo_pending, first = False, False
             if ev["type"] == "token":
                 entries.add(ev)

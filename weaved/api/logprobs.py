@@ -40,12 +40,11 @@ class TextGate:
         self._waiting: list[tuple[int, object]] = []
 
     def push(self, ev: dict, entry: object | None) -> list:
-        """A token event (``entry``: its entry, or None without log-probabilities): the entries its text
-        releases, in order."""
-        at = ev.get("at", self.sent)
-        self.sent += len(ev["text"])
+        """A token event (``entry``: its entry, or None for an event without log-probabilities, such as the
+        end's release of held text, which has no ``at``): the entries its text releases, in order."""
         if entry is not None:
-            self._waiting.append((at, entry))
+            self._waiting.append((ev["at"], entry))
+        self.sent += len(ev["text"])
         n = 0
         while n < len(self._waiting) and self._waiting[n][0] < self.sent:
             n += 1
