@@ -116,14 +116,22 @@ def build_profile(cfg: ResolvedConfig, data_dir: Path, threads: int | None = Non
     pools = tuple(gpu_pool() if p == "gpu" else cpu for p in cfg.pools)
     routing = dataclasses.replace(base.routing, policy=cfg.spec.policy)
     budget = base.threads
-    if threads is not None and threads != budget.kernels:
+    kernels = budget.kernels if threads is None else threads
+    if "gpu" in cfg.pools and budget.gpu_driver == 0:
+        # the base profile is a host without a GPU (no core for a launching thread): a GPU pool's engine
+        # thread would fight the CPU pool's kernel threads for every core, and its steps stretch with
+        # theirs.  Leave it one core, as a profile's "auto" does for each CUDA device.
+        budget = dataclasses.replace(budget, gpu_driver=1)
+        if threads is None:
+            kernels = max(1, kernels - 1)
+    if kernels != budget.kernels:
         # rates a profile gives were scaled by its kernel threads at load: rescale them with the budget
         # (calibrated ones are measured with the budget the daemon runs)
-        scale = threads / budget.kernels
+        scale = kernels / budget.kernels
         if routing.cpu_prefill_tokens_per_s is not None and routing.cpu_decode_tokens_per_s is not None:
             routing = dataclasses.replace(routing, cpu_prefill_tokens_per_s=routing.cpu_prefill_tokens_per_s * scale,
                                           cpu_decode_tokens_per_s=routing.cpu_decode_tokens_per_s * scale)
-        budget = dataclasses.replace(budget, kernels=threads)
+        budget = dataclasses.replace(budget, kernels=kernels)
     host = dataclasses.replace(base.host, data_dir=Path(data_dir), prefix_cache=cfg.spec.prefix_cache)
     return dataclasses.replace(base, name=f"agents-{cfg.name}", pools=pools, routing=routing, threads=budget,
                                host=host, notes=())
