@@ -121,11 +121,11 @@ def chunk_blocks(nb: int, most: int = 8) -> int:
 
 
 def linear_q(w: DeviceWeight, a: Q8Act, block_n: int | None = None, chunk: int | None = None,
-             block_m: int | None = None, warps: int | None = None) -> torch.Tensor:
+             block_m: int | None = None, warps: int | None = None, stages: int | None = None) -> torch.Tensor:
     """a (Q8_0 rows [T, n_in]) @ W.T -> float32 [T, n_out] for Q4_0 / Q8_0 weights (Triton).
     ``block_n`` (outputs a program), ``chunk`` (blocks loaded at a time, at most), ``block_m`` (rows a
-    program: 16, 32 or 64) and ``warps`` (a program's warps) change the speed, never a bit of the
-    result."""
+    program: 16, 32, 64 or 128), ``warps`` (a program's warps) and ``stages`` (the loads the compiler
+    keeps in flight ahead of the chain) change the speed, never a bit of the result."""
     if w.qtype not in BLOCK_BYTES:
         raise ValueError(f"triton linear_q needs Q4_0 or Q8_0 weights, got type {w.qtype}")
     check_tensor("a.q", a.q, torch.int8, 3)
@@ -146,14 +146,15 @@ def linear_q(w: DeviceWeight, a: Q8Act, block_n: int | None = None, chunk: int |
     # at most 4,096 outputs (64-128 programs for 132 multiprocessors) took 8 blocks at a time: 15-17 %
     # less time on the 1B shape's qkv, out and down; the wide ones stayed fastest with 4.
     block_m = block_m or (16 if T <= 16 else 64)
-    if block_m not in (16, 32, 64):
-        raise ValueError(f"block_m must be 16, 32 or 64 (tl.dot takes at least 16 rows), got {block_m}")
+    if block_m not in (16, 32, 64, 128):
+        raise ValueError(f"block_m must be 16, 32, 64 or 128 (tl.dot takes at least 16 rows), got {block_m}")
     block_n = block_n or 32
     chunk = chunk or (16 if T <= 16 else 8 if T <= 64 and w.n_out <= NARROW_OUTPUTS else 4)
     grid = (triton.cdiv(T, block_m), triton.cdiv(w.n_out, block_n))
     _q_matmul[grid](a.q.contiguous(), a.d.contiguous(), w.data, y, T, w.n_out, nb,
                     QTYPE=w.qtype, BSZ=BLOCK_BYTES[w.qtype], BLOCK_M=block_m, BLOCK_N=block_n,
-                    KB=chunk_blocks(nb, chunk), num_warps=warps or 4, enable_fp_fusion=False)
+                    KB=chunk_blocks(nb, chunk), num_warps=warps or 4, enable_fp_fusion=False,
+                    **({"num_stages": stages} if stages else {}))
     return y
 
 

@@ -111,3 +111,23 @@ def test_every_kernel_of_a_step_compiles_for_a_gpu(compile_only, model, kernels,
     assert kernels <= set(compile_only), sorted(set(compile_only))
     for name, ks in compile_only.items():
         assert all(k.asm.get("cubin") for k in ks), name  # built down to machine code by ptxas
+
+
+def test_the_sweeps_prompt_tiles_compile_for_a_gpu(compile_only):
+    """The tile sweep's configurations at a prompt chunk's rows (128-row programs, one block a chunk,
+    deeper pipelining) build down to machine code, so a lent GPU's sweep does not stop at a refused one."""
+    import torch
+    from weaved.kernels import quants, triton_q4
+    from weaved.kernels import torch_q4 as tq
+
+    from weaved.gpucheck.sweep import CONFIGS
+
+    rng = np.random.default_rng(0)
+    N, K = 96, 256
+    raw = quants.quantize_q4_0(rng.standard_normal((N, K)).astype(np.float32))
+    w = tq.DeviceWeight(tq.Q4_0, N, K, torch.from_numpy(raw).reshape(N, K // 32, tq.BLOCK_BYTES[tq.Q4_0]))
+    a = tq.quantize_act(torch.zeros((512, K)))
+    for cfg in CONFIGS[512]:
+        triton_q4.linear_q(w, a, *cfg)
+    built = compile_only["_q_matmul"]
+    assert len(built) == len(CONFIGS[512]) and all(k.asm.get("cubin") for k in built)

@@ -205,15 +205,16 @@ def main(argv: list[str] | None = None) -> int:
         results["sweep"] = product_sweep(dev)
         for r in results["sweep"]:
             say(f"  {r['matrix']:8s} {r['shape'][0]:6d}x{r['shape'][1]:<5d} {r['rows']:3d} rows "
-                f"({str(r['block_n']):>4s}, {str(r['chunk']):>4s}, {str(r['block_m']):>4s}, {str(r['warps']):>4s}): "
+                f"({str(r['block_n']):>4s}, {str(r['chunk']):>4s}, {str(r['block_m']):>4s}, {str(r['warps']):>4s}, "
+                f"{str(r['stages']):>4s}): "
                 f"{r['us']:8.1f} us {r['gb_s']:7.0f} GB/s"
                 f"{'' if r['equal'] else '  NOT EQUAL'}")
         if not all(r["equal"] for r in results["sweep"]):
             raise RuntimeError("a tile size changed a product's bits")
 
     if a.sweep:
-        say("the Q4_0 product's tile sizes (outputs a program, blocks a chunk, rows a program, warps; None: the "
-            "default)")
+        say("the Q4_0 product's tile sizes (outputs a program, blocks a chunk, rows a program, warps, stages; None: "
+            "the default)")
         _section(results, "sweep", say, sweep)
     _section(results, "memory", say, memory)
     results["seconds"] = time.perf_counter() - t_start
