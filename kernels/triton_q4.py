@@ -43,6 +43,17 @@ def weight_blocks(wb, m, kk, QTYPE: tl.constexpr):
 
 
 @triton.jit
+def exact_float(i):
+    """float(i) for int32 |i| < 2**22, exactly, without the int-to-float converter: i added to the bits
+    of 1.5 * 2**23 lands in that float's mantissa (its exponent unchanged), and subtracting 1.5 * 2**23
+    leaves i (exact: both are floats a whole number apart below 2**24).  A multiprocessor converts 16
+    ints a clock against 64 integer and 128 float adds, and a tile converts one integer sum per output
+    per block - the most frequent operation of the chain.  A block's sum of 32 products is at most
+    32 * 128 * 128 = 2**19 in magnitude."""
+    return (i + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
 def _halves(x, A: tl.constexpr, B: tl.constexpr, K: tl.constexpr):
     """x [A, B, K] -> (x[:, :, :K/2], x[:, :, K/2:]): a register split, no arithmetic."""
     return tl.split(tl.permute(tl.reshape(x, (A, B, 2, K // 2)), (0, 1, 3, 2)))
@@ -63,13 +74,14 @@ def _fold(acc, s, f, A: tl.constexpr, B: tl.constexpr, K: tl.constexpr):
 
 @triton.jit
 def chunk_products(acc, x_rows, xd_rows, w_rows, mm, mn, c, QTYPE: tl.constexpr, BSZ: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, CVT: tl.constexpr = False):
     """acc [BM, BN] carried over blocks c*KB ... c*KB + KB - 1 of a tile: x_rows [BM] point at each
     activation row's int8 quants, xd_rows [BM] at its block scales, w_rows [BN] at each weight row's
     first raw block (rows where mm / mn are False read as zeros).  The KB blocks are loaded at once
     (one round trip to memory, not one a block); their integer dots come from one batched int8
     ``tl.dot`` (exact) and the float chain takes them in block order (``_fold``):
-    acc = fma(float(isum_b), d_x * d_w, acc), one rounding, as the CPU's."""
+    acc = fma(float(isum_b), d_x * d_w, acc), one rounding, as the CPU's.  float(isum_b) by
+    ``exact_float``, or by the hardware's converter with CVT (the same value: speed only)."""
     kk = tl.arange(0, 32)
     b = c * KB + tl.arange(0, KB)  # [KB] the chunk's blocks
     x = tl.load(x_rows[:, None, None] + b[None, :, None] * 32 + kk[None, None, :], mask=mm[:, None, None],
@@ -86,14 +98,17 @@ def chunk_products(acc, x_rows, xd_rows, w_rows, mm, mn, c, QTYPE: tl.constexpr,
         w = tl.load(wb[:, :, None] + 2 + kk[None, None, :], mask=mn[:, None, None], other=0).to(tl.int8,
                                                                                                  bitcast=True)
     isum = tl.dot(tl.permute(x, (1, 0, 2)), tl.permute(w, (1, 2, 0)), out_dtype=tl.int32)  # [KB, BM, BN] exact
-    s = tl.permute(isum, (1, 2, 0)).to(tl.float32)  # [BM, BN, KB]
+    if CVT:
+        s = tl.permute(isum, (1, 2, 0)).to(tl.float32)  # [BM, BN, KB]
+    else:
+        s = exact_float(tl.permute(isum, (1, 2, 0)))  # [BM, BN, KB] float32
     f = dx[:, None, :] * dw[None, :, :]  # [BM, BN, KB]: d_x * d_w
     return _fold(acc, s, f, BLOCK_M, BLOCK_N, KB)
 
 
 @triton.jit
 def _q_matmul(x_ptr, xd_ptr, w_ptr, y_ptr, M, N, NB: tl.constexpr, QTYPE: tl.constexpr, BSZ: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, CVT: tl.constexpr):
     """y [M, N] float32 = x (int8 [M, NB*32], scales xd float32 [M, NB]) @ W.T, W raw blocks
     uint8 [N, NB, BSZ]; all contiguous; KB blocks at a time (``chunk_products``).  NB is a
     compile-time constant (a model has two or three values): the loop bound is then known, and Triton
@@ -108,7 +123,7 @@ def _q_matmul(x_ptr, xd_ptr, w_ptr, y_ptr, M, N, NB: tl.constexpr, QTYPE: tl.con
     w_rows = w_ptr + rn.to(tl.int64) * (NB * BSZ)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for c in range(0, NB // KB):
-        acc = chunk_products(acc, x_rows, xd_rows, w_rows, mm, mn, c, QTYPE, BSZ, BLOCK_M, BLOCK_N, KB)
+        acc = chunk_products(acc, x_rows, xd_rows, w_rows, mm, mn, c, QTYPE, BSZ, BLOCK_M, BLOCK_N, KB, CVT)
     tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=mm[:, None] & mn[None, :])
 
 
@@ -121,11 +136,13 @@ def chunk_blocks(nb: int, most: int = 8) -> int:
 
 
 def linear_q(w: DeviceWeight, a: Q8Act, block_n: int | None = None, chunk: int | None = None,
-             block_m: int | None = None, warps: int | None = None, stages: int | None = None) -> torch.Tensor:
+             block_m: int | None = None, warps: int | None = None, stages: int | None = None,
+             converter: bool = False) -> torch.Tensor:
     """a (Q8_0 rows [T, n_in]) @ W.T -> float32 [T, n_out] for Q4_0 / Q8_0 weights (Triton).
     ``block_n`` (outputs a program), ``chunk`` (blocks loaded at a time, at most), ``block_m`` (rows a
     program: 16, 32, 64 or 128), ``warps`` (a program's warps) and ``stages`` (the loads the compiler
-    keeps in flight ahead of the chain) change the speed, never a bit of the result."""
+    keeps in flight ahead of the chain) and ``converter`` (the integer sums made floats by the hardware's
+    converter rather than ``exact_float``) change the speed, never a bit of the result."""
     if w.qtype not in BLOCK_BYTES:
         raise ValueError(f"triton linear_q needs Q4_0 or Q8_0 weights, got type {w.qtype}")
     check_tensor("a.q", a.q, torch.int8, 3)
@@ -153,7 +170,7 @@ def linear_q(w: DeviceWeight, a: Q8Act, block_n: int | None = None, chunk: int |
     grid = (triton.cdiv(T, block_m), triton.cdiv(w.n_out, block_n))
     _q_matmul[grid](a.q.contiguous(), a.d.contiguous(), w.data, y, T, w.n_out, nb,
                     QTYPE=w.qtype, BSZ=BLOCK_BYTES[w.qtype], BLOCK_M=block_m, BLOCK_N=block_n,
-                    KB=chunk_blocks(nb, chunk), num_warps=warps or 4, enable_fp_fusion=False,
+                    KB=chunk_blocks(nb, chunk), CVT=converter, num_warps=warps or 4, enable_fp_fusion=False,
                     **({"num_stages": stages} if stages else {}))
     return y
 
@@ -177,7 +194,7 @@ def _pair_dots(x_ptr, xd_ptr, w_ptr, t_ptr, n_ptr, y_ptr, P, NB: tl.constexpr, Q
         dx = tl.load(xd_ptr + t * NB + b, mask=mp, other=0.0)
         w, dw = weight_blocks(w_ptr + n * (NB * BSZ) + b * BSZ, mp, kk, QTYPE)
         isum = tl.sum(x * w, axis=1)  # exact: integers
-        acc = tl.fma(isum.to(tl.float32), dx * dw, acc)
+        acc = tl.fma(exact_float(isum), dx * dw, acc)
     tl.store(y_ptr + pp, acc, mask=mp)
 
 

@@ -115,7 +115,8 @@ def test_every_kernel_of_a_step_compiles_for_a_gpu(compile_only, model, kernels,
 
 def test_the_sweeps_prompt_tiles_compile_for_a_gpu(compile_only):
     """The tile sweep's configurations at a prompt chunk's rows (128-row programs, one block a chunk,
-    deeper pipelining) build down to machine code, so a lent GPU's sweep does not stop at a refused one."""
+    deeper pipelining, the hardware's int-to-float converter) build down to machine code, so a lent
+    GPU's sweep does not stop at a refused one."""
     import torch
     from weaved.kernels import quants, triton_q4
     from weaved.kernels import torch_q4 as tq
@@ -129,5 +130,8 @@ def test_the_sweeps_prompt_tiles_compile_for_a_gpu(compile_only):
     a = tq.quantize_act(torch.zeros((512, K)))
     for cfg in CONFIGS[512]:
         triton_q4.linear_q(w, a, *cfg)
+    triton_q4.linear_q(w, a, converter=True)  # the sweep's other way of making the sums floats
     built = compile_only["_q_matmul"]
-    assert len(built) == len(CONFIGS[512]) and all(k.asm.get("cubin") for k in built)
+    assert len(built) == len(CONFIGS[512]) + 1 and all(k.asm.get("cubin") for k in built)
+    # by default a block's integer sums become floats by adds, not through the converter (exact_float)
+    assert "cvt.rn.f32.s32" not in built[0].asm["ptx"] and "cvt.rn.f32.s32" in built[-1].asm["ptx"]

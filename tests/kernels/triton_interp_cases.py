@@ -167,10 +167,12 @@ def test_the_tile_sweep_times_every_matrix_and_finds_the_bits_unchanged(tiny_lla
     assert set(matrices(be)) == {"qkv", "out", "gate_up", "down", "output"}
     configs = {1: [(None, None), (16, 4)], 40: [(None, None), (32, 4, 32), (16, 8, 16, 8), (16, 1, 128, 4, 2)]}
     rows = product_sweep(be, rows=(1, 40), reps=1, configs=configs, only={"out", "down"})
-    assert [(r["matrix"], r["rows"], r["block_n"], r["block_m"]) for r in rows] == [
-        (m, t, bn, bm) for m in ("out", "down") for t, bn, bm in
-        ((1, None, None), (1, 16, None), (40, None, None), (40, 32, 32), (40, 16, 16), (40, 16, 128))]
-    assert all(r["equal"] and r["us"] > 0 for r in rows)  # 40 rows in 16- to 128-row tiles: the same bits
+    assert [(r["matrix"], r["rows"], r["block_n"], r["block_m"], r["converter"]) for r in rows] == [
+        (m, t, bn, bm, cvt) for m in ("out", "down") for t, bn, bm, cvt in
+        ((1, None, None, False), (1, 16, None, False), (1, None, None, True), (40, None, None, False),
+         (40, 32, 32, False), (40, 16, 16, False), (40, 16, 128, False), (40, None, None, True))]
+    # 40 rows in 16- to 128-row tiles, and the sums made floats by the converter: the same bits
+    assert all(r["equal"] and r["us"] > 0 for r in rows)
     from weaved.kernels import torch_q4 as tq
     from weaved.kernels import triton_q4
 

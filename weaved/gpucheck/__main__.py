@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in results["sweep"]:
             say(f"  {r['matrix']:8s} {r['shape'][0]:6d}x{r['shape'][1]:<5d} {r['rows']:3d} rows "
                 f"({str(r['block_n']):>4s}, {str(r['chunk']):>4s}, {str(r['block_m']):>4s}, {str(r['warps']):>4s}, "
-                f"{str(r['stages']):>4s}): "
+                f"{str(r['stages']):>4s}{', converter' if r['converter'] else ''}): "
                 f"{r['us']:8.1f} us {r['gb_s']:7.0f} GB/s"
                 f"{'' if r['equal'] else '  NOT EQUAL'}")
         if not all(r["equal"] for r in results["sweep"]):

@@ -67,6 +67,13 @@ def product_sweep(be, rows: tuple[int, ...] = (1, 16, 64, 512), reps: int = 20, 
                 ms = _median_ms(lambda w=w, a=a, c=(bn, kb, bm, warps, stages): triton_q4.linear_q(w, a, *c),
                                 w.data.device, reps)
                 out.append({"matrix": name, "shape": [w.n_out, w.n_in], "rows": T, "block_n": bn, "chunk": kb,
-                            "block_m": bm, "warps": warps, "stages": stages, "us": ms * 1e3,
+                            "block_m": bm, "warps": warps, "stages": stages, "converter": False, "us": ms * 1e3,
                             "gb_s": w.data.numel() / ms / 1e6, "equal": bool(torch.equal(y, ref))})
+            # the default tiles with the integer sums made floats by the hardware's converter: what the
+            # exact add-and-subtract (``triton_q4.exact_float``) saves
+            y = triton_q4.linear_q(w, a, converter=True)
+            ms = _median_ms(lambda w=w, a=a: triton_q4.linear_q(w, a, converter=True), w.data.device, reps)
+            out.append({"matrix": name, "shape": [w.n_out, w.n_in], "rows": T, "block_n": None, "chunk": None,
+                        "block_m": None, "warps": None, "stages": None, "converter": True, "us": ms * 1e3,
+                        "gb_s": w.data.numel() / ms / 1e6, "equal": bool(torch.equal(y, ref))})
     return out
