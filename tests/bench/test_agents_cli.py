@@ -86,6 +86,12 @@ def test_quick_defaults_and_table(model):
                                           "--capacity", "--configs", "weave,fifo"])
     assert res.exit_code == 0, res.output
     assert seen[-1].capacity is True and "capacity:" in res.stdout and "x1.00 vs fifo" in res.stdout
+    # the quick search's 30 s runs cannot judge a background turn that has not ended: the table says so
+    assert seen[-1].capacity_duration_s == 30.0 and "shorter than the background budget, 60 s" in res.stdout
+    res = CliRunner().invoke(_app(seen), ["bench", "--scenario", "agents", "--model", str(model), "--capacity",
+                                          "--configs", "weave,fifo", "--agents", "2", "--duration", "5"])
+    assert res.exit_code == 0, res.output
+    assert seen[-1].capacity_duration_s == 90.0 and "shorter than the background budget" not in res.stdout
 
 
 @pytest.mark.parametrize("args", [

@@ -131,6 +131,10 @@ def _notes(report: dict) -> list[str]:
 def _capacity(cap: dict) -> list[str]:
     lines = [f"capacity: most agents with >= {100 * cap['share']:.0f}% of the turns of every class within SLA "
              f"(runs of {cap['duration_s']:g} s)"]
+    budget = cap.get("background_ttlt_s")
+    if budget is not None and cap["duration_s"] < budget:
+        lines.append(f"  (runs shorter than the background budget, {budget:g} s, judge a background turn only once "
+                     f"it ends: the turns a pool cannot finish go uncounted, so a pass here may not hold)")
     rel = cap["relative_to_fifo"]
     for name, c in cap["by_config"].items():
         runs = ", ".join(f"{r['agents']}:{'pass' if r['passed'] else 'fail'}"

@@ -185,5 +185,6 @@ def _capacity_report(opts: ScenarioOptions, capacity: dict[str, CapacityResult])
     if "weave" in capacity and "gpu-only" in capacity and capacity["gpu-only"].capacity > 0:
         co = round(capacity["weave"].capacity / capacity["gpu-only"].capacity, 3)
     return {"duration_s": opts.capacity_duration_s, "share": opts.workload.sla_share,
+            "background_ttlt_s": opts.workload.background_ttlt_s,
             "by_config": {n: c.to_dict() for n, c in capacity.items()},
             "relative_to_fifo": rel, "weave_over_gpu_only": co}
