@@ -20,7 +20,7 @@ from weaved.cli import fmt
 from weaved.cli.client import Client, sla_body
 from weaved.cli.common import ApiKeyOpt, SLAClass, SocketOpt, connect, echo, fail, sla_class
 from weaved.cli.errors import ApiError
-from weaved.cli.run import AT_TOKEN_LIMIT, MaxTokensOpt, SeedOpt, SystemOpt, TemperatureOpt, write_stream
+from weaved.cli.run import AT_TOKEN_LIMIT, CUT, MaxTokensOpt, SeedOpt, SystemOpt, TemperatureOpt, write_stream
 
 PROMPT = ">>> "
 COMMANDS = """\
@@ -172,8 +172,13 @@ class ChatRepl:
                 self.say("[what was typed while the answer was written was not sent]")
             break
         self.turns += 1
-        if last is not None and last.finish_reason == "length":
+        reason = last.finish_reason if last is not None else None
+        if reason == "length":
             self.say(AT_TOKEN_LIMIT)
+        elif reason in CUT:  # the daemon cut it: a shutdown, or the session deleted elsewhere
+            self.say(f"[the answer was cut: {CUT[reason]}]")
+        elif reason is None:
+            self.say("[the answer ended without a finish: the connection to the daemon was lost]")
 
 
 def chat(

@@ -183,3 +183,11 @@ def test_new_session_options_with_a_resumed_session_are_refused_not_ignored(fake
     assert res.exit_code == 2 and "--system set up a new session; a resumed one keeps its own" in res.stderr
     res = runner.invoke(app, ["chat", "--session", IDLE, "--sla", "batch"], input="", env=env)
     assert res.exit_code == 2 and "--sla set up a new session" in res.stderr
+
+
+@pytest.mark.parametrize("reason, said", [("shutdown", "the daemon shut down"),
+                                          ("cancelled", "the turn was cancelled")])
+def test_an_answer_the_daemon_cut_is_said_to_be_cut(fake, reason, said):
+    fake.cut_by = reason  # a shutdown while the answer streams, or the session deleted elsewhere
+    out = chat(fake, input="hello\n/exit\n")
+    assert f"[the answer was cut: {said}" in out
