@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 from weaved.cli import fmt
 from weaved.cli.client import Client, sla_body
-from weaved.cli.common import ApiKeyOpt, SLAClass, SocketOpt, connect, echo, fail, sla_class
+from weaved.cli.common import ApiKeyOpt, SLAClass, SocketOpt, connect, echo, fail, not_blank, sla_class
 from weaved.cli.errors import ApiError
 from weaved.cli.run import AT_TOKEN_LIMIT, CUT, MaxTokensOpt, SeedOpt, SystemOpt, TemperatureOpt, write_stream
 
@@ -182,7 +182,8 @@ class ChatRepl:
 
 
 def chat(
-    session: Annotated[str | None, typer.Option("--session", help="Resume this session.", show_default=False)]
+    session: Annotated[str | None, typer.Option("--session", help="Resume this session.", show_default=False,
+                                                callback=not_blank)]
     = None,
     sla: Annotated[SLAClass | None, typer.Option("--sla", help="The new session's SLA class (default: interactive).",
                                                  show_default=False)] = None,

@@ -45,6 +45,14 @@ def debug() -> bool:
     return os.environ.get("WEAVE_DEBUG") == "1"
 
 
+def not_blank(value):
+    """A typer callback for ids and names: an empty or blank one is a usage error (exit 2), not a
+    request for the daemon's ``/v1/sessions/``."""
+    if value is not None and any(not v.strip() for v in (value if isinstance(value, list) else [value])):
+        raise typer.BadParameter("must not be empty")
+    return value
+
+
 def fail(message: str, code: int = EXIT_FAILED) -> typer.Exit:
     """Print ``weave: error: <message>`` to stderr; raise the returned Exit."""
     echo(f"weave: error: {message}", err=True)

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 from weaved.cli import fmt
-from weaved.cli.common import ApiKeyOpt, JsonOpt, SocketOpt, connect, echo, fail, print_json, remove_each
+from weaved.cli.common import ApiKeyOpt, JsonOpt, SocketOpt, connect, echo, fail, not_blank, print_json, remove_each
 
 DEFAULT_TOKEN_ENV = "WEAVE_PEER_TOKEN"
 
@@ -20,7 +20,7 @@ peers_app = typer.Typer(name="peers", no_args_is_help=True,
                         help="The peer daemons this one federates with: list, add, remove.")
 
 NameArg = Annotated[str, typer.Argument(metavar="NAME", help="The peer's name (as `weave peers ls` lists it).",
-                                        show_default=False)]
+                                        show_default=False, callback=not_blank)]
 
 
 def _load(p: dict) -> str | None:
@@ -94,7 +94,7 @@ def add(name: NameArg,
 
 
 @peers_app.command("rm")
-def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Peers to remove.")],
+def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Peers to remove.", callback=not_blank)],
        socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
     """Stop federating with peers added at run time (profile peers stay until the profile changes)."""
     with connect(socket, api_key) as client:

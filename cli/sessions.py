@@ -17,13 +17,14 @@ from weaved.cli.common import (
     SocketOpt,
     connect,
     echo,
+    not_blank,
     print_json,
     remove_each,
     sla_class,
 )
 
 IdArg = Annotated[str, typer.Argument(metavar="ID", help="A session id (as `weave ps` lists them).",
-                                      show_default=False)]
+                                      show_default=False, callback=not_blank)]
 
 
 def _terminal_width() -> int | None:
@@ -105,7 +106,8 @@ def show(session_id: IdArg, socket: SocketOpt = None, api_key: ApiKeyOpt = None,
     print_json(s) if json else echo(show_text(s))
 
 
-def rm(session_ids: Annotated[list[str], typer.Argument(metavar="ID...", help="Sessions to delete.")],
+def rm(session_ids: Annotated[list[str], typer.Argument(metavar="ID...", help="Sessions to delete.",
+                                                        callback=not_blank)],
        socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
     """Delete sessions (a running turn is cancelled; the transcript and KV file are removed)."""
     with connect(socket, api_key) as client:

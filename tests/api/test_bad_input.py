@@ -214,6 +214,10 @@ def test_busy_session_conflict(fake: FakeDaemon, bystander, client):
 
 def test_unknown_routes_and_methods(client, bystander):
     assert "no such endpoint" in assert_error(client.get("/v1/nothing"), 404, type_="not_found_error")["message"]
+    # a path with an empty id is an unknown endpoint in OpenAI's shape, not a bare redirect to another
+    assert "no such endpoint" in assert_error(client.get("/v1/sessions/"), 404, type_="not_found_error")["message"]
+    assert_error(client.delete("/v1/sessions/"), 404)
+    assert_error(client.get("/v1/models/"), 404)  # no model of that (empty) name, as OpenAI says it
     assert_error(client.get(CHAT), 405)
     assert_error(client.put("/v1/sessions", json={}), 405)
     # HEAD wherever GET answers: the same status and headers, no body

@@ -220,6 +220,15 @@ def test_run_fails_when_the_daemon_cuts_the_answer(fake, reason, says):
     assert res.stderr.startswith("weave: error: the answer was cut: ") and says in res.stderr
 
 
+@pytest.mark.parametrize("args", [["show", ""], ["rm", "s-1", " "], ["fork", ""], ["promote", ""], ["demote", ""],
+                                  ["chat", "--session", ""], ["peers", "rm", ""], ["peers", "add", " ", "http://h:1"]])
+def test_an_empty_id_is_a_usage_error_the_daemon_never_sees(fake, args):
+    before = len(fake.requests)
+    res = weave(fake, *args)
+    assert res.exit_code == 2 and "must not be empty" in res.stderr, (args, res.stderr)
+    assert len(fake.requests) == before
+
+
 def test_run_refuses_an_empty_prompt(fake):
     res = weave(fake, "run", "-", input="  \n")
     assert res.exit_code == 2 and res.stderr == "weave: error: the prompt is empty\n"

@@ -42,7 +42,9 @@ class RequestMetrics:
 
 def create_app(daemon, *, metrics: Metrics | None = None) -> FastAPI:
     """The app serving ``daemon`` (a loaded ``weaved.daemon.core.Daemon`` or anything with its interface)."""
-    app = FastAPI(title="Weave", docs_url=None, redoc_url=None, openapi_url=None)
+    # no redirect from "/v1/sessions/" to "/v1/sessions": a path with an empty id is not an endpoint,
+    # and a bare 307 with no body is not the OpenAI-shaped error every other unknown path gets
+    app = FastAPI(title="Weave", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     state = ApiState(daemon, metrics or Metrics())
     app.state.weave = state
     http_errors.install(app)
