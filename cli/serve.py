@@ -91,7 +91,7 @@ def resolve_model(model: Path | None) -> Path:
     from weaved.model.default import default_model_path, ensure_native
 
     if model is None:
-        return default_model_path(_ConvertProgress())
+        return default_model_path(_ConvertProgress(), log=_say)
     if model.is_dir():
         raise _fail(f"{model} is a directory: --model takes a GGUF file", 2)
     if not model.is_file():

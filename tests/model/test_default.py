@@ -158,13 +158,17 @@ def test_default_model_is_cached(smollm2_q4_0):
 
 def test_default_model_converted_into_a_fresh_cache(cache):
     calls: list[tuple[int, int, str]] = []
-    first = default_model_path(progress=lambda *a: calls.append(a))
+    said: list[str] = []
+    first = default_model_path(progress=lambda *a: calls.append(a), log=said.append)
     assert first.parent == cache / "models" and first.is_file()
     assert len(calls) == 272 and calls[-1][:2] == (272, 272)
+    # what is converted to what, and what it costs, as for a model given by path
+    assert said[0].startswith("converting ") and str(first) in said[0] and len(said) == 2
     mtime = first.stat().st_mtime_ns
     calls.clear()
-    assert default_model_path(progress=lambda *a: calls.append(a)) == first
-    assert calls == [] and first.stat().st_mtime_ns == mtime
+    said.clear()
+    assert default_model_path(progress=lambda *a: calls.append(a), log=said.append) == first
+    assert calls == [] and said == [] and first.stat().st_mtime_ns == mtime
 
 
 def test_served_name_says_what_the_model_is_not_how_it_is_stored():

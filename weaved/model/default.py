@@ -82,9 +82,10 @@ def gemma3_270m_path() -> Path | None:
     return Path(assemble())
 
 
-def default_model_path(progress: ProgressFn | None = None) -> Path:
-    """The default model in the shared format: the shipped SmolLM2 converted once into the cache."""
-    return _converted_copy(shipped_smollm2_path(), progress)
+def default_model_path(progress: ProgressFn | None = None, log: Callable[[str], None] | None = None) -> Path:
+    """The default model in the shared format: the shipped SmolLM2 converted once into the cache (what
+    the conversion does and costs said through ``log``, as for any other model)."""
+    return _converted_copy(shipped_smollm2_path(), progress, log)
 
 
 def ensure_native(
