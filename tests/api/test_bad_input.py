@@ -315,3 +315,16 @@ def test_an_unhandled_error_says_the_connection_closes(client, fake: FakeDaemon,
     r = client.get("/v1/sessions")
     assert_error(r, 500, type_="server_error")
     assert r.headers["connection"] == "close"
+
+
+def test_a_refusal_of_what_the_turn_feeds_names_the_requests_own_field(client, fake, monkeypatch):
+    """The daemon speaks of messages; a Responses request sent ``input`` (e.g. a model without a chat
+    template), a completion ``prompt``."""
+    from weaved.errors import InvalidRequest
+
+    def no_template(**kw):
+        raise InvalidRequest("the model has no chat template, so it cannot take messages", param="messages")
+
+    monkeypatch.setattr(fake, "start_turn", no_template)
+    assert_error(client.post("/v1/responses", json={"input": "hi"}), 400, param="input")
+    assert_error(client.post(CHAT, json={"messages": USER}), 400, param="messages")

@@ -31,6 +31,7 @@ def test_a_first_daemon_calibrates_and_later_ones_read_the_result(tiny_llama, tm
     try:
         rates = d.status()["rates"]
         assert rates["source"] == "calibrated" and any("calibrated in" in m for m in d.said)
+        assert not any("no chat template" in m for m in d.said)
         assert list((tmp_path / "a" / "calibration").glob("*.json")) and list((cache / "calibration").glob("*.json"))
         th, pool = d.profile.routing, d.pools["cpu"]
         assert (th.cpu_prefill_tokens_per_s, th.cpu_decode_tokens_per_s) == (
@@ -145,5 +146,24 @@ def test_a_calibration_that_does_not_fit_is_measured_again_and_never_stored(tiny
     d = _daemon(tiny_llama, tmp_path / "b")  # the next start measures afresh, and a fit that fits is kept
     try:
         assert any("calibrated in" in m for m in d.said) and list((cache / "calibration").glob("*.json"))
+    finally:
+        d.shutdown()
+
+
+def test_a_model_without_a_chat_template_is_said_at_load(tiny_llama, tmp_path, cache, monkeypatch):
+    """Said once when the daemon starts, not only in each chat request it then refuses."""
+    from weaved.model import tokenizer as tk
+
+    init = tk.Tokenizer.__init__
+
+    def without_template(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.chat_template = None  # e.g. a base model's file
+
+    monkeypatch.setattr(tk.Tokenizer, "__init__", without_template)
+    d = _daemon(tiny_llama, tmp_path / "a")
+    try:
+        [said] = [m for m in d.said if "no chat template" in m]
+        assert "--chat-template FILE" in said and "/v1/completions" in said
     finally:
         d.shutdown()

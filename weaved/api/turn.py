@@ -236,6 +236,8 @@ async def start_turn(state: ApiState, spec: TurnSpec, session_info: dict | None 
                 await run_in_threadpool(daemon.delete_session, session_id)
         if isinstance(e, ContextTooLong):
             raise named_limit(e, spec.limit_field, spec.input_field) from None
+        if isinstance(e, WeaveError) and e.param == "messages":  # the request's own name for what it feeds
+            e.param = spec.input_field
         raise
     placement = getattr(handle, "placement", None) or (session_info or {}).get("placement")
     if spec.sla is not None:
