@@ -66,8 +66,14 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match=r"empty\.gguf is not a readable GGUF file: it is empty"):
         scan_gguf(tmp_path / "empty.gguf")
     (tmp_path / "text.gguf").write_text("not a model at all, just some text")
-    with pytest.raises(ValueError, match="not a readable GGUF"):
+    with pytest.raises(ValueError, match="not a readable GGUF file: no GGUF magic"):
         scan_gguf(tmp_path / "text.gguf")
+    (tmp_path / "note.gguf").write_text("hello\n")  # shorter than a header: still no GGUF, not "cut short"
+    with pytest.raises(ValueError, match="not a readable GGUF file: no GGUF magic"):
+        scan_gguf(tmp_path / "note.gguf")
+    (tmp_path / "head.gguf").write_bytes(b"GGUF\x03\x00")  # a GGUF's first bytes only
+    with pytest.raises(ValueError, match="not a readable GGUF file: .*cut short"):
+        scan_gguf(tmp_path / "head.gguf")
     # a real header cut short
     (tmp_path / "cut.gguf").write_bytes(shipped_smollm2_path().read_bytes()[:100_000])
     with pytest.raises(ValueError, match="not a readable GGUF"):

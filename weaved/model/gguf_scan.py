@@ -140,9 +140,9 @@ class _Scanner:
         return out
 
     def header(self, want: Callable[[str], bool]) -> GGUFHeader:
-        magic, version, n_tensors, n_kv = self.unpack("4sIQQ")
-        if magic != b"GGUF":
+        if bytes(self.buf[self.pos:self.pos + 4]) != b"GGUF":  # before the rest: a short text file is no GGUF
             raise ValueError("no GGUF magic")
+        magic, version, n_tensors, n_kv = self.unpack("4sIQQ")
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} (expected 2 or 3, little-endian)")
         metadata: dict[str, MetaValue] = {}
