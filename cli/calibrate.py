@@ -53,9 +53,9 @@ def register(app: typer.Typer) -> None:
 
         try:
             prof = load_profile(profile)
-        except ProfileError as e:
+        except ProfileError as e:  # the --profile given: bad usage
             typer.echo(printable(f"weave: error: {e}"), err=True)
-            raise typer.Exit(1) from None
+            raise typer.Exit(2) from None
         path = resolve_model(model)
         gguf, cfg = open_model(path)
         cpu_cfgs = [p for p in prof.pools if p.backend == "cpu" and p.strategy == "standard"]

@@ -18,10 +18,11 @@ from weaved.cli.errors import ApiError
 SystemOpt = Annotated[str | None, typer.Option("--system", help="A system prompt.", show_default=False)]
 MaxTokensOpt = Annotated[int | None, typer.Option(
     "--max-tokens", min=1, show_default=False, help="Stop after this many tokens (default: the daemon's).")]
-TemperatureOpt = Annotated[float | None, typer.Option("--temperature", min=0.0, show_default=False,
-                                                      help="Sampling temperature (0: greedy).")]
+TemperatureOpt = Annotated[float | None, typer.Option("--temperature", min=0.0, max=2.0, show_default=False,
+                                                      help="Sampling temperature, 0 to 2 (0: greedy).")]
 SlaOpt = Annotated[SLAClass, typer.Option("--sla", help="The SLA class.")]
-SeedOpt = Annotated[int | None, typer.Option("--seed", min=0, show_default=False, help="Sampling seed.")]
+SeedOpt = Annotated[int | None, typer.Option("--seed", min=-(1 << 63), max=(1 << 64) - 1, show_default=False,
+                                             help="Sampling seed (-1: a random one).")]
 
 AT_TOKEN_LIMIT = "[stopped at the token limit; --max-tokens raises it]"  # run and chat say it alike
 

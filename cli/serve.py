@@ -143,9 +143,12 @@ def register(app: typer.Typer) -> None:
                 except ServerError as e:
                     raise _fail(str(e), 2) from None
             check_socket_free(path)
-            prof = load_profile(profile)
+            try:
+                prof = load_profile(profile)
+            except ProfileError as e:  # the --profile given: bad usage, as a missing --model is
+                raise _fail(str(e), 2) from None
             federation = federation_listen(prof, federation_port)
-        except (ServerError, ProfileError, FederationError) as e:
+        except (ServerError, FederationError) as e:
             raise _fail(str(e)) from None
         for note in prof.notes:
             _say(note)

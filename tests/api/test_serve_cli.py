@@ -54,7 +54,9 @@ def test_bad_profile_is_refused(tmp_path: Path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[host]\nmax_sessions = 'many'\n")
     r = _serve("--socket", str(tmp_path / "w.sock"), "--profile", str(bad))
-    assert r.exit_code == 1 and "bad.toml" in r.output
+    assert r.exit_code == 2 and "bad.toml" in r.output  # the --profile given: bad usage
+    r = _serve("--socket", str(tmp_path / "w.sock"), "--profile", "nope")
+    assert r.exit_code == 2 and "no shipped profile" in r.output
 
 
 def test_missing_model_is_refused(tmp_path: Path):

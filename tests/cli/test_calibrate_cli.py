@@ -26,3 +26,8 @@ def test_calibrate_measures_prints_and_stores(tiny_llama, tmp_path, monkeypatch)
 def test_calibrate_refuses_a_missing_model(tmp_path):
     out = CliRunner().invoke(app, ["calibrate", "--model", str(tmp_path / "none.gguf"), "--profile", "cpu-only"])
     assert out.exit_code == 2 and "model file not found" in out.output  # bad usage, as for serve
+
+
+def test_calibrate_refuses_an_unknown_profile_as_bad_usage(tmp_path):
+    out = CliRunner().invoke(app, ["calibrate", "--profile", "nope"])
+    assert out.exit_code == 2 and "no shipped profile" in out.output

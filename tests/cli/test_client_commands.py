@@ -207,6 +207,16 @@ def test_run_reads_stdin_with_dash_and_passes_options(fake):
         ({"class": "batch"}, 2, 0.0, 7)
 
 
+def test_sampling_options_take_the_apis_ranges(fake):
+    ok(weave(fake, "run", "hi", "--seed", "-1", "--temperature", "2"))  # -1: a random seed, as the API says
+    assert (fake.requests[-1].body["seed"], fake.requests[-1].body["temperature"]) == (-1, 2.0)
+    before = len(fake.requests)
+    for bad in (["--temperature", "5"], ["--temperature", "-1"], ["--seed", str(1 << 64)]):
+        res = weave(fake, "run", "hi", *bad)
+        assert res.exit_code == 2, (bad, res.stderr)  # a usage error, refused before the daemon sees it
+    assert len(fake.requests) == before
+
+
 def test_run_json_prints_the_completion(fake):
     data = json.loads(ok(weave(fake, "run", "hi", "--json")))
     assert data["object"] == "chat.completion" and data["choices"][0]["message"]["content"] == "You said: hi."
