@@ -18,7 +18,18 @@ from typing import Annotated, Any
 import typer
 from weaved.cli import fmt
 from weaved.cli.client import Client, sla_body
-from weaved.cli.common import ApiKeyOpt, SLAClass, SocketOpt, connect, echo, fail, not_blank, sla_class
+from weaved.cli.common import (
+    ApiKeyOpt,
+    SLAClass,
+    SocketOpt,
+    connect,
+    echo,
+    fail,
+    not_blank,
+    sla_class,
+    utf8_problem,
+    utf8_text,
+)
 from weaved.cli.errors import ApiError
 from weaved.cli.run import AT_TOKEN_LIMIT, CUT, MaxTokensOpt, SeedOpt, SystemOpt, TemperatureOpt, write_stream
 
@@ -104,6 +115,9 @@ class ChatRepl:
         if not text:
             return True
         if not text.startswith("/"):
+            if (problem := utf8_problem(line, "that line")) is not None:  # the chat goes on
+                self.say(f"error: {problem}; nothing was sent")
+                return True
             self.ask(line)
             return True
         cmd = text.split()[0].lower()
@@ -191,6 +205,8 @@ def chat(
     seed: SeedOpt = None, socket: SocketOpt = None, api_key: ApiKeyOpt = None,
 ) -> None:
     """Chat with the model in a session kept across turns; /help lists the commands."""
+    if system is not None:
+        utf8_text(system, "--system")
     if session is not None and (system is not None or sla is not None):
         given = " and ".join(f for f, v in (("--system", system), ("--sla", sla)) if v is not None)
         raise fail(f"{given} set up a new session; a resumed one keeps its own (change its class with /promote "

@@ -53,6 +53,27 @@ def not_blank(value):
     return value
 
 
+def utf8_problem(text: str, where: str) -> str | None:
+    """Why ``text`` (an argument or stdin, which Python decodes with surrogate escapes for bytes that are
+    not UTF-8) cannot be sent as it is, naming the first such byte and its offset; None if it can."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        offset = len(text[:e.start].encode("utf-8", "surrogateescape"))
+        if 0xDC80 <= c <= 0xDCFF:  # an escaped byte
+            return f"{where} is not valid UTF-8 (byte 0x{c - 0xDC00:02x} at offset {offset})"
+        return f"{where} holds a lone surrogate (U+{c:04X} at offset {offset}), which is not text"
+    return None
+
+
+def utf8_text(text: str, where: str) -> str:
+    """``text`` if it is valid UTF-8, else a usage error (exit 2) saying where it is not."""
+    if (problem := utf8_problem(text, where)) is not None:
+        raise fail(problem, 2)
+    return text
+
+
 def fail(message: str, code: int = EXIT_FAILED) -> typer.Exit:
     """Print ``weave: error: <message>`` to stderr; raise the returned Exit."""
     echo(f"weave: error: {message}", err=True)

@@ -12,7 +12,18 @@ from typing import Annotated, TextIO
 import typer
 from weaved.cli import fmt
 from weaved.cli.client import Client, Delta, sla_body
-from weaved.cli.common import ApiKeyOpt, JsonOpt, SLAClass, SocketOpt, connect, echo, fail, print_json, sla_class
+from weaved.cli.common import (
+    ApiKeyOpt,
+    JsonOpt,
+    SLAClass,
+    SocketOpt,
+    connect,
+    echo,
+    fail,
+    print_json,
+    sla_class,
+    utf8_text,
+)
 from weaved.cli.errors import ApiError
 
 SystemOpt = Annotated[str | None, typer.Option("--system", help="A system prompt.", show_default=False)]
@@ -28,6 +39,11 @@ AT_TOKEN_LIMIT = "[stopped at the token limit; --max-tokens raises it]"  # run a
 
 
 def messages_for(text: str, system: str | None = None) -> list[dict]:
+    """The turn's messages; text that is not UTF-8 (stdin or an argument) is a usage error here, not the
+    daemon's refusal of a "lone surrogate"."""
+    utf8_text(text, "the input")
+    if system:
+        utf8_text(system, "--system")
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
 
 
@@ -210,6 +226,9 @@ def submit(
     text = read_task(task, file)
     if not text.strip():
         raise fail("the task is empty", 2)
+    utf8_text(text, "the task")
+    if system:
+        utf8_text(system, "--system")
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed,
                 **read_tools(tools, tool_choice)}
     msgs = [{"role": "user", "content": text}]

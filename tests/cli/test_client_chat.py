@@ -191,3 +191,21 @@ def test_an_answer_the_daemon_cut_is_said_to_be_cut(fake, reason, said):
     fake.cut_by = reason  # a shutdown while the answer streams, or the session deleted elsewhere
     out = chat(fake, input="hello\n/exit\n")
     assert f"[the answer was cut: {said}" in out
+
+
+def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(fake):
+    lines = iter(["caf\udce9 au lait", "hello"])  # a terminal's Latin-1 byte, as Python decodes stdin
+
+    def read(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    said: list[str] = []
+    before = len(fake.requests)
+    ChatRepl(Client(fake.socket_path), session_id=IDLE, sla=None, system=None, sampling={}, read=read,
+             say=said.append).run()
+    assert "error: that line is not valid UTF-8 (byte 0xe9 at offset 3); nothing was sent" in said
+    turns = [r for r in fake.requests[before:] if r.path.endswith("/turns")]
+    assert [t.body["messages"] for t in turns] == [[{"role": "user", "content": "hello"}]]

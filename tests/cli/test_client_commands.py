@@ -239,6 +239,16 @@ def test_an_empty_id_is_a_usage_error_the_daemon_never_sees(fake, args):
     assert len(fake.requests) == before
 
 
+@pytest.mark.parametrize("args, where", [(["run", "caf\udce9"], "the input"),
+                                         (["run", "hi", "--system", "\udcff"], "--system"),
+                                         (["submit", "caf\udce9"], "the task")])
+def test_text_that_is_not_utf8_is_a_usage_error_naming_the_byte(fake, args, where):
+    before = len(fake.requests)
+    res = weave(fake, *args)
+    assert res.exit_code == 2 and f"weave: error: {where} is not valid UTF-8 (byte 0x" in res.stderr, res.stderr
+    assert len(fake.requests) == before  # nothing sent, no session made
+
+
 def test_run_refuses_an_empty_prompt(fake):
     res = weave(fake, "run", "-", input="  \n")
     assert res.exit_code == 2 and res.stderr == "weave: error: the prompt is empty\n"
