@@ -36,6 +36,7 @@ DONE_WORDS = {"promote": "promoted", "demote": "demoted", "delete": "deleted"}
 
 
 COMPACT_BELOW_ROWS = 34  # terminal rows under which the panels take their compact heights (.tcss)
+TINY_BELOW_ROWS = 22  # rows under which the gauges and the bottom row are hidden (.tcss)
 
 
 class WeaveTop(App):
@@ -101,6 +102,8 @@ class WeaveTop(App):
         # a short terminal (e.g. 80x24) cannot give every panel its full height: the gauges, the pools
         # and the bottom row shrink so the sessions keep their rows and the filter bar stays on screen
         self.screen.set_class(event.size.height < COMPACT_BELOW_ROWS, "-compact")
+        # shorter still, only the pools, the sessions and the connection's state fit
+        self.screen.set_class(event.size.height < TINY_BELOW_ROWS, "-tiny")
         self.events.scroll_end(animate=False)  # the newest events, whatever the old height showed
 
     async def on_unmount(self) -> None:

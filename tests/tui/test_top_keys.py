@@ -165,6 +165,28 @@ def test_q_and_ctrl_c_quit(fake, key):
     run(scenario())
 
 
+@pytest.mark.parametrize("size", [(40, 12), (60, 20)])
+def test_a_short_terminal_keeps_the_sessions_and_the_connections_state_on_screen(fake, size):
+    """Below 22 rows the gauges and the bottom row give way: nothing runs past the screen's end."""
+    def fits(app: WeaveTop) -> bool:
+        screen = app.screen.region
+        return app.screen.virtual_size.height <= screen.height and screen.contains_region(app.connection.region)
+
+    async def scenario():
+        app = top(fake, poll_interval_s=0.05)
+        async with app.run_test(size=size) as pilot:
+            await loaded(pilot, app)
+            assert fits(app) and app.sessions.region.height >= 5  # borders, header, two rows at least
+            assert not app.query_one("#gauges").display and not app.query_one("#bottom").display
+        with short_socket_dir() as d:  # and with no daemon, that is what the screen says
+            app = WeaveTop(str(d / "w.sock"), poll_interval_s=0.05, probe=FixedProbe())
+            async with app.run_test(size=size) as pilot:
+                await until(pilot, lambda: app.connection.up is False, what="the daemon to be missed")
+                assert fits(app) and "daemon not running" in app.connection.text
+
+    run(scenario())
+
+
 def test_says_daemon_not_running_and_reconnects_by_itself():
     async def scenario():
         with short_socket_dir() as d:
