@@ -45,6 +45,7 @@ def register(app: typer.Typer) -> None:
         from weaved.calibration.store import CalibrationStore
         from weaved.config.load import load_profile
         from weaved.config.tables import ProfileError
+        from weaved.daemon.data_lock import data_dir_owner
         from weaved.daemon.pools import build_pools
         from weaved.daemon.rates import calibration_of
         from weaved.kv.store import model_fingerprint
@@ -56,6 +57,12 @@ def register(app: typer.Typer) -> None:
         except ProfileError as e:  # the --profile given: bad usage
             typer.echo(printable(f"weave: error: {e}"), err=True)
             raise typer.Exit(2) from None
+        where = data_dir or prof.host.data_dir
+        owner = data_dir_owner(where)
+        if owner is not None:  # measuring beside a serving daemon measures the daemon's load too
+            who = f"a daemon (pid {owner})" if owner else "a daemon"
+            _say(f"note: {who} is serving from {where}: its work shares the cores this measures, and it "
+                 f"uses the new rates from its next start")
         path = resolve_model(model)
         gguf, cfg = open_model(path)
         cpu_cfgs = [p for p in prof.pools if p.backend == "cpu" and p.strategy == "standard"]
@@ -65,7 +72,7 @@ def register(app: typer.Typer) -> None:
         only_cpu = dataclasses.replace(prof, pools=tuple(cpu_cfgs))
         pools, _ = build_pools(only_cpu, gguf, cfg, commit=lambda *a: None, reserve=lambda *a: None,
                                on_event=lambda *a: None, progress=_say)
-        store = CalibrationStore(data_dir or prof.host.data_dir, cache_dir() / "calibration")
+        store = CalibrationStore(where, cache_dir() / "calibration")
         cal = calibration_of(next(iter(pools.values())).backend, model_fingerprint(cfg),
                              max(p.config.prefill_chunk for p in pools.values()),
                              max(p.config.max_batch for p in pools.values()), store, _say, force=True)

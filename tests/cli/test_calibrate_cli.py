@@ -18,6 +18,7 @@ def test_calibrate_measures_prints_and_stores(tiny_llama, tmp_path, monkeypatch)
     row = next(line for line in out.output.splitlines() if line.startswith("cpu "))
     prefill, decode = (float(x) for x in row.split()[1:3])
     assert prefill > 0 and decode > 0
+    assert "is serving from" not in out.output
     stored = list((tmp_path / "data" / "calibration").glob("*.json"))
     assert len(stored) == 1 and json.loads(stored[0].read_text())["backend"] == "cpu"
     assert list((tmp_path / "cache" / "calibration").glob("*.json"))
@@ -31,3 +32,24 @@ def test_calibrate_refuses_a_missing_model(tmp_path):
 def test_calibrate_refuses_an_unknown_profile_as_bad_usage(tmp_path):
     out = CliRunner().invoke(app, ["calibrate", "--profile", "nope"])
     assert out.exit_code == 2 and "no shipped profile" in out.output
+
+
+def test_calibrate_says_when_a_daemon_serves_from_the_data_directory(tiny_llama, tmp_path, monkeypatch):
+    import os
+
+    from weaved.daemon.data_lock import data_dir_owner, lock_data_dir
+
+    monkeypatch.setenv("WEAVE_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "data").mkdir()
+    assert data_dir_owner(tmp_path / "data") is None
+    fd = lock_data_dir(tmp_path / "data")  # as a serving daemon holds it
+    try:
+        assert data_dir_owner(tmp_path / "data") == str(os.getpid())
+        out = CliRunner().invoke(app, ["calibrate", "--model", str(tiny_llama), "--profile", "cpu-only",
+                                       "--data-dir", str(tmp_path / "data")])
+        assert out.exit_code == 0, out.output
+        assert f"a daemon (pid {os.getpid()}) is serving from {tmp_path / 'data'}" in out.output
+        assert "uses the new rates from its next start" in out.output
+    finally:
+        os.close(fd)
+    assert data_dir_owner(tmp_path / "data") is None

@@ -30,3 +30,23 @@ def lock_data_dir(data_dir: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def data_dir_owner(data_dir: Path) -> str | None:
+    """Who holds the directory's lock now - the owner's pid as it wrote it, or "" when unreadable - or
+    None when nobody does (a probe: the lock is not kept)."""
+    path = Path(data_dir) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            return owner if owner.isdigit() else ""
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
