@@ -105,7 +105,7 @@ def test_named_and_parallel_choices(request, server):
     assert calls and all(c.function.name == "get_time" for c in calls)
     _validate(_complete(named.choices[0]))
     many = sdk.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="required",
-                                       max_tokens=120, temperature=0)
+                                       max_tokens=120, temperature=0, parallel_tool_calls=True)
     _validate(_complete(many.choices[0]))
     ids = [c.id for c in many.choices[0].message.tool_calls]
     assert len(set(ids)) == len(ids)

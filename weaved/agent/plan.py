@@ -20,12 +20,17 @@ from weaved.agent.tools import ChoiceMode, Tool, ToolChoice, arguments_object
 from weaved.engine.constraint import TokenConstraint
 from weaved.errors import InvalidRequest
 
+# parallel_tool_calls when a request leaves it out: false, as llama.cpp's server has it (OpenAI's is true) -
+# a small model allowed more than one call tends to repeat the same call until max_tokens or the context
+# ends the answer
+DEFAULT_PARALLEL = False
+
 
 @dataclass(frozen=True)
 class AnswerSpec:
     tools: tuple[Tool, ...] = ()
     choice: ToolChoice = field(default_factory=ToolChoice)
-    parallel: bool = True  # parallel_tool_calls: more than one call per answer
+    parallel: bool = DEFAULT_PARALLEL  # parallel_tool_calls: more than one call per answer
     schema: dict | None = None  # response_format: the content's JSON schema
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs
 

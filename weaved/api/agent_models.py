@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from weaved.agent.plan import AnswerSpec
+from weaved.agent.plan import DEFAULT_PARALLEL, AnswerSpec
 from weaved.agent.tools import MAX_TOOLS, ChoiceMode, Tool, ToolChoice
 from weaved.errors import InvalidRequest
 
@@ -140,5 +140,6 @@ def answer_spec(tools: list[ToolDef] | None, tool_choice, parallel: bool | None,
                 template_kwargs: dict | None) -> AnswerSpec:
     t = tools_from(tools)
     return AnswerSpec(tools=t, choice=choice_from(tool_choice, bool(t)),
-                      parallel=True if parallel is None else parallel, schema=schema_from(response_format),
+                      parallel=DEFAULT_PARALLEL if parallel is None else parallel,
+                      schema=schema_from(response_format),
                       template_kwargs=dict(template_kwargs or {}))

@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from weaved.agent.plan import DEFAULT_PARALLEL
 from weaved.agent.stream import AnswerParser
 from weaved.agent.tool_results import check_tool_results
 from weaved.api import body
@@ -170,7 +171,8 @@ class _Reply:
         out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                "model": self.model, "output": self.items.items if status != "in_progress" else [],
                "instructions": r.instructions, "previous_response_id": r.previous_response_id,
-               "tools": tools, "tool_choice": choice, "parallel_tool_calls": r.parallel_tool_calls is not False,
+               "tools": tools, "tool_choice": choice,
+               "parallel_tool_calls": DEFAULT_PARALLEL if r.parallel_tool_calls is None else r.parallel_tool_calls,
                "text": {"format": fmt}, "temperature": r.temperature, "top_p": r.top_p,
                "max_output_tokens": r.max_output_tokens, "store": r.store, "truncation": "disabled",
                "metadata": (r.model_extra or {}).get("metadata") or {}, "error": None, "incomplete_details": None,
