@@ -199,12 +199,9 @@ async def resolve(state: ApiState, session_id: str | None, sla_body: SLABody | N
     return info, sla_from(sla_body, headers, SLA.from_dict(info["sla"]) if info is not None else None)
 
 
-def named_limit(e: ContextTooLong, field: str, input_field: str = "messages") -> ContextTooLong:
-    """``e`` naming the request's own fields: for the answer's length (``max_completion_tokens``,
-    ``max_output_tokens``) where the daemon says ``max_tokens``, and for what the turn feeds
-    (``prompt``, ``input``) where it says ``messages``."""
-    if e.param == "messages" and input_field != "messages":
-        return ContextTooLong(e.message, param=input_field)
+def named_limit(e: ContextTooLong, field: str) -> ContextTooLong:
+    """``e`` naming the request's own field for the answer's length (``max_completion_tokens``,
+    ``max_output_tokens``) where the daemon says ``max_tokens``."""
     if e.param != "max_tokens" or field == "max_tokens":
         return e
     return ContextTooLong(e.message.replace("max_tokens", field, 1), param=field)
@@ -234,10 +231,10 @@ async def start_turn(state: ApiState, spec: TurnSpec, session_info: dict | None 
         if spec.session_id is None:  # the refused turn's ephemeral session goes (if still there)
             with contextlib.suppress(NotFound):
                 await run_in_threadpool(daemon.delete_session, session_id)
-        if isinstance(e, ContextTooLong):
-            raise named_limit(e, spec.limit_field, spec.input_field) from None
         if isinstance(e, WeaveError) and e.param == "messages":  # the request's own name for what it feeds
-            e.param = spec.input_field
+            e.param = spec.input_field  # (prompt, input)
+        if isinstance(e, ContextTooLong):
+            raise named_limit(e, spec.limit_field) from None
         raise
     placement = getattr(handle, "placement", None) or (session_info or {}).get("placement")
     if spec.sla is not None:
