@@ -28,7 +28,6 @@ from weaved.cli.common import (
     not_blank,
     sla_class,
     utf8_problem,
-    utf8_text,
 )
 from weaved.cli.errors import ApiError
 from weaved.cli.run import AT_TOKEN_LIMIT, CUT, MaxTokensOpt, SeedOpt, SystemOpt, TemperatureOpt, write_stream
@@ -205,8 +204,6 @@ def chat(
     seed: SeedOpt = None, socket: SocketOpt = None, api_key: ApiKeyOpt = None,
 ) -> None:
     """Chat with the model in a session kept across turns; /help lists the commands."""
-    if system is not None:
-        utf8_text(system, "--system")
     if session is not None and (system is not None or sla is not None):
         given = " and ".join(f for f, v in (("--system", system), ("--sla", sla)) if v is not None)
         raise fail(f"{given} set up a new session; a resumed one keeps its own (change its class with /promote "

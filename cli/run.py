@@ -26,7 +26,13 @@ from weaved.cli.common import (
 )
 from weaved.cli.errors import ApiError
 
-SystemOpt = Annotated[str | None, typer.Option("--system", help="A system prompt.", show_default=False)]
+
+def _system_text(value: str | None) -> str | None:
+    return None if value is None else utf8_text(value, "--system")
+
+
+SystemOpt = Annotated[str | None, typer.Option("--system", help="A system prompt.", show_default=False,
+                                               callback=_system_text)]
 MaxTokensOpt = Annotated[int | None, typer.Option(
     "--max-tokens", min=1, show_default=False, help="Stop after this many tokens (default: the daemon's).")]
 TemperatureOpt = Annotated[float | None, typer.Option("--temperature", min=0.0, max=2.0, show_default=False,
@@ -40,10 +46,8 @@ AT_TOKEN_LIMIT = "[stopped at the token limit; --max-tokens raises it]"  # run a
 
 def messages_for(text: str, system: str | None = None) -> list[dict]:
     """The turn's messages; text that is not UTF-8 (stdin or an argument) is a usage error here, not the
-    daemon's refusal of a "lone surrogate"."""
+    daemon's refusal of a "lone surrogate" (``--system`` is checked as an option)."""
     utf8_text(text, "the input")
-    if system:
-        utf8_text(system, "--system")
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
 
 
@@ -227,8 +231,6 @@ def submit(
     if not text.strip():
         raise fail("the task is empty", 2)
     utf8_text(text, "the task")
-    if system:
-        utf8_text(system, "--system")
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed,
                 **read_tools(tools, tool_choice)}
     msgs = [{"role": "user", "content": text}]
