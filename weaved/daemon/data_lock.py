@@ -23,9 +23,9 @@ def lock_data_dir(data_dir: Path) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        owner = _owner(fd)
         os.close(fd)
-        who = f"another daemon (pid {owner})" if owner.isdigit() else "another daemon"
+        who = f"another daemon (pid {owner})" if owner else "another daemon"
         raise Conflict(f"{who} uses the data directory {data_dir}; stop it, or pass another --data-dir") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -44,9 +44,14 @@ def data_dir_owner(data_dir: Path) -> str | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            return owner if owner.isdigit() else ""
+            return _owner(fd)
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     finally:
         os.close(fd)
+
+
+def _owner(fd: int) -> str:
+    """The pid the lock's holder wrote in the file, or "" when it is not one (yet)."""
+    owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    return owner if owner.isdigit() else ""
