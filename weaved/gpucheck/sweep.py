@@ -24,6 +24,9 @@ CONFIGS = {1: [(None, None), (16, 16), (32, 8), (32, 16), (64, 16), (32, 16, 16,
                  (64, 1, 128, 8), (128, 1, 128, 8), (64, 2, 128, 8), (32, 2, 64, 4, 4)]}
 
 
+TILE_KEYS = ("block_n", "chunk", "block_m", "warps", "stages")  # linear_q's speed-only arguments, a config's order
+
+
 def _median_ms(fn, device: torch.device, reps: int = 20) -> float:
     if device.type == "cuda":
         from triton.testing import do_bench
@@ -61,19 +64,14 @@ def product_sweep(be, rows: tuple[int, ...] = (1, 16, 64, 512), reps: int = 20, 
             x = torch.from_numpy(rng.standard_normal((T, w.n_in)).astype(np.float32)).to(w.data.device)
             a = tq.quantize_act(x)
             ref = triton_q4.linear_q(w, a)
-            for cfg in (configs or CONFIGS).get(T, CONFIGS[64]):
-                bn, kb, bm, warps, stages = (*cfg, None, None, None)[:5]
-                y = triton_q4.linear_q(w, a, bn, kb, bm, warps, stages)
-                ms = _median_ms(lambda w=w, a=a, c=(bn, kb, bm, warps, stages): triton_q4.linear_q(w, a, *c),
-                                w.data.device, reps)
-                out.append({"matrix": name, "shape": [w.n_out, w.n_in], "rows": T, "block_n": bn, "chunk": kb,
-                            "block_m": bm, "warps": warps, "stages": stages, "converter": False, "us": ms * 1e3,
+            # each tile configuration, then the default tiles with the integer sums made floats by the
+            # hardware's converter: what the exact add-and-subtract (``triton_q4.exact_float``) saves
+            runs = [dict(zip(TILE_KEYS, (*cfg, None, None, None)[:5], strict=True), converter=False)
+                    for cfg in (configs or CONFIGS).get(T, CONFIGS[64])]
+            runs.append({**dict.fromkeys(TILE_KEYS), "converter": True})
+            for kw in runs:
+                y = triton_q4.linear_q(w, a, **kw)
+                ms = _median_ms(lambda w=w, a=a, kw=kw: triton_q4.linear_q(w, a, **kw), w.data.device, reps)
+                out.append({"matrix": name, "shape": [w.n_out, w.n_in], "rows": T, **kw, "us": ms * 1e3,
                             "gb_s": w.data.numel() / ms / 1e6, "equal": bool(torch.equal(y, ref))})
-            # the default tiles with the integer sums made floats by the hardware's converter: what the
-            # exact add-and-subtract (``triton_q4.exact_float``) saves
-            y = triton_q4.linear_q(w, a, converter=True)
-            ms = _median_ms(lambda w=w, a=a: triton_q4.linear_q(w, a, converter=True), w.data.device, reps)
-            out.append({"matrix": name, "shape": [w.n_out, w.n_in], "rows": T, "block_n": None, "chunk": None,
-                        "block_m": None, "warps": None, "stages": None, "converter": True, "us": ms * 1e3,
-                        "gb_s": w.data.numel() / ms / 1e6, "equal": bool(torch.equal(y, ref))})
     return out
