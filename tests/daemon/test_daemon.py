@@ -214,6 +214,34 @@ def test_a_session_created_empty_is_placed_again_by_its_first_turn(daemon):
     assert not any("short prompt (0 <" in r for r in placed[0]["placement"]["reasons"])  # it saw the prompt
 
 
+@pytest.mark.parametrize("router", ["no room", "another strategy"])
+def test_a_first_turn_that_stays_says_why_with_its_prompt(daemon, monkeypatch, router):
+    """When the first turn's placement cannot move the session (no placement now, or one whose KV would
+    live elsewhere), its reasons still speak of the real prompt, not of the empty one it was created with."""
+    import dataclasses
+
+    from weaved.daemon import moves
+    from weaved.routing.types import RoutingError
+
+    sid = daemon.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    first = daemon.get_session(sid)["placement"]
+    real = moves.place
+
+    def place(*a, **k):
+        if router == "no room":
+            raise RoutingError("no pool has room")
+        return dataclasses.replace(real(*a, **k), decode_strategy="qring")
+
+    monkeypatch.setattr(moves, "place", place)
+    _, h = run_turn(daemon, sid, "Tell me about the sea and the sky")
+    after = daemon.get_session(sid)["placement"]
+    assert after["reasons"][0] == f"kept where it was at its first turn ({h.prompt_tokens} prompt tokens to compute)"
+    assert "no pool has room" in after["reasons"][1] if router == "no room" else "qring" in after["reasons"][1]
+    assert not any("(0 <" in r for r in after["reasons"])
+    assert {k: v for k, v in after.items() if k != "reasons"} == {k: v for k, v in first.items() if k != "reasons"}
+    assert daemon.journal.list(with_tokens=False)[-1].placement == after
+
+
 def test_fsync_durability_flushes_each_commit_before_the_journal_records_it(tiny_llama, tmp_path, monkeypatch):
     import dataclasses
 

@@ -135,19 +135,20 @@ class SessionMoves:
         the new placement, or None when it stays (the same pools and priority - its reasons are brought up
         to date -, or a different decode strategy, whose KV would live elsewhere).  Caller holds
         ``self.lock``."""
+        # Whenever it stays, its reasons are brought up to date: the old ones spoke of an empty prompt.
+        kept = f"kept where it was at its first turn ({n_prompt} prompt tokens to compute)"
         try:
             new = place(SessionRequest(s.sla, n_prompt, s.max_context), self.system_state(), self.routing)
-        except RoutingError:  # e.g. no room now: the turn runs where the session is, as before
+        except RoutingError as e:  # e.g. no room now: the turn runs where the session is, as before
+            self._keep_placement(s, (kept, f"no other placement now: {e}"))
             return None
-        if new.decode_strategy != s.placement.decode_strategy:
+        if new.decode_strategy != s.placement.decode_strategy:  # its KV would live elsewhere
+            self._keep_placement(s, (kept, f"the router now picks {new.decode_strategy} decode, but its KV "
+                                           f"is laid out for {s.placement.decode_strategy}"))
             return None
         if dataclasses.replace(new, reasons=()) == dataclasses.replace(s.placement, reasons=()):
-            # the same pools and priority: it stays, and its reasons now say why with the real prompt (the
-            # old ones spoke of an empty one); the free KV in reasons changes by itself, so not compared
-            s.placement = dataclasses.replace(s.placement, reasons=(
-                f"kept where it was at its first turn ({n_prompt} prompt tokens to compute)", *new.reasons))
-            if not s.ephemeral:
-                self.journal.set_placement(s.id, s.placement.to_dict())
+            # the same pools and priority (the free KV in reasons changes by itself, so not compared)
+            self._keep_placement(s, (kept, *new.reasons))
             return None
         new = Placement(new.prefill_strategy, new.decode_strategy, new.prefill_pool, new.decode_pool, new.priority,
                         (f"placed with its prompt ({n_prompt} tokens to compute)" if s.ephemeral else
@@ -157,6 +158,12 @@ class SessionMoves:
             self.journal.set_placement(s.id, new.to_dict())
         self._move_to(s, new.decode_pool, "first turn")
         return new
+
+    def _keep_placement(self, s: Session, reasons: tuple[str, ...]) -> None:
+        """``s`` stays where it is, for ``reasons`` (caller holds ``self.lock``)."""
+        s.placement = dataclasses.replace(s.placement, reasons=reasons)
+        if not s.ephemeral:
+            self.journal.set_placement(s.id, s.placement.to_dict())
 
     def route_turn(self, s: Session, probe: Sequence, sla: SLA, answer_tokens: int
                    ) -> tuple[Placement | None, str, Refusal | None]:
