@@ -85,6 +85,8 @@ def test_a_full_tool_round_trip(request, server):
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None and len(choice.message.tool_calls) == 1
     _validate(choice.message.tool_calls)
+    with uds_client(request.getfixturevalue(server).socket) as http:  # the metrics count it as the client saw it
+        assert 'weave_turns_total{finish_reason="tool_calls",sla_class="interactive"}' in http.get("/metrics").text
     call = choice.message.tool_calls[0]
     history = [*ASK, choice.message.model_dump(exclude_none=True),
                {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'}]

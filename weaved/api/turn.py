@@ -67,6 +67,9 @@ class Turn:
         self.reasoning_tokens = 0  # of the answer, as its parser counted them (usage's reasoning_tokens)
         self._last_token_at: float | None = None
         self._watcher: asyncio.Task | None = None
+        # a turn that may call tools keeps its text: its metrics count an answer of calls as such
+        plan = getattr(handle, "answer", None)
+        self._text: list[str] | None = [] if plan is not None and plan.offers_tools else None
 
     @property
     def done(self) -> bool:
@@ -173,6 +176,8 @@ class Turn:
                 m.inter_token.labels(self.sla_class).observe(now - self._last_token_at)
             self._last_token_at = now
             self.completion_tokens += 1
+            if self._text is not None:
+                self._text.append(ev.get("text", ""))
         elif kind in ("done", "error"):
             self._usage = ev.get("usage")
             if kind == "done":
@@ -180,9 +185,23 @@ class Turn:
             else:
                 self.error = ev
             u = self.usage
-            m.observe_turn(self.sla_class, self.finish_reason or "error", u["prompt_tokens"],
+            m.observe_turn(self.sla_class, self._metric_reason(), u["prompt_tokens"],
                            u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"],
                            int(getattr(self.handle, "reprefilled", 0)))
+
+    def _metric_reason(self) -> str:
+        """The finish reason the API gives the client: ``tool_calls`` for an answer that ended by itself
+        with complete calls (as ``api.chat.finish_reason`` decides it)."""
+        if self.error is not None or self.finish_reason is None:
+            return "error"
+        if self.finish_reason == "stop" and self._text:
+            parser = self.handle.answer.parser(getattr(self.handle, "call_seed", None))
+            parser.push("".join(self._text))
+            parser.finish()
+            calls = parser.answer.calls
+            if calls and all(c.complete for c in calls):
+                return "tool_calls"
+        return self.finish_reason
 
 
 def emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
