@@ -58,3 +58,15 @@ class Overloaded(WeaveError):
     def __init__(self, message: str, *, param: str | None = None, retry_after_s: float = 1.0):
         super().__init__(message, param=param)
         self.retry_after_s = retry_after_s  # the Retry-After header: when the client should try again
+
+
+class InsufficientStorage(WeaveError):
+    """The data directory's file system has no room for what the request must store (KV rows, the journal):
+    the host's capacity, not the request's fault nor a bug."""
+
+    status = 507
+    type = "server_error"
+    http_status = 507  # (the engine's name for the status of a turn that fails on it)
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message, param=param, code="insufficient_storage")

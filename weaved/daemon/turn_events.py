@@ -15,6 +15,7 @@ from weaved.daemon.session import Session, transcript_entry
 from weaved.daemon.turns import parsed_answer
 from weaved.engine.sequence import Sequence
 from weaved.kv.cache import KVCache
+from weaved.kv.errors import DiskFull
 from weaved.kv.prefixes import BLOCK as PREFIX_BLOCK
 
 log = logging.getLogger("weave.daemon")
@@ -113,7 +114,9 @@ class TurnEvents:
         def job() -> None:
             try:
                 self.store.publish_prefix(s.kv, tokens[: s.kv.length])
-            except Exception:  # a prefix not stored is a later prefill, nothing worse
+            except DiskFull as e:  # a prefix not stored is a later prefill, nothing worse
+                log.warning("session %s: its prefix is not stored: %s", s.id, e)
+            except Exception:
                 log.exception("session %s: storing its prefix failed", s.id)
             finally:
                 self.store.prefixes.settle(tokens[: s.kv.length])

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+
+from weaved.errors import InsufficientStorage
+
+DISK_FULL = {errno.ENOSPC, errno.EDQUOT}  # the errors of a file system that has no room
+
 
 class KVStoreError(Exception):
     """A KV file operation failed; the message says which session and why."""
@@ -13,5 +19,8 @@ class KVCapExceeded(KVStoreError):
     http_status = 503  # the node is full: retry later, or free sessions
 
 
-class DiskFull(KVStoreError):
+class DiskFull(KVStoreError, InsufficientStorage):
     """The file system could not allocate blocks for the positions to be written."""
+
+    def __init__(self, message: str):
+        InsufficientStorage.__init__(self, message)

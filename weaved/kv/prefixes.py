@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from weaved.kv.errors import DISK_FULL, DiskFull
 from weaved.model.config import ModelConfig
 
 BLOCK = 128  # positions per block: whole pages for head sizes from 16 up (128 * head_dim * 2 bytes)
@@ -70,6 +71,8 @@ class PrefixStore:
         self._index: dict[str, tuple[str, int]] = {}  # key after block k -> (prefix key, k + 1 blocks)
         self._pending: dict[str, threading.Event] = {}  # keys announced, being published
         self.hits = self.misses = self.reused_tokens = self.published = 0
+        for tmp in self.dir.glob("*.kv.tmp") if self.dir.is_dir() else []:  # a publication a crash cut
+            tmp.unlink(missing_ok=True)
         for meta in sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []:
             try:
                 m = json.loads(meta.read_text())
@@ -176,13 +179,17 @@ class PrefixStore:
         path = self.dir / f"{key}.kv"
         tmp = path.with_suffix(".kv.tmp")
         shape = (*data.shape[:3], n, data.shape[4])
-        arr = np.memmap(tmp, dtype=np.float16, mode="w+", shape=shape)
-        arr[...] = data[:, :, :, :n, :]
-        arr.flush()
-        del arr
         meta = {"fingerprint": self.fingerprint, "key": key, "keys": keys, "block": BLOCK, "shape": list(shape)}
-        (self.dir / f"{key}.json").write_text(json.dumps(meta))
-        os.replace(tmp, path)
+        try:
+            _write_reserved(tmp, data[:, :, :, :n, :], shape)
+            (self.dir / f"{key}.json").write_text(json.dumps(meta))
+            os.replace(tmp, path)
+        except OSError as e:  # a full disk most often: nothing is kept of this prefix, the caller goes on
+            tmp.unlink(missing_ok=True)
+            (self.dir / f"{key}.json").unlink(missing_ok=True)
+            if e.errno in DISK_FULL:
+                raise DiskFull(f"storing a shared prefix of {n} positions: {e.strerror}") from None
+            raise
         p = Prefix(key, keys, path)
         with self._lock:
             self._add(p)
@@ -228,3 +235,20 @@ class PrefixStore:
             return {"files": len(self._by_key), "bytes": self.nbytes(), "cap_bytes": self.cap_bytes,
                     "in_use": sum(1 for p in self._by_key.values() if p.users), "hits": self.hits,
                     "misses": self.misses, "reused_tokens": self.reused_tokens, "published": self.published}
+
+
+def _write_reserved(path: Path, rows: np.ndarray, shape: tuple[int, ...]) -> None:
+    """``rows`` (float16, ``shape``) into a new file at ``path``, its blocks allocated before anything is
+    written through the mapping: a store into a page the file system cannot back kills the process with
+    SIGBUS, where an allocation fails with ENOSPC (an OSError)."""
+    nbytes = int(np.prod(shape)) * 2
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+    finally:
+        os.close(fd)
+    arr = np.memmap(path, dtype=np.float16, mode="r+", shape=shape)
+    arr[...] = rows
+    arr.flush()
+    del arr

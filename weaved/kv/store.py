@@ -24,7 +24,6 @@ Thread safety: bookkeeping is guarded by one lock, so the engine thread may rese
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import mmap
@@ -39,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from weaved.kv.cache import KVCache
-from weaved.kv.errors import DiskFull, KVCapExceeded, KVStoreError
+from weaved.kv.errors import DISK_FULL, DiskFull, KVCapExceeded, KVStoreError
 from weaved.kv.hot_prefixes import BLOCK as HOT_BLOCK
 from weaved.kv.hot_prefixes import HotPrefixes
 from weaved.kv.mapping import FileMapping
@@ -53,7 +52,6 @@ from weaved.model.config import ModelConfig
 FORMAT_VERSION = 1
 LAYOUT = "[layer][k|v][kv_head][position][head_dim]"
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 HOT_CAP_BYTES = 64 << 20  # memory for short shared prefixes (hot_prefixes)
 
 
@@ -320,7 +318,7 @@ class KVStore(PrefixSharing):
             os.close(fd)
 
     def _os_error(self, session_id: str, what: str, e: OSError) -> KVStoreError:
-        cls = DiskFull if e.errno in _DISK_FULL else KVStoreError
+        cls = DiskFull if e.errno in DISK_FULL else KVStoreError
         return cls(f"session {session_id}: {what} in {self.dir} failed: {e.strerror or e}")
 
     def _session_of(self, kv: KVCache) -> str:

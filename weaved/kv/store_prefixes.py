@@ -8,17 +8,20 @@ methods take; ``prefixes.py`` holds the prefix files, ``hot_prefixes.py`` the sh
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 
 import numpy as np
 
 from weaved.kv.cache import KVCache, SharedRows
-from weaved.kv.errors import KVStoreError
+from weaved.kv.errors import DiskFull, KVStoreError
 from weaved.kv.hot_prefixes import BLOCK as HOT_BLOCK
 from weaved.kv.open_session import OpenSession
 from weaved.kv.prefixes import BLOCK as PREFIX_BLOCK
 from weaved.kv.tiers import punch_hole
+
+log = logging.getLogger("weave.kv")
 
 
 class PrefixSharing:
@@ -176,7 +179,10 @@ class PrefixSharing:
         """A new session ``child`` starting with ``parent``'s first ``len(tokens)`` rows: the full blocks
         shared through a prefix file (published from the parent if none holds them yet), the rest
         copied; the positions shared."""
-        self.publish_prefix(parent, tokens)
+        try:
+            self.publish_prefix(parent, tokens)
+        except DiskFull:  # no room for a prefix file: the child gets its own copy of every row, if it can
+            log.warning("no room for a shared prefix of %d tokens: the fork copies its rows", len(tokens))
         shared = self.share_prefix(child, tokens + [0])  # (a token to feed after them: share_prefix's rule)
         self.copy_rows(parent, child, shared, len(tokens))
         return shared
