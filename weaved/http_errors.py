@@ -68,6 +68,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(WeaveError)
     async def _weave(request: Request, exc: WeaveError) -> JSONResponse:
+        if exc.status == 507:  # the operator's to fix (a full disk): one line in the log, no traceback
+            log.warning("%s %s: %s", request.method, request.url.path, exc.message)
         return weave_error_response(exc)
 
     @app.exception_handler(RequestValidationError)

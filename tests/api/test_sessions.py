@@ -103,3 +103,21 @@ def test_detached_turn_runs_to_its_end(client, fake: FakeDaemon):
                  {"messages": USER, "detach": True, "stream": True, "session": sid}):
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "detach"
+
+
+def test_a_full_disk_is_a_507_the_connection_survives(client, fake: FakeDaemon, monkeypatch, caplog):
+    """The operator's to fix, not a bug: OpenAI's error shape with its own code, one log line, and the
+    connection stays usable (a 500 would close it)."""
+    from weaved.kv.errors import DiskFull
+
+    def full(*a, **k):
+        raise DiskFull("session s-9: creating its KV file: No space left on device")
+
+    monkeypatch.setattr(fake, "create_session", full)
+    with caplog.at_level("WARNING", logger="weave.http"):
+        r = client.post("/v1/sessions", json={})
+    assert r.status_code == 507 and "Connection" not in r.headers
+    assert r.json()["error"] == {"message": "session s-9: creating its KV file: No space left on device",
+                                 "type": "server_error", "param": None, "code": "insufficient_storage"}
+    assert [rec.getMessage() for rec in caplog.records] == [
+        "POST /v1/sessions: session s-9: creating its KV file: No space left on device"]

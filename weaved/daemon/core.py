@@ -122,10 +122,14 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
             kv = self._new_kv(sid, placement, cap, memory_only=ephemeral)
             s = Session(sid, sla, context, system, placement, kv, [], [], ephemeral=ephemeral,
                         last_active=self.wall(), forked_from=forked_from)
-            self.sessions[sid] = s
             if not ephemeral:
-                self.journal.create_session(sid, sla.to_dict(), s.max_context, system, placement.to_dict(),
-                                            forked_from=forked_from)
+                try:
+                    self.journal.create_session(sid, sla.to_dict(), s.max_context, system, placement.to_dict(),
+                                                forked_from=forked_from)
+                except BaseException:  # (a full disk): its KV file goes too, nothing is left half-made
+                    self._free_kv(s)
+                    raise
+            self.sessions[sid] = s
         if not ephemeral:  # (an ephemeral session's placement is published once, at its turn, with its prompt)
             self.publish("placement", {"session": sid, "placement": placement.to_dict()})
             self.log(f"session {sid}: {sla.cls.value} -> {placement.decode_pool} ({'; '.join(placement.reasons)})")

@@ -9,9 +9,11 @@ on if the parent is deleted.
 
 from __future__ import annotations
 
+import contextlib
+
 from weaved.daemon.session import Session
 from weaved.daemon.turns import message_extra
-from weaved.errors import Conflict, InvalidRequest
+from weaved.errors import Conflict, InvalidRequest, NotFound
 from weaved.kv.cache import KVCache
 from weaved.routing.types import SLA
 
@@ -33,6 +35,19 @@ class SessionForks:
             messages, tokens, tail = self._fork_point(parent, turn)
         info = self.create_session(sla or parent.sla, parent.max_context, parent.system, forked_from=sid)
         cid = info["id"]
+        try:
+            shared = self._fill_fork(sid, parent, cid, messages, tokens, tail)
+        except BaseException:  # (a full disk, a parent that changed): no half-made fork is left behind
+            with contextlib.suppress(NotFound):
+                self.delete_session(cid)
+            raise
+        self.publish("fork", {"session": cid, "parent": sid, "turn": turn, "tokens": len(tokens),
+                              "shared_tokens": shared})
+        return {**self.get_session(cid), "shared_tokens": shared}
+
+    def _fill_fork(self, sid: str, parent: Session, cid: str, messages: list[dict], tokens: list[int],
+                   tail: list[int]) -> int:
+        """The new session ``cid`` given ``parent``'s KV rows, tokens and transcript; the positions shared."""
         with self._lock:
             child = self.sessions.get(cid)
             if self.sessions.get(sid) is not parent or parent.busy or child is None:
@@ -52,9 +67,7 @@ class SessionForks:
                                                 extra=message_extra(m))
                 else:
                     self.journal.add_message(cid, m["role"], m["content"], ids, extra=message_extra(m))
-        self.publish("fork", {"session": cid, "parent": sid, "turn": turn, "tokens": len(tokens),
-                              "shared_tokens": shared})
-        return {**self.get_session(cid), "shared_tokens": shared}
+        return shared
 
     def _fork_point(self, parent: Session, turn: int | None) -> tuple[list[dict], list[int], list[int]]:
         """(messages, committed tokens, unfed tail) of the parent now, or through its ``turn``-th answer

@@ -32,6 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from weaved.errors import InsufficientStorage
+
 SCHEMA_VERSION = 5
 
 # Statements are split on ";" (executescript would commit our transaction): keep ";" out of comments.
@@ -83,6 +85,13 @@ CREATE TABLE tokens (
 
 class JournalError(Exception):
     """The journal file cannot be used (e.g. written by a newer version)."""
+
+
+class JournalFull(JournalError, InsufficientStorage):
+    """A write found the data directory's disk full (nothing of it was kept)."""
+
+    def __init__(self, message: str):
+        InsufficientStorage.__init__(self, message)
 
 
 @dataclass(frozen=True)
@@ -170,10 +179,13 @@ class Journal:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
+                self._db.execute("COMMIT")
+            except BaseException as e:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                if isinstance(e, sqlite3.Error) and getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+                    raise JournalFull(f"the journal ({self.path}) could not be written: its disk is full") from e
                 raise
-            self._db.execute("COMMIT")
 
     def _kv_length(self, db: sqlite3.Connection, id: str) -> int:
         row = db.execute("SELECT kv_length FROM sessions WHERE id=?", (id,)).fetchone()
@@ -231,8 +243,11 @@ class Journal:
         """Record ``session``'s detached turn (its request ``body``; the transcript's length before it)
         until ``drop_detached``: a stop or a crash in between leaves it here to be run again."""
         with self._tx() as db:
-            db.execute("INSERT OR REPLACE INTO detached (session, body, messages) VALUES (?, ?, ?)",
-                       (session, json.dumps(body, ensure_ascii=False), messages))
+            self._set_detached(db, session, body, messages)
+
+    def _set_detached(self, db: sqlite3.Connection, session: str, body: dict, messages: int) -> None:
+        db.execute("INSERT OR REPLACE INTO detached (session, body, messages) VALUES (?, ?, ?)",
+                   (session, json.dumps(body, ensure_ascii=False), messages))
 
     def drop_detached(self, session: str) -> None:
         with self._tx() as db:
@@ -294,20 +309,33 @@ class Journal:
 
     def _append_message(self, id: str, role: str, content: str, token_ids: list[int] | None,
                         finish_reason: str | None = None, extra: dict | None = None) -> int:
-        now = time.time()
         with self._tx() as db:
-            kv_at = self._kv_length(db, id)
-            (seq,) = db.execute(
-                "SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE session=?", (id,)
-            ).fetchone()
-            db.execute(
-                "INSERT INTO messages (session, seq, role, content, token_ids, kv_at, created, finish_reason, extra)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (id, seq, role, content, None if token_ids is None else _pack(token_ids), kv_at, now,
-                 finish_reason, None if not extra else json.dumps(extra, ensure_ascii=False)),
-            )
-            db.execute("UPDATE sessions SET updated=? WHERE id=?", (now, id))
-            return seq
+            return self._insert_message(db, id, role, content, token_ids, finish_reason, extra)
+
+    def _insert_message(self, db: sqlite3.Connection, id: str, role: str, content: str,
+                        token_ids: list[int] | None, finish_reason: str | None = None,
+                        extra: dict | None = None) -> int:
+        now = time.time()
+        kv_at = self._kv_length(db, id)
+        (seq,) = db.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE session=?", (id,)).fetchone()
+        db.execute(
+            "INSERT INTO messages (session, seq, role, content, token_ids, kv_at, created, finish_reason, extra)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (id, seq, role, content, None if token_ids is None else _pack(token_ids), kv_at, now,
+             finish_reason, None if not extra else json.dumps(extra, ensure_ascii=False)),
+        )
+        db.execute("UPDATE sessions SET updated=? WHERE id=?", (now, id))
+        return seq
+
+    def add_turn_input(self, id: str, messages: list[tuple[str, str, list[int] | None, dict | None]],
+                       detached: tuple[dict, int] | None = None) -> None:
+        """Record a turn's input in one transaction - its messages (role, content, token ids, extra) and,
+        for a detached turn, its request and the transcript's length before it - or nothing of it."""
+        with self._tx() as db:
+            if detached is not None:
+                self._set_detached(db, id, *detached)
+            for role, content, token_ids, extra in messages:
+                self._insert_message(db, id, role, content, token_ids, extra=extra)
 
     def add_message(self, id: str, role: str, content: str, token_ids: list[int] | None,
                     extra: dict | None = None) -> int:

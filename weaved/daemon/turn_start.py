@@ -103,7 +103,7 @@ class TurnStarts:
                 del s.committed[keep:]
                 if not s.ephemeral:
                     self.journal.truncate(s.id, keep)
-            s.tail = []
+            tail, s.tail = s.tail, []
             first = not s.committed  # the session's first turn: its prompt may start with a stored prefix
             # (not when the prompt's own log-probabilities are asked for: a stored prefix has no logits)
             if first and isinstance(s.kv, KVCache) and not echo:
@@ -129,17 +129,23 @@ class TurnStarts:
                 new_pl = self.moves.place_first_turn(s, len(new))
                 if new_pl is not None or s.ephemeral:
                     self.publish("placement", {"session": s.id, "placement": s.placement.to_dict()})
+            if not s.ephemeral:  # recorded in one transaction before the transcript changes: a write that
+                # fails (a full disk) leaves the session as it was
+                if messages is not None:  # the last message carries the turn's prompt tokens (see recovery)
+                    rows = [(m["role"], m["content"], list(new) if i == len(messages) - 1 else None,
+                             message_extra(m)) for i, m in enumerate(messages)]
+                else:
+                    rows = [("prompt", prompt if isinstance(prompt, str) else "", list(new), None)]
+                try:
+                    self.journal.add_turn_input(s.id, rows, (detached, len(s.messages)) if detached is not None
+                                                else None)
+                except BaseException:
+                    if not reprefilled:  # the last answer's unfed token still follows the context
+                        s.tail = tail
+                    raise
             s.detached = detached is not None and not s.ephemeral
-            if s.detached:
-                self.journal.set_detached(s.id, detached, len(s.messages))
             if messages is not None:
-                for i, m in enumerate(messages):
-                    s.messages.append(dict(m))
-                    if not s.ephemeral:  # the last message carries the turn's prompt tokens (see recovery)
-                        ids = list(new) if i == len(messages) - 1 else None
-                        self.journal.add_message(s.id, m["role"], m["content"], ids, extra=message_extra(m))
-            elif not s.ephemeral:
-                self.journal.add_message(s.id, "prompt", prompt if isinstance(prompt, str) else "", list(new))
+                s.messages.extend(dict(m) for m in messages)
             seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, arrival=self.clock(),
                                 default_ttlt_s=self._default_ttlt(s.sla),
                                 constraint=constraint)

@@ -346,7 +346,8 @@ class BatchEngine:
             need = getattr(exc, "need_bytes", 0)  # the device's own KV memory: idle sessions may leave it
             if need and not room_made and self._make_room is not None and self._make_room(self.backend, need):
                 return self._reserved(w, room_made=True)
-            # out of KV room (the node's cap, a ring's shards) is the server's capacity, not a bug: 503
+            # out of KV room (the node's cap, a ring's shards, the disk) is the server's capacity, not a bug
+            log.warning("engine %s: session %s: its turn fails: %s", self.name, w.seq.session_id, exc)
             self.out.fail(w.seq, str(exc), getattr(exc, "http_status", None))
             return False
 

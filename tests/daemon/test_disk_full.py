@@ -1,0 +1,102 @@
+"""A data directory whose disk is full: the journal's writes and the KV files' fail as 507
+(``insufficient_storage``), and a request that fails so changes nothing - no half-made session, no
+message left in a transcript the journal does not hold - while the daemon goes on serving."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+
+import pytest
+
+from tests.daemon.support import run_turn
+from weaved.daemon.journal import Journal, JournalFull
+from weaved.errors import InsufficientStorage
+from weaved.kv.errors import DiskFull
+from weaved.routing.types import SLA, SLAClass
+
+
+def fill_journal(j: Journal) -> None:
+    """SQLite's own cap on the file's pages: the next page a write needs is refused as SQLITE_FULL,
+    as a full disk refuses it."""
+    with j._lock:
+        j._db.execute("CREATE TABLE IF NOT EXISTS ballast (b BLOB)")
+        (pages,) = j._db.execute("PRAGMA page_count").fetchone()
+        j._db.execute(f"PRAGMA max_page_count={pages}")
+        for size in (512, 64, 8, 0):  # the pages' own free room goes too
+            try:
+                for _ in range(100_000):
+                    j._db.execute("INSERT INTO ballast VALUES (zeroblob(?))", (size,))
+            except sqlite3.OperationalError:
+                pass
+
+
+def free_journal(j: Journal) -> None:
+    with j._lock:
+        j._db.execute("PRAGMA max_page_count=1073741823")
+
+
+def test_a_full_journal_is_a_storage_error_and_keeps_nothing(tmp_path):
+    j = Journal(tmp_path / "journal.db")
+    j.create_session("s", {"class": "interactive"}, 512, None, None)
+    fill_journal(j)
+    big = "x" * 5000  # more than a page holds
+    with pytest.raises(JournalFull, match="disk is full") as e:
+        j.add_turn_input("s", [("user", "a", None, None), ("user", big, [1, 2], None)],
+                         detached=({"detach": True}, 0))
+    assert isinstance(e.value, InsufficientStorage) and e.value.status == 507
+    assert j.get("s").messages == [] and j.detached() == []  # one transaction: nothing of it
+    free_journal(j)
+    j.add_turn_input("s", [("user", big, [1, 2], None)])
+    assert [m["content"] for m in j.get("s").messages] == [big]
+
+
+def test_a_turn_refused_by_a_full_journal_leaves_the_transcript_as_it_was(daemon):
+    sid = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    run_turn(daemon, sid, "Hello")
+    before = daemon.get_session(sid)
+    fill_journal(daemon.journal)
+    try:
+        with pytest.raises(JournalFull):
+            run_turn(daemon, sid, "My secret word is PINEAPPLE. " * 150)
+        with pytest.raises(JournalFull):  # nor can a session be made: none is left half-made
+            daemon.create_session(SLA(SLAClass.INTERACTIVE), system="Be brief. " * 600)
+    finally:
+        free_journal(daemon.journal)
+    after = daemon.get_session(sid)
+    assert after["messages"] == before["messages"] and after["context_tokens"] == before["context_tokens"]
+    assert [s["id"] for s in daemon.list_sessions()] == [sid]
+    assert sorted(p.name for p in daemon.store.dir.glob("s-*.kv")) == [f"{sid}.kv"]
+    events, _ = run_turn(daemon, sid, "Say B.")  # with room again, the session goes on
+    assert events[-1]["type"] == "done"
+    assert [m["role"] for m in daemon.get_session(sid)["messages"]] == ["user", "assistant"] * 2
+
+
+def test_a_session_whose_kv_file_cannot_be_made_is_not_left_behind(daemon, monkeypatch):
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "ftruncate", lambda fd, n: full(fd, 0, n))
+    with pytest.raises(DiskFull) as e:
+        daemon.create_session(SLA(SLAClass.INTERACTIVE), max_context=256)
+    assert e.value.status == 507 and e.value.to_dict()["error"]["code"] == "insufficient_storage"
+    monkeypatch.undo()
+    assert daemon.list_sessions() == [] and daemon.journal.list(with_tokens=False) == []
+
+
+def test_a_fork_that_cannot_be_recorded_is_not_left_behind(daemon):
+    sid = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    run_turn(daemon, sid, "My secret word is PINEAPPLE. " * 150)
+    fill_journal(daemon.journal)
+    try:
+        with pytest.raises(InsufficientStorage):
+            daemon.fork_session(sid)
+    finally:
+        free_journal(daemon.journal)
+    assert [s["id"] for s in daemon.list_sessions()] == [sid]
+    assert [r.id for r in daemon.journal.list(with_tokens=False)] == [sid]
+    child = daemon.fork_session(sid)["id"]  # with room again
+    assert daemon.get_session(child)["context_tokens"] == daemon.get_session(sid)["context_tokens"]
