@@ -88,6 +88,9 @@ def status_text(st: dict) -> str:
         *([f"data      {st['data_dir']} (durability {st.get('durability', '?')})"] if st.get("data_dir") else []),
         f"sessions  {len(sessions)} ({busy} generating)"
         + (f"; {stateless} request(s) without a session running" if stateless else ""),
+        *([f"          {len(st['unrecovered'])} not recovered (why: `weave status --json`; "
+           f"`weave rm ID` deletes one): {', '.join(u['id'] for u in st['unrecovered'][:3])}"
+           + (", ..." if len(st["unrecovered"]) > 3 else "")] if st.get("unrecovered") else []),
         f"kv        {kv_line(st.get('kv') or {})}",
         *hardware_lines(st.get("hardware") or {}),
     ]

@@ -16,8 +16,8 @@ from weaved.engine.sampling import SamplingParams
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 
-def make_daemon(model: Path, data_dir: Path) -> Daemon:
-    d = Daemon(load_profile("cpu-only"), model, data_dir=data_dir, log_fn=lambda m: None)
+def make_daemon(model: Path, data_dir: Path, log_fn=lambda m: None) -> Daemon:
+    d = Daemon(load_profile("cpu-only"), model, data_dir=data_dir, log_fn=log_fn)
     d.load()
     return d
 

@@ -80,8 +80,7 @@ def test_a_session_of_another_model_is_named_not_denied(tiny_llama, tiny_qwen2, 
         d.shutdown()
     other = make_daemon(tiny_qwen2, tmp_path / "data")  # the same data directory, another model
     try:
-        for call in (lambda: other.get_session(sid), lambda: other.delete_session(sid),
-                     lambda: other.get_response("resp_1")):
+        for call in (lambda: other.get_session(sid), lambda: other.get_response("resp_1")):
             with pytest.raises(Conflict, match="this daemon did not recover.*made for model"):
                 call()
         with pytest.raises(NotFound):
@@ -92,5 +91,32 @@ def test_a_session_of_another_model_is_named_not_denied(tiny_llama, tiny_qwen2, 
     d = make_daemon(tiny_llama, tmp_path / "data")  # and back: nothing was lost
     try:
         assert d.get_response("resp_1")[0] == sid
+    finally:
+        d.shutdown()
+
+
+def test_a_session_of_another_model_goes_when_deleted_by_its_id(tiny_llama, tiny_qwen2, tmp_path):
+    """Named in the status, and deleted when asked by its id: its journal records and files go."""
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        sid = d.create_session(SLA(SLAClass.BATCH))["id"]
+        d.store_response(sid, "resp_1", {"id": "resp_1"})
+    finally:
+        d.shutdown()
+    other = make_daemon(tiny_qwen2, tmp_path / "data")
+    try:
+        (u,) = other.status()["unrecovered"]
+        assert u["id"] == sid and "made for model" in u["reason"]
+        other.delete_session(sid)
+        assert other.status()["unrecovered"] == [] and not list((tmp_path / "data").rglob(f"{sid}*"))
+        with pytest.raises(NotFound):
+            other.get_session(sid)
+    finally:
+        other.shutdown()
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        assert d.list_sessions() == []
+        with pytest.raises(NotFound):
+            d.get_response("resp_1")
     finally:
         d.shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from tests.daemon.support import LONG, make_daemon, run_turn
+from tests.daemon.support import LONG, make_daemon, run_to_end, run_turn
 from weaved.engine.sampling import SamplingParams
 from weaved.routing.types import SLA, SLAClass
 
@@ -77,5 +77,30 @@ def test_a_session_taken_back_before_its_turn_ran_again_still_runs_it(tiny_llama
     d2 = make_daemon(tiny_llama, tmp_path / "data")
     try:
         assert d2.cut_detached_turns() == [(sid, BODY, 2)]
+    finally:
+        d2.shutdown()
+
+
+def test_a_cut_detached_turn_runs_again_on_a_session_whose_kv_file_was_lost(tiny_llama, tmp_path):
+    """Its session is rebuilt from the journal; the turn's cut answer is taken back (from the tokens
+    only: nothing is in its new KV yet) and the turn runs again over the rebuilt context."""
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    run_turn(d, sid, "Hello")
+    first_token = threading.Event()
+    _detached_turn(d, sid, LONG, lambda ev: ev["type"] == "token" and first_token.set())
+    assert first_token.wait(120)
+    d.shutdown()
+    (tmp_path / "data" / "kv" / f"{sid}.kv").unlink()
+    d2 = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        ((cut_sid, body, n),) = d2.cut_detached_turns()
+        assert cut_sid == sid and n == 2
+        events, _ = run_to_end(d2, session_id=sid, messages=TASK, params=SamplingParams(max_tokens=4, temperature=0),
+                               continues=n, detached=body)
+        assert events[-1]["type"] == "done"
+        info = d2.get_session(sid)
+        assert [m["role"] for m in info["messages"]] == ["user", "assistant"] * 2
+        assert info["messages"][-1]["finish_reason"] == "length"
     finally:
         d2.shutdown()

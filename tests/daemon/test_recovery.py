@@ -144,3 +144,54 @@ def test_a_turn_stopped_before_its_first_token_is_marked_interrupted_after_a_res
             ("user", "Hello", None), ("assistant", "", "interrupted")]
     finally:
         d.shutdown()
+
+
+@pytest.mark.parametrize("damage", ["deleted", "cut short", "prefix gone"])
+def test_a_lost_kv_file_is_rebuilt_from_the_journal(tiny_llama, tmp_path, damage):
+    """The journal holds every committed token: a session whose KV file is gone or damaged comes back
+    with a new file, and its next turn computes its context again - the answer a daemon that never lost
+    the file gives."""
+    long = "Remember the number seven. " * 20  # past a 128-token block: its first turn publishes a prefix
+    plain = make_daemon(tiny_llama, tmp_path / "plain")
+    try:
+        sid = plain.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+        run_turn(plain, sid, long)
+        want, _ = run_turn(plain, sid, "Which number?")
+    finally:
+        plain.shutdown()
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    sid = d.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    run_turn(d, sid, long)
+    ctx = d.get_session(sid)["context_tokens"]
+    d.shutdown()
+    kv = tmp_path / "data" / "kv" / f"{sid}.kv"
+    if damage == "deleted":
+        kv.unlink()
+    elif damage == "cut short":
+        os.truncate(kv, 4096)
+    else:
+        (prefix,) = (tmp_path / "data" / "kv" / "prefixes").glob("*.kv")
+        prefix.unlink()
+    logs: list[str] = []
+    d2 = make_daemon(tiny_llama, tmp_path / "data", log_fn=logs.append)
+    try:
+        assert any(f"session {sid}:" in m and "rebuilt from its journal" in m for m in logs)
+        assert d2.status()["unrecovered"] == []
+        info = d2.get_session(sid)
+        assert info["context_tokens"] == ctx and len(info["messages"]) == 2
+        got, h = run_turn(d2, sid, "Which number?")
+        # the whole context fed again (its first block mapped from a stored prefix where one is left)
+        assert h.prompt_tokens > ctx and prefilled(d2) == h.prompt_tokens - h.cached_tokens
+        assert [e.get("token") for e in got] == [e.get("token") for e in want]
+    finally:
+        d2.shutdown()
+    d3 = make_daemon(tiny_llama, tmp_path / "data")  # and it stays whole across the next restart
+    try:
+        assert d3.get_session(sid)["context_tokens"] == d2_ctx(got, h)
+    finally:
+        d3.shutdown()
+
+
+def d2_ctx(events, h) -> int:
+    """The context after a turn: its prompt and its answer."""
+    return h.prompt_tokens + sum(1 for e in events if e["type"] == "token" and e.get("token") is not None)

@@ -96,12 +96,15 @@ class ResponseChains:
         rec = self.journal.get(s.id)
         kv_at = rec.messages[messages]["kv_at"]  # committed when the first dropped entry was recorded
         dropped = len(s.messages) - messages
-        if isinstance(s.kv, KVCache):
-            self.store.unshare(s.kv, kv_at)
-        s.kv.truncate(kv_at)
-        del s.committed[kv_at:]
+        if s.rebuild:  # its context is all unfed (its KV file was lost): only the tokens go
+            s.tail = s.tail[:kv_at]
+        else:
+            if isinstance(s.kv, KVCache):
+                self.store.unshare(s.kv, kv_at)
+            s.kv.truncate(kv_at)
+            del s.committed[kv_at:]
+            s.tail = []  # (the next turn's rendering writes the answer's end again)
         del s.messages[messages:]
-        s.tail = []  # (the next turn's rendering writes the answer's end again)
         self.journal.rewind(s.id, messages, kv_at)
         self.publish("rewind", {"session": s.id, "messages": dropped, "from": kv_at})
         self.log(f"session {s.id}: {dropped} transcript entries dropped, {why}; context back to {kv_at} tokens")

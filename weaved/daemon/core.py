@@ -173,6 +173,12 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
 
     def delete_session(self, sid: str) -> None:
         with self._lock:
+            if sid in self.unrecovered:  # (e.g. its KV file is another model's): its records and files go
+                self.journal.delete(sid)
+                self.store.delete(sid)
+                del self.unrecovered[sid]
+                self.log(f"session {sid}: deleted (it was not recovered)")
+                return
             s = self._get(sid)
             if s.busy:  # its stream ends with finish_reason "cancelled" (_on_turn_event)
                 s.turn.cancel_requested = True
@@ -282,6 +288,8 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
             "durability": self.profile.host.durability, "data_dir": str(self.data_dir),
             "uptime_s": round(self.wall() - self.started, 1),
             "pools": [pool_status(p) for p in pools], "pool_notes": self.pool_notes, "sessions": sessions,
+            # sessions of the data directory this daemon could not serve, and why (DELETE removes them)
+            "unrecovered": [{"id": sid, "reason": why} for sid, why in sorted(self.unrecovered.items())],
             "kv": {**self.store.tiers(), "device_bytes": device_kv_bytes(pools),
                    "device_free_bytes": device_kv_free_bytes(pools)},
             "hardware": hardware_status(pools),

@@ -24,6 +24,7 @@ from weaved.daemon.recovery import unfed_tail, unfinished_answer
 from weaved.daemon.session import Session, transcript_entry
 from weaved.daemon.turns import message_extra
 from weaved.errors import WeaveError
+from weaved.kv.errors import KVFileMismatch, KVStoreError
 from weaved.model.config import ModelConfig
 from weaved.routing.types import SLA, Placement
 
@@ -176,15 +177,27 @@ class DaemonLifecycle:
                              f"{total / 2**30:.1f} GiB of RAM")
 
     def _recover(self) -> None:
+        rebuilt = 0
         for rec in self.journal.list():
             sla = SLA.from_dict(rec.sla)
             placement = Placement.from_dict(rec.placement) if rec.placement else None
+            rebuild = False
             try:
                 if placement is None or placement.decode_pool not in self.engines:
                     placement = self._place(sla, rec.kv_length, rec.max_context)
                 cap = aligned(rec.max_context)
-                kv = self._new_kv(rec.id, placement, cap, list(rec.tokens[: rec.kv_length]))
-            except Exception as exc:  # a KV file made for another model, or lost; no ring: keep the rest serving
+                try:
+                    kv = self._new_kv(rec.id, placement, cap, list(rec.tokens[: rec.kv_length]))
+                except KVStoreError as exc:
+                    if isinstance(exc, KVFileMismatch) or placement.decode_strategy == "qring":
+                        raise
+                    # lost or damaged (deleted, cut short, its shared prefix gone): the journal holds its
+                    # tokens, so a new file is made and its next turn computes them again
+                    self.log(f"session {rec.id}: {exc}; rebuilt from its journal (its {rec.kv_length} tokens "
+                             f"are computed again at its next turn)")
+                    self.store.delete(rec.id)
+                    kv, rebuild = self._new_kv(rec.id, placement, cap), True
+            except Exception as exc:  # a KV file made for another model; no ring: keep the rest serving
                 self.log(f"session {rec.id} not recovered: {exc}")
                 self.unrecovered[rec.id] = str(exc)
                 continue
@@ -194,12 +207,16 @@ class DaemonLifecycle:
             if partial is not None:  # the daemon stopped mid-turn: keep what was committed of the answer
                 messages.append(transcript_entry("assistant", partial[0], "interrupted"))
                 self.journal.finish_message(rec.id, "assistant", partial[0], partial[1], "interrupted")
+            tail = unfed_tail(rec) if partial is None else []
+            committed = list(rec.tokens[: rec.kv_length])
+            if rebuild:  # every token is unfed now: the next turn feeds them before its own
+                committed, tail, rebuilt = [], committed + tail, rebuilt + 1
             self.sessions[rec.id] = Session(rec.id, sla, rec.max_context, rec.system, placement, kv,
-                                            list(rec.tokens), messages, created=rec.created,
-                                            forked_from=rec.forked_from,
-                                            tail=unfed_tail(rec) if partial is None else [])
+                                            committed, messages, created=rec.created,
+                                            forked_from=rec.forked_from, tail=tail, rebuild=rebuild)
         if self.sessions:
-            self.log(f"recovered {len(self.sessions)} session(s) from {self.data_dir}")
+            self.log(f"recovered {len(self.sessions)} session(s) from {self.data_dir}"
+                     + (f" ({rebuilt} rebuilt from the journal)" if rebuilt else ""))
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """The API's event loop: where ``/v1/events`` subscribers read."""

@@ -36,6 +36,9 @@ class Session:
     call_seed: str | None = None
     forked_from: str | None = None  # the session it was forked from (kept after the parent is deleted)
     detached: bool = False  # its running turn is a detached one, journaled until it ends (run again if cut)
+    # its KV file was lost and made anew at load: its context is all ``tail`` (fed again at its next turn),
+    # and the journal's tokens are forgotten when that turn starts feeding them
+    rebuild: bool = False
 
     @property
     def pool(self) -> str:

@@ -94,6 +94,9 @@ class TurnStarts:
                 if s.ephemeral:
                     self._drop_ephemeral(s)
                 raise
+            if s.rebuild:  # this turn feeds its lost context again: the journal records it anew as it commits
+                self.journal.truncate(s.id, 0)
+                s.rebuild = False
             reprefilled = len(s.committed) - keep
             if reprefilled:  # the template rewrote history (e.g. dropped earlier thinking): re-prefill from there
                 self.publish("reprefill", {"session": s.id, "from": keep, "tokens": reprefilled})

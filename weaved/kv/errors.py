@@ -13,6 +13,11 @@ class KVStoreError(Exception):
     """A KV file operation failed; the message says which session and why."""
 
 
+class KVFileMismatch(KVStoreError):
+    """A session's KV file was made for another model (or format): it is kept for the daemon that serves
+    that model, never rebuilt over."""
+
+
 class KVCapExceeded(KVStoreError):
     """Reserving more positions would exceed the store's cap on total KV bytes."""
 

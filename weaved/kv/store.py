@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from weaved.kv.cache import KVCache
-from weaved.kv.errors import DISK_FULL, DiskFull, KVCapExceeded, KVStoreError
+from weaved.kv.errors import DISK_FULL, DiskFull, KVCapExceeded, KVFileMismatch, KVStoreError
 from weaved.kv.hot_prefixes import BLOCK as HOT_BLOCK
 from weaved.kv.hot_prefixes import HotPrefixes
 from weaved.kv.mapping import FileMapping
@@ -168,7 +168,7 @@ class KVStore(PrefixSharing):
             except (OSError, ValueError) as e:
                 raise KVStoreError(f"session {session_id}: unreadable metadata {meta_path}: {e}") from e
             if meta.get("fingerprint") != self.fingerprint or meta.get("format") != FORMAT_VERSION:
-                raise KVStoreError(
+                raise KVFileMismatch(
                     f"session {session_id}: KV file was made for model {meta.get('model')} "
                     f"(fingerprint {meta.get('fingerprint')}, format {meta.get('format')}); this store "
                     f"serves {{'arch': {self.config.arch!r}, 'name': {self.config.name!r}}} "
