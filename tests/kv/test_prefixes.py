@@ -241,3 +241,22 @@ def test_short_prefixes_past_a_prefix_file_and_their_memory_bound(tmp_path):
         store.keep_prefix(kv, p)
     assert len(store.hot) == 5 and store.tiers()["short_prefixes"]["blocks"] == 5
     assert KVStore(tmp_path / "off", CFG, share=False).keep_prefix(a, prompt) == 0
+
+
+def test_resident_kv_counts_a_shared_prefix_once(tmp_path):
+    """Ten sessions mapping one prefix file: RAM holds its pages once, and so does the measure."""
+    store = KVStore(tmp_path, CFG)
+    prompt = tokens(2 * BLOCK + 8)
+    a = store.create("a", capacity=1024)
+    store.reserve(a, len(prompt))
+    fill(a, 0, len(prompt), seed=4)
+    store.publish_prefix(a, prompt)
+    one = store.tiers()["ram_bytes"]
+    others = []
+    for i in range(10):
+        kv = store.create(f"s{i}", capacity=1024)
+        assert store.share_prefix(kv, prompt) == 2 * BLOCK
+        np.asarray(kv.data[:, :, :, : 2 * BLOCK]).sum()  # read through every mapping: each maps the pages
+        others.append(kv)
+    prefix_bytes = 2 * BLOCK * CFG.kv_bytes_per_token
+    assert store.tiers()["ram_bytes"] < one + prefix_bytes  # not ten more copies

@@ -230,6 +230,10 @@ class PrefixStore:
         p.path.unlink(missing_ok=True)
         p.path.with_suffix(".json").unlink(missing_ok=True)
 
+    def paths(self) -> list[Path]:
+        with self._lock:
+            return [p.path for p in self._by_key.values()]
+
     def status(self) -> dict:
         with self._lock:
             return {"files": len(self._by_key), "bytes": self.nbytes(), "cap_bytes": self.cap_bytes,

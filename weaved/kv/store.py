@@ -351,31 +351,40 @@ class KVStore(PrefixSharing):
         except OSError as e:
             raise self._os_error(session_id, "flushing its KV file", e) from e
 
+    def _own_resident(self, s: OpenSession) -> int | None:
+        """Resident bytes of a session's own rows: past the shared prefix's pages it maps, if any (those
+        are its prefix file's, counted once for every session that maps them)."""
+        if not s.shared:
+            return resident_bytes(s.data)
+        runs = s.data.reshape(-1, *s.data.shape[3:])  # [layer * 2 * kv_head, capacity, head_dim]
+        parts = [resident_bytes(runs[r, s.shared:]) for r in range(runs.shape[0])]
+        return None if None in parts else sum(parts)
+
     def tiers(self) -> dict:
-        """Where KV bytes live: ``file_bytes`` allocated on disk, ``ram_bytes`` resident in the page
-        cache (``ram_measured`` False when mincore is unavailable), reservation and cap, session count."""
+        """Where KV bytes live: ``file_bytes`` allocated on disk, ``ram_bytes`` resident in RAM - the
+        page cache of session and prefix files, each page once however many sessions map it, and the
+        memory of memory-only sessions (``ram_measured`` False when mincore is unavailable) -,
+        reservation and cap, session count."""
         with self._lock:
             ids = self.session_ids()
-            file_bytes, ram_bytes, measured = 0, 0, True
+            file_bytes, rams = 0, []
             for sid in ids:
                 path = self._kv_path(sid)
                 try:
                     file_bytes += allocated_bytes(path)
                     s = self._open.get(sid)
-                    ram = resident_bytes(s.data) if s is not None else file_resident_bytes(path)
+                    rams.append(self._own_resident(s) if s is not None else file_resident_bytes(path))
                 except FileNotFoundError:
                     continue
-                if ram is None:
-                    measured = False
-                else:
-                    ram_bytes += ram
             in_memory = [s for s in self._open.values() if s.memory_only]
-            for s in in_memory:
-                ram = resident_bytes(s.data)
-                if ram is None:
-                    measured = False
-                else:
-                    ram_bytes += ram
+            rams += [self._own_resident(s) for s in in_memory]
+            for path in self.prefixes.paths():  # shared pages: once, from their own file
+                try:
+                    rams.append(file_resident_bytes(path))
+                except FileNotFoundError:
+                    continue
+            measured = None not in rams
+            ram_bytes = sum(r for r in rams if r is not None)
             return {
                 "file_bytes": file_bytes,
                 "ram_bytes": ram_bytes if measured else 0,
