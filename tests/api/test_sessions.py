@@ -121,3 +121,19 @@ def test_a_full_disk_is_a_507_the_connection_survives(client, fake: FakeDaemon, 
                                  "type": "server_error", "param": None, "code": "insufficient_storage"}
     assert [rec.getMessage() for rec in caplog.records] == [
         "POST /v1/sessions: session s-9: creating its KV file: No space left on device"]
+
+
+def test_the_session_list_pages_as_openai_lists_do(client, fake: FakeDaemon):
+    ids = [client.post("/v1/sessions", json={}).json()["id"] for _ in range(4)]
+    whole = client.get("/v1/sessions").json()
+    assert [s["id"] for s in whole["data"]] == ids and whole["has_more"] is False
+    page = client.get("/v1/sessions", params={"limit": 2}).json()
+    assert [s["id"] for s in page["data"]] == ids[:2] and page["has_more"] is True
+    assert (page["first_id"], page["last_id"]) == (ids[0], ids[1])
+    rest = client.get("/v1/sessions", params={"limit": 2, "after": page["last_id"]}).json()
+    assert [s["id"] for s in rest["data"]] == ids[2:] and rest["has_more"] is False
+    newest = client.get("/v1/sessions", params={"order": "desc", "limit": 1}).json()
+    assert [s["id"] for s in newest["data"]] == ids[-1:]
+    for bad, param in (({"limit": 0}, "limit"), ({"after": "s-nope"}, "after"), ({"order": "up"}, "order")):
+        r = client.get("/v1/sessions", params=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param

@@ -4,8 +4,9 @@ delete, take turns, fork, promote and demote."""
 from __future__ import annotations
 
 from functools import partial
+from typing import Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
@@ -32,8 +33,21 @@ async def create_session(request: Request) -> dict:
 
 
 @router.get("")
-async def list_sessions(request: Request) -> dict:
-    return {"object": "list", "data": await run_in_threadpool(state_of(request).daemon.list_sessions)}
+async def list_sessions(request: Request, order: Literal["asc", "desc"] = "asc",
+                        limit: int | None = Query(None, ge=1, le=1000), after: str | None = None) -> dict:
+    """Every session, oldest first (``order=desc``: newest first); ``limit`` makes it a page, ``after`` a
+    session id starts the page after it (OpenAI's list shape: ``first_id``, ``last_id``, ``has_more``)."""
+    sessions = await run_in_threadpool(state_of(request).daemon.list_sessions)
+    if order == "desc":  # (the daemon lists them in creation order)
+        sessions.reverse()
+    if after is not None:
+        ids = [x["id"] for x in sessions]
+        if after not in ids:
+            raise InvalidRequest(f"after: no session {after!r}", param="after")
+        sessions = sessions[ids.index(after) + 1:]
+    page = sessions if limit is None else sessions[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(sessions) > len(page)}
 
 
 @router.get("/{session_id}")
