@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from weaved.errors import WeaveError
 from weaved.model.config import ModelConfig
+from weaved.sizes import human_size
 
 SLACK = 0.05  # of the budget, for the allocator's fragmentation and the framework's own buffers
 
@@ -65,15 +66,8 @@ def plan(cfg: ModelConfig, *, budget: int, weights: int, step_tokens: int, logit
     need = context * cfg.kv_bytes_per_token
     if p.kv < need:
         raise DeviceMemoryError(
-            f"device {device} has a budget of {_size(budget)}, but the model needs {_size(weights)} of weights "
-            f"+ {_size(p.workspace)} for a step (up to {step_tokens} tokens) + {_size(p.slack)} of slack + "
-            f"{_size(need)} of KV for one {context}-token context; raise the pool's device_memory, lower its "
-            f"token_budget, or serve a smaller model there")
+            f"device {device} has a budget of {human_size(budget)}, but the model needs {human_size(weights)} "
+            f"of weights + {human_size(p.workspace)} for a step (up to {step_tokens} tokens) + "
+            f"{human_size(p.slack)} of slack + {human_size(need)} of KV for one {context}-token context; "
+            f"raise the pool's device_memory, lower its token_budget, or serve a smaller model there")
     return p
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"

@@ -27,6 +27,7 @@ from weaved.errors import WeaveError
 from weaved.kv.errors import KVFileMismatch, KVStoreError
 from weaved.model.config import ModelConfig
 from weaved.routing.types import SLA, Placement
+from weaved.sizes import human_size
 
 KV_ALIGN = 32  # capacities are multiples of this: keeps the file's per-head runs page-aligned
 MIN_KV_POSITIONS = 256  # the smallest KV cap a daemon starts with, in positions of its model
@@ -142,8 +143,8 @@ class DaemonLifecycle:
             self.log(f"note: {self.pool_notes[-1]}")
         room = shutil.disk_usage(self.data_dir).free + reserved  # the KV files live there
         if cap > room:  # the cap is what the router counts on: a full disk would fail turns first
-            self.pool_notes.append(f"the KV cap (host.kv_cap_bytes, {cap / 2**30:.1f} GiB) is more than the data "
-                                   f"directory's disk can hold ({room / 2**30:.1f} GiB free with the sessions' KV): "
+            self.pool_notes.append(f"the KV cap (host.kv_cap_bytes, {human_size(cap)}) is more than the data "
+                                   f"directory's disk can hold ({human_size(room)} free with the sessions' KV): "
                                    f"sessions past it fail with a full disk rather than being refused; lower the "
                                    f"cap, or use \"auto\"")
             self.log(f"note: {self.pool_notes[-1]}")
