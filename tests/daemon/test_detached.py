@@ -37,7 +37,8 @@ def test_a_detached_turn_that_ends_leaves_no_record(tiny_llama, tmp_path):
 
 
 def test_a_detached_turn_cut_by_a_stop_is_returned_after_the_restart(tiny_llama, tmp_path):
-    d = make_daemon(tiny_llama, tmp_path / "data")
+    logs: list[str] = []
+    d = make_daemon(tiny_llama, tmp_path / "data", log_fn=logs.append)
     sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]
     run_turn(d, sid, "Hello")  # a turn before it: the record says where the transcript stood
     first_token = threading.Event()
@@ -45,6 +46,8 @@ def test_a_detached_turn_cut_by_a_stop_is_returned_after_the_restart(tiny_llama,
     assert first_token.wait(120)
     d.shutdown()  # the turn ends "shutdown": cut, so its record stays
     assert done.is_set()
+    assert f"stopping: 1 session turn(s) end as 'shutdown' ({sid}); a detached one runs again at the next start" \
+        in logs  # said at the stop
     d2 = make_daemon(tiny_llama, tmp_path / "data")
     try:
         assert d2.get_session(sid)["messages"][-1]["finish_reason"] == "shutdown"

@@ -236,6 +236,12 @@ class DaemonLifecycle:
             self.housekeeper.stop()
         if getattr(self, "peers", None) is not None:
             self.peers.stop()
+        with self._lock:
+            cut = sorted(s.id for s in self.sessions.values() if s.busy and not s.ephemeral)
+        if cut:  # said now: the next start tells only which of them run again
+            more = f", +{len(cut) - 5} more" if len(cut) > 5 else ""
+            self.log(f"stopping: {len(cut)} session turn(s) end as 'shutdown' ({', '.join(cut[:5])}{more}); "
+                     f"a detached one runs again at the next start")
         for e in self.engines.values():  # (their last turns' ends may still queue prefixes to publish)
             e.stop()
 
