@@ -362,3 +362,25 @@ def test_a_prompt_whose_log_probabilities_are_asked_for_computes_every_row(daemo
     second, h2 = echoed()
     assert h1.cached_tokens == 0 and h2.cached_tokens == 0 and len(first) > 16
     assert second == first
+
+
+def test_a_sessions_state_is_its_turns_as_the_status_rows_say_it(daemon):
+    import threading
+
+    sid = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    assert daemon.get_session(sid)["state"] == "idle"
+    started, done = threading.Event(), threading.Event()
+
+    def emit(ev):
+        if ev["type"] == "token":
+            started.set()
+        if ev["type"] in ("done", "error"):
+            done.set()
+
+    daemon.start_turn(session_id=sid, messages=[{"role": "user", "content": "Count"}], params=LONG, emit=emit)
+    assert started.wait(60)
+    info, row = daemon.get_session(sid), next(r for r in daemon.status()["sessions"] if r["id"] == sid)
+    assert info["status"] == "busy" and info["state"] in ("waiting", "running", "paused")
+    daemon.cancel_turn(sid)
+    assert done.wait(60)
+    assert row["state"] in ("waiting", "running", "paused") and daemon.get_session(sid)["state"] == "idle"

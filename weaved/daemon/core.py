@@ -161,6 +161,8 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
             return {
                 "id": s.id, "sla": s.sla.to_dict(), "max_context": s.max_context, "system": s.system,
                 "placement": s.placement.to_dict(), "status": "busy" if s.busy else "idle",
+                # its turn's state, as the status's session rows say it: waiting, running, paused or idle
+                "state": s.turn.status.value if s.busy else "idle",
                 "context_tokens": s.context_tokens, "messages": [transcript_view(m) for m in s.messages],
                 "created": s.created, "forked_from": s.forked_from,
                 "pool": s.pool, "backend": self.engines[s.pool].backend.name if s.pool in self.engines else None,
