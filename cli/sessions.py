@@ -64,7 +64,8 @@ def show_text(s: dict) -> str:
         f"placement {fmt.placement_summary(s.get('placement'))}",
         f"backend   {s.get('backend') or fmt.DASH}",
         f"context   {s.get('context_tokens', 0)} of {s.get('max_context', '?')} tokens",
-        f"status    {s.get('status', fmt.DASH)}",
+        f"status    {s.get('status', fmt.DASH)}"
+        + (f" ({s['state']})" if s.get("status") == "busy" and s.get("state") else ""),
     ]
     if created:
         lines.append(f"created   {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(created))}")

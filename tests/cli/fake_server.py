@@ -78,8 +78,8 @@ class FakeSession:
 
     def record(self) -> dict:  # GET /v1/sessions/{id}, as Daemon.get_session
         return {"id": self.id, "sla": dict(self.sla), "max_context": self.max_context, "system": self.system,
-                "placement": self.placement, "status": "busy" if self.busy else "idle",
-                "context_tokens": self.context_tokens, "messages": list(self.messages),
+                "placement": self.placement, "status": "busy" if self.busy or self.state != "idle" else "idle",
+                "state": self.state, "context_tokens": self.context_tokens, "messages": list(self.messages),
                 "created": self.created, "forked_from": self.forked_from, "pool": self.placement["decode_pool"],
                 "backend": "cpu"}
 

@@ -72,6 +72,8 @@ def test_show_prints_sla_placement_and_transcript(fake):
     assert "forked" not in out
     fake.sessions[IDLE].forked_from = "s-parent"
     assert "forked    from s-parent\n" in ok(weave(fake, "show", IDLE))
+    assert "status    idle\n" in out
+    assert "status    busy (waiting)\n" in ok(weave(fake, "show", "s-0c5d86e2f1a94b37"))  # its turn's state
 
 
 def test_show_json_and_unknown_session(fake):
