@@ -205,3 +205,83 @@ def test_a_schema_the_engine_cannot_compile_is_named_with_its_detail(tok, engine
         engine.compile(lark)
     assert e.value.message == ("response_format cannot be enforced: failed to compile JSON schema: regex parse "
                                "error: (ab: unclosed group")
+
+
+def _call_text(fmt: CallFormat, name: str, arguments: str) -> str:
+    return fmt.open + fmt.before + fmt.head() + name + fmt.mid() + arguments + fmt.after + fmt.close
+
+
+@pytest.mark.parametrize("params", [
+    {"properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]},
+    {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["a"]}, {"type": "string", "maxLength": 4}, {"type": "array"}]},
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"],
+     "nullable": True},
+], ids=["no-type", "anyOf-with-other-types", "nullable"])
+@pytest.mark.parametrize("fmt", [HERMES, GENERIC], ids=lambda f: f.name)
+def test_a_calls_arguments_are_an_object_whatever_the_schema_leaves_open(tok, engine, fmt, params):
+    """A tool schema without ``type`` (or one whose anyOf offers other types) allows any JSON value, but a
+    call's arguments are an object: the grammar forces one - token by token, and on every walk."""
+    tool = Tool("f", "", params)
+    lark = answer_grammar(AnswerShape(fmt, (tool,), ChoiceMode.REQUIRED), writer(tok, engine))
+    enc = lambda s: tok.encode(s, add_bos=False)  # noqa: E731
+    for args in ('"abc"', "[1]", "null", "7"):
+        text = enc(_call_text(fmt, "f", args))
+        assert engine.compile(lark).valid_prefix(text) < len(text), args
+    good = enc(_call_text(fmt, "f", '{"a": 3}'))
+    assert engine.compile(lark).valid_prefix(good) == len(good)
+    rng = np.random.default_rng(5)
+    ended = 0
+    for _ in range(6):
+        toks = walk(tok, engine.compile(lark), rng)
+        if toks is None:
+            continue
+        ended += 1
+        p = AnswerParser(fmt)
+        p.push(tok.decode(toks))
+        p.finish()
+        assert p.answer.calls, tok.decode(toks)
+        for call in p.answer.calls:
+            args = json.loads(call.arguments)
+            assert isinstance(args, dict), call.arguments
+            jsonschema.validate(args, params)
+    assert ended >= 3
+
+
+def test_nullable_allows_null_as_openapi_means_it(tok, engine):
+    schema = {"type": "object", "properties": {
+        "a": {"type": "integer", "nullable": True, "description": "x"},
+        "b": {"$ref": "#/$defs/B"}, "c": {"type": "string", "nullable": False},
+        "nullable": {"type": "boolean"}},  # a property of that name is a property, not the keyword
+        "required": ["a", "b", "c", "nullable"],
+        "$defs": {"B": {"type": "object", "properties": {"k": {"type": "integer"}}, "nullable": True}}}
+    out = closed(schema)
+    assert out["properties"]["a"] == {"anyOf": [{"type": "integer", "description": "x"}, {"type": "null"}]}
+    assert out["properties"]["c"] == {"type": "string"}
+    assert out["properties"]["nullable"] == {"type": "boolean"}
+    assert out["$defs"]["B"]["anyOf"][0]["additionalProperties"] is False  # still closed, inside the branch
+    root = closed({"type": "object", "nullable": True, "$defs": {"x": {"type": "integer"}},
+                   "properties": {"x": {"$ref": "#/$defs/x"}}})
+    assert set(root) == {"$defs", "anyOf"}  # definitions stay where references find them
+    lark = answer_grammar(AnswerShape(GENERIC, schema=schema), writer(tok, engine))
+    for doc in ({"a": None, "b": None, "c": "s", "nullable": True},
+                {"a": 1, "b": {"k": 2}, "c": "", "nullable": False}):
+        text = tok.encode(json.dumps(doc), add_bos=False)
+        assert engine.compile(lark).valid_prefix(text) == len(text), doc
+    c_null = tok.encode(json.dumps({"a": 1, "b": None, "c": None}), add_bos=False)
+    assert engine.compile(lark).valid_prefix(c_null) < len(c_null)  # nullable false allows no null
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_only_a_few_blanks_may_follow_the_reasoning(tok, engine, opened):
+    """After ``</think>`` the answer may start after a blank line (what templates write), not after
+    whitespace without end: a random model would pad there until max_tokens."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    shape = AnswerShape(GENERIC, schema=schema, thinking=True, reasoning_open=opened)
+    c = engine.compile(answer_grammar(shape, writer(tok, engine)))
+    enc = lambda s: tok.encode(s, add_bos=False)  # noqa: E731
+    for t in enc(("" if opened else "<think>") + "Hm.</think>") + enc("\n\n"):
+        c.accept(t)
+    allowed = [tok.token_bytes(int(t)) for t in np.flatnonzero(c.allowed())]
+    assert allowed and not [b for b in allowed if b and not b.strip()]  # no more whitespace
+    assert all(b.startswith(b"{") for b in allowed if b)  # the answer itself

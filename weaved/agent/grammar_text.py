@@ -20,6 +20,9 @@ from weaved.agent.tools import ChoiceMode, Tool
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<think>", "</think>")
 TEXT = "TEXT: /(.|\\n)*/"
+# What may come between a reasoning block and the answer: templates write "</think>\n\n" and strip the
+# newlines from the content they render; bounded, so a random model cannot pad there until max_tokens
+THINK_GAP = "/[ \\t\\n]{0,2}/"
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,10 @@ def closed(schema):
     into inventing keys.  A schema that allows others says so, and keeps that.  Left open, since
     closing would refuse what the schema allows: an ``allOf`` branch (and a definition one refers to)
     and an ``anyOf``/``oneOf`` branch beside an object's own keys, which the other keys must pass; an
-    object beside an applicator (``OPEN_APPLICATORS``); one that requires a key it does not declare."""
+    object beside an applicator (``OPEN_APPLICATORS``); one that requires a key it does not declare.
+
+    The same walk honours OpenAPI's ``nullable: true``, which the grammar engine does not know: such a
+    schema becomes ``anyOf`` [itself, ``{"type": "null"}``] (see ``_or_null``)."""
     return _close(schema, _all_of_refs(schema), False)
 
 
@@ -85,6 +91,8 @@ def _close(schema, keep_open: set[str], branch: bool, path: str = "#"):
         return schema
     out = {}
     for k, v in schema.items():
+        if k == "nullable" and isinstance(v, bool):
+            continue  # (rewritten below when true; false says nothing)
         if k in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"):
             out[k] = ({name: _close(x, keep_open, f"{path}/{k}/{name}" in keep_open, f"{path}/{k}/{name}")
                        for name, x in v.items()} if isinstance(v, dict) else v)
@@ -103,14 +111,30 @@ def _close(schema, keep_open: set[str], branch: bool, path: str = "#"):
             and "patternProperties" not in out and not any(a in out for a in OPEN_APPLICATORS)
             and all(r in props for r in required)):
         out["additionalProperties"] = False
-    return out
+    return _or_null(out) if schema.get("nullable") is True else out
 
 
-def json_rule(schema: dict) -> str:
-    """``%json {...}`` of ``closed(schema)`` with Weave's JSON style unless the schema sets its own
-    ``x-guidance``."""
+# Keywords that stay where they are when a nullable schema moves into an anyOf branch: local references
+# (``#/$defs/x``) name them from the root
+ROOT_KEYWORDS = ("$schema", "$id", "$defs", "definitions")
+
+
+def _or_null(schema: dict) -> dict:
+    """``schema`` or null: OpenAPI's ``nullable: true`` as JSON Schema says it."""
+    outer = {k: schema[k] for k in ROOT_KEYWORDS if k in schema}
+    inner = {k: v for k, v in schema.items() if k not in ROOT_KEYWORDS}
+    return {**outer, "anyOf": [inner, {"type": "null"}]}
+
+
+def json_rule(schema: dict, *, an_object: bool = False) -> str:
+    """``%json {...}`` of ``closed(schema)`` in Weave's JSON style (``x-guidance``: a request's own is
+    refused before this).  ``an_object``: the value must be an object (a call's arguments) - a schema
+    with no ``type`` allows any value, so it gets ``"type": "object"`` beside its other keywords, which
+    the engine intersects with them (an ``anyOf`` branch of another type then allows nothing)."""
     s = closed(schema)
-    s["x-guidance"] = {**JSON_STYLE, **(schema.get("x-guidance") or {})}
+    if an_object and "type" not in s:
+        s = {"type": "object", **s}
+    s["x-guidance"] = dict(JSON_STYLE)
     return "%json " + json.dumps(s, ensure_ascii=False)
 
 
@@ -150,10 +174,10 @@ def answer_grammar(shape: AnswerShape, w: LarkWriter) -> str:
     start = body
     if shape.reasoning_open:
         rules.append(_think_rule(w, opened=True))
-        start = f"think /[ \\t\\n]*/ ({body})"
+        start = f"think {THINK_GAP} ({body})"
     elif shape.thinking:
         rules.append(_think_rule(w))
-        start = f"(think /[ \\t\\n]*/)? ({body})"
+        start = f"(think {THINK_GAP})? ({body})"
     return "\n".join([f"start: {start}", *rules]) + "\n"
 
 
@@ -215,7 +239,7 @@ def _calls_body(shape: AnswerShape, w: LarkWriter, rules: list[str], skip: int =
     if not any(r.startswith("call:") for r in rules):
         alts = []
         for i, t in enumerate(shape.tools):
-            rules.append(f"args_{i}: {json_rule(t.parameters or {'type': 'object'})}")
+            rules.append(f"args_{i}: {json_rule(t.parameters or {'type': 'object'}, an_object=True)}")
             alts.append(f"{w.lit(fmt.head() + t.name + fmt.mid())} args_{i}")
         rules.append("call: " + " | ".join(alts))
     first = (fmt.open + fmt.before)[skip:]
