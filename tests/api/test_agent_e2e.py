@@ -213,6 +213,22 @@ def test_a_schema_that_cannot_be_enforced_is_named_beside_tools(generic):
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
 
 
+def test_stop_and_min_tokens_are_refused_beside_a_grammar_that_ends_the_answer(generic):
+    """A stop string would cut the JSON short under finish_reason "stop", and min_tokens would leave the
+    sampler nothing once the JSON is complete (it was a 500): both are a 400 naming the field."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    with uds_client(generic.socket, timeout=120.0) as c:
+        for extra, param in (({"response_format": fmt, "stop": ["}"]}, "stop"),
+                             ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
+                             ({"tools": TOOLS, "tool_choice": "required", "min_tokens": 70, "max_tokens": 80},
+                              "min_tokens")):
+            r = c.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 8, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        ok = c.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 40, "temperature": 0,
+                                                  "response_format": fmt, "stop": []})
+        assert ok.status_code == 200, ok.text
+
+
 def test_a_name_the_template_does_not_render_is_refused_not_dropped(generic):
     with uds_client(generic.socket, timeout=120.0) as c:
         named = [{"role": "user", "content": "Hi", "name": "alice"}]

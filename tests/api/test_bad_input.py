@@ -107,6 +107,16 @@ WRONG = [
     pytest.param({"messages": USER, "store": True}, "store", id="store-true-keeps-nothing"),
     pytest.param({"messages": USER, "metadata": {"k": 1}}, "metadata", id="metadata-not-a-string"),
     pytest.param({"messages": USER, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", id="metadata-17"),
+    pytest.param({"messages": USER, "response_format": {"type": "json_object", "json_schema": {
+        "name": "x", "schema": {"type": "string"}}}}, "response_format", id="json-object-with-a-schema"),
+    pytest.param({"messages": USER, "response_format": {"type": "text", "json_schema": {
+        "name": "x", "schema": {"type": "string"}}}}, "response_format", id="text-with-a-schema"),
+    pytest.param({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "x-guidance": {"lenient": True}}}}}, "response_format",
+        id="schema-x-guidance"),
+    pytest.param({"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "x-guidance": {"lenient": True}}}}]},
+        "tools[0].function.parameters", id="tool-x-guidance"),
 ]
 
 
@@ -328,3 +338,30 @@ def test_a_refusal_of_what_the_turn_feeds_names_the_requests_own_field(client, f
     monkeypatch.setattr(fake, "start_turn", no_template)
     assert_error(client.post("/v1/responses", json={"input": "hi"}), 400, param="input")
     assert_error(client.post(CHAT, json={"messages": USER}), 400, param="messages")
+
+
+def test_responses_refusals_speak_of_the_responses_fields(client, fake):
+    """The Responses API has no response_format, messages or tool_calls: its refusals name text.format,
+    a tool's parameters, function_call and function_call_output items."""
+    def refused(body: dict, param: str) -> str:
+        return assert_error(client.post("/v1/responses", json={"input": "hi", **body}), 400, param,
+                            "invalid_request_error")["message"]
+
+    schema = {"type": "object"}
+    assert "json_schema" in refused({"text": {"format": {"type": "json_object", "schema": schema}}}, "text.format")
+    assert "x-guidance" in refused({"text": {"format": {"type": "json_schema", "name": "x", "schema": {
+        **schema, "x-guidance": {"lenient": True}}}}}, "text.format")
+    assert "text.format.schema" in refused({"text": {"format": {"type": "json_schema", "name": "x"}}},
+                                           "text.format")
+    assert "x-guidance" in refused({"tools": [{"type": "function", "name": "f", "parameters": {
+        **schema, "x-guidance": {}}}]}, "tools[0].parameters")
+    call = {"type": "function_call", "call_id": "call_a", "name": "f", "arguments": "{}"}
+    user = {"type": "message", "role": "user", "content": "hi"}
+    orphan = refused({"input": [user, {"type": "function_call_output", "call_id": "nope", "output": "1"}]}, "input")
+    assert orphan.startswith("the function_call_output for 'nope' must follow the function_call")
+    stranger = refused({"input": [user, call, {"type": "function_call_output", "call_id": "nope", "output": "1"}]},
+                       "input")
+    assert "function_call_output for 'nope'" in stranger and "call_a" in stranger
+    missing = refused({"input": [user, call, user]}, "input")
+    assert "function_call_output" in missing and "call_a" in missing and "tool" not in missing
+    assert not [c for c in fake.calls if c[0] == "start_turn"]

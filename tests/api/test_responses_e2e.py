@@ -177,6 +177,10 @@ def test_structured_text_and_stored_objects(served):
     with pytest.raises(openai.BadRequestError) as e:
         sdk.responses.create(model="default", input="Hi", truncation="auto")
     assert "truncation" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:  # a schema the grammar cannot enforce: its own field named
+        sdk.responses.create(model="default", input="Hi", max_output_tokens=4, text={"format": {
+            "type": "json_schema", "name": "x", "schema": {"type": "array", "uniqueItems": True}}})
+    assert e.value.body["param"] == "text.format" and "response_format" not in e.value.body["message"]
 
 
 def test_a_responses_input_items_are_what_its_request_added(served):

@@ -33,6 +33,7 @@ class AnswerSpec:
     parallel: bool = DEFAULT_PARALLEL  # parallel_tool_calls: more than one call per answer
     schema: dict | None = None  # response_format: the content's JSON schema
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs
+    format_field: str = "response_format"  # the request's name for the schema's field (errors name it)
 
     @property
     def constrained(self) -> bool:
@@ -99,15 +100,33 @@ class AnswerPlan:
             return None
         if self._grammar is None:
             raise InvalidRequest("constrained output is not available on this daemon")
+        fmt_field = self.spec.format_field
         if not self.offers_tools:
-            return self._grammar.compile(lark, param="response_format")
+            return self._grammar.compile(lark, param=fmt_field)
         try:
             return self._grammar.compile(lark, param="tools")
         except InvalidRequest:
             if self.spec.schema is not None:  # which part cannot be enforced: the format's schema alone?
                 alone = AnswerShape(self.fmt, schema=self.spec.schema)
-                self._grammar.compile(answer_grammar(alone, LarkWriter(self._special_id)), param="response_format")
+                self._grammar.compile(answer_grammar(alone, LarkWriter(self._special_id)), param=fmt_field)
             raise
+
+    @property
+    def end_of_turn_ids(self) -> frozenset[int]:
+        return frozenset(self._tok.eog_ids)
+
+    def grammar_ends(self) -> str | None:
+        """What in the request lets the grammar, not the model, decide where the answer ends (a schema,
+        calls, the generic envelope: each closes, and then only the end of turn may follow), as words for
+        an error; None when the answer is free text."""
+        s = self.spec
+        if s.schema is not None:
+            return s.format_field
+        if s.tools and s.choice.mode is not ChoiceMode.NONE:
+            return 'tools (unless tool_choice is "none")'
+        if self.offers_tools and self.fmt.name == GENERIC.name:
+            return "tools on this model (its answers are a JSON envelope, whatever the tool_choice)"
+        return None
 
     def parser(self, call_seed: str | None = None) -> AnswerParser:
         return AnswerParser(self.fmt if self.offers_tools else None, thinking=self.thinking,

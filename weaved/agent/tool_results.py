@@ -10,7 +10,37 @@ Every call must have its result before the next message that is not one (or the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from weaved.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class Words:
+    """An API's errors for tool results, in its own terms (``str.format`` templates): a result before
+    any call (``cid``), one answering none of the calls before it (``cid``, ``calls``), calls left
+    without results (``ids``); ``param``: the request's field that holds the conversation."""
+
+    orphan: str
+    stranger: str
+    missing: str
+    param: str
+
+
+CHAT_WORDS = Words(
+    orphan="the tool result for {cid!r} must follow the assistant message whose tool_calls it answers; none comes "
+           "before it",
+    stranger="the tool result for {cid!r} answers no call of the assistant message before it (its calls: {calls})",
+    missing="an assistant message with tool_calls must be followed by a tool result for each call; no result for: "
+            "{ids}",
+    param="messages")
+RESPONSES_WORDS = Words(
+    orphan="the function_call_output for {cid!r} must follow the function_call it answers; none comes before it",
+    stranger="the function_call_output for {cid!r} answers none of the function_call items before it (their "
+             "call_ids: {calls})",
+    missing="each function_call must be followed by a function_call_output for its call_id before any other "
+            "input item; no output for: {ids}",
+    param="input")
 
 
 def answered_calls(transcript: list[dict]) -> set[str] | None:
@@ -31,7 +61,7 @@ def answered_calls(transcript: list[dict]) -> set[str] | None:
     return set()
 
 
-def check_tool_results(messages: list[dict], earlier: set[str] | None, *, param: str = "messages") -> None:
+def check_tool_results(messages: list[dict], earlier: set[str] | None, words: Words = CHAT_WORDS) -> None:
     """Raise InvalidRequest (400) for a tool result that answers no call, and for calls left without
     their results when the conversation goes on (see the module's doc)."""
     calls: set[str] | None = earlier  # the ids the next tool message may answer; None: unknown
@@ -44,24 +74,22 @@ def check_tool_results(messages: list[dict], earlier: set[str] | None, *, param:
             if calls is None and leading:
                 continue
             if not calls:
-                raise InvalidRequest(f"the tool result for {cid!r} must follow the assistant message whose "
-                                     f"tool_calls it answers; none comes before it", param=param)
+                raise InvalidRequest(words.orphan.format(cid=cid), param=words.param)
             if cid not in calls:
-                raise InvalidRequest(f"the tool result for {cid!r} answers no call of the assistant message "
-                                     f"before it (its calls: {', '.join(sorted(calls))})", param=param)
+                raise InvalidRequest(words.stranger.format(cid=cid, calls=", ".join(sorted(calls))),
+                                     param=words.param)
             answered.add(cid)
             continue
-        _all_answered(calls, answered, param)
+        _all_answered(calls, answered, words)
         leading = False
         calls = {c.get("id") for c in m.get("tool_calls") or ()} if role == "assistant" else set()
         answered = set()
-    _all_answered(calls, answered, param)
+    _all_answered(calls, answered, words)
 
 
-def _all_answered(calls: set[str] | None, answered: set[str], param: str) -> None:
+def _all_answered(calls: set[str] | None, answered: set[str], words: Words) -> None:
     """An assistant message's calls must each have their result before the conversation goes on (or
     ends: the answer asked for follows the results), as OpenAI requires."""
     missing = sorted((calls or set()) - answered)
     if missing:
-        raise InvalidRequest(f"an assistant message with tool_calls must be followed by a tool result for each "
-                             f"call; no result for: {', '.join(missing)}", param=param)
+        raise InvalidRequest(words.missing.format(ids=", ".join(missing)), param=words.param)

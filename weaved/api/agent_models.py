@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from weaved.agent.plan import DEFAULT_PARALLEL, AnswerSpec
 from weaved.agent.tools import MAX_TOOLS, ChoiceMode, Tool, ToolChoice
@@ -93,8 +94,38 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
+    @model_validator(mode="after")
+    def _schema_needs_its_type(self) -> ResponseFormat:
+        if self.json_schema is not None and self.type != "json_schema":
+            raise ValueError(f'json_schema is used only with type "json_schema" (this format is {self.type!r}, '
+                             f'which would ignore it)')
+        return self
 
-def tools_from(defs: list[ToolDef] | None) -> tuple[Tool, ...]:
+
+@dataclass(frozen=True)
+class Fields:
+    """The request's own names for the answer's fields: errors name a field as the request spelled it."""
+
+    format: str = "response_format"
+    schema: str = "response_format.json_schema.schema"
+    parameters: str = "function.parameters"  # a tool's parameters, under tools[i]
+
+
+CHAT_FIELDS = Fields()
+
+
+def check_schema(schema: dict, param: str, what: str) -> None:
+    """A client's JSON schema: bounded in size, and without ``x-guidance`` - the grammar engine's own
+    options (a lenient mode that drops keywords Weave would refuse, another JSON spacing), which Weave
+    sets itself."""
+    if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
+        raise InvalidRequest(f"{what} is larger than {MAX_SCHEMA_BYTES} bytes", param=param)
+    if "x-guidance" in schema:
+        raise InvalidRequest(f"{what}: x-guidance is not accepted (Weave sets the grammar engine's options "
+                             f"itself); leave it out", param=param)
+
+
+def tools_from(defs: list[ToolDef] | None, fields: Fields = CHAT_FIELDS) -> tuple[Tool, ...]:
     if not defs:
         return ()
     if len(defs) > MAX_TOOLS:
@@ -105,9 +136,8 @@ def tools_from(defs: list[ToolDef] | None) -> tuple[Tool, ...]:
         # no parameters, or an empty schema: a function of no arguments (as OpenAI reads both), not one
         # whose arguments may be any JSON the model invents
         params = f.parameters if f.parameters else {"type": "object", "properties": {}}
-        if len(json.dumps(params)) > MAX_SCHEMA_BYTES:
-            raise InvalidRequest(f"tools[{i}].function.parameters is larger than {MAX_SCHEMA_BYTES} bytes",
-                                 param=f"tools[{i}].function.parameters")
+        where = f"tools[{i}].{fields.parameters}"
+        check_schema(params, where, where)
         out.append(Tool(f.name, f.description or "", params, bool(f.strict)))
     return tuple(out)
 
@@ -121,25 +151,23 @@ def choice_from(raw: str | NamedToolChoice | None, has_tools: bool) -> ToolChoic
     return ToolChoice(ChoiceMode(raw))
 
 
-def schema_from(fmt: ResponseFormat | None) -> dict | None:
+def schema_from(fmt: ResponseFormat | None, fields: Fields = CHAT_FIELDS) -> dict | None:
     """The content's JSON schema (``json_object``: any object), or None for free text."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
         return {"type": "object"}
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise InvalidRequest("response_format json_schema needs json_schema.schema", param="response_format")
+        raise InvalidRequest(f"{fields.format} json_schema needs {fields.schema}", param=fields.format)
     schema = fmt.json_schema.schema_
-    if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
-        raise InvalidRequest(f"the response_format schema is larger than {MAX_SCHEMA_BYTES} bytes",
-                             param="response_format")
+    check_schema(schema, fields.format, f"the {fields.format} schema")
     return schema
 
 
 def answer_spec(tools: list[ToolDef] | None, tool_choice, parallel: bool | None, response_format,
-                template_kwargs: dict | None) -> AnswerSpec:
-    t = tools_from(tools)
+                template_kwargs: dict | None, fields: Fields = CHAT_FIELDS) -> AnswerSpec:
+    t = tools_from(tools, fields)
     return AnswerSpec(tools=t, choice=choice_from(tool_choice, bool(t)),
                       parallel=DEFAULT_PARALLEL if parallel is None else parallel,
-                      schema=schema_from(response_format),
-                      template_kwargs=dict(template_kwargs or {}))
+                      schema=schema_from(response_format, fields),
+                      template_kwargs=dict(template_kwargs or {}), format_field=fields.format)

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from weaved.agent.plan import DEFAULT_PARALLEL
 from weaved.agent.stream import AnswerParser
-from weaved.agent.tool_results import check_tool_results
+from weaved.agent.tool_results import RESPONSES_WORDS, check_tool_results
 from weaved.api import body
 from weaved.api.params import FIT_CONTEXT_MAX_TOKENS, SAMPLING_DEFAULTS, check_model, sla_from
 from weaved.api.response_items import OutputItems, new_id
@@ -71,7 +71,7 @@ async def create_response(request: Request) -> Response:
         except NotFound as e:
             raise NotFound(e.message, param="previous_response_id") from None
         check_tool_results(messages, {i.get("call_id") for i in previous.get("output") or ()
-                                      if i.get("type") == "function_call"}, param="input")
+                                      if i.get("type") == "function_call"}, RESPONSES_WORDS)
         latest = await run_in_threadpool(daemon.latest_response, sid)
         if latest != req.previous_response_id:
             try:
@@ -86,7 +86,7 @@ async def create_response(request: Request) -> Response:
         if (info.get("system") or None) != (req.instructions or None):
             await run_in_threadpool(daemon.set_system, sid, req.instructions)
     else:
-        check_tool_results(messages, set(), param="input")  # (a fresh chain: no call before its input)
+        check_tool_results(messages, set(), RESPONSES_WORDS)  # (a fresh chain: no call before its input)
         if req.store:
             info = await run_in_threadpool(partial(daemon.create_session, sla or SLA(SLAClass.INTERACTIVE), None,
                                                    req.instructions))

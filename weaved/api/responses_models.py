@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from weaved.agent.plan import AnswerSpec
 from weaved.api.agent_models import (
+    Fields,
     FunctionDef,
     JsonSchemaFormat,
     NamedFunction,
@@ -27,6 +28,7 @@ from weaved.api.models import INERT_FIELDS, SLABody, StreamOptions, inert_field_
 from weaved.errors import InvalidRequest
 
 MAX_INPUT_ITEMS = 4096
+RESPONSES_FIELDS = Fields(format="text.format", schema="text.format.schema", parameters="parameters")
 
 
 class ContentPart(BaseModel):
@@ -128,6 +130,9 @@ class TextFormat(BaseModel):
     def _named(self) -> TextFormat:
         if self.type == "json_schema" and not self.name:
             raise ValueError("a json_schema format needs its name")
+        if self.schema_ is not None and self.type != "json_schema":
+            raise ValueError(f'schema is used only with type "json_schema" (this format is {self.type!r}, which '
+                             f'would ignore it)')
         return self
 
 
@@ -247,4 +252,4 @@ class ResponsesRequest(BaseModel):
         if tf is not None and tf.type != "text":
             fmt = ResponseFormat(type=tf.type, json_schema=JsonSchemaFormat(name=tf.name, schema=tf.schema_)
                                  if tf.type == "json_schema" else None)
-        return answer_spec(tools, choice, self.parallel_tool_calls, fmt, self.chat_template_kwargs)
+        return answer_spec(tools, choice, self.parallel_tool_calls, fmt, self.chat_template_kwargs, RESPONSES_FIELDS)

@@ -100,7 +100,28 @@ def turn_constraint(plan: AnswerPlan | None, params: SamplingParams) -> TokenCon
     if constraint is not None and params.ignore_eos:
         raise InvalidRequest("ignore_eos cannot be combined with tools or response_format: the grammar "
                              "decides where the answer ends", param="ignore_eos")
+    check_grammar_ends(plan, params)
     return constraint
+
+
+def check_grammar_ends(plan: AnswerPlan, params: SamplingParams) -> None:
+    """Refuse what fights the grammar over where the answer ends: a stop string (or a stop token other
+    than an end of turn) would cut the JSON - a schema's, a call's arguments - short under finish_reason
+    "stop", and min_tokens would ban the end of turn that a complete grammar alone allows."""
+    ends = plan.grammar_ends()
+    if ends is None:
+        return
+    if params.stop:
+        raise InvalidRequest(f"stop cannot be combined with {ends}: the grammar decides where the answer ends, "
+                             f"and a stop string would cut its JSON short", param="stop")
+    cutting = sorted(set(params.stop_token_ids) - plan.end_of_turn_ids)
+    if cutting:  # (end-of-turn ids change nothing: the grammar allows them only where the answer is complete)
+        raise InvalidRequest(f"stop_token_ids cannot name token {cutting[0]}, which is not an end of turn, together "
+                             f"with {ends}: the grammar decides where the answer ends, and a stop token would cut "
+                             f"its JSON short", param="stop_token_ids")
+    if params.min_tokens:
+        raise InvalidRequest(f"min_tokens cannot be combined with {ends}: the grammar decides where the answer "
+                             f"ends, and once it is complete only the end of turn may follow", param="min_tokens")
 
 
 def message_extra(m: dict) -> dict | None:
