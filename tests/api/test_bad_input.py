@@ -315,6 +315,19 @@ def test_a_chat_shaped_tool_choice_sent_to_responses_says_the_responses_shape(cl
     assert 'names a function as {"type": "function", "name": "f"}' in err["message"]
 
 
+@pytest.mark.parametrize("choice, says", [
+    ({"type": "allowed_tools", "tools": []}, "type 'allowed_tools' is not supported"),
+    ({"type": "custom", "custom": {"name": "f"}}, "type 'custom' is not supported"),
+    ({"type": "function", "name": "f"}, 'names a function as {"type": "function", "function": {"name": "f"}}'),
+    ("any", "'any' is not a tool choice"),
+])
+def test_a_tool_choice_chat_does_not_take_is_named_with_the_shapes_it_does(client, choice, says):
+    body = {"messages": [{"role": "user", "content": "hi"}], "tool_choice": choice,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    err = assert_error(client.post("/v1/chat/completions", json=body), 400, param="tool_choice")
+    assert says in err["message"] and "more problem" not in err["message"]
+
+
 def test_an_unhandled_error_says_the_connection_closes(client, fake: FakeDaemon, monkeypatch):
     """The server drops the connection after a 500: the response says so, so a keep-alive client opens a
     new one for its next request instead of writing into a closed socket."""

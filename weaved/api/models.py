@@ -228,6 +228,23 @@ class ChatRequest(Sampling):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice_shape(cls, v: Any) -> Any:
+        """A shape this API does not take is named, with the ones it does: the union of shapes would
+        otherwise answer with each member's complaint."""
+        if isinstance(v, str) and v not in ("none", "auto", "required"):
+            raise ValueError(f'{v!r} is not a tool choice: use "none", "auto", "required" or '
+                             f'{{"type": "function", "function": {{"name": ...}}}}')
+        if isinstance(v, dict) and v.get("type") != "function":
+            raise ValueError(f"a tool choice of type {v.get('type')!r} is not supported (allowed_tools, custom "
+                             f'and the like): use "none", "auto", "required" or {{"type": "function", '
+                             f'"function": {{"name": ...}}}}')
+        if isinstance(v, dict) and "name" in v and "function" not in v:
+            raise ValueError(f'chat completions names a function as {{"type": "function", "function": {{"name": '
+                             f'"{v["name"]}"}}}} (not the Responses API\'s "name" beside "type")')
+        return v
+
 
 def _check_token_ids(ids: list) -> None:
     for i, t in enumerate(ids):
