@@ -59,3 +59,29 @@ def test_a_publication_a_crash_cut_is_swept_at_start(tmp_path):
     (d / "0123.kv.tmp").write_bytes(b"\0" * 4096)
     PrefixStore(d, CFG, "fp")
     assert not (d / "0123.kv.tmp").exists()
+
+
+def test_a_full_disk_takes_back_stored_prefixes_nobody_maps_first(tmp_path, monkeypatch):
+    """Stored prefixes are a cache: a session's blocks come before them when the disk has no room."""
+    store = KVStore(tmp_path, CFG)
+    prompt = tokens(2 * BLOCK + 10)
+    a = store.create("a", capacity=1024)
+    store.reserve(a, len(prompt))
+    fill(a, 0, len(prompt), seed=3)
+    store.publish_prefix(a, prompt)
+    store.delete("a")  # the prefix file stays, mapped by nobody
+    real = os.posix_fallocate
+
+    def full_while_prefixes(fd, off, n):  # the disk has room only once the prefix file is gone
+        if list(store.prefixes.dir.glob("*.kv")):
+            _full(fd, off, n)
+        real(fd, off, n)
+
+    b = store.create("b", capacity=1024)
+    monkeypatch.setattr(os, "posix_fallocate", full_while_prefixes)
+    store.reserve(b, 300)
+    assert store.prefixes.status()["files"] == 0 and b.length == 0
+    c = store.create("c", capacity=1024)
+    with pytest.raises(DiskFull):  # nothing left to give back: the disk is full
+        monkeypatch.setattr(os, "posix_fallocate", _full)
+        store.reserve(c, 300)

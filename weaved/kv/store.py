@@ -292,7 +292,13 @@ class KVStore(PrefixSharing):
                         f"{len(self._open) + len(self._unopened) - 1} other session(s)"
                     )
             if not s.memory_only:  # memory is given as it is written: nothing to allocate ahead
-                self._allocate(session_id, s, max(s.reserved, s.shared), target)
+                start = max(s.reserved, s.shared)
+                try:
+                    self._allocate(session_id, s, start, target)
+                except DiskFull:  # stored prefixes nobody maps are a cache: they give the disk back first
+                    if not self.prefixes.evict(free=(target - start) * self.config.kv_bytes_per_token):
+                        raise
+                    self._allocate(session_id, s, start, target)
             s.reserved = target
 
     def _runs(self, capacity: int, start: int, stop: int) -> list[tuple[int, int]]:
