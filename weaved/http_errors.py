@@ -68,7 +68,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(WeaveError)
     async def _weave(request: Request, exc: WeaveError) -> JSONResponse:
-        if exc.status == 507:  # the operator's to fix (a full disk): one line in the log, no traceback
+        if exc.status == 507 and not getattr(exc, "logged", False):  # the operator's to fix (a full disk): one
+            # line in the log, no traceback (a turn's failure the engine has logged is not said twice)
             log.warning("%s %s: %s", request.method, request.url.path, exc.message)
         return weave_error_response(exc)
 

@@ -71,9 +71,10 @@ class FakeHandle:
 
 class FakeDaemon:
     def __init__(self, reply: str = "Hello from Weave!", *, context_length: int = 512, max_sessions: int = 4,
-                 hold: bool = False, fail: str | None = None):
+                 hold: bool = False, fail: str | None = None, fail_status: int | None = None):
         self.reply = reply
         self.fail = fail
+        self.fail_status = fail_status  # the error event's status (None: the engine's default, 500)
         self.config = SimpleNamespace(context_length=context_length, arch="fake")
         self.model_name = "fake-model"
         self.tokenizer = ByteTokenizer()
@@ -256,7 +257,8 @@ class FakeDaemon:
             if self.fail is not None:
                 with self._lock:
                     s.busy = False
-                emit({"type": "error", "message": self.fail})
+                emit({"type": "error", "message": self.fail,
+                      **({"status": self.fail_status} if self.fail_status else {})})
                 return
         if s.cancel.is_set():
             reason = "shutdown" if self.stopping else "cancelled"

@@ -172,6 +172,23 @@ def test_a_turn_the_engine_fails():
         assert 'weave_turns_total{finish_reason="error",sla_class="interactive"} 2.0' in client.get("/metrics").text
 
 
+def test_a_turn_the_disk_fails_is_a_507_said_once(caplog):
+    from fastapi.testclient import TestClient
+
+    from weaved.api.app import create_app
+
+    fake = FakeDaemon(context_length=4096, fail="session s-1: allocating positions 256..512 failed: No space left",
+                      fail_status=507)
+    with TestClient(create_app(fake)) as client, caplog.at_level("WARNING", logger="weave.http"):
+        r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 5})
+        assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage"
+        r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 5, "stream": True})
+        assert sse_events(r.text)[-2]["error"]["code"] == "insufficient_storage"
+        r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 5})
+        assert r.json()["error"]["code"] == "insufficient_storage"
+    assert not caplog.records  # the engine logged it where it failed: not again here
+
+
 @pytest.mark.parametrize("parameters", [{}, None])
 def test_a_function_with_empty_or_no_parameters_takes_no_arguments(client, fake: FakeDaemon, parameters):
     fn = {"name": "now"} if parameters is None else {"name": "now", "parameters": parameters}

@@ -184,7 +184,8 @@ class _Reply:
         t = self.turn
         if t.error is not None:
             obj = self.obj("failed")
-            obj["error"] = {"code": "server_error", "message": t.error.get("message", "the turn failed")}
+            obj["error"] = {"code": t.failure().code or "server_error",
+                            "message": t.error.get("message", "the turn failed")}
             return obj
         reason = t.finish_reason
         obj = self.obj("completed" if reason == "stop" else "cancelled" if reason == "cancelled" else "incomplete")

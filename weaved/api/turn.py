@@ -163,6 +163,9 @@ class Turn:
         assert self.error is not None
         exc = TurnFailed(self.error.get("message", "the turn failed"))
         exc.status = int(self.error.get("status", 500))
+        if exc.status == 507:  # the disk: the code a client tells it by (InsufficientStorage's)
+            exc.code = "insufficient_storage"
+        exc.logged = True  # the engine said it in the log already
         return exc
 
     def _account(self, ev: dict) -> None:
