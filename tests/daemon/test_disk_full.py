@@ -100,3 +100,30 @@ def test_a_fork_that_cannot_be_recorded_is_not_left_behind(daemon):
     assert [r.id for r in daemon.journal.list(with_tokens=False)] == [sid]
     child = daemon.fork_session(sid)["id"]  # with room again
     assert daemon.get_session(child)["context_tokens"] == daemon.get_session(sid)["context_tokens"]
+
+
+def test_a_turn_the_disk_fails_before_its_first_token_is_taken_back(daemon, monkeypatch):
+    """No room for its KV: the client gets the error, and the session is as if the turn was never asked
+    - a retry sends it once (the same prompt as a session that never failed)."""
+    sid = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    twin = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    for s in (sid, twin):
+        run_turn(daemon, s, "Hello")
+    before = daemon.get_session(sid)
+    real = daemon.store.reserve
+
+    def full(kv, n):
+        if kv is daemon.sessions[sid].kv and n > before["context_tokens"] + 8:
+            raise DiskFull(f"session {sid}: allocating positions: No space left on device")
+        real(kv, n)
+
+    monkeypatch.setattr(daemon.store, "reserve", full)
+    events, _ = run_turn(daemon, sid, "Tell me everything about the sea. " * 20)
+    assert events[-1]["type"] == "error" and events[-1]["status"] == 507
+    monkeypatch.undo()
+    after = daemon.get_session(sid)
+    assert after["messages"] == before["messages"]
+    assert [m["content"] for m in daemon.journal.get(sid).messages] == [m["content"] for m in before["messages"]]
+    _, h = run_turn(daemon, sid, "And the sky?")
+    _, h_twin = run_turn(daemon, twin, "And the sky?")
+    assert h.prompt_tokens == h_twin.prompt_tokens

@@ -39,6 +39,7 @@ class Session:
     # its KV file was lost and made anew at load: its context is all ``tail`` (fed again at its next turn),
     # and the journal's tokens are forgotten when that turn starts feeding them
     rebuild: bool = False
+    turn_from: int | None = None  # the transcript's length before its last chat turn's input
 
     @property
     def pool(self) -> str:

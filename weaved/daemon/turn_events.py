@@ -86,6 +86,18 @@ class TurnEvents:
                 self._drop_ephemeral(s)
             seq.ended.set()
 
+    def _take_back_turn(self, s: Session) -> bool:
+        """Take ``s`` back to before its turn's input (its messages, the tokens and KV rows the turn
+        fed), so a client that retries the refused turn sends it once; False where that is not known
+        (a raw-prompt turn's transcript is not the journal's).  Caller holds the daemon's lock."""
+        if s.ephemeral or s.turn_from is None:
+            return False
+        rec = self.journal.get(s.id)
+        if rec is None or len(rec.messages) != len(s.messages):
+            return False
+        self._rewind(s, s.turn_from, "its turn failed before its first token")
+        return True
+
     def _keep_short_prefix(self, s: Session) -> None:
         with self._lock:
             tokens = list(s.committed) if self.sessions.get(s.id) is s else []
@@ -143,9 +155,12 @@ class TurnEvents:
             if self.sessions.get(s.id) is not s:
                 return
             s.tail = list(seq.pending) if kind == "done" else []
-            # an answer - empty when the turn ended before its first token (cancelled or stopped in its
-            # prefill, failed) - so the transcript's roles keep alternating
-            if seq.generated or kind == "error" or seq.finish_reason in ("cancelled", "shutdown"):
+            # failed before its first token (no room for its KV, ...): as if it was never asked
+            taken_back = kind == "error" and not seq.generated and self._take_back_turn(s)
+            # else an answer - empty when the turn ended before its first token (cancelled or stopped in
+            # its prefill) - so the transcript's roles keep alternating
+            if not taken_back and (seq.generated or kind == "error" or seq.finish_reason in ("cancelled",
+                                                                                              "shutdown")):
                 reason = seq.finish_reason or ("error" if kind == "error" else "stop")
                 s.messages.append(transcript_entry("assistant", text, reason, answer))
                 if not s.ephemeral:

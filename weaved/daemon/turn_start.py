@@ -147,6 +147,7 @@ class TurnStarts:
                         s.tail = tail
                     raise
             s.detached = detached is not None and not s.ephemeral
+            s.turn_from = len(s.messages) if messages is not None else None
             if messages is not None:
                 s.messages.extend(dict(m) for m in messages)
             seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, arrival=self.clock(),
