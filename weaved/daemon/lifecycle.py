@@ -194,12 +194,13 @@ class DaemonLifecycle:
                         raise
                     # lost or damaged (deleted, cut short, its shared prefix gone): the journal holds its
                     # tokens, so a new file is made and its next turn computes them again
-                    self.log(f"session {rec.id}: {exc}; rebuilt from its journal (its {rec.kv_length} tokens "
+                    why = str(exc).removeprefix(f"session {rec.id}: ")  # (the store's errors name it too)
+                    self.log(f"session {rec.id}: {why}; rebuilt from its journal (its {rec.kv_length} tokens "
                              f"are computed again at its next turn)")
                     self.store.delete(rec.id)
                     kv, rebuild = self._new_kv(rec.id, placement, cap), True
             except Exception as exc:  # a KV file made for another model; no ring: keep the rest serving
-                self.log(f"session {rec.id} not recovered: {exc}")
+                self.log(f"session {rec.id} not recovered: {str(exc).removeprefix(f'session {rec.id}: ')}")
                 self.unrecovered[rec.id] = str(exc)
                 continue
             messages = [{**transcript_entry(m["role"], m["content"], m["finish_reason"]), **(message_extra(m) or {})}
