@@ -28,7 +28,8 @@ def kv_line(kv: dict) -> str:
     pre = kv.get("prefixes") or {}
     prefixes = (f"; {pre['files']} shared prefix file(s): {fmt.size(pre.get('bytes'))} of their "
                 f"{fmt.size(pre.get('cap_bytes'))} cap" if pre.get("files") else "")
-    return (f"{kv.get('sessions', 0)} session file(s): {fmt.size(kv.get('file_bytes'))} on disk, "
+    free = f" ({fmt.size(kv['disk_free_bytes'])} free)" if kv.get("disk_free_bytes") is not None else ""
+    return (f"{kv.get('sessions', 0)} session file(s): {fmt.size(kv.get('file_bytes'))} on disk{free}, "
             f"{ram} in RAM, {device}{fmt.size(kv.get('reserved_bytes'))} reserved of a "
             f"{fmt.size(kv.get('cap_bytes'))} cap{prefixes}")
 

@@ -29,6 +29,7 @@ import json
 import mmap
 import os
 import re
+import shutil
 import threading
 import weakref
 from dataclasses import asdict
@@ -400,5 +401,6 @@ class KVStore(PrefixSharing):
                 "sessions": len(ids) + len(in_memory),
                 "prefixes": self.prefixes.status(),
                 "short_prefixes": self.hot.status(),
+                "disk_free_bytes": shutil.disk_usage(self.dir).free,  # what the files may still grow into
             }
 
