@@ -349,3 +349,21 @@ def test_the_previously_ignored_fields(generic, smollm2_q4_0):
         served = http.get("/v1/models").json()["data"][0]["id"]
         assert http.post("/v1/chat/completions", json={**body, "model": served}).status_code == 200
         assert text
+
+
+def test_a_stop_string_ends_the_text_of_an_auto_answer_never_its_call(hermes):
+    """Tools with tool_choice auto in a format whose calls start with a marker: the answer is text until
+    then, and a stop string (an agent framework's "Observation:") ends that text; a call it appears in is
+    written whole, and parses."""
+    sdk = _sdk(hermes.socket)
+    quote = [{"role": "user", "content": "Get the weather in the city called 'Paris'."}]
+    called = sdk.chat.completions.create(model="default", messages=quote, tools=TOOLS, tool_choice="auto",
+                                         parallel_tool_calls=False, max_tokens=80, temperature=0,
+                                         stop=["Paris", "city"])
+    choice = called.choices[0]  # (greedy: this model calls here) its arguments hold "Paris", not cut there
+    assert choice.finish_reason == "tool_calls" and "Paris" in choice.message.tool_calls[0].function.arguments
+    _validate(choice.message.tool_calls)
+    text = sdk.chat.completions.create(model="default", messages=[{"role": "user", "content": "Say hello."}],
+                                       tools=TOOLS, tool_choice="auto", max_tokens=40, temperature=0, stop=["l"])
+    t = text.choices[0]  # (greedy: this model answers in text here) it stops at the string
+    assert not t.message.tool_calls and t.finish_reason == "stop" and t.message.content == "He"

@@ -87,3 +87,19 @@ def test_feed_after_stop_raises_and_empty_stop_rejected():
         c.feed("y")
     with pytest.raises(ValueError):
         StopChecker([""])
+
+
+def test_stop_strings_end_the_text_before_a_call_never_the_call():
+    """``until`` (a call's start marker): the text before it stops at a stop string; from it on, the
+    grammar alone ends the answer - a stop string inside a call's arguments does not cut it."""
+    call = 'Let me check.<tool_call>\n{"name": "f", "arguments": {"q": "Observation: x"}}</tool_call>'
+    text = "I think so.\nObservation: it rains"
+    for source, want in ((call, (call, False, None)), (text, ("I think so.\n", True, "Observation:"))):
+        for cut1 in range(len(source)):
+            for cut2 in range(cut1, len(source), 7):
+                pieces = [source[:cut1], source[cut1:cut2], source[cut2:]]
+                assert _run(StopChecker(["Observation:"], until="<tool_call>"), pieces) == want, (cut1, cut2)
+    # a stop string before the marker, in the piece that writes it, still ends the text there
+    assert _run(StopChecker(["check"], until="<tool_call>"), [call]) == ("Let me ", True, "check")
+    # and stop ids (the end of turn) apply throughout
+    assert _run(StopChecker(["Observation:"], {7}, until="<tool_call>"), [call, ("", 7)]) == (call, True, 7)

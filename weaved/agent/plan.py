@@ -128,6 +128,16 @@ class AnswerPlan:
             return "tools on this model (its answers are a JSON envelope, whatever the tool_choice)"
         return None
 
+    @property
+    def stops_until(self) -> str | None:
+        """Where stop strings stop applying: an answer that may be text or calls (``tool_choice`` auto in a
+        format whose calls start with a marker, no schema) is free text until that marker - a stop string
+        ends the text, never a call.  None when the whole answer is one or the other."""
+        s = self.spec
+        if s.tools and s.choice.mode is ChoiceMode.AUTO and s.schema is None and self.fmt.trigger:
+            return self.fmt.trigger
+        return None
+
     def parser(self, call_seed: str | None = None) -> AnswerParser:
         return AnswerParser(self.fmt if self.offers_tools else None, thinking=self.thinking,
                             in_reasoning=self.in_reasoning, call_seed=call_seed)

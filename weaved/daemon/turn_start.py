@@ -151,8 +151,8 @@ class TurnStarts:
             if messages is not None:
                 s.messages.extend(dict(m) for m in messages)
             seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, arrival=self.clock(),
-                                default_ttlt_s=self._default_ttlt(s.sla),
-                                constraint=constraint)
+                                default_ttlt_s=self._default_ttlt(s.sla), constraint=constraint,
+                                stops_until=plan.stops_until if plan is not None else None)
             seq.forecast = predicted
             n_prompt = len(s.committed) + len(new)
             seq.emit = lambda ev, s=s, seq=seq: self._on_turn_event(s, seq, ev, emit, n_prompt, first)

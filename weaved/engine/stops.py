@@ -33,7 +33,7 @@ class StopChecker:
     ``RuntimeError``.
     """
 
-    def __init__(self, stop_strings: Iterable[str] = (), stop_ids: Iterable[int] = ()):
+    def __init__(self, stop_strings: Iterable[str] = (), stop_ids: Iterable[int] = (), until: str | None = None):
         self.stop_strings = tuple(s for s in stop_strings)
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty")
@@ -42,6 +42,10 @@ class StopChecker:
         self._max_hold = max((len(s) for s in self.stop_strings), default=1) - 1
         self.stopped = False
         self.matched: str | int | None = None
+        # ``until``: once this text is written (a tool call's start), stop strings no longer apply - the
+        # rest is the grammar's to end; stop ids still do
+        self._until = until if until and self.stop_strings else None
+        self._tail = ""  # the output's last len(until) - 1 characters, for an ``until`` split over pieces
 
     def feed(self, piece: str, token_id: int | None = None) -> StopStep:
         """Take the decoded text of the next token (and its id, to check stop ids)."""
@@ -52,6 +56,12 @@ class StopChecker:
             text, self._held = self._held, ""
             return self._stop(text, token_id)
         buf = self._held + piece
+        if self._until is not None:
+            buf_at = self._until_in(piece, len(self._held))
+            if buf_at is not None:  # stop strings apply to the text before it, then no more
+                cut, which = self._first_match(buf[:buf_at])
+                self._held, self._until, self.stop_strings = "", None, ()
+                return self._stop(buf[:cut], which) if which is not None else StopStep(buf)
         cut, which = self._first_match(buf)
         if which is not None:
             self._held = ""
@@ -59,6 +69,17 @@ class StopChecker:
         hold = self._partial_tail(buf)
         self._held = buf[len(buf) - hold :]
         return StopStep(buf[: len(buf) - hold])
+
+    def _until_in(self, piece: str, held: int) -> int | None:
+        """Where ``until`` starts in the text held plus ``piece`` (0 if it started before the held text), or
+        None while it has not been written; keeps the tail it may still complete."""
+        window = self._tail + piece
+        at = window.find(self._until)
+        keep = len(self._until) - 1
+        self._tail = window[-keep:] if keep else ""
+        if at < 0:
+            return None
+        return max(0, at - len(window) + len(piece) + held)
 
     def flush(self) -> str:
         """End of output for another reason (length, end of sequence): release the held text."""
