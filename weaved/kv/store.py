@@ -193,7 +193,8 @@ class KVStore(PrefixSharing):
                     ok = self._alias(kv, session_id, s, shared["key"], int(shared["positions"]))
                 except (KVStoreError, OSError) as e:
                     self._open.pop(session_id).mm.release()
-                    raise KVStoreError(f"session {session_id}: its shared prefix cannot be mapped: {e}") from e
+                    why = str(e).removeprefix(f"session {session_id}: ")  # (an error of _alias names it too)
+                    raise KVStoreError(f"session {session_id}: its shared prefix cannot be mapped: {why}") from e
                 if not ok:
                     self._open.pop(session_id).mm.release()
                     raise KVStoreError(f"session {session_id}: its shared prefix no longer fits its layout")
