@@ -150,3 +150,25 @@ def test_a_prompt_that_fills_the_context_says_no_room_is_left(ephemeral, where):
         check_fits(s, 40, [1] * 59, 2)
     assert e.value.param == "max_tokens"
     check_fits(s, 40, [1] * 59, 1)
+
+
+def test_a_fork_of_a_fork_at_an_earlier_turn_starts_where_the_original_did(tiny_llama, tmp_path):
+    """A fork's journal keeps where each of its messages was recorded, as its parent's did: forking the
+    fork at an earlier turn takes the context back to that turn (it took the whole context, so the next
+    turn added no tokens and was refused)."""
+    from tests.daemon.support import GREEDY, make_daemon
+    from weaved.engine.sampling import SamplingParams
+
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        sid = d.create_session(BG)["id"]
+        for text in ("Count to ten", "Again", "Once more"):
+            run_turn(d, sid, text, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        direct = d.fork_session(sid, turn=1)["id"]
+        via = d.fork_session(d.fork_session(sid)["id"], turn=1)["id"]
+        assert d.get_session(via)["context_tokens"] == d.get_session(direct)["context_tokens"]
+        assert d.get_session(via)["messages"] == d.get_session(direct)["messages"]
+        answers = [run_turn(d, c, "And now?", GREEDY)[1].prompt_tokens for c in (direct, via)]
+        assert answers[0] == answers[1]
+    finally:
+        d.shutdown()

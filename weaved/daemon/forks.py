@@ -10,7 +10,9 @@ on if the parent is deleted.
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
+from weaved.daemon.recovery import unfed_tail
 from weaved.daemon.session import Session
 from weaved.daemon.turns import message_extra
 from weaved.errors import Conflict, InvalidRequest, NotFound
@@ -32,11 +34,11 @@ class SessionForks:
                                param="session")
             if not isinstance(parent.kv, KVCache):
                 raise InvalidRequest("a session decoded on a ring cannot be forked", param="session")
-            messages, tokens, tail = self._fork_point(parent, turn)
+            messages, tokens, tail, records = self._fork_point(parent, turn)
         info = self.create_session(sla or parent.sla, parent.max_context, parent.system, forked_from=sid)
         cid = info["id"]
         try:
-            shared = self._fill_fork(sid, parent, cid, messages, tokens, tail)
+            shared = self._fill_fork(sid, parent, cid, messages, tokens, tail, records)
         except BaseException:  # (a full disk, a parent that changed): no half-made fork is left behind
             with contextlib.suppress(NotFound):
                 self.delete_session(cid)
@@ -46,8 +48,10 @@ class SessionForks:
         return {**self.get_session(cid), "shared_tokens": shared}
 
     def _fill_fork(self, sid: str, parent: Session, cid: str, messages: list[dict], tokens: list[int],
-                   tail: list[int]) -> int:
-        """The new session ``cid`` given ``parent``'s KV rows, tokens and transcript; the positions shared."""
+                   tail: list[int], records: list[dict] | None) -> int:
+        """The new session ``cid`` given ``parent``'s KV rows, tokens and transcript; the positions shared.
+        ``records``: the parent's journal entries of ``messages``, copied as they are (each where the
+        context stood when it was recorded, so a fork of this fork at an earlier turn finds its tokens)."""
         with self._lock:
             child = self.sessions.get(cid)
             if self.sessions.get(sid) is not parent or parent.busy or child is None:
@@ -56,6 +60,9 @@ class SessionForks:
             child.committed.extend(tokens)
             child.tail = tail
             child.messages.extend(dict(m) for m in messages)
+            if records is not None:
+                self._copy_records(cid, messages, tokens, records)
+                return shared
             self.journal.commit_tokens(cid, tokens, len(tokens))
             last = len(messages) - 1
             for i, m in enumerate(messages):  # recorded after the tokens: a restart sees finished turns
@@ -69,21 +76,45 @@ class SessionForks:
                     self.journal.add_message(cid, m["role"], m["content"], ids, extra=message_extra(m))
         return shared
 
-    def _fork_point(self, parent: Session, turn: int | None) -> tuple[list[dict], list[int], list[int]]:
-        """(messages, committed tokens, unfed tail) of the parent now, or through its ``turn``-th answer
-        (then the tail is left to the next turn's rendering, which writes it again)."""
-        if turn is None:
-            return list(parent.messages), list(parent.committed), list(parent.tail)
+    def _copy_records(self, cid: str, messages: list[dict], tokens: list[int], records: list[dict]) -> None:
+        """``messages`` into ``cid``'s journal as the parent recorded them: its tokens committed up to each
+        entry's place first, the entry's own token ids with it (a finished answer's, with its unfed tail)."""
+        pos = 0
+        for m, r in zip(messages, records, strict=True):
+            at = min(r["kv_at"], len(tokens))
+            if at > pos:
+                self.journal.commit_tokens(cid, tokens[pos:at], at)
+                pos = at
+            if m.get("finish_reason") is not None:
+                self.journal.finish_message(cid, m["role"], m["content"], r["token_ids"], m["finish_reason"],
+                                            extra=message_extra(m))
+            else:
+                self.journal.add_message(cid, m["role"], m["content"], r["token_ids"], extra=message_extra(m))
+        if pos < len(tokens):
+            self.journal.commit_tokens(cid, tokens[pos:], len(tokens))
+
+    def _fork_point(self, parent: Session, turn: int | None
+                    ) -> tuple[list[dict], list[int], list[int], list[dict] | None]:
+        """(messages, committed tokens, unfed tail, the messages' journal entries - None where the journal
+        does not hold them as they are now) of the parent now, or through its ``turn``-th answer (then the
+        tail is that answer's token sampled but never fed, if any)."""
         rec = self.journal.get(parent.id)
+        if turn is None:
+            same = (not parent.rebuild and rec.kv_length == len(parent.committed)
+                    and len(rec.messages) == len(parent.messages))
+            return (list(parent.messages), list(parent.committed), list(parent.tail),
+                    rec.messages if same else None)
         answers = [i for i, m in enumerate(rec.messages) if m["role"] == "assistant"]
         if not 1 <= turn <= len(answers):
             raise InvalidRequest(f"turn must be between 1 and the session's {len(answers)} answered turn(s)",
                                  param="turn")
         cut = answers[turn - 1] + 1
         if cut == len(rec.messages):
-            return list(parent.messages), list(parent.committed), list(parent.tail)
+            return self._fork_point(parent, None)
         kv_at = rec.messages[cut]["kv_at"]
         keys = ("role", "content", "finish_reason", "name", "tool_calls", "tool_call_id", "reasoning_content",
                 "answer")
         messages = [{k: m[k] for k in keys if m.get(k) is not None} for m in rec.messages[:cut]]
-        return messages, list(rec.tokens[:kv_at]), []
+        # the answer's last sampled token, never fed then: the fork's own tail, as a restart finds it
+        upto = SimpleNamespace(messages=rec.messages[:cut], kv_length=kv_at, tokens=rec.tokens[:kv_at])
+        return messages, list(rec.tokens[:kv_at]), unfed_tail(upto), rec.messages[:cut]
