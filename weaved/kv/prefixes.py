@@ -47,35 +47,14 @@ def chain_keys(fingerprint: str, tokens: Sequence[int], block: int = BLOCK) -> l
 @dataclass
 class Prefix:
     key: str  # the key after its last block; its files are <key>.kv and <key>.json
-    keys: list[str]  # the key after each block, from the first
+    keys: list[str]  # the key after each block
     path: Path
-    # its own file holds blocks [start, len(keys)); the prefix ``base`` (and its own base, ...) holds the
-    # blocks before: a conversation published again further on writes only its new blocks
-    base: str | None = None
-    start: int = 0
-    users: set[str] = field(default_factory=set)  # sessions mapping it (directly or through a later prefix)
+    users: set[str] = field(default_factory=set)  # sessions mapping it
     last_used: float = field(default_factory=time.time)
 
     @property
     def positions(self) -> int:
         return len(self.keys) * BLOCK
-
-    @property
-    def held(self) -> int:
-        """Positions in its own file."""
-        return (len(self.keys) - self.start) * BLOCK
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Positions [begin, end) of a prefix, read from ``path`` (a file of ``held`` positions from
-    position ``first`` on)."""
-
-    path: Path
-    held: int
-    first: int
-    begin: int
-    end: int
 
 
 class PrefixStore:
@@ -91,35 +70,18 @@ class PrefixStore:
         self._by_key: dict[str, Prefix] = {}
         self._index: dict[str, tuple[str, int]] = {}  # key after block k -> (prefix key, k + 1 blocks)
         self._pending: dict[str, threading.Event] = {}  # keys announced, being published
-        self._pinned: set[str] = set()  # the base of a prefix being written: not evicted meanwhile
         self.hits = self.misses = self.reused_tokens = self.published = 0
         for tmp in self.dir.glob("*.kv.tmp") if self.dir.is_dir() else []:  # a publication a crash cut
             tmp.unlink(missing_ok=True)
-        found = []
         for meta in sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []:
             try:
                 m = json.loads(meta.read_text())
             except (OSError, ValueError):
                 continue
             kv = meta.with_suffix(".kv")
-            if m.get("fingerprint") != fingerprint:  # (another model's: kept for it)
+            if m.get("fingerprint") != fingerprint or not kv.exists():
                 continue
-            if not kv.exists():  # its file is gone: so is the prefix
-                meta.unlink(missing_ok=True)
-                continue
-            found.append(Prefix(m["key"], list(m["keys"]), kv, m.get("base"), int(m.get("start", 0)),
-                                last_used=kv.stat().st_mtime))
-        whole = {p.key: p for p in found}
-        while True:  # a prefix whose base is gone cannot be read whole: it goes too (and so on down)
-            broken = [p for p in whole.values() if p.base is not None and p.base not in whole]
-            if not broken:
-                break
-            for p in broken:
-                del whole[p.key]
-                p.path.unlink(missing_ok=True)
-                p.path.with_suffix(".json").unlink(missing_ok=True)
-        for p in whole.values():
-            self._add(p)
+            self._add(Prefix(m["key"], list(m["keys"]), kv, last_used=kv.stat().st_mtime))
 
     def _add(self, p: Prefix) -> None:
         self._by_key[p.key] = p
@@ -177,36 +139,14 @@ class PrefixStore:
     def get(self, key: str) -> Prefix | None:
         return self._by_key.get(key)
 
-    def _chain(self, key: str) -> list[Prefix]:
-        """The prefix ``key`` and its bases, last first (as far as they are held)."""
-        out, p = [], self._by_key.get(key)
-        while p is not None:
-            out.append(p)
-            p = self._by_key.get(p.base) if p.base is not None else None
-        return out
-
-    def segments(self, key: str, n: int) -> list[Segment] | None:
-        """Where positions [0, n) of prefix ``key`` are read, first positions first; None when a file of
-        its chain is gone."""
-        with self._lock:
-            out, end = [], n
-            for p in self._chain(key):
-                first = p.start * BLOCK
-                if end > first:
-                    out.append(Segment(p.path, p.held, first, first, end))
-                    end = first
-                if end == 0:
-                    return out[::-1]
-            return None
-
     def use(self, key: str, session: str) -> None:
         with self._lock:
-            for p in self._chain(key):
-                p.users.add(session)
+            self._by_key[key].users.add(session)
 
     def drop_user(self, key: str, session: str) -> None:
         with self._lock:
-            for p in self._chain(key):
+            p = self._by_key.get(key)
+            if p is not None:
                 p.users.discard(session)
 
     # ---- publishing ------------------------------------------------------------------------------
@@ -235,36 +175,24 @@ class PrefixStore:
             return None
         n = len(keys) * BLOCK
         key = keys[-1]
-        with self._lock:  # the blocks a stored prefix holds already are its base's: only the rest is written
-            base, start = None, 0
-            for i, k in enumerate(keys):
-                if k not in self._index:
-                    break
-                base, start = self._index[k][0], i + 1
-            if base is not None:
-                self._pinned.add(base)
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"{key}.kv"
         tmp = path.with_suffix(".kv.tmp")
-        shape = (*data.shape[:3], n - start * BLOCK, data.shape[4])
-        meta = {"fingerprint": self.fingerprint, "key": key, "keys": keys, "block": BLOCK, "shape": list(shape),
-                "base": base, "start": start}
+        shape = (*data.shape[:3], n, data.shape[4])
+        meta = {"fingerprint": self.fingerprint, "key": key, "keys": keys, "block": BLOCK, "shape": list(shape)}
         try:
-            _write_reserved(tmp, data[:, :, :, start * BLOCK:n, :], shape)
+            _write_reserved(tmp, data[:, :, :, :n, :], shape)
             (self.dir / f"{key}.json").write_text(json.dumps(meta))
             os.replace(tmp, path)
         except OSError as e:  # a full disk most often: nothing is kept of this prefix, the caller goes on
             tmp.unlink(missing_ok=True)
             (self.dir / f"{key}.json").unlink(missing_ok=True)
-            with self._lock:
-                self._pinned.discard(base)
             if e.errno in DISK_FULL:
-                raise DiskFull(f"storing a shared prefix of {n - start * BLOCK} positions: {e.strerror}") from None
+                raise DiskFull(f"storing a shared prefix of {n} positions: {e.strerror}") from None
             raise
-        p = Prefix(key, keys, path, base, start)
+        p = Prefix(key, keys, path)
         with self._lock:
             self._add(p)
-            self._pinned.discard(base)
             self.published += 1
         self.evict(spare=key)
         return p
@@ -272,7 +200,7 @@ class PrefixStore:
     # ---- the cap ---------------------------------------------------------------------------------
     def nbytes(self) -> int:
         bpt = self.config.kv_bytes_per_token
-        return sum(p.held for p in self._by_key.values()) * bpt
+        return sum(p.positions for p in self._by_key.values()) * bpt
 
     def evict(self, spare: str | None = None, free: int = 0) -> int:
         """Least recently used files nobody maps (nor ``spare``, just made) go until the prefixes fit
@@ -282,16 +210,15 @@ class PrefixStore:
             return 0
         with self._lock:
             bpt = self.config.kv_bytes_per_token
-            total = start = sum(p.held for p in self._by_key.values()) * bpt
+            total = start = sum(p.positions for p in self._by_key.values()) * bpt
             target = max(0, min(self.cap_bytes if self.cap_bytes is not None else total, total - free))
             for p in sorted(self._by_key.values(), key=lambda x: x.last_used):
                 if total <= target:
                     break
-                if p.users or p.key == spare or p.key in self._pinned or any(
-                        q.base == p.key for q in self._by_key.values()):  # (a later prefix reads it)
+                if p.users or p.key == spare:
                     continue
                 self._forget(p)
-                total -= p.held * bpt
+                total -= p.positions * bpt
             return start - total
 
     def _forget(self, p: Prefix) -> None:

@@ -51,21 +51,17 @@ class PrefixSharing:
         """Map the prefix file ``key``'s positions [0, n) over the session's; False when the layout's
         runs are not whole pages (a head size too small for this page size)."""
         prefix = self.prefixes.get(key)
-        segments = self.prefixes.segments(key, n) if prefix is not None else None
-        if segments is None:
+        if prefix is None:
             raise KVStoreError(f"session {session_id}: its shared prefix {key} is gone from {self.prefixes.dir}")
         row = self.config.head_dim * 2
-        if any(x % mmap.PAGESIZE for x in (s.capacity * row, n * row, *(g.held * row for g in segments),
-                                            *(g.first * row for g in segments))):
+        if (s.capacity * row) % mmap.PAGESIZE or (prefix.positions * row) % mmap.PAGESIZE or (n * row) % mmap.PAGESIZE:
             return False
-        for g in segments:  # each file of the prefix's chain over its positions, in every run
-            fd = os.open(g.path, os.O_RDONLY)
-            try:
-                for r in range(self.prefixes.runs()):
-                    s.mm.alias(r * s.capacity * row + g.begin * row, fd, r * g.held * row + (g.begin - g.first) * row,
-                               (g.end - g.begin) * row)
-            finally:
-                os.close(fd)
+        fd = os.open(prefix.path, os.O_RDONLY)
+        try:
+            for r in range(self.prefixes.runs()):
+                s.mm.alias(r * s.capacity * row, fd, r * prefix.positions * row, n * row)
+        finally:
+            os.close(fd)
         s.prefix, s.shared = key, n
         kv.shared = SharedRows(tuple(prefix.keys[:n // self.prefixes.block]), self.prefixes.block)
         s.reserved = max(s.reserved, n)
