@@ -137,3 +137,17 @@ def test_the_session_list_pages_as_openai_lists_do(client, fake: FakeDaemon):
     for bad, param in (({"limit": 0}, "limit"), ({"after": "s-nope"}, "after"), ({"order": "up"}, "order")):
         r = client.get("/v1/sessions", params=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_a_full_kv_cap_is_a_503_with_retry_after(client, fake: FakeDaemon, monkeypatch):
+    """A fork or a session the KV cap cannot hold: the node is full (retry later, or free sessions), not a
+    bug - OpenAI's overloaded shape, and no 500."""
+    from weaved.kv.errors import KVCapExceeded
+
+    def full(*a, **k):
+        raise KVCapExceeded("session s-9: KV cap of 1048576 bytes exceeded")
+
+    monkeypatch.setattr(fake, "create_session", full)
+    r = client.post("/v1/sessions", json={})
+    assert r.status_code == 503 and r.headers["Retry-After"] == "5"
+    assert r.json()["error"]["type"] == "overloaded_error" and "KV cap" in r.json()["error"]["message"]

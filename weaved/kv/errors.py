@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 
-from weaved.errors import InsufficientStorage
+from weaved.errors import InsufficientStorage, Overloaded
 
 DISK_FULL = {errno.ENOSPC, errno.EDQUOT}  # the errors of a file system that has no room
 
@@ -18,10 +18,13 @@ class KVFileMismatch(KVStoreError):
     that model, never rebuilt over."""
 
 
-class KVCapExceeded(KVStoreError):
+class KVCapExceeded(KVStoreError, Overloaded):
     """Reserving more positions would exceed the store's cap on total KV bytes."""
 
     http_status = 503  # the node is full: retry later, or free sessions
+
+    def __init__(self, message: str):
+        Overloaded.__init__(self, message, retry_after_s=5.0)
 
 
 class DiskFull(KVStoreError, InsufficientStorage):
