@@ -4,10 +4,11 @@ read-only under them, taken back on a rewrite, kept across a restart, evicted on
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests.kv.test_store import CFG, fill
 from weaved.kv.prefixes import BLOCK, chain_keys
-from weaved.kv.store import KVStore
+from weaved.kv.store import KVCapExceeded, KVStore
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:
@@ -260,3 +261,20 @@ def test_resident_kv_counts_a_shared_prefix_once(tmp_path):
         others.append(kv)
     prefix_bytes = 2 * BLOCK * CFG.kv_bytes_per_token
     assert store.tiers()["ram_bytes"] < one + prefix_bytes  # not ten more copies
+
+
+def test_the_cap_counts_a_sessions_own_rows_not_the_prefix_it_maps(tmp_path):
+    """A fork of a long conversation maps the conversation's blocks from a prefix file (counted once, with
+    the prefixes): its reservation needs room only for the rows it adds."""
+    bpt = CFG.kv_bytes_per_token
+    store = KVStore(tmp_path, CFG, cap_bytes=6 * BLOCK * bpt, chunk=BLOCK)
+    prompt = tokens(4 * BLOCK + 1)
+    a = store.create("a", capacity=8 * BLOCK)
+    store.reserve(a, 4 * BLOCK)
+    fill(a, 0, 4 * BLOCK, seed=5)
+    store.publish_prefix(a, prompt[:-1])  # a maps its 4 blocks from the prefix file now
+    b = store.create("b", capacity=8 * BLOCK)
+    assert store.share_prefix(b, prompt) == 4 * BLOCK
+    store.reserve(b, 5 * BLOCK)  # the prefix's 4 blocks + 1 of b's own: within the 6-block cap
+    with pytest.raises(KVCapExceeded):
+        store.reserve(b, 7 * BLOCK)  # 3 of its own: 7 blocks in all

@@ -282,16 +282,17 @@ class KVStore(PrefixSharing):
             if self.cap_bytes is not None:
                 bpt = self.config.kv_bytes_per_token
                 others = self._reserved_bytes() - (s.reserved - s.shared) * bpt
-                over = others + new_length * bpt - self.cap_bytes
+                own = s.shared  # positions a shared prefix's pages hold: counted with the prefixes, not here
+                over = others + (new_length - own) * bpt - self.cap_bytes
                 if over > 0 and self.prefixes.evict(free=over):  # stored prefixes nobody maps make room
                     others = self._reserved_bytes() - (s.reserved - s.shared) * bpt
-                if others + target * bpt > self.cap_bytes:
+                if others + (target - own) * bpt > self.cap_bytes:
                     target = new_length  # a whole chunk does not fit: take exactly what this step needs
-                if others + target * bpt > self.cap_bytes:
+                if others + (target - own) * bpt > self.cap_bytes:
                     raise KVCapExceeded(
-                        f"session {session_id}: KV cap of {self.cap_bytes} bytes exceeded: {new_length} "
-                        f"positions need {new_length * bpt} bytes, {others} already reserved by "
-                        f"{len(self._open) + len(self._unopened) - 1} other session(s)"
+                        f"session {session_id}: KV cap of {self.cap_bytes} bytes exceeded: {new_length - own} "
+                        f"positions of its own need {(new_length - own) * bpt} bytes, {others} already reserved "
+                        f"by {len(self._open) + len(self._unopened) - 1} other session(s) and stored prefixes"
                     )
             if not s.memory_only:  # memory is given as it is written: nothing to allocate ahead
                 start = max(s.reserved, s.shared)
