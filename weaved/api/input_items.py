@@ -9,8 +9,8 @@ from fastapi import APIRouter, Query
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from weaved.api.paging import page
 from weaved.api.state import state_of
-from weaved.errors import InvalidRequest
 
 router = APIRouter()
 
@@ -44,11 +44,4 @@ async def input_items(request: Request, rid: str, order: Literal["asc", "desc"] 
     items = as_items(rid, messages)
     if order == "desc":
         items.reverse()
-    if after is not None:
-        ids = [it["id"] for it in items]
-        if after not in ids:
-            raise InvalidRequest(f"after: no input item {after!r} in response {rid}", param="after")
-        items = items[ids.index(after) + 1:]
-    page = items[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+    return page(items, after, limit, f"no input item {after!r} in response {rid}")

@@ -14,6 +14,7 @@ from starlette.responses import Response
 from weaved.api import body
 from weaved.api.chat import answer_chat
 from weaved.api.models import ChatRequest, SessionCreate, SessionFork
+from weaved.api.paging import page
 from weaved.api.params import sla_from
 from weaved.api.state import state_of
 from weaved.errors import InvalidRequest, Overloaded
@@ -40,14 +41,7 @@ async def list_sessions(request: Request, order: Literal["asc", "desc"] = "asc",
     sessions = await run_in_threadpool(state_of(request).daemon.list_sessions)
     if order == "desc":  # (the daemon lists them in creation order)
         sessions.reverse()
-    if after is not None:
-        ids = [x["id"] for x in sessions]
-        if after not in ids:
-            raise InvalidRequest(f"after: no session {after!r}", param="after")
-        sessions = sessions[ids.index(after) + 1:]
-    page = sessions if limit is None else sessions[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(sessions) > len(page)}
+    return page(sessions, after, limit, f"no session {after!r}")
 
 
 @router.get("/{session_id}")
