@@ -20,6 +20,7 @@ import weakref
 import numpy as np
 
 from weaved.kv.libc import libc_function
+from weaved.kv.map_budget import MapBudget, process_budget
 
 _mmap = libc_function("mmap", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                ctypes.c_int64], restype=ctypes.c_void_p)
@@ -36,7 +37,7 @@ class FileMapping:
     ``fd`` right after: the mapping does not need it); with ``fd`` -1, private anonymous memory instead
     (``anonymous``): a session that never outlives the process, with no file at all."""
 
-    def __init__(self, fd: int, length: int):
+    def __init__(self, fd: int, length: int, budget: MapBudget | None = None):
         if length < 1:
             raise ValueError(f"cannot map {length} bytes")
         self.length = length
@@ -54,15 +55,19 @@ class FileMapping:
             raise OSError(err, os.strerror(err))
         self.addr = addr
         self._buf = (ctypes.c_char * length).from_address(addr)
+        # The process's mappings this one holds (``map_budget``): one, and those that ``claim`` adds.
+        self._budget = budget if budget is not None else process_budget()
+        self._maps = [1]
+        self._budget.take(1)
         # unmapped when the buffer goes: after this object and every array over it
-        weakref.finalize(self._buf, _munmap, addr, length)
+        weakref.finalize(self._buf, _unmap, addr, length, self._budget, self._maps)
 
     @classmethod
-    def anonymous_memory(cls, length: int) -> FileMapping:
+    def anonymous_memory(cls, length: int, budget: MapBudget | None = None) -> FileMapping:
         """``length`` bytes of private anonymous memory, zero until written, with the same interface: its
         pages are allocated as they are first written, and ``alias`` and ``release`` work on it too
         (pages a call replaces are freed then - private memory, not a shared object that keeps them)."""
-        return cls(-1, length)
+        return cls(-1, length, budget)
 
     def renew(self, start: int, length: int) -> None:
         """Fresh private zero pages over bytes [start, start + length) of an anonymous mapping (whole
@@ -88,6 +93,20 @@ class FileMapping:
             self._mm.madvise(advice, first, start + length - first)
         elif not self.released:
             _madvise(self.addr + first, start + length - first, advice)
+
+    def claim_maps(self, n: int) -> bool:
+        """Ask the process's budget for ``n`` more mappings before aliasing (``alias`` splits this one);
+        False when there is no room (nothing counted)."""
+        if not self.can_alias or not self._budget.try_take(n):
+            return False
+        self._maps[0] += n
+        return True
+
+    def unclaim_maps(self, n: int) -> None:
+        """Give back ``n`` mappings claimed, once the aliases are replaced by this mapping's own pages."""
+        n = min(n, self._maps[0] - 1)
+        self._maps[0] -= n
+        self._budget.give(n)
 
     @property
     def can_alias(self) -> bool:
@@ -118,4 +137,11 @@ class FileMapping:
             return self.released
         got = _mmap(self.addr, self.length, _RW, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
         self.released = got == self.addr
+        if self.released:  # one mapping again, whatever was aliased
+            self.unclaim_maps(self._maps[0] - 1)
         return self.released
+
+
+def _unmap(addr: int, length: int, budget: MapBudget, maps: list[int]) -> None:
+    _munmap(addr, length)
+    budget.give(maps[0])

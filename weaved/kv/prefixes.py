@@ -71,6 +71,7 @@ class PrefixStore:
         self._index: dict[str, tuple[str, int]] = {}  # key after block k -> (prefix key, k + 1 blocks)
         self._pending: dict[str, threading.Event] = {}  # keys announced, being published
         self.hits = self.misses = self.reused_tokens = self.published = 0
+        self.copied = 0  # sessions given their own copy of a prefix's rows (no mapping left to map it)
         for tmp in self.dir.glob("*.kv.tmp") if self.dir.is_dir() else []:  # a publication a crash cut
             tmp.unlink(missing_ok=True)
         for meta in sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []:
@@ -238,7 +239,8 @@ class PrefixStore:
         with self._lock:
             return {"files": len(self._by_key), "bytes": self.nbytes(), "cap_bytes": self.cap_bytes,
                     "in_use": sum(1 for p in self._by_key.values() if p.users), "hits": self.hits,
-                    "misses": self.misses, "reused_tokens": self.reused_tokens, "published": self.published}
+                    "misses": self.misses, "reused_tokens": self.reused_tokens, "published": self.published,
+                    "copied": self.copied}
 
 
 def _write_reserved(path: Path, rows: np.ndarray, shape: tuple[int, ...]) -> None:

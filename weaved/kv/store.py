@@ -42,6 +42,7 @@ from weaved.kv.cache import KVCache
 from weaved.kv.errors import DISK_FULL, DiskFull, KVCapExceeded, KVFileMismatch, KVStoreError
 from weaved.kv.hot_prefixes import BLOCK as HOT_BLOCK
 from weaved.kv.hot_prefixes import HotPrefixes
+from weaved.kv.map_budget import MapBudget, process_budget
 from weaved.kv.mapping import FileMapping
 from weaved.kv.open_session import OpenSession
 from weaved.kv.prefixes import PrefixStore
@@ -66,7 +67,7 @@ class KVStore(PrefixSharing):
     """Per-session KV files under ``data_dir`` for one model (sharing prefixes: ``store_prefixes``)."""
 
     def __init__(self, data_dir: Path, config: ModelConfig, cap_bytes: int | None = None, chunk: int = 256,
-                 share: bool = True):
+                 share: bool = True, maps: MapBudget | None = None):
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1 position, got {chunk}")
         self.dir = Path(data_dir)
@@ -79,6 +80,7 @@ class KVStore(PrefixSharing):
         self.prefixes = PrefixStore(self.dir / "prefixes", config, self.fingerprint,
                                     cap_bytes=None if cap_bytes is None else cap_bytes // 4)
         self.share = share  # False: no prefix is published or mapped (what reuse saves can be measured)
+        self.maps = maps if maps is not None else process_budget()  # the process's mappings (map_budget)
         # short prefixes (hot_prefixes): blocks of 16 positions copied, beside the mapped 128-position
         # files; HOT_CAP_BYTES of memory, or a sixteenth of a smaller KV cap
         hot = min(HOT_CAP_BYTES, cap_bytes // 16) if cap_bytes is not None else HOT_CAP_BYTES
@@ -134,7 +136,7 @@ class KVStore(PrefixSharing):
             if session_id in self._open or self._kv_path(session_id).exists():
                 raise KVStoreError(f"session {session_id}: KV file already exists")
             if memory_only:
-                mm = FileMapping.anonymous_memory(capacity * self.config.kv_bytes_per_token)
+                mm = FileMapping.anonymous_memory(capacity * self.config.kv_bytes_per_token, self.maps)
                 return self._hold(session_id, capacity, 0, mm, memory_only=True)
             meta = self._meta_path(session_id)
             tmp = meta.with_suffix(".json.tmp")
@@ -188,22 +190,13 @@ class KVStore(PrefixSharing):
             kv = self._map(session_id, capacity, length)
             shared = meta.get("prefix")
             if shared is not None:  # its first positions are a shared prefix's pages: map them again
-                s = self._open[session_id]
-                try:
-                    ok = self._alias(kv, session_id, s, shared["key"], int(shared["positions"]))
-                except (KVStoreError, OSError) as e:
-                    self._open.pop(session_id).mm.release()
-                    why = str(e).removeprefix(f"session {session_id}: ")  # (an error of _alias names it too)
-                    raise KVStoreError(f"session {session_id}: its shared prefix cannot be mapped: {why}") from e
-                if not ok:
-                    self._open.pop(session_id).mm.release()
-                    raise KVStoreError(f"session {session_id}: its shared prefix no longer fits its layout")
+                self._reshare(kv, session_id, self._open[session_id], shared["key"], int(shared["positions"]))
             return kv
 
     def _map(self, session_id: str, capacity: int, length: int) -> KVCache:
         fd = os.open(self._kv_path(session_id), os.O_RDWR)
         try:
-            mm = FileMapping(fd, capacity * self.config.kv_bytes_per_token)
+            mm = FileMapping(fd, capacity * self.config.kv_bytes_per_token, self.maps)
         finally:
             os.close(fd)  # the mapping keeps its own reference to the file
         # Without this, the first write fault in a run makes the kernel read ahead up to megabytes
@@ -403,6 +396,7 @@ class KVStore(PrefixSharing):
                 "sessions": len(ids) + len(in_memory),
                 "prefixes": self.prefixes.status(),
                 "short_prefixes": self.hot.status(),
+                "memory_maps": self.maps.status(),  # the process's mappings, under vm.max_map_count
                 "disk_free_bytes": shutil.disk_usage(self.dir).free,  # what the files may still grow into
             }
 

@@ -24,6 +24,10 @@ from weaved.kv.tiers import punch_hole
 log = logging.getLogger("weave.kv")
 
 
+class NoMapsLeft(Exception):
+    """The process's mapping budget (``map_budget``) has no room for one more session's prefix alias."""
+
+
 class PrefixSharing:
     """Prefix sharing over a ``KVStore``'s sessions (``self._open``, ``self._lock``, ``self.prefixes``,
     ``self.hot``, ``self.share``)."""
@@ -41,21 +45,31 @@ class PrefixSharing:
             if found is None:
                 return 0
             prefix, n = found
-            if not self._alias(kv, session_id, s, prefix.key, n):
-                return 0
-            kv.length = n
-            self._write_meta(session_id, s, {"key": prefix.key, "positions": n})
-            return n
+            try:
+                if not self._alias(kv, session_id, s, prefix.key, n):
+                    return 0
+            except NoMapsLeft:
+                pass  # its own copy of the rows instead, outside the lock (reserve takes it)
+            else:
+                kv.length = n
+                self._write_meta(session_id, s, {"key": prefix.key, "positions": n})
+                return n
+        return self._copy_from_prefix(kv, prefix, n)
 
     def _alias(self, kv: KVCache, session_id: str, s: OpenSession, key: str, n: int) -> bool:
         """Map the prefix file ``key``'s positions [0, n) over the session's; False when the layout's
-        runs are not whole pages (a head size too small for this page size)."""
+        runs are not whole pages (a head size too small for this page size).  ``NoMapsLeft`` when the
+        process's mapping budget cannot take a new session's aliases (one per run, each splitting the
+        session's own mapping: 2 x runs)."""
         prefix = self.prefixes.get(key)
         if prefix is None:
             raise KVStoreError(f"session {session_id}: its shared prefix {key} is gone from {self.prefixes.dir}")
         row = self.config.head_dim * 2
         if (s.capacity * row) % mmap.PAGESIZE or (prefix.positions * row) % mmap.PAGESIZE or (n * row) % mmap.PAGESIZE:
             return False
+        if not s.shared and not s.mm.claim_maps(2 * self.prefixes.runs()):
+            self._note_no_maps()
+            raise NoMapsLeft(f"session {session_id}: no room under vm.max_map_count to map a shared prefix")
         fd = os.open(prefix.path, os.O_RDONLY)
         try:
             for r in range(self.prefixes.runs()):
@@ -67,6 +81,53 @@ class PrefixSharing:
         s.reserved = max(s.reserved, n)
         self.prefixes.use(key, session_id)
         return True
+
+    def _note_no_maps(self) -> None:
+        if not self.maps.refused_logged:
+            self.maps.refused_logged = True
+            st = self.maps.status()
+            log.warning("KV files hold %d of the process's memory mappings, of the %d that vm.max_map_count allows "
+                        "(%d kept for the rest of the process): new sessions copy shared prefixes instead of "
+                        "mapping them (more disk and page cache, nothing recomputed); raise vm.max_map_count to "
+                        "share them again", st["used"], st["max_map_count"], st["max_map_count"] - st["budget"])
+
+    def _copy_from_prefix(self, kv: KVCache, prefix, n: int) -> int:
+        """A new session's own copy of a stored prefix's positions [0, n) (when it may not map them); the
+        positions it holds then (0 when the KV cap has no room, or the prefix went meanwhile)."""
+        try:
+            self.reserve(kv, n)
+            src = np.memmap(prefix.path, dtype=np.float16, mode="r", shape=self._shape(prefix.positions))
+        except (KVStoreError, OSError, ValueError):
+            return 0
+        kv.data[:, :, :, :n] = src[:, :, :, :n]
+        del src
+        kv.length = n
+        self.prefixes.copied += 1
+        return n
+
+    def _reshare(self, kv: KVCache, session_id: str, s: OpenSession, key: str, n: int) -> None:
+        """At a restart, the session's first ``n`` positions are prefix ``key``'s: map it over them again,
+        or (no mappings left) copy its rows into the session's own file.  ``KVStoreError``, with the
+        session closed again, when neither can be done.  (Under the store's lock.)"""
+        try:
+            try:
+                ok = self._alias(kv, session_id, s, key, n)
+            except NoMapsLeft:
+                src = np.memmap(self.prefixes.get(key).path, dtype=np.float16, mode="r",
+                                shape=self._shape(self.prefixes.get(key).positions))
+                self._allocate(session_id, s, 0, n)
+                s.data[:, :, :, :n] = src[:, :, :, :n]
+                del src
+                self._write_meta(session_id, s, None)
+                self.prefixes.copied += 1
+                return
+        except (KVStoreError, OSError, ValueError) as e:
+            self._open.pop(session_id).mm.release()
+            why = str(e).removeprefix(f"session {session_id}: ")  # (an error of _alias names it too)
+            raise KVStoreError(f"session {session_id}: its shared prefix cannot be mapped: {why}") from e
+        if not ok:
+            self._open.pop(session_id).mm.release()
+            raise KVStoreError(f"session {session_id}: its shared prefix no longer fits its layout")
 
     def copy_prefix(self, kv: KVCache, tokens: list[int], start: int) -> int:
         """Past the ``start`` positions a new session holds (0, or a mapped prefix's), copy in the kept
@@ -124,6 +185,7 @@ class PrefixSharing:
                 finally:
                     os.close(fd)
             s.data[:, :, :, :keep] = rows
+            s.mm.unclaim_maps(2 * self.prefixes.runs())  # its own pages again: the splits are gone
             self.prefixes.drop_user(s.prefix, session_id)
             s.prefix, s.shared = None, 0
             kv.shared = None
@@ -155,7 +217,10 @@ class PrefixSharing:
                 return
             if s.prefix is not None:
                 self.prefixes.drop_user(s.prefix, session_id)
-            if not self._alias(kv, session_id, s, key, n):
+            try:
+                if not self._alias(kv, session_id, s, key, n):
+                    return
+            except NoMapsLeft:  # it keeps its own copy of the rows
                 return
             if s.memory_only:  # the pages the alias replaced were private: freed with the mapping's change
                 return
