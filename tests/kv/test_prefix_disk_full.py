@@ -53,12 +53,18 @@ def test_a_fork_without_room_for_a_prefix_file_copies_its_rows(tmp_path, monkeyp
     assert np.array_equal(child.data[:, :, :, : len(prompt)], rows)  # ... every row copied
 
 
-def test_a_publication_a_crash_cut_is_swept_at_start(tmp_path):
+def test_what_a_crash_or_a_lost_file_left_is_swept_at_start(tmp_path):
     d = tmp_path / "prefixes"
     d.mkdir()
     (d / "0123.kv.tmp").write_bytes(b"\0" * 4096)
+    (d / "4567.json").write_text('{"fingerprint": "fp", "key": "4567", "keys": ["4567"]}')  # cut before its file
+    (d / "89ab.kv").write_bytes(b"\0" * 4096)  # its sidecar lost
+    (d / "cdef.json").write_text('{"fing')  # a sidecar nobody can read, and its file
+    (d / "cdef.kv").write_bytes(b"\0" * 4096)
+    (d / "other.json").write_text('{"fingerprint": "another model", "key": "other", "keys": ["other"]}')
+    (d / "other.kv").write_bytes(b"\0" * 4096)
     PrefixStore(d, CFG, "fp")
-    assert not (d / "0123.kv.tmp").exists()
+    assert sorted(p.name for p in d.iterdir()) == ["other.json", "other.kv"]  # another model's is kept
 
 
 def test_a_full_disk_takes_back_stored_prefixes_nobody_maps_first(tmp_path, monkeypatch):

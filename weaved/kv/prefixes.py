@@ -75,14 +75,25 @@ class PrefixStore:
         for tmp in self.dir.glob("*.kv.tmp") if self.dir.is_dir() else []:  # a publication a crash cut
             tmp.unlink(missing_ok=True)
         for meta in sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []:
+            kv = meta.with_suffix(".kv")
             try:
                 m = json.loads(meta.read_text())
-            except (OSError, ValueError):
+                key, keys = m["key"], list(m["keys"])
+            except (ValueError, KeyError, TypeError):  # no model can read this file: its disk goes back
+                meta.unlink(missing_ok=True)
+                kv.unlink(missing_ok=True)
                 continue
-            kv = meta.with_suffix(".kv")
-            if m.get("fingerprint") != fingerprint or not kv.exists():
+            except OSError:
                 continue
-            self._add(Prefix(m["key"], list(m["keys"]), kv, last_used=kv.stat().st_mtime))
+            if not kv.exists():  # a publication a crash cut between the sidecar and the file
+                meta.unlink(missing_ok=True)
+                continue
+            if m.get("fingerprint") != fingerprint:
+                continue  # another model's: kept for it
+            self._add(Prefix(key, keys, kv, last_used=kv.stat().st_mtime))
+        for kv in self.dir.glob("*.kv") if self.dir.is_dir() else []:
+            if not kv.with_suffix(".json").exists():  # its sidecar is lost: nothing can map it again
+                kv.unlink(missing_ok=True)
 
     def _add(self, p: Prefix) -> None:
         self._by_key[p.key] = p
