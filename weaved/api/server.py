@@ -25,6 +25,7 @@ import uvicorn
 from weaved.api.app import create_app
 from weaved.api.auth import BearerAuth
 from weaved.api.detached import resume_detached
+from weaved.api.open_files import AcceptErrors, raise_open_files_limit
 
 # An idle keep-alive connection is closed by the client first: httpx (and the openai SDK over it) lets
 # one go after 5 s, uvicorn's default is also 5 s, and when both fire together a client sends its next
@@ -154,6 +155,9 @@ class Server:
 
     async def serve(self, on_ready: Callable[[str], None] | None = None) -> None:
         loop = self._loop = asyncio.get_running_loop()
+        raise_open_files_limit()  # every client is a descriptor: a shell's 1,024 is not a server's
+        handler = loop.get_exception_handler()
+        loop.set_exception_handler(AcceptErrors(self.log))
         self._stop = asyncio.Event()
         if self._stop_requested.is_set():
             self._stop.set()
@@ -193,6 +197,7 @@ class Server:
             await self._shutdown(listeners)
             if lock is not None:
                 os.close(lock)
+            loop.set_exception_handler(handler)
 
     async def _shutdown(self, listeners: list[tuple[uvicorn.Server, socket.socket]]) -> None:
         self.app.state.weave.closing.set()
