@@ -48,7 +48,7 @@ from weaved.kv.open_session import OpenSession
 from weaved.kv.prefixes import PrefixStore
 from weaved.kv.releaser import Releaser
 from weaved.kv.store_prefixes import PrefixSharing
-from weaved.kv.tiers import allocated_bytes, file_resident_bytes, punch_hole, resident_bytes
+from weaved.kv.tiers import allocated_bytes, file_resident_bytes, punch_hole, runs_resident_bytes
 from weaved.model.config import ModelConfig
 
 FORMAT_VERSION = 1
@@ -353,50 +353,47 @@ class KVStore(PrefixSharing):
         except OSError as e:
             raise self._os_error(session_id, "flushing its KV file", e) from e
 
-    def _own_resident(self, s: OpenSession) -> int | None:
-        """Resident bytes of a session's own rows: past the shared prefix's pages it maps, if any (those
-        are its prefix file's, counted once for every session that maps them)."""
-        if not s.shared:
-            return resident_bytes(s.data)
-        runs = s.data.reshape(-1, *s.data.shape[3:])  # [layer * 2 * kv_head, capacity, head_dim]
-        parts = [resident_bytes(runs[r, s.shared:]) for r in range(runs.shape[0])]
-        return None if None in parts else sum(parts)
-
     def tiers(self) -> dict:
         """Where KV bytes live: ``file_bytes`` allocated on disk, ``ram_bytes`` resident in RAM - the
-        page cache of session and prefix files, each page once however many sessions map it, and the
+        page cache of session and prefix files, each page once however many sessions map them, and the
         memory of memory-only sessions (``ram_measured`` False when mincore is unavailable) -,
-        reservation and cap, session count."""
+        reservation and cap, session count.  Measured off the store's lock (a step's reservation never
+        waits for a status): the sessions' arrays stay valid whatever happens to them meanwhile."""
         with self._lock:
             ids = self.session_ids()
-            file_bytes, rams = 0, []
-            for sid in ids:
-                path = self._kv_path(sid)
-                try:
-                    file_bytes += allocated_bytes(path)
-                    s = self._open.get(sid)
-                    rams.append(self._own_resident(s) if s is not None else file_resident_bytes(path))
-                except FileNotFoundError:
-                    continue
-            in_memory = [s for s in self._open.values() if s.memory_only]
-            rams += [self._own_resident(s) for s in in_memory]
-            for path in self.prefixes.paths():  # shared pages: once, from their own file
-                try:
-                    rams.append(file_resident_bytes(path))
-                except FileNotFoundError:
-                    continue
-            measured = None not in rams
-            ram_bytes = sum(r for r in rams if r is not None)
-            return {
-                "file_bytes": file_bytes,
-                "ram_bytes": ram_bytes if measured else 0,
-                "ram_measured": measured,
-                "reserved_bytes": self._reserved_bytes(),
-                "cap_bytes": self.cap_bytes,
-                "sessions": len(ids) + len(in_memory),
-                "prefixes": self.prefixes.status(),
-                "short_prefixes": self.hot.status(),
-                "memory_maps": self.maps.status(),  # the process's mappings, under vm.max_map_count
-                "disk_free_bytes": shutil.disk_usage(self.dir).free,  # what the files may still grow into
-            }
+            opened = dict(self._open)
+            prefix_paths = self.prefixes.paths()
+            reserved = self._reserved_bytes()
+        file_bytes, rams = 0, []
+        for sid in ids:
+            path = self._kv_path(sid)
+            try:
+                file_bytes += allocated_bytes(path)
+                s = opened.get(sid)
+                # a session's own rows: past the shared prefix's pages it maps (counted with the prefix)
+                rams.append(runs_resident_bytes(s.data, s.shared, s.reserved) if s is not None
+                            else file_resident_bytes(path))
+            except FileNotFoundError:
+                continue
+        in_memory = [s for s in opened.values() if s.memory_only]
+        rams += [runs_resident_bytes(s.data, s.shared, s.reserved) for s in in_memory]
+        for path in prefix_paths:  # shared pages: once, from their own file
+            try:
+                rams.append(file_resident_bytes(path))
+            except FileNotFoundError:
+                continue
+        measured = None not in rams
+        ram_bytes = sum(r for r in rams if r is not None)
+        return {
+            "file_bytes": file_bytes,
+            "ram_bytes": ram_bytes if measured else 0,
+            "ram_measured": measured,
+            "reserved_bytes": reserved,
+            "cap_bytes": self.cap_bytes,
+            "sessions": len(ids) + len(in_memory),
+            "prefixes": self.prefixes.status(),
+            "short_prefixes": self.hot.status(),
+            "memory_maps": self.maps.status(),  # the process's mappings, under vm.max_map_count
+            "disk_free_bytes": shutil.disk_usage(self.dir).free,  # what the files may still grow into
+        }
 
