@@ -117,6 +117,12 @@ WRONG = [
     pytest.param({"messages": USER, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "x-guidance": {"lenient": True}}}}]},
         "tools[0].function.parameters", id="tool-x-guidance"),
+    pytest.param({"messages": [*USER, {"role": "assistant", "content": "x", "audio": {"id": "a1"}}]}, "messages.1",
+                 id="assistant-audio"),
+    pytest.param({"messages": [*USER, {"role": "assistant", "content": None, "function_call": {
+        "name": "f", "arguments": "{}"}}]}, "messages.1", id="assistant-function-call"),
+    pytest.param({"messages": [*USER, {"role": "assistant", "content": "x", "annotations": [{"type": "url"}]}]},
+                 "messages.1", id="assistant-annotations"),
 ]
 
 
@@ -294,6 +300,17 @@ def test_bookkeeping_fields_with_their_openai_shape_are_accepted_and_empty_input
         assert r.json()["error"]["message"] == "input: must not be empty: a string, or a list of at least one item"
     r = client.post("/v1/responses", json={"input": "hi", "metadata": {"k": "v"}, "max_output_tokens": 4})
     assert r.status_code == 200 and r.json()["metadata"] == {"k": "v"}
+
+
+
+def test_an_answer_sent_back_as_the_sdks_model_dump_is_accepted(client, fake):
+    """``messages.append(answer.model_dump())``: the SDK's message carries null audio, function_call,
+    refusal and annotations."""
+    dumped = {"role": "assistant", "content": "hello", "audio": None, "function_call": None, "refusal": None,
+              "annotations": None, "tool_calls": None}
+    for sent in (dumped, {**dumped, "annotations": []}):
+        r = client.post(CHAT, json={"messages": [*USER, sent, {"role": "user", "content": "more"}], "max_tokens": 2})
+        assert r.status_code == 200, r.text
 
 
 def test_a_busy_chain_is_a_conflict_on_previous_response_id(client, fake: FakeDaemon):

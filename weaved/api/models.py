@@ -57,6 +57,10 @@ class Message(BaseModel):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     refusal: str | None = None  # sent back by SDKs on assistant messages; must be null here
+    # what ``message.model_dump()`` of an SDK's answer carries back: null (or no annotations) only
+    audio: Any = None
+    function_call: Any = None
+    annotations: list[Any] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -78,6 +82,12 @@ class Message(BaseModel):
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         if self.refusal is not None:
             raise ValueError("refusal is not supported on input messages")
+        if self.audio is not None:
+            raise ValueError("audio is not supported on input messages (only null): this model takes text only")
+        if self.function_call is not None:
+            raise ValueError("function_call (the deprecated functions API) is not supported: send tool_calls")
+        if self.annotations:
+            raise ValueError("annotations are not supported on input messages (only null or [])")
         return self
 
     def text(self) -> str:
