@@ -93,3 +93,35 @@ def test_parallel_calls_results_are_one_user_turn_for_templates_that_alternate()
     gemma = ChatTemplate((TEMPLATES / "gemma3.jinja").read_text(), bos_token="<bos>")
     text = gemma.render(msgs)
     assert text.count("<start_of_turn>user") == 2 and "22C" in text
+
+
+class TemplateTokenizer:
+    """What AnswerPlan reads of a tokenizer: the template's source and its rendering."""
+
+    def __init__(self, source: str):
+        self.chat_template = source
+        self._t = ChatTemplate(source, bos_token="<bos>")
+
+    def render_chat(self, msgs, add_generation_prompt=True, tools=None, kwargs=None):
+        return self._t.render(msgs, add_generation_prompt=add_generation_prompt, tools=tools, kwargs=kwargs or {})
+
+
+CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+    {"role": "user", "content": "Summarise."}]
+
+
+@pytest.mark.parametrize("template", ["gemma3.jinja", "qwen2.5.jinja", "hermes-tools.jinja"])
+def test_past_calls_stay_in_the_prompt_of_a_turn_that_offers_no_tools(template):
+    """A final "summarise" request resends the history without tools: the calls and their arguments are
+    still rendered (in the generic format's envelope for a template with no tool branch, which would
+    drop them), and no tools are listed."""
+    from weaved.agent.plan import AnswerPlan, AnswerSpec
+
+    source = (TEMPLATES / template).read_text()
+    text = AnswerPlan(AnswerSpec(), TemplateTokenizer(source), None).render([dict(m) for m in CONVERSATION])
+    assert '"city": "Paris"' in text and "18C" in text and "Summarise." in text
+    assert "You can call these tools" not in text

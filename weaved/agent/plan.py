@@ -61,6 +61,9 @@ class AnswerPlan:
         # change with the choice); the grammar decides whether the answer may call one
         self.offers_tools = bool(spec.tools)
         self.fmt: CallFormat = detect(source) if self.offers_tools else GENERIC
+        # a template with no tool branch drops past calls (and may refuse tool turns): a conversation
+        # that has them is written as the generic format writes it, even when this turn offers no tools
+        self._generic_history = detect(source) is GENERIC
         thinking_off = spec.template_kwargs.get("enable_thinking") is False
         self.thinking = THINK_OPEN in source and not thinking_off
         self.in_reasoning = False  # set by render: the prompt itself opened <think>
@@ -75,6 +78,8 @@ class AnswerPlan:
                 tools = [t.to_openai() for t in self.spec.tools]
             else:
                 msgs = generic_messages(msgs, self.spec.tools)
+        elif self._generic_history and any(m.get("tool_calls") or m["role"] == "tool" for m in msgs):
+            msgs = generic_messages(msgs, ())
         text = self._tok.render_chat(msgs, add_generation_prompt=True, tools=tools,
                                      kwargs=self.spec.template_kwargs)
         self.in_reasoning = self.thinking and text.rstrip().endswith(THINK_OPEN)
@@ -163,8 +168,9 @@ def template_message(m: dict) -> dict:
 
 def generic_messages(msgs: list[dict], tools: tuple[Tool, ...]) -> list[dict]:
     """The conversation for a template with no tool branch: the tools and the answer's envelope in the
-    system turn, past calls as the envelope the model writes, tool results as user turns (the results
-    of one answer's calls in one turn: templates such as Gemma 3's refuse two user turns in a row)."""
+    system turn (none when ``tools`` is empty: a turn that offers none), past calls as the envelope the
+    model writes, tool results as user turns (the results of one answer's calls in one turn: templates
+    such as Gemma 3's refuse two user turns in a row)."""
     names: dict[str, str] = {}
     out: list[dict] = []
     results = False  # out[-1] is a user turn of tool results: more results (and user words) join it
@@ -190,6 +196,8 @@ def generic_messages(msgs: list[dict], tools: tuple[Tool, ...]) -> list[dict]:
         else:
             out.append({"role": m["role"], "content": m["content"]})
             results = False
+    if not tools:
+        return out
     system = generic_system_text(tools)
     if out and out[0]["role"] == "system":
         out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
