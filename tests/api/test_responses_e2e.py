@@ -55,9 +55,12 @@ def test_a_chain_with_tools_survives_a_restart(tmp_path, smollm2_q4_0):
         assert [(i.type, i.call_id, i.output) for i in given] == [
             ("function_call_output", calls[0].call_id, '{"temperature": 18}')]
         assert third.usage.input_tokens_details.cached_tokens >= second.usage.total_tokens - 1
-        # only the latest response of a chain continues; unknown ids are 404; store false cannot continue
-        with pytest.raises(openai.ConflictError):
-            sdk.responses.create(model="default", previous_response_id=second.id, input="again")
+        # an earlier response of the chain continues as a branch, its context shared after the restart too
+        branch = sdk.responses.create(model="default", previous_response_id=second.id, instructions=INSTRUCTIONS,
+                                      input="And in Oslo?", tools=TOOLS, max_output_tokens=4, temperature=0)
+        assert branch.usage.input_tokens_details.cached_tokens >= second.usage.total_tokens - 1
+        assert [i.content[0].text for i in sdk.responses.input_items.list(branch.id).data] == ["And in Oslo?"]
+        # unknown ids are 404; store false cannot continue
         with pytest.raises(openai.NotFoundError):
             sdk.responses.create(model="default", previous_response_id="resp_nope", input="x")
         with pytest.raises(openai.BadRequestError):
@@ -88,11 +91,19 @@ def test_a_response_streaming_at_a_stop_ends_incomplete_and_its_chain_goes_on(tm
         nxt = sdk.responses.create(model="default", previous_response_id=cut.id, input="Thanks.",
                                    max_output_tokens=4, temperature=0)
         assert nxt.usage.input_tokens_details.cached_tokens >= first.usage.total_tokens
-        with pytest.raises(openai.ConflictError, match=f"latest is '{nxt.id}'"):
-            sdk.responses.create(model="default", previous_response_id=first.id, input="again")
-        sdk.responses.delete(nxt.id)
-        with pytest.raises(openai.ConflictError, match="was deleted, so the chain cannot be continued"):
-            sdk.responses.create(model="default", previous_response_id=cut.id, input="again")
+        # a chain continued from a response it has gone past branches there, its context shared
+        branch = sdk.responses.create(model="default", previous_response_id=first.id, input="Hello again.",
+                                      max_output_tokens=4, temperature=0)
+        assert branch.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+        assert [i.content[0].text for i in sdk.responses.input_items.list(branch.id).data] == ["Hello again."]
+        on = sdk.responses.create(model="default", previous_response_id=branch.id, input="Bye.",
+                                  max_output_tokens=4, temperature=0)
+        assert on.usage.input_tokens_details.cached_tokens >= branch.usage.total_tokens - 1
+        sdk.responses.delete(nxt.id)  # the chain's latest gone: its earlier responses still branch
+        again = sdk.responses.create(model="default", previous_response_id=cut.id, input="Thanks.",
+                                     max_output_tokens=4, temperature=0)
+        assert again.output_text == nxt.output_text  # the same context and input, greedy: the same answer
+        assert sdk.responses.retrieve(first.id).output_text == first.output_text  # the first chain is as it was
 
 
 @pytest.fixture(scope="module")

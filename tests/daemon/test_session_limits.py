@@ -70,7 +70,7 @@ def test_deleting_a_chains_last_stored_response_deletes_its_session(daemon):
     sid = _chain(daemon, "resp_a")
     daemon.store_response(sid, "resp_b", {"id": "resp_b", "object": "response"})
     daemon.delete_response("resp_b")
-    # the earlier response stays; the chain's latest is still the deleted one, so nothing continues it
+    # the earlier response stays (a continuation from it branches); the chain's latest is still the deleted one
     assert daemon.get_response("resp_a")[0] == sid
     assert daemon.latest_response(sid) == "resp_b"
     with pytest.raises(NotFound):

@@ -73,14 +73,14 @@ async def create_response(request: Request) -> Response:
         check_tool_results(messages, {i.get("call_id") for i in previous.get("output") or ()
                                       if i.get("type") == "function_call"}, RESPONSES_WORDS)
         latest = await run_in_threadpool(daemon.latest_response, sid)
-        if latest != req.previous_response_id:
+        if latest != req.previous_response_id:  # its chain went on past it: a new chain branches off there
             try:
-                await run_in_threadpool(daemon.get_response, latest)
-                why = f"the chain's latest is {latest!r}"
-            except NotFound:
-                why = f"the chain's latest, {latest!r}, was deleted, so the chain cannot be continued"
-            raise Conflict(f"only a chain's latest response can be continued, and {req.previous_response_id!r} "
-                           f"is not: {why}", param="previous_response_id")
+                sid = await run_in_threadpool(partial(daemon.branch_response, req.previous_response_id, sla))
+            except Conflict as e:  # (its chain's session is generating a turn)
+                raise Conflict(f"response {req.previous_response_id} cannot be branched from while its chain "
+                               f"generates a response; retry when that one ends", param="previous_response_id",
+                               ) from e
+            created_session = True
         continues = await run_in_threadpool(daemon.response_end, req.previous_response_id)
         info = await run_in_threadpool(daemon.get_session, sid)
         if (info.get("system") or None) != (req.instructions or None):

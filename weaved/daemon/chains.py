@@ -5,7 +5,9 @@ A continuation names a response; the session's context must then be exactly the 
 turn of that session that no stored response holds - a turn cut by a crash or a shutdown before its
 response was stored, a cancelled one (never stored), or a turn posted to the session directly - would
 otherwise sit in the context unseen by the client, so a continuation first rewinds the session to its
-response's end (``rewind``): the transcript, the committed tokens and the KV rows past it go.
+response's end (``rewind``): the transcript, the committed tokens and the KV rows past it go.  A
+continuation from a response its chain has gone past branches: the chain's session is forked through
+that response's answer (``branch_response``), and the new chain lives in the fork.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 from weaved.daemon.session import Session, transcript_view
 from weaved.errors import Conflict, InvalidRequest, NotFound, Overloaded
 from weaved.kv.cache import KVCache
+from weaved.routing.types import SLA
 
 
 class ResponseChains:
@@ -42,6 +45,21 @@ class ResponseChains:
     def response_end(self, rid: str) -> int | None:
         """The transcript length of its session with response ``rid``'s answer (None: not recorded)."""
         return self.journal.response_end(rid)
+
+    def branch_response(self, rid: str, sla: SLA | None = None) -> str:
+        """A new chain continuing from stored response ``rid`` where its own chain has gone past it (a later
+        response, deleted or not): a fork of its session through ``rid``'s answer, sharing that context's
+        KV (nothing is computed again); the new session's id.  Its transcript is the parent's, entry for
+        entry, so ``rid``'s place in it (``response_end``) holds there too."""
+        sid, _ = self.get_response(rid)
+        end = self.journal.response_end(rid)
+        if end is None:
+            raise InvalidRequest(f"response {rid!r} was stored by a Weave that did not record its place in its "
+                                 f"chain, so nothing can continue it but its chain's latest",
+                                 param="previous_response_id")
+        rec = self.journal.get(sid)
+        turn = sum(1 for m in rec.messages[:end] if m["role"] == "assistant")
+        return self.fork_session(sid, turn, sla)["id"]
 
     def response_input(self, rid: str) -> list[dict]:
         """The messages response ``rid`` answered (its input: what its request added to the chain), as
