@@ -127,10 +127,10 @@ class AnswerPlan:
         s = self.spec
         if s.schema is not None:
             return s.format_field
+        if self.offers_tools and self.fmt.name == GENERIC.name:  # (first: "none" would not help here)
+            return "tools on this model (its answers are a JSON envelope, whatever the tool_choice)"
         if s.tools and s.choice.mode is not ChoiceMode.NONE:
             return 'tools (unless tool_choice is "none")'
-        if self.offers_tools and self.fmt.name == GENERIC.name:
-            return "tools on this model (its answers are a JSON envelope, whatever the tool_choice)"
         return None
 
     @property
