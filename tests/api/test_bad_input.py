@@ -117,6 +117,9 @@ WRONG = [
     pytest.param({"messages": USER, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "x-guidance": {"lenient": True}}}}]},
         "tools[0].function.parameters", id="tool-x-guidance"),
+    pytest.param({"messages": USER, "stream": True, "stream_options": {"include_obfuscation": True}},
+                 "stream_options.include_obfuscation", id="obfuscation-padding"),
+    pytest.param({"messages": USER, "modalities": ["text", "audio"]}, "modalities", id="modalities-audio"),
     pytest.param({"messages": [*USER, {"role": "assistant", "content": "x", "audio": {"id": "a1"}}]}, "messages.1",
                  id="assistant-audio"),
     pytest.param({"messages": [*USER, {"role": "assistant", "content": None, "function_call": {
@@ -311,6 +314,16 @@ def test_an_answer_sent_back_as_the_sdks_model_dump_is_accepted(client, fake):
     for sent in (dumped, {**dumped, "annotations": []}):
         r = client.post(CHAT, json={"messages": [*USER, sent, {"role": "user", "content": "more"}], "max_tokens": 2})
         assert r.status_code == 200, r.text
+
+
+
+def test_fields_that_ask_for_what_weave_does_anyway_are_accepted(client, fake):
+    r = client.post(CHAT, json={"messages": USER, "modalities": ["text"], "stream": True,
+                                "stream_options": {"include_usage": True, "include_obfuscation": False}})
+    assert r.status_code == 200 and "[DONE]" in r.text
+    r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "stream": True,
+                                           "stream_options": {"include_obfuscation": False}})
+    assert r.status_code == 200 and "event: response.incomplete" in r.text  # (max_output_tokens reached)
 
 
 def test_a_busy_chain_is_a_conflict_on_previous_response_id(client, fake: FakeDaemon):

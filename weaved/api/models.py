@@ -34,6 +34,17 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    # OpenAI pads stream events with random characters against length side channels unless this is
+    # false; Weave sends no padding, which is what false asks for
+    include_obfuscation: bool | None = None
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_padding(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("obfuscation padding is not offered (events are never padded): send false or leave "
+                             "it out")
+        return v
 
 
 class TextPart(BaseModel):
@@ -220,6 +231,10 @@ class Sampling(BaseModel):
                 return name, f"{name} is deprecated and not supported; send tools and tool_choice"
             if name == "best_of" and extra[name] == 1:
                 continue
+            if name == "modalities" and extra[name] in (["text"], None):  # what every answer here is
+                continue
+            if name == "modalities":
+                return name, 'modalities: this model answers in text only (["text"])'
             return name, f"unknown or unsupported field {name!r}"
         return None
 
