@@ -162,10 +162,15 @@ def test_a_response_being_generated_is_shown_in_progress(served):
             assert seen.status_code == 200 and seen.json()["status"] == "in_progress", seen.text
             refused = h.delete(f"/v1/responses/{rid}")
             assert refused.status_code == 409 and refused.json()["error"]["param"] == "response_id"
+            given = h.get(f"/v1/responses/{rid}/input_items")
+            assert given.status_code == 200, given.text
+            items = given.json()["data"]
             for _ in lines:
                 pass
         done = h.get(f"/v1/responses/{rid}").json()
         assert done["status"] == "incomplete" and done["output"]
+        assert h.get(f"/v1/responses/{rid}/input_items").json()["data"] == items  # the same once stored
+        assert [i["content"][0]["text"] for i in items] == ["Count to fifty."]
         assert h.delete(f"/v1/responses/{rid}").json()["deleted"] is True
 
 

@@ -40,7 +40,12 @@ def as_items(rid: str, messages: list[dict]) -> list[dict]:
 async def input_items(request: Request, rid: str, order: Literal["asc", "desc"] = "desc",
                       limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict:
     """OpenAI's list: newest first unless ``order=asc``, ``limit`` a page, ``after`` an item id."""
-    messages = await run_in_threadpool(state_of(request).daemon.response_input, rid)
+    state = state_of(request)
+    running = state.running_responses.get(rid)  # being generated: its input is its request's
+    if running is not None:
+        messages = running.req.messages()
+    else:
+        messages = await run_in_threadpool(state.daemon.response_input, rid)
     items = as_items(rid, messages)
     if order == "desc":
         items.reverse()
