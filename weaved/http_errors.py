@@ -63,6 +63,10 @@ def _is_type_tag(part: str) -> bool:
                                                                        "constrained-"))
 
 
+def _request_id(request: Request) -> str:
+    return request.scope.get("weave_request_id", "no request id")
+
+
 def install(app: FastAPI) -> None:
     """Route WeaveError, FastAPI's validation errors, HTTP errors and bugs to the OpenAI shape."""
 
@@ -70,7 +74,7 @@ def install(app: FastAPI) -> None:
     async def _weave(request: Request, exc: WeaveError) -> JSONResponse:
         if exc.status == 507 and not getattr(exc, "logged", False):  # the operator's to fix (a full disk): one
             # line in the log, no traceback (a turn's failure the engine has logged is not said twice)
-            log.warning("%s %s: %s", request.method, request.url.path, exc.message)
+            log.warning("%s %s (%s): %s", request.method, request.url.path, _request_id(request), exc.message)
         return weave_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -89,7 +93,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        log.exception("unhandled error on %s %s (%s)", request.method, request.url.path, _request_id(request))
         # the server closes the connection after an unhandled error: say so, or a client that keeps it
         # alive sends its next request into a closed socket
         response = error_response(500, f"internal error: {type(exc).__name__}: {exc}")

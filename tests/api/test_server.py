@@ -97,6 +97,7 @@ def test_openai_sdk_over_the_unix_socket(fake: FakeDaemon, sock_path):
                                              extra_body={"sla": {"class": "background", "ttlt_s": 60}})
         assert out.choices[0].message.content == "Hello from Weave!"
         assert out.model_extra["weave"]["placement"]["decode_pool"] == "cpu"
+        assert out._request_id.startswith("req_")  # each request its own id, for logs and support
         sla = [c for n, c in fake.calls if n == "start_turn"][-1]["sla"]
         assert (sla.cls.value, sla.ttlt_s) == ("background", 60.0)
         stream = client.chat.completions.create(model="fake-model", messages=USER, max_tokens=5, stream=True,
@@ -109,6 +110,7 @@ def test_openai_sdk_over_the_unix_socket(fake: FakeDaemon, sock_path):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="fake-model", messages=[], max_tokens=2)
         assert e.value.body["param"] == "messages"
+        assert e.value.request_id.startswith("req_") and e.value.request_id != out._request_id
 
 
 def test_openai_sdk_over_tcp_with_the_key(fake: FakeDaemon, sock_path):

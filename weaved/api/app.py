@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -15,7 +17,8 @@ STREAMS = ("/v1/events",)  # GET routes whose answer never ends by itself
 
 
 class RequestMetrics:
-    """Counts requests by route template (never the raw path: session ids would explode the labels)."""
+    """Counts requests by route template (never the raw path: session ids would explode the labels), and
+    gives each an id, sent back as ``x-request-id`` (as OpenAI does: SDKs expose it, logs name it)."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics):
         self.app = app
@@ -26,11 +29,13 @@ class RequestMetrics:
             await self.app(scope, receive, send)
             return
         status = 500
+        request_id = scope["weave_request_id"] = f"req_{secrets.token_hex(12)}"
 
         async def watch(message: dict) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
             await send(message)
 
         try:
