@@ -197,3 +197,11 @@ def test_a_function_with_empty_or_no_parameters_takes_no_arguments(client, fake:
     assert r.status_code == 200, r.text
     answer = [c for name, c in fake.calls if name == "start_turn"][-1]["answer"]
     assert answer.tools[0].parameters == {"type": "object", "properties": {}}
+
+
+def test_a_response_says_when_it_completed_and_its_reasoning_settings(client, fake: FakeDaemon):
+    done = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 64}).json()
+    assert done["status"] == "completed" and done["completed_at"] >= done["created_at"]
+    assert done["reasoning"] == {"effort": None, "summary": None}  # (no reasoning settings are taken)
+    cut = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2}).json()
+    assert cut["status"] == "incomplete" and cut["completed_at"] is None

@@ -176,7 +176,8 @@ class _Reply:
                "text": {"format": fmt}, "temperature": r.temperature, "top_p": r.top_p,
                "max_output_tokens": r.max_output_tokens, "store": r.store, "truncation": "disabled",
                "metadata": (r.model_extra or {}).get("metadata") or {}, "error": None, "incomplete_details": None,
-               "usage": None, "weave": {**t.weave(), "session": self.sid}}
+               "usage": None, "completed_at": None, "reasoning": {"effort": None, "summary": None},
+               "weave": {**t.weave(), "session": self.sid}}
         return out
 
     def finish(self) -> dict:
@@ -189,6 +190,8 @@ class _Reply:
             return obj
         reason = t.finish_reason
         obj = self.obj("completed" if reason == "stop" else "cancelled" if reason == "cancelled" else "incomplete")
+        if reason == "stop":
+            obj["completed_at"] = int(time.time())
         if reason == "length":
             obj["incomplete_details"] = {"reason": "max_output_tokens"}
         elif reason not in ("stop", "cancelled"):
