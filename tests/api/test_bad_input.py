@@ -358,6 +358,18 @@ def test_a_tool_choice_chat_does_not_take_is_named_with_the_shapes_it_does(clien
     assert says in err["message"] and "more problem" not in err["message"]
 
 
+@pytest.mark.parametrize("path, body, param, says", [
+    ("/v1/responses", {"input": "hi", "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
+     "tool_choice", "allowed_tools"),
+    ("/v1/responses", {"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference items"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools", "web_search tools"),
+    (CHAT, {"messages": USER, "tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools.0", "custom tools"),
+])
+def test_shapes_weave_does_not_take_are_named_in_one_message(client, path, body, param, says):
+    err = assert_error(client.post(path, json=body), 400, param=param)
+    assert says in err["message"] and "more problem" not in err["message"], err["message"]
+
+
 def test_an_unhandled_error_says_the_connection_closes(client, fake: FakeDaemon, monkeypatch):
     """The server drops the connection after a 500: the response says so, so a keep-alive client opens a
     new one for its next request instead of writing into a closed socket."""

@@ -48,6 +48,14 @@ class ToolDef(BaseModel):
     type: Literal["function"]
     function: FunctionDef
 
+    @model_validator(mode="before")
+    @classmethod
+    def _function_only(cls, v: Any) -> Any:
+        """A custom (or any other) tool is refused by its type, not by every field a function lacks."""
+        if isinstance(v, dict) and v.get("type") not in (None, "function"):
+            raise ValueError(f"{v['type']} tools are not offered here: only function tools")
+        return v
+
 
 class NamedFunction(BaseModel):
     model_config = ConfigDict(extra="forbid")

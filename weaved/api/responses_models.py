@@ -98,6 +98,7 @@ class ReasoningItem(BaseModel):
 
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
 class FunctionTool(BaseModel):
@@ -172,6 +173,19 @@ class ResponsesRequest(BaseModel):
         if isinstance(v, dict) and isinstance(v.get("function"), dict) and "name" not in v:
             raise ValueError(f'the Responses API names a function as {{"type": "function", "name": '
                              f'"{v["function"].get("name", "...")}"}} (not chat completions\' "function" object)')
+        if isinstance(v, dict) and v.get("type") != "function":
+            raise ValueError(f'a tool_choice of type {v.get("type")!r} is not supported: "none", "auto", "required" '
+                             f'or {{"type": "function", "name": ...}}')
+        return v
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, v: Any) -> Any:
+        """Tool types other than functions (web_search, file_search, mcp, ...) are refused by name."""
+        for i, tool in enumerate(v if isinstance(v, list) else ()):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind is not None and kind != "function":
+                raise ValueError(f"tools[{i}]: {kind} tools are not offered here: only function tools")
         return v
 
     @field_validator("input", mode="before")
@@ -180,6 +194,9 @@ class ResponsesRequest(BaseModel):
         """Content parts other than text (input_image, input_file, ...) are refused by name: the union of
         item shapes would otherwise answer with every member's complaint."""
         for i, item in enumerate(v if isinstance(v, list) else ()):
+            kind = item.get("type") if isinstance(item, dict) else None
+            if kind is not None and kind not in ITEM_TYPES:
+                raise ValueError(f"input[{i}]: {kind} items are not supported: {', '.join(ITEM_TYPES)}")
             parts = item.get("content") if isinstance(item, dict) else None
             for part in parts if isinstance(parts, list) else ():
                 kind = part.get("type") if isinstance(part, dict) else None
