@@ -119,8 +119,8 @@ def test_a_full_disk_is_a_507_the_connection_survives(client, fake: FakeDaemon, 
     assert r.status_code == 507 and "Connection" not in r.headers
     assert r.json()["error"] == {"message": "session s-9: creating its KV file: No space left on device",
                                  "type": "server_error", "param": None, "code": "insufficient_storage"}
-    assert [rec.getMessage() for rec in caplog.records] == [
-        "POST /v1/sessions: session s-9: creating its KV file: No space left on device"]
+    assert [rec.getMessage() for rec in caplog.records] == [  # one line, naming the request
+        f"POST /v1/sessions ({r.headers['x-request-id']}): session s-9: creating its KV file: No space left on device"]
 
 
 def test_the_session_list_pages_as_openai_lists_do(client, fake: FakeDaemon):
