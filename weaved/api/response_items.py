@@ -3,11 +3,32 @@ events as they happen, and the response object at the end (the same items, the s
 
 from __future__ import annotations
 
+import base64
+import binascii
 import secrets
+
+SEALED = "weave1:"  # what a reasoning item's encrypted_content starts with: base64 of its text after it
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
+
+
+def seal_reasoning(text: str) -> str:
+    """A reasoning item's ``encrypted_content`` (``include: ["reasoning.encrypted_content"]``): the
+    reasoning itself, opaque to the client, which sends it back to a chain it keeps (``store: false``).
+    Nothing here is secret - the same text is the item's ``content`` - so it is encoded, not encrypted."""
+    return SEALED + base64.b64encode(text.encode()).decode()
+
+
+def unseal_reasoning(blob: str) -> str:
+    """The reasoning in an ``encrypted_content`` this daemon wrote; ValueError for anything else."""
+    if not blob.startswith(SEALED):
+        raise ValueError("a reasoning item's encrypted_content was not written by Weave (it cannot be read)")
+    try:
+        return base64.b64decode(blob.removeprefix(SEALED), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        raise ValueError("a reasoning item's encrypted_content is damaged") from None
 
 
 class OutputItems:
@@ -15,9 +36,10 @@ class OutputItems:
     ``message`` with one ``output_text`` part, a ``function_call`` per call.  ``feed`` and ``close``
     return the stream events they complete (``type`` set, ``sequence_number`` added by the caller)."""
 
-    def __init__(self):
+    def __init__(self, sealed_reasoning: bool = False):
         self.items: list[dict] = []
         self._open: dict | None = None
+        self.sealed_reasoning = sealed_reasoning  # reasoning items carry encrypted_content too
 
     # ---- events ----------------------------------------------------------------------------------
     def feed(self, delta: dict) -> list[dict]:
@@ -112,6 +134,8 @@ class OutputItems:
         elif item["type"] == "reasoning":
             item["status"] = status
             part = item["content"][0]
+            if self.sealed_reasoning:
+                item["encrypted_content"] = seal_reasoning(part["text"])
             ev += [{"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": i,
                     "content_index": 0, "text": part["text"]},
                    {"type": "response.content_part.done", "item_id": item["id"], "output_index": i,

@@ -158,7 +158,7 @@ class _Reply:
         self.req, self.turn, self.model, self.sid = req, turn, model, sid
         self.id = new_id("resp")
         self.created = int(time.time())
-        self.items = OutputItems()
+        self.items = OutputItems(sealed_reasoning="reasoning.encrypted_content" in (req.include or ()))
         plan = getattr(turn.handle, "answer", None)
         self.parser = plan.parser(getattr(turn.handle, "call_seed", None)) if plan is not None else AnswerParser()
 

@@ -25,9 +25,11 @@ from weaved.api.agent_models import (
     answer_spec,
 )
 from weaved.api.models import INERT_FIELDS, SLABody, StreamOptions, inert_field_problem
+from weaved.api.response_items import unseal_reasoning
 from weaved.errors import InvalidRequest
 
 MAX_INPUT_ITEMS = 4096
+INCLUDABLE = frozenset({"reasoning.encrypted_content"})  # what include may ask for
 RESPONSES_FIELDS = Fields(format="text.format", schema="text.format.schema", parameters="parameters")
 
 
@@ -84,16 +86,27 @@ class ReasoningTextPart(BaseModel):
 
 
 class ReasoningItem(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # id, status, encrypted_content (never produced here)
+    model_config = ConfigDict(extra="ignore")  # id, status
 
     type: Literal["reasoning"]
     summary: list[SummaryPart] = []
     content: list[ReasoningTextPart] | None = None  # the raw reasoning (what Weave returns)
+    encrypted_content: str | None = None  # what ``include: ["reasoning.encrypted_content"]`` returned
+
+    @field_validator("encrypted_content")
+    @classmethod
+    def _sealed_here(cls, v: str | None) -> str | None:
+        if v is not None:
+            unseal_reasoning(v)  # (ValueError: not Weave's, or damaged)
+        return v
 
     def text(self) -> str:
-        """The reasoning to send back: its raw text, else its summary's."""
+        """The reasoning to send back: its raw text, else what its encrypted_content holds, else its
+        summary's."""
         if self.content:
             return "".join(p.text for p in self.content)
+        if self.encrypted_content is not None:
+            return unseal_reasoning(self.encrypted_content)
         return "".join(p.text for p in self.summary)
 
 
@@ -165,7 +178,7 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["disabled"] | None = None  # "auto" would drop context: refused
     chat_template_kwargs: dict[str, Any] | None = None  # extension, as on chat completions
     sla: SLABody | None = None  # Weave extension
-    include: list[str] | None = None  # extra output data: none is offered here (an empty list is fine)
+    include: list[str] | None = None  # extra output data: reasoning items' encrypted_content alone
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -213,8 +226,9 @@ class ResponsesRequest(BaseModel):
         return v
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.include:
-            return "include", f"include values are not supported: {sorted(set(self.include))}"
+        other = sorted(set(self.include or ()) - INCLUDABLE)
+        if other:
+            return "include", f"include values are not supported: {other} (only {sorted(INCLUDABLE)})"
         for name, value in sorted((self.model_extra or {}).items()):
             if name not in INERT_FIELDS:
                 return name, f"unknown or unsupported field {name!r}"
