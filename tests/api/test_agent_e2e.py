@@ -135,6 +135,10 @@ def test_a_streamed_call_is_assembled_by_the_sdk(request, server):
         [(c.function.name, c.function.arguments) for c in want]
     assert final.choices[0].finish_reason == "tool_calls"
     _validate(got)
+    # as OpenAI's: the role comes with the first call, content null - streamed and not alike
+    assert final.choices[0].message.content is None and whole.choices[0].message.content is None
+    first = next(iter(sdk.chat.completions.create(**kw, stream=True))).choices[0].delta
+    assert first.role == "assistant" and first.content is None and first.tool_calls[0].function.name
 
 
 @pytest.mark.parametrize("server", ["generic", "hermes"])

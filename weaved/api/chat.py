@@ -161,10 +161,27 @@ async def _stream(request: Request, turns: list[Turn], meta: _Meta, usage: bool)
     tokenizer = turns[0].state.daemon.tokenizer
     parsers = [_parser(t) for t in turns]
     gates = [TextGate() for _ in turns]  # each choice's log-probabilities go out with their text
+    # The role chunk goes first; where the answer may be calls it waits for the answer's first piece, so
+    # that a call's says "content": null, as OpenAI's does (an answer of text gets "" as always).
+    waiting = [getattr(getattr(t.handle, "answer", None), "offers_tools", False) is True for t in turns]
+
+    def opened(i: int, delta: dict, lp: dict | None = None) -> list[bytes]:
+        t, out = turns[i], []
+        if waiting[i]:
+            waiting[i] = False
+            if "tool_calls" in delta:
+                return [frame(_chunk(meta, {"role": "assistant", "content": None, **delta}, index=i, logprobs=lp,
+                                     usage=usage, weave=t.weave()))]
+            out.append(frame(_chunk(meta, {"role": "assistant", "content": ""}, index=i, usage=usage,
+                                    weave=t.weave())))
+        return [*out, frame(_chunk(meta, delta, index=i, logprobs=lp, usage=usage))]
+
     watcher = asyncio.create_task(watch(request, turns))
     try:
         for i, t in enumerate(turns):
-            yield frame(_chunk(meta, {"role": "assistant", "content": ""}, index=i, usage=usage, weave=t.weave()))
+            if not waiting[i]:
+                yield frame(_chunk(meta, {"role": "assistant", "content": ""}, index=i, usage=usage,
+                                   weave=t.weave()))
         async for i, ev in merged(turns):
             t, parser = turns[i], parsers[i]
             if ev["type"] == "token":
@@ -175,10 +192,16 @@ async def _stream(request: Request, turns: list[Turn], meta: _Meta, usage: bool)
                 if not deltas and lp is not None:
                     deltas = [{}]
                 for j, delta in enumerate(deltas):
-                    yield frame(_chunk(meta, delta, index=i, logprobs=lp if j == 0 else None, usage=usage))
+                    for chunk in opened(i, delta, lp if j == 0 else None):
+                        yield chunk
             elif ev["type"] in ("done", "error") and t.error is None:
                 for delta in parser.finish():
-                    yield frame(_chunk(meta, delta, index=i, usage=usage))
+                    for chunk in opened(i, delta):
+                        yield chunk
+                if waiting[i]:  # an answer with nothing in it: its role chunk still comes first
+                    waiting[i] = False
+                    yield frame(_chunk(meta, {"role": "assistant", "content": ""}, index=i, usage=usage,
+                                       weave=t.weave()))
                 yield frame(_chunk(meta, {}, index=i, finish=finish_reason(t, parser.answer), usage=usage,
                                    weave=t.weave()))
         failed = next((t for t in turns if t.error is not None), None)
