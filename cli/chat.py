@@ -30,7 +30,7 @@ from weaved.cli.common import (
     utf8_problem,
 )
 from weaved.cli.errors import ApiError
-from weaved.cli.run import AT_TOKEN_LIMIT, CUT, MaxTokensOpt, SeedOpt, SystemOpt, TemperatureOpt, write_stream
+from weaved.cli.run import CUT, MaxTokensOpt, SeedOpt, SystemOpt, TemperatureOpt, length_note, write_stream
 
 PROMPT = ">>> "
 COMMANDS = """\
@@ -187,7 +187,7 @@ class ChatRepl:
         self.turns += 1
         reason = last.finish_reason if last is not None else None
         if reason == "length":
-            self.say(AT_TOKEN_LIMIT)
+            self.say(length_note(self.sampling.get("max_tokens")))
         elif reason in CUT:  # the daemon cut it: a shutdown, or the session deleted elsewhere
             self.say(f"[the answer was cut: {CUT[reason]}]")
         elif reason is None:

@@ -42,6 +42,13 @@ SeedOpt = Annotated[int | None, typer.Option("--seed", min=-(1 << 63), max=(1 <<
                                              help="Sampling seed (-1: a random one).")]
 
 AT_TOKEN_LIMIT = "[stopped at the token limit; --max-tokens raises it]"  # run and chat say it alike
+# without --max-tokens an answer may run to the end of the context: "length" then means it is full
+AT_CONTEXT_END = "[stopped: the context is full (the model's, or the session's max_context)]"
+
+
+def length_note(max_tokens: int | None) -> str:
+    """What a ``length`` finish means: the token limit asked for, or (none asked) the context's end."""
+    return AT_TOKEN_LIMIT if max_tokens is not None else AT_CONTEXT_END
 
 
 def messages_for(text: str, system: str | None = None) -> list[dict]:
@@ -102,13 +109,13 @@ def write_stream(deltas: Iterable[Delta], out: TextIO | None = None,
     return last
 
 
-def _note_length(last: Delta | None) -> None:
+def _note_length(last: Delta | None, max_tokens: int | None) -> None:
     """Say why an answer stopped short: a note for the token limit; an error (exit 1) when the answer
     was cut by the daemon - a shutdown, a cancel (e.g. the session deleted) - or the stream ended
     without a finish, so that a script can tell the answer is incomplete."""
     reason = last.finish_reason if last is not None else None
     if reason == "length":
-        echo(AT_TOKEN_LIMIT, err=True)
+        echo(length_note(max_tokens), err=True)
     elif reason in CUT:
         raise fail(f"the answer was cut: {CUT[reason]}")
     elif reason is None:
@@ -136,7 +143,7 @@ def run(prompt: PromptArg, sla: SlaOpt = SLAClass.interactive, system: SystemOpt
             print_json(client.chat(msgs, sla=sla_body(sla_class(sla)), **sampling))
             return
         last = write_stream(client.stream_chat(msgs, sla=sla_body(sla_class(sla)), **sampling))
-    _note_length(last)
+    _note_length(last, max_tokens)
 
 
 def read_task(task: str | None, file: Path | None) -> str:
@@ -261,7 +268,7 @@ def submit(
             echo(f"\nweave: interrupted: the task was cancelled; its answer so far is kept "
                  f"(weave show {info['id']})", err=True)
             raise
-    _note_length(last)
+    _note_length(last, max_tokens)
 
 
 def _with_placement(deltas: Iterable[Delta], info: dict) -> Iterator[Delta]:

@@ -112,9 +112,10 @@ def register(app: typer.Typer) -> None:
                                                    help="Also listen on TCP (needs an API key).")] = None,
         api_key: Annotated[str | None, typer.Option("--api-key", envvar="WEAVE_API_KEY", show_default=False,
                                                     help="Key TCP clients must send.")] = None,
-        data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Where sessions' KV files and the "
-                                                      "journal live (default: the profile's).",
-                                                      show_default=False)] = None,
+        data_dir: Annotated[str | None, typer.Option("--data-dir", metavar="<path>",
+                                                     help="Where sessions' KV files and the journal live "
+                                                          "(default: the profile's).",
+                                                     show_default=False)] = None,
         chat_template: Annotated[Path | None, typer.Option(
             "--chat-template", show_default=False,
             help="A Jinja chat template file to use instead of the model's own (a base model has none).")] = None,
@@ -166,6 +167,8 @@ def register(app: typer.Typer) -> None:
                 raise _fail(f"cannot read the chat template {chat_template}: {e.strerror or e}", 2) from None
             except ValueError as e:  # (a syntax error: every chat request would be refused)
                 raise _fail(f"{chat_template}: {e}", 2) from None
+        if data_dir is not None and not data_dir.strip():  # (an empty $VAR: not the current directory)
+            raise _fail("--data-dir is empty: name a directory, or leave the option out for the profile's", 2)
         model_path = resolve_model(model)
 
         from weaved.daemon.core import Daemon
@@ -173,8 +176,8 @@ def register(app: typer.Typer) -> None:
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
         started = time.monotonic()
-        daemon = Daemon(prof, model_path, data_dir=data_dir, log_fn=_log_line, federation=federation,
-                        chat_template=template)
+        daemon = Daemon(prof, model_path, data_dir=None if data_dir is None else Path(data_dir), log_fn=_log_line,
+                        federation=federation, chat_template=template)
         restarted = os.environ.pop(RESTARTED_ENV, None) is not None
         try:
             daemon.load(progress=_say)

@@ -74,3 +74,10 @@ def test_a_chat_template_that_cannot_be_read_or_compiled_is_refused_at_start(tmp
     broken.write_text("{% for m in messages %}{{ m.content }")
     r = _serve("--socket", sock, "--chat-template", str(broken))
     assert r.exit_code == 2 and "does not compile" in r.output and "broken.jinja" in r.output
+
+
+def test_an_empty_data_dir_is_refused_not_taken_for_the_current_directory(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = _serve("--socket", str(tmp_path / "w.sock"), "--profile", "cpu-only", "--data-dir", "")
+    assert r.exit_code == 2 and "--data-dir is empty" in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written here

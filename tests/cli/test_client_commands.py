@@ -232,6 +232,16 @@ def test_run_fails_when_the_daemon_cuts_the_answer(fake, reason, says):
     assert res.stderr.startswith("weave: error: the answer was cut: ") and says in res.stderr
 
 
+def test_a_length_finish_says_which_limit_stopped_it(fake):
+    """With --max-tokens, the token limit; without, an answer runs to the context's end, which "length" then
+    means - raising --max-tokens would not help."""
+    res = weave(fake, "run", "--max-tokens", "1", "hello there")
+    assert res.exit_code == 0 and "--max-tokens raises it" in res.stderr
+    fake.cut_by = "length"
+    res = weave(fake, "run", "hello there")
+    assert res.exit_code == 0 and "the context is full" in res.stderr and "--max-tokens" not in res.stderr
+
+
 @pytest.mark.parametrize("args", [["show", ""], ["rm", "s-1", " "], ["fork", ""], ["promote", ""], ["demote", ""],
                                   ["chat", "--session", ""], ["peers", "rm", ""], ["peers", "add", " ", "http://h:1"]])
 def test_an_empty_id_is_a_usage_error_the_daemon_never_sees(fake, args):

@@ -98,7 +98,8 @@ def measure(be: Backend, *, chunk: int, max_batch: int, context: int = 2048,
     todo = plan(chunk, max_batch, context)
     for i, (kind, n, ctx, batch) in enumerate(todo):
         if progress is not None:
-            progress(i, len(todo), f"{kind} {n if kind == 'prefill' else batch} x at context {ctx}")
+            what = f"a prefill of {n} tokens" if kind == "prefill" else f"a decode step of {batch} rows"
+            progress(i, len(todo), f"{what} at context {ctx}")
         kvs = [_kv(be, ctx, n, rng) for _ in range(batch)]
         chunks = [SeqChunk(kv, rng.integers(10, min(vocab, 30000), n).astype(np.int32), Logits.LAST) for kv in kvs]
         secs = _timed(be, chunks, REPS[kind])
