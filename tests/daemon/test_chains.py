@@ -107,6 +107,8 @@ def test_a_session_of_another_model_goes_when_deleted_by_its_id(tiny_llama, tiny
     try:
         (u,) = other.status()["unrecovered"]
         assert u["id"] == sid and "made for model" in u["reason"]
+        assert sid not in u["reason"] and "{" not in u["reason"]  # said once, no Python dict
+        assert u["reason"].endswith("serve that model again to bring it back")
         other.delete_session(sid)
         assert other.status()["unrecovered"] == [] and not list((tmp_path / "data").rglob(f"{sid}*"))
         with pytest.raises(NotFound):

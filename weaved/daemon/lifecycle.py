@@ -200,8 +200,9 @@ class DaemonLifecycle:
                     self.store.delete(rec.id)
                     kv, rebuild = self._new_kv(rec.id, placement, cap), True
             except Exception as exc:  # a KV file made for another model; no ring: keep the rest serving
-                self.log(f"session {rec.id} not recovered: {str(exc).removeprefix(f'session {rec.id}: ')}")
-                self.unrecovered[rec.id] = str(exc)
+                why = str(exc).removeprefix(f"session {rec.id}: ")  # (the store's message names it too)
+                self.log(f"session {rec.id} not recovered: {why}")
+                self.unrecovered[rec.id] = why
                 continue
             messages = [{**transcript_entry(m["role"], m["content"], m["finish_reason"]), **(message_extra(m) or {})}
                         for m in rec.messages]

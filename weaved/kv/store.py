@@ -171,11 +171,12 @@ class KVStore(PrefixSharing):
             except (OSError, ValueError) as e:
                 raise KVStoreError(f"session {session_id}: unreadable metadata {meta_path}: {e}") from e
             if meta.get("fingerprint") != self.fingerprint or meta.get("format") != FORMAT_VERSION:
+                made = meta.get("model") if isinstance(meta.get("model"), dict) else {}
                 raise KVFileMismatch(
-                    f"session {session_id}: KV file was made for model {meta.get('model')} "
-                    f"(fingerprint {meta.get('fingerprint')}, format {meta.get('format')}); this store "
-                    f"serves {{'arch': {self.config.arch!r}, 'name': {self.config.name!r}}} "
-                    f"(fingerprint {self.fingerprint}, format {FORMAT_VERSION})"
+                    f"session {session_id}: its KV file was made for model {made.get('name', '?')!r} "
+                    f"({made.get('arch', '?')}, fingerprint {meta.get('fingerprint')}, format {meta.get('format')}), "
+                    f"not {self.config.name!r} ({self.config.arch}, fingerprint {self.fingerprint}, format "
+                    f"{FORMAT_VERSION}): serve that model again to bring it back"
                 )
             capacity = int(meta["shape"][3])
             if list(self._shape(capacity)) != meta["shape"] or meta.get("dtype") != "float16":
