@@ -91,18 +91,23 @@ class PrefixSharing:
                         "mapping them (more disk and page cache, nothing recomputed); raise vm.max_map_count to "
                         "share them again", st["used"], st["max_map_count"], st["max_map_count"] - st["budget"])
 
+    def _rows_from_prefix(self, data: np.ndarray, prefix, n: int) -> None:
+        """Copy prefix file ``prefix``'s positions [0, n) into ``data`` (a session's own rows, allocated),
+        for a session that may not map them; OSError or ValueError when the file is gone or damaged."""
+        src = np.memmap(prefix.path, dtype=np.float16, mode="r", shape=self._shape(prefix.positions))
+        data[:, :, :, :n] = src[:, :, :, :n]
+        del src
+        self.prefixes.copied += 1
+
     def _copy_from_prefix(self, kv: KVCache, prefix, n: int) -> int:
         """A new session's own copy of a stored prefix's positions [0, n) (when it may not map them); the
         positions it holds then (0 when the KV cap has no room, or the prefix went meanwhile)."""
         try:
             self.reserve(kv, n)
-            src = np.memmap(prefix.path, dtype=np.float16, mode="r", shape=self._shape(prefix.positions))
+            self._rows_from_prefix(kv.data, prefix, n)
         except (KVStoreError, OSError, ValueError):
             return 0
-        kv.data[:, :, :, :n] = src[:, :, :, :n]
-        del src
         kv.length = n
-        self.prefixes.copied += 1
         return n
 
     def _reshare(self, kv: KVCache, session_id: str, s: OpenSession, key: str, n: int) -> None:
@@ -112,14 +117,10 @@ class PrefixSharing:
         try:
             try:
                 ok = self._alias(kv, session_id, s, key, n)
-            except NoMapsLeft:
-                src = np.memmap(self.prefixes.get(key).path, dtype=np.float16, mode="r",
-                                shape=self._shape(self.prefixes.get(key).positions))
+            except NoMapsLeft:  # (_alias found the prefix: it is there)
                 self._allocate(session_id, s, 0, n)
-                s.data[:, :, :, :n] = src[:, :, :, :n]
-                del src
+                self._rows_from_prefix(s.data, self.prefixes.get(key), n)
                 self._write_meta(session_id, s, None)
-                self.prefixes.copied += 1
                 return
         except (KVStoreError, OSError, ValueError) as e:
             self._open.pop(session_id).mm.release()
