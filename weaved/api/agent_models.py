@@ -51,10 +51,19 @@ class ToolDef(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _function_only(cls, v: Any) -> Any:
-        """A custom (or any other) tool is refused by its type, not by every field a function lacks."""
-        if isinstance(v, dict) and v.get("type") not in (None, "function"):
-            raise ValueError(f"{v['type']} tools are not offered here: only function tools")
+        problem = other_tool_type(v)
+        if problem is not None:
+            raise ValueError(problem)
         return v
+
+
+def other_tool_type(tool: Any) -> str | None:
+    """Why a tool of another type than ``function`` (custom, web_search, mcp, ...) is refused, named by its
+    type rather than by every field a function lacks; None for a function (or no type at all)."""
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind in (None, "function"):
+        return None
+    return f"{kind} tools are not offered here: only function tools"
 
 
 class NamedFunction(BaseModel):

@@ -165,23 +165,25 @@ async def _stream(request: Request, turns: list[Turn], meta: _Meta, usage: bool)
     # that a call's says "content": null, as OpenAI's does (an answer of text gets "" as always).
     waiting = [getattr(getattr(t.handle, "answer", None), "offers_tools", False) is True for t in turns]
 
+    def role(i: int, delta: dict | None = None, lp: dict | None = None) -> bytes:
+        """Choice ``i``'s first chunk: the role, with the answer's first call if it opens with one."""
+        waiting[i] = False
+        first = {"role": "assistant", "content": None, **delta} if delta else {"role": "assistant", "content": ""}
+        return frame(_chunk(meta, first, index=i, logprobs=lp, usage=usage, weave=turns[i].weave()))
+
     def opened(i: int, delta: dict, lp: dict | None = None) -> list[bytes]:
-        t, out = turns[i], []
+        out = []
         if waiting[i]:
-            waiting[i] = False
             if "tool_calls" in delta:
-                return [frame(_chunk(meta, {"role": "assistant", "content": None, **delta}, index=i, logprobs=lp,
-                                     usage=usage, weave=t.weave()))]
-            out.append(frame(_chunk(meta, {"role": "assistant", "content": ""}, index=i, usage=usage,
-                                    weave=t.weave())))
+                return [role(i, delta, lp)]
+            out.append(role(i))
         return [*out, frame(_chunk(meta, delta, index=i, logprobs=lp, usage=usage))]
 
     watcher = asyncio.create_task(watch(request, turns))
     try:
-        for i, t in enumerate(turns):
+        for i in range(len(turns)):
             if not waiting[i]:
-                yield frame(_chunk(meta, {"role": "assistant", "content": ""}, index=i, usage=usage,
-                                   weave=t.weave()))
+                yield role(i)
         async for i, ev in merged(turns):
             t, parser = turns[i], parsers[i]
             if ev["type"] == "token":
@@ -199,9 +201,7 @@ async def _stream(request: Request, turns: list[Turn], meta: _Meta, usage: bool)
                     for chunk in opened(i, delta):
                         yield chunk
                 if waiting[i]:  # an answer with nothing in it: its role chunk still comes first
-                    waiting[i] = False
-                    yield frame(_chunk(meta, {"role": "assistant", "content": ""}, index=i, usage=usage,
-                                       weave=t.weave()))
+                    yield role(i)
                 yield frame(_chunk(meta, {}, index=i, finish=finish_reason(t, parser.answer), usage=usage,
                                    weave=t.weave()))
         failed = next((t for t in turns if t.error is not None), None)

@@ -23,6 +23,7 @@ from weaved.api.agent_models import (
     ResponseFormat,
     ToolDef,
     answer_spec,
+    other_tool_type,
 )
 from weaved.api.models import INERT_FIELDS, SLABody, StreamOptions, inert_field_problem
 from weaved.api.response_items import unseal_reasoning
@@ -196,9 +197,9 @@ class ResponsesRequest(BaseModel):
     def _function_tools(cls, v: Any) -> Any:
         """Tool types other than functions (web_search, file_search, mcp, ...) are refused by name."""
         for i, tool in enumerate(v if isinstance(v, list) else ()):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind is not None and kind != "function":
-                raise ValueError(f"tools[{i}]: {kind} tools are not offered here: only function tools")
+            problem = other_tool_type(tool)
+            if problem is not None:
+                raise ValueError(f"tools[{i}]: {problem}")
         return v
 
     @field_validator("input", mode="before")
