@@ -314,6 +314,28 @@ def test_rounds_report_each_sides_median_and_a_failed_side_stops():
     assert "boom" in out["llama_cpp"]["error"]
 
 
+@pytest.mark.parametrize("amx", [True, False])
+def test_a_crashed_llama_process_is_named_with_the_amx_hint_when_its_build_has_amx(monkeypatch, amx):
+    from concurrent.futures.process import BrokenProcessPool
+
+    import llama_cpp
+
+    from weaved.bench.runner import run_bench
+
+    info = b"CPU : AVX512 = 1 | " + (b"AMX_INT8 = 1 | " if amx else b"") + b"REPACK = 1 | "
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: info)
+
+    def measure(side, cfg, tokens):
+        if side == "llama_cpp":
+            raise BrokenProcessPool("A process in the process pool was terminated abruptly")
+        return {"decode_tps": 100.0}
+
+    cfg = BenchConfig(model="m", threads=1, keys=("decode_tps",), rounds=1)
+    err = run_bench(cfg, measure=measure, tokens=[1], progress=lambda m: None)["llama_cpp"]["error"]
+    assert err.startswith("its process crashed")
+    assert ("AMX" in err and "README" in err) is amx
+
+
 @pytest.mark.slow
 def test_grammar_scenario_reports_mask_costs(smollm2_q4_0):
     app = typer.Typer()

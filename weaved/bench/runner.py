@@ -22,6 +22,7 @@ import os
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from weaved.bench import SIDES, BenchConfig
@@ -114,6 +115,8 @@ def run_bench(
             progress(f"round {r + 1}/{cfg.rounds}: measuring {side} ({', '.join(cfg.keys)})")
             try:
                 rounds[side].append(dict(measure(side, cfg, tokens)))
+            except BrokenProcessPool:
+                rounds[side].append({"error": _crash_message(side)})
             except Exception as exc:  # noqa: BLE001 - reported in the output, the other side still runs
                 rounds[side].append({"error": f"{type(exc).__name__}: {exc}"})
                 progress(f"{side} failed: {rounds[side][-1]['error']}")
@@ -122,6 +125,25 @@ def run_bench(
     if busy is not None:  # (in the report too: a script reading --json sees why the figures are off)
         report["warnings"] = [busy]
     return report
+
+
+def _crash_message(side: str) -> str:
+    """What to say when a side's process died (a signal, not an exception): for llama.cpp, whether its
+    build carries the AMX kernels that crash on some machines, and how to rebuild it without them."""
+    msg = "its process crashed (killed by a signal) while measuring"
+    if side != "llama_cpp":
+        return msg
+    try:
+        import llama_cpp
+
+        info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    except Exception:  # noqa: BLE001 - the hint is optional
+        return msg
+    if "AMX_INT8 = 1" in info:
+        msg += ("; this llama-cpp-python was built with AMX kernels, which crash on some machines: "
+                "rebuild it without them as the README's install command does (CMAKE_ARGS, --no-cache-dir "
+                "--force-reinstall)")
+    return msg
 
 
 def _median_over_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
