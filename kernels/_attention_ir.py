@@ -150,17 +150,72 @@ def scores8(typingctx, q, qoff, kf, kfoff, D, scale, s, soff):
                 off = builder.add(builder.add(kfoff, builder.mul(D, _c(r))), c16)
                 kv = builder.load(_vec(builder, kd, off), align=4)
                 builder.store(_fma(builder, qv, kv, builder.load(p)), p)
-        v = [builder.load(p) for p in slots]
-        v = [_pair_sums(builder, v[i], v[i + 1], 16) for i in range(0, 8, 2)]  # 2 keys x 8 lanes each
-        v = [_pair_sums(builder, v[i], v[i + 1], 8) for i in range(0, 4, 2)]  # 4 keys x 4 lanes
-        v = _pair_sums(builder, v[0], v[1], 4)  # 8 keys x 2 lanes
-        even = builder.shuffle_vector(v, v, _mask(list(range(0, 16, 2))))
-        odd = builder.shuffle_vector(v, v, _mask(list(range(1, 16, 2))))
-        res = builder.fmul(builder.fadd(even, odd), _splat(builder, scale, V8F))
+        res = _reduce8(builder, [builder.load(p) for p in slots], scale)
         builder.store(res, _vec(builder, sd, soff, V8F), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def scores8_heads(typingctx, q, qoff, nh, kaddr, koff, D, scale, s, soff):
+    """``scores8`` for query heads 0..nh-1 (nh <= MAX_TILE_HEADS, their rows following each other in q
+    from flat offset qoff) against the 8 float16 key rows at kaddr + 2 * koff, converted in registers:
+    s[soff + h * (row stride of s) + r].  Each key is loaded and converted once
+    for all heads.  Every (head, key) score is the same chain of operations as ``scores8``'s, so the
+    same bits; the caller keeps the 8 rows inside the kv array."""
+    sig = types.void(q, types.int64, types.int64, types.int64, types.int64, types.int64, types.float32, s,
+                     types.int64)
+
+    def codegen(context, builder, signature, args):
+        qd = _data(context, builder, signature.args[0], args[0])
+        sa = context.make_array(signature.args[7])(context, builder, args[7])
+        qoff, nh, D, scale, soff = args[1], args[2], args[5], args[6], args[8]
+        sstride = cgutils.unpack_tuple(builder, sa.shape)[1]
+        kd = builder.gep(_halfs(builder, args[3]), [args[4]])
+        slots = [cgutils.alloca_once(builder, V16F) for _ in range(8 * MAX_TILE_HEADS)]
+        done = builder.append_basic_block("scores8_heads.done")
+        sw = builder.switch(nh, done)
+        for H in range(1, MAX_TILE_HEADS + 1):
+            bb = builder.append_basic_block(f"scores8_heads.{H}")
+            sw.add_case(_c(H), bb)
+            builder.position_at_end(bb)
+            _scores_tile(builder, qd, qoff, kd, D, scale, sa.data, soff, sstride, H, slots)
+            builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _scores_tile(builder, qd, qoff, kd, D, scale, sd, soff, sstride, H, slots) -> None:
+    """H heads x 8 keys of ``scores8_heads``: accumulators in registers across the dims."""
+    for p in slots[: 8 * H]:
+        builder.store(ir.Constant(V16F, None), p)
+    with cgutils.for_range(builder, builder.udiv(D, _c(16))) as loop:
+        c16 = builder.mul(loop.index, _c(16))
+        kvs = [builder.fpext(builder.load(_vec(builder, kd, builder.add(builder.mul(D, _c(r)), c16), V16H),
+                                          align=2), V16F) for r in range(8)]
+        for h in range(H):
+            qv = builder.load(_vec(builder, qd, builder.add(builder.add(qoff, builder.mul(D, _c(h))), c16)), align=4)
+            for r in range(8):
+                p = slots[h * 8 + r]
+                builder.store(_fma(builder, qv, kvs[r], builder.load(p)), p)
+    for h in range(H):
+        v = [builder.load(p) for p in slots[h * 8 : h * 8 + 8]]
+        res = _reduce8(builder, v, scale)
+        off = builder.add(soff, builder.mul(sstride, _c(h)))
+        builder.store(res, _vec(builder, sd, off, V8F), align=4)
+
+
+def _reduce8(builder, v, scale) -> ir.Value:
+    """The 8 keys' 16-lane accumulators -> their 8 scaled sums (``scores8``'s tree)."""
+    v = [_pair_sums(builder, v[i], v[i + 1], 16) for i in range(0, 8, 2)]  # 2 keys x 8 lanes each
+    v = [_pair_sums(builder, v[i], v[i + 1], 8) for i in range(0, 4, 2)]  # 4 keys x 4 lanes
+    v = _pair_sums(builder, v[0], v[1], 4)  # 8 keys x 2 lanes
+    even = builder.shuffle_vector(v, v, _mask(list(range(0, 16, 2))))
+    odd = builder.shuffle_vector(v, v, _mask(list(range(1, 16, 2))))
+    return builder.fmul(builder.fadd(even, odd), _splat(builder, scale, V8F))
 
 
 @intrinsic

@@ -26,6 +26,7 @@ from weaved.kernels._attention_ir import (
     f2h,
     h2f_at,
     scores8,
+    scores8_heads,
 )
 from weaved.kernels._rowwise import exp_f32
 
@@ -63,13 +64,19 @@ def _chunk(q, t, h0, kaddr, vaddr, j0, j1, scale, acc, ml, kf, s, lanes):
     _init(acc, ml)
     for b0 in range(j0, j1, BLOCK):
         nb = min(BLOCK, j1 - b0)
-        cvt_rows(kaddr, b0 * D, nb * D, kf)
-        for r in range(nb, min(BLOCK, nb + 7)):  # rows scores8 reads past nb: unused scores, from zeros
-            for d in range(D):
-                kf[r, d] = 0.0
-        for g in range(G):  # scores, then probabilities
-            for r0 in range(0, nb, 8):
-                scores8(q, (t * H + h0 + g) * D, kf, r0 * D, D, scale, s, g * BLOCK + r0)
+        n8 = nb - nb % 8
+        for r0 in range(0, n8, 8):  # scores of whole groups of 8 keys, read from the kv array
+            for g0 in range(0, G, MAX_TILE_HEADS):
+                scores8_heads(q, (t * H + h0 + g0) * D, min(MAX_TILE_HEADS, G - g0), kaddr, (b0 + r0) * D, D,
+                              scale, s, g0 * BLOCK + r0)
+        if n8 < nb:  # the last keys, converted and padded with zero rows (their scores are unused)
+            cvt_rows(kaddr, (b0 + n8) * D, (nb - n8) * D, kf)
+            for r in range(nb - n8, 8):
+                for d in range(D):
+                    kf[r, d] = 0.0
+            for g in range(G):
+                scores8(q, (t * H + h0 + g) * D, kf, 0, D, scale, s, g * BLOCK + n8)
+        for g in range(G):  # probabilities
             _softmax_block(s[g], nb, g, ml, acc, lanes)
         n_c = D // 16
         for g0 in range(0, G, MAX_TILE_HEADS):  # acc += p @ V, a register tile at a time
