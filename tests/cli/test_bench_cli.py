@@ -8,7 +8,7 @@ import typer
 from typer.testing import CliRunner
 from weaved.cli import bench as bench_cli
 
-from weaved.bench import INFO_KEYS, KEYS, LLAMA_INFO_KEYS, BenchConfig, batch_size
+from weaved.bench import DERIVED_KEYS, INFO_KEYS, KEYS, LLAMA_INFO_KEYS, BenchConfig, batch_size
 from weaved.bench.harness import filler_text, measure
 from weaved.bench.report import build_report, format_table, ratios
 from weaved.bench.runner import run_bench
@@ -138,6 +138,17 @@ def test_failing_side_keeps_the_other_and_exits_nonzero(model):
     assert "weave failed: RuntimeError: no backend" in table
 
 
+def test_the_long_prompt_prefill_has_a_ratio_and_a_row_beside_the_short_one():
+    from weaved.bench.report import build_report, format_table
+
+    w = {"prefill_tps": 900.0, "prefill_8k_tps": 130.0, "decode_8k_tps": 40.0}
+    b = {"prefill_tps": 450.0, "prefill_8k_tps": 100.0, "decode_8k_tps": 20.0}
+    rep = build_report("m", 2, w, b)
+    assert rep["ratio"] == {"prefill_tps": 2.0, "prefill_8k_tps": pytest.approx(1.3), "decode_8k_tps": 2.0}
+    rows = [line.split()[:3] for line in format_table(rep).splitlines()[2:5]]
+    assert rows == [["prefill", "512", "tokens"], ["prefill", "8000", "tokens"], ["decode", "@8000", "(tok/s)"]]
+
+
 def test_ratios_skip_info_keys_missing_and_zero():
     w = {"prefill_tps": 10.0, "decode_tps": 5.0, "batch16_tps": 1.0, "load_s": 2.0}
     b = {"prefill_tps": 20.0, "decode_tps": 0.0, "load_s": 1.0}
@@ -197,7 +208,8 @@ def test_harness_runs_warmup_plus_reps_with_rewinds():
     cfg = BenchConfig(model="m", threads=1, reps=2, n_gen=5, batch_steps=3)
     eng, msgs = CountingEngine(), []
     out = measure(eng, cfg, TOKENS, msgs.append)
-    assert list(out) == list(KEYS)
+    i = KEYS.index("decode_8k_tps") + 1  # decode @8000 also gives the rate its context was prefilled at
+    assert list(out) == [*KEYS[:i], "prefill_8k_tps", *KEYS[i:]]
     assert all(v > 0 for v in out.values())
     # decode, decode_2k and decode_8k: (1 warm-up + 2 reps) x 5 tokens; batches: 3 runs x 3 steps
     assert eng.steps == 3 * 3 * 5 + 2 * 3 * 3
@@ -276,7 +288,7 @@ def test_llama_side_in_a_subprocess(real_model):
     finally:
         engine.close()
     out = measure_in_subprocess("llama_cpp", cfg, tokens)
-    assert set(out) == set(KEYS) | set(LLAMA_INFO_KEYS) and all(v > 0 for v in out.values())
+    assert set(out) == set(KEYS) | set(DERIVED_KEYS) | set(LLAMA_INFO_KEYS) and all(v > 0 for v in out.values())
     assert out["rss_mb"] > real_model.stat().st_size / 2**20 / 2  # the weights' pages were touched
 
 
@@ -292,7 +304,7 @@ def test_weave_side_in_a_subprocess(real_model):
     assert load_s > 0
     _rewind_is_exact(WeaveEngine(be), tokens)
     out = measure_in_subprocess("weave", cfg, tokens)
-    assert set(out) == set(KEYS) | set(INFO_KEYS) and all(v > 0 for v in out.values())
+    assert set(out) == set(KEYS) | set(DERIVED_KEYS) | set(INFO_KEYS) and all(v > 0 for v in out.values())
 
 
 def test_rounds_report_each_sides_median_and_a_failed_side_stops():

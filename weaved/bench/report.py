@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from weaved.bench import INFO_KEYS, KEYS
+from weaved.bench import DERIVED_KEYS, INFO_KEYS, KEYS
+
+_RATIO_KEYS = KEYS[:1] + DERIVED_KEYS + KEYS[1:]  # report order: the two prefill figures together
 
 _LABELS = {
     "prefill_tps": "prefill 512 tokens (tok/s)",
+    "prefill_8k_tps": "prefill 8000 tokens (tok/s)",
     "decode_tps": "decode @16 (tok/s)",
     "decode_2k_tps": "decode @2000 (tok/s)",
     "decode_8k_tps": "decode @8000 (tok/s)",
@@ -33,7 +36,7 @@ _DIGITS = {"load_s": 2, "decode_gbs": 1, "stream_gbs": 1}
 def ratios(weave: dict[str, Any], llama: dict[str, Any]) -> dict[str, float]:
     """weave / llama.cpp for every measurement key both sides have (INFO_KEYS never)."""
     out = {}
-    for k in KEYS:
+    for k in _RATIO_KEYS:
         w, b = weave.get(k), llama.get(k)
         if isinstance(w, int | float) and isinstance(b, int | float) and b > 0:
             out[k] = w / b
@@ -62,7 +65,7 @@ def format_table(report: dict[str, Any], reps: int | None = None) -> str:
     if reps is not None:
         head += f"  median of {reps}"
     lines = [head, f"{'measurement':30s} {'weave':>10s} {'llama.cpp':>10s} {'ratio':>7s}"]
-    for k in KEYS:
+    for k in _RATIO_KEYS:
         if k in w or k in b:
             lines.append(
                 f"{_LABELS[k]:30s} {_num(w.get(k), 1):>10s} {_num(b.get(k), 1):>10s} {_num(r.get(k), 2):>7s}"
@@ -85,6 +88,7 @@ def format_table(report: dict[str, Any], reps: int | None = None) -> str:
         if "error" in d:
             lines.append(f"{side} failed: {d['error']}")
     lines.append("ratio: Weave / llama.cpp (above 1: Weave is faster); decode @N: one sequence with N tokens "
-                 "of context; batch K: K sequences decoding at once")
+                 "of context; prefill 8000: the context decode @8000 starts from, in 512-token chunks; "
+                 "batch K: K sequences decoding at once")
     lines += [f"warning: {m}" for m in report.get("warnings") or ()]
     return "\n".join(lines)
