@@ -28,6 +28,7 @@ from weaved.kernels._attention_ir import (
     scores8,
     scores8_heads,
 )
+from weaved.kernels._exp_ir import exp_shift16
 from weaved.kernels._rowwise import exp_f32
 
 from . import _steal
@@ -130,7 +131,8 @@ def _softmax_block(x, nb, g, ml, acc, lanes):
     for i in range(1, 16):
         m_new = max(m_new, lanes[i])
     alpha = exp_f32(m_old - m_new)  # 0 on the first block (m_old = -inf)
-    for r in range(nb):
+    exp_shift16(x, n16, m_new)  # x[r] = exp_f32(x[r] - m_new), 16 lanes at a time
+    for r in range(n16, nb):
         x[r] = exp_f32(x[r] - m_new)
     for i in range(16):
         lanes[i] = 0.0

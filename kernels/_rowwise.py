@@ -30,6 +30,9 @@ _EXP_LO, _EXP_HI = np.float32(-87.33654), np.float32(88.37626)  # expf underflow
 _P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3)
 _P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
 INF32 = np.float32(np.inf)
+# exp_f32's constants by name, for the kernels that build it in LLVM IR (``_exp_ir``)
+EXP_CONSTANTS = {"lo": _EXP_LO, "hi": _EXP_HI, "log2e": _LOG2E, "half": _F_HALF, "ln2_hi": _LN2_HI,
+                 "ln2_lo": _LN2_LO, "p": (_P0, _P1, _P2, _P3, _P4, _P5), "zero": _F0, "one": F1, "inf": INF32}
 
 
 @intrinsic

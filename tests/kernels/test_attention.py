@@ -269,3 +269,32 @@ def test_errors_name_the_problem():
         A.attend_partial(q, kvs[0][LAYER, 0].astype(np.float32), kvs[0][LAYER, 1], 1.0)
     with pytest.raises(ValueError, match="partial shapes differ"):
         A.merge_partials(out, lse, out[:1], lse[:1])
+
+
+def test_the_sixteen_lane_exponential_gives_the_scalar_ones_bits():
+    from numba import njit
+    from weaved.kernels._exp_ir import exp_shift16
+    from weaved.kernels._rowwise import exp_f32
+
+    @njit
+    def lanes(x, m):
+        y = x.copy()
+        exp_shift16(y, y.shape[0] - y.shape[0] % 16, m)
+        return y
+
+    @njit
+    def scalar(x, m):
+        y = x.copy()
+        for i in range(y.shape[0]):
+            y[i] = exp_f32(y[i] - m)
+        return y
+
+    rng = np.random.default_rng(7)
+    edges = [-87.33654, -87.3365, -87.34, 88.37626, 88.3763, 88.4, 0.0, -0.0, np.inf, -np.inf, 1e-30, -1e-30,
+             0.5, -0.5, 0.34657359, -0.34657359]
+    x = np.concatenate([rng.standard_normal(4096) * 30, np.linspace(-100, 100, 4096), edges * 16])
+    x = x[: len(x) - len(x) % 16].astype(np.float32)
+    for m in (0.0, 3.5, -2.25):
+        got, want = lanes(x, np.float32(m)), scalar(x, np.float32(m))
+        same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+        assert same.all(), x[~same][:5]
