@@ -25,7 +25,7 @@ from urllib.parse import quote, urlsplit
 
 from weaved.cli.errors import ClientError, DaemonNotRunning, error_from_bytes
 from weaved.cli.socket_path import default_socket_path
-from weaved.cli.sse import DONE, SSEDecoder
+from weaved.cli.sse import DONE, Progress, SSEDecoder
 
 CONNECT_TIMEOUT_S = 2.0
 REQUEST_TIMEOUT_S = 60.0
@@ -42,6 +42,14 @@ class Delta:
     usage: dict | None = None  # on the usage chunk (stream_options.include_usage)
     reasoning: str = ""  # delta.reasoning_content: the model's thinking
     tool_calls: tuple[dict, ...] = ()  # delta.tool_calls: {"index", "id"?, "function": {"name"?, "arguments"}}
+    prefill: tuple[int, int] | None = None  # (fed, of): a long prompt's progress, before any text
+
+    @classmethod
+    def of_event(cls, event: Any) -> Delta:
+        """The delta of one event of a chat stream: a chunk, or a prompt's ``Progress``."""
+        if isinstance(event, Progress):
+            return cls("", prefill=(event.done, event.total))
+        return cls.of(event)
 
     @classmethod
     def of(cls, chunk: dict) -> Delta:
@@ -161,7 +169,8 @@ class Client:
             raise ClientError(f"the daemon's answer to {method} {path} is not JSON") from None
 
     def stream(self, method: str, path: str, body: dict | None = None) -> Iterator[Any]:
-        """The events of an SSE answer.  Closing the iterator early (``break``, Ctrl-C) closes the
+        """The events of an SSE answer (JSON payloads, and a ``Progress`` for each prompt progress
+        comment).  Closing the iterator early (``break``, Ctrl-C) closes the
         connection, which makes the daemon cancel the generation."""
         conn, r = self._open(method, path, body, None)  # tokens or events may be minutes apart
         with closing(conn):
@@ -244,7 +253,7 @@ class Client:
         body = {"messages": messages, **_given(sampling), "stream": True}
         with closing(self.stream("POST", f"/v1/sessions/{_quote(session_id)}/turns", body)) as chunks:
             for chunk in chunks:
-                yield Delta.of(chunk)
+                yield Delta.of_event(chunk)
 
     def detach_turn(self, session_id: str, messages: list[dict], **sampling: Any) -> dict:
         """Start a turn that runs to its end with nobody listening (its answer lands in the transcript)."""
@@ -261,7 +270,7 @@ class Client:
         body = {"messages": messages, **_given({"sla": sla, **sampling}), "stream": True}
         with closing(self.stream("POST", "/v1/chat/completions", body)) as chunks:
             for chunk in chunks:
-                yield Delta.of(chunk)
+                yield Delta.of_event(chunk)
 
 
 def _quote(session_id: str) -> str:

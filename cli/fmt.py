@@ -77,6 +77,15 @@ def rate(tps: float | None) -> str:
     return DASH if tps is None else f"{tps:.1f}"
 
 
+def state_of(session: dict) -> str | None:
+    """A status session row's state as shown: ``prefill 2048/8192`` while its prompt is being fed (the
+    row's state is ``waiting`` then, as it is in the queue)."""
+    state, p = session.get("state"), session.get("prefill")
+    if state and isinstance(p, dict) and p.get("total"):
+        return f"prefill {p.get('done', 0)}/{p['total']}"
+    return state
+
+
 def placement_summary(placement: dict | None) -> str:
     """``pool cpu (standard prefill, standard decode): reason; reason``."""
     if not placement:

@@ -62,14 +62,17 @@ DIM, CALL, PLAIN = "\x1b[2m", "\x1b[36m", "\x1b[0m"
 
 
 def write_stream(deltas: Iterable[Delta], out: TextIO | None = None,
-                 stop: Callable[[], bool] | None = None) -> Delta | None:
+                 stop: Callable[[], bool] | None = None, err: TextIO | None = None) -> Delta | None:
     """Print each delta as it arrives (then a newline): the answer's text; its reasoning dimmed (on a
-    terminal; marked ``[thinking]`` otherwise); each tool call as ``-> name(arguments)``.  Returns the
-    last delta that carries the finish reason or usage, or None.  ``stop()``, asked after each delta,
-    ends the printing early."""
+    terminal; marked ``[thinking]`` otherwise); each tool call as ``-> name(arguments)``.  A long
+    prompt's progress shows on ``err`` (stderr) while it is a terminal, on one line rewritten in place
+    and cleared before the answer.  Returns the last delta that carries the finish reason or usage, or
+    None.  ``stop()``, asked after each delta, ends the printing early."""
     out = out or sys.stdout
+    err = err or sys.stderr
     tty = out.isatty()
     last, mode, wrote = None, "text", False
+    progress = ProgressLine(err)
 
     def switch(to: str) -> None:
         nonlocal mode
@@ -84,6 +87,10 @@ def write_stream(deltas: Iterable[Delta], out: TextIO | None = None,
         mode = to
 
     for d in deltas:
+        if d.prefill is not None:
+            progress.show(f"[prefill {d.prefill[0]}/{d.prefill[1]} prompt tokens]")
+            continue
+        progress.clear()
         if d.reasoning:
             switch("reasoning")
             out.write(fmt.printable(d.reasoning))
@@ -103,10 +110,31 @@ def write_stream(deltas: Iterable[Delta], out: TextIO | None = None,
             last = replace(d, finish_reason=d.finish_reason or (last.finish_reason if last else None))
         if stop is not None and stop():
             break
+    progress.clear()
     switch("text")
     out.write("\n")
     out.flush()
     return last
+
+
+class ProgressLine:
+    """One line of progress on a terminal, rewritten in place (nothing when ``err`` is not a terminal)."""
+
+    def __init__(self, err: TextIO):
+        self.err, self.shown = err, False
+        self.tty = err.isatty()
+
+    def show(self, text: str) -> None:
+        if self.tty:
+            self.err.write("\r\x1b[K" + text)
+            self.err.flush()
+            self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.err.write("\r\x1b[K")
+            self.err.flush()
+            self.shown = False
 
 
 def _note_length(last: Delta | None, max_tokens: int | None) -> None:

@@ -35,7 +35,7 @@ def _terminal_width() -> int | None:
 def ps_table(sessions: list[dict], width: int | None = None) -> str:
     headers = ("ID", "CLASS", "POOL", "BACKEND", "CONTEXT", "STATE", "TOK/S", "REASON")
     rows = [(s["id"], s.get("class"), s.get("pool"), s.get("backend"), s.get("context_tokens"),
-             s.get("state"), None if s.get("tokens_per_s") is None else fmt.rate(s["tokens_per_s"]),
+             fmt.state_of(s), None if s.get("tokens_per_s") is None else fmt.rate(s["tokens_per_s"]),
              s.get("reason") or None) for s in sessions]
     return fmt.table(headers, rows, width=width, right=(4, 6))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from weaved.cli.errors import ClientError, api_error
@@ -11,12 +12,22 @@ from weaved.cli.errors import ClientError, api_error
 DONE = object()  # SSEDecoder.feed's answer to ``data: [DONE]``
 
 
+@dataclass(frozen=True)
+class Progress:
+    """SSEDecoder.feed's answer to a ``: prefill 2048/8192`` comment: a long prompt's tokens fed so far,
+    of those to feed."""
+
+    done: int
+    total: int
+
+
 class SSEDecoder:
     """Server-sent events, one line at a time (without its line ending).
 
     An event is the ``data:`` lines before a blank line, joined by newlines; comments (``: keep-alive``)
-    and other fields (``event:``, ``id:``) are skipped.  ``feed`` returns the event's JSON payload when a
-    line completes one, ``DONE`` for ``data: [DONE]``, else None.  A payload that is an error body
+    and other fields (``event:``, ``id:``) are skipped, but for a prompt's progress (``: prefill N/M``).
+    ``feed`` returns the event's JSON payload when a line completes one, ``DONE`` for ``data: [DONE]``,
+    a ``Progress`` for a progress comment, else None.  A payload that is an error body
     raises ApiError: that is how the daemon reports a failure after a stream began.
     """
 
@@ -38,11 +49,20 @@ class SSEDecoder:
                 raise api_error(int(obj["error"].get("status") or 500), obj)
             return obj
         if line.startswith(":"):
-            return None
+            return _progress(line)
         name, _, value = line.partition(":")
         if name == "data":
             self._data.append(value[1:] if value.startswith(" ") else value)
         return None
+
+
+def _progress(comment: str) -> Progress | None:
+    words = comment[1:].split()
+    if len(words) == 2 and words[0] == "prefill":
+        done, _, total = words[1].partition("/")
+        if done.isdigit() and total.isdigit():
+            return Progress(int(done), int(total))
+    return None
 
 
 def parse_sse(lines: Iterable[str]) -> Iterator[Any]:
@@ -52,5 +72,5 @@ def parse_sse(lines: Iterable[str]) -> Iterator[Any]:
         obj = decoder.feed(line)
         if obj is DONE:
             return
-        if obj is not None:
+        if obj is not None and not isinstance(obj, Progress):
             yield obj

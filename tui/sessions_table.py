@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.text import Text
 from textual.widgets import DataTable
-from weaved.cli.fmt import DASH, printable, rate, seconds
+from weaved.cli.fmt import DASH, printable, rate, seconds, state_of
 
 # (status field, column label)
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -88,8 +88,9 @@ class SessionsTable(DataTable):
         self.shown_ids = [r["id"] for r in rows]
         for r in rows:
             state = r.get("state") or DASH
+            shown = state_of(r) or DASH
             self.add_row(_plain(r["id"]), _plain(r.get("class")), _plain(r.get("pool")), _plain(r.get("backend")),
-                         r.get("context_tokens", 0), Text(printable(state), style=STATE_STYLE.get(state, "")),
+                         r.get("context_tokens", 0), Text(printable(shown), style=STATE_STYLE.get(state, "")),
                          rate(r.get("tokens_per_s")), seconds(r.get("ttft_s")),
                          _slack(r.get("deadline_slack_s")), _plain(r.get("reason")), key=r["id"])
         if keep in self.shown_ids:

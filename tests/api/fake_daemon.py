@@ -71,8 +71,10 @@ class FakeHandle:
 
 class FakeDaemon:
     def __init__(self, reply: str = "Hello from Weave!", *, context_length: int = 512, max_sessions: int = 4,
-                 hold: bool = False, fail: str | None = None, fail_status: int | None = None):
+                 hold: bool = False, fail: str | None = None, fail_status: int | None = None,
+                 prefill_chunk: int | None = None):
         self.reply = reply
+        self.prefill_chunk = prefill_chunk  # set: a prompt longer than this says its progress, as the engine's
         self.fail = fail
         self.fail_status = fail_status  # the error event's status (None: the engine's default, 500)
         self.config = SimpleNamespace(context_length=context_length, arch="fake")
@@ -234,6 +236,9 @@ class FakeDaemon:
             emit({"type": "prompt_logprobs",
                   "items": [(t, None if i == 0 else -1.0, [] if i == 0 else [(t, -1.0)] * n_top)
                             for i, t in enumerate(new)]})
+        step = self.prefill_chunk
+        for fed in range(step, len(new), step) if step else ():
+            emit({"type": "progress", "prefilled": fed, "prompt": len(new)})
         out = self.reply
         reason = "stop"
         cut = min((out.find(x) for x in params.stop if x in out), default=-1)

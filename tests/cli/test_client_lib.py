@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from weaved.cli import fmt
 from weaved.cli.client import Client, Delta, sla_body
 from weaved.cli.errors import ApiError, ClientError, DaemonNotRunning, api_error
-from weaved.cli.sse import DONE, SSEDecoder, parse_sse
+from weaved.cli.sse import DONE, Progress, SSEDecoder, parse_sse
 
 from tests.cli.fake_server import FakeDaemon, short_socket_dir
 
@@ -44,6 +46,45 @@ def test_sse_decoder_reports_done_and_refuses_non_json():
     d.feed("data: not json")
     with pytest.raises(ClientError, match="not JSON"):
         d.feed("")
+
+
+def test_a_prefill_progress_comment_is_reported_and_other_comments_are_not():
+    d = SSEDecoder()
+    assert d.feed(": prefill 2048/8192") == Progress(2048, 8192)
+    for line in (": keep-alive", ": prefill", ": prefill a/b", ": prefill 5/", ": prefilled 1/2"):
+        assert d.feed(line) is None
+    assert list(parse_sse([": prefill 1/2", "", 'data: {"a": 1}', ""])) == [{"a": 1}]  # payloads only
+    assert Delta.of_event(Progress(3, 9)) == Delta("", prefill=(3, 9))
+    assert Delta.of_event({"choices": [{"delta": {"content": "hi"}}]}).text == "hi"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_shows_on_a_terminal_and_is_cleared_before_the_answer():
+    from weaved.cli.run import write_stream
+
+    deltas = [Delta("", prefill=(512, 1536)), Delta("", prefill=(1024, 1536)), Delta("Hi"),
+              Delta("", finish_reason="stop")]
+    out, err = io.StringIO(), _Terminal()
+    write_stream(deltas, out, err=err)
+    assert out.getvalue() == "Hi\n"  # the answer alone: a pipe never sees the progress
+    assert err.getvalue() == ("\r\x1b[K[prefill 512/1536 prompt tokens]\r\x1b[K[prefill 1024/1536 prompt tokens]"
+                              "\r\x1b[K")
+    quiet = io.StringIO()  # stderr not a terminal: nothing
+    write_stream(deltas, io.StringIO(), err=quiet)
+    assert quiet.getvalue() == ""
+
+
+def test_a_session_row_being_prefilled_shows_how_far_it_came():
+    from weaved.cli.sessions import ps_table
+
+    row = {"id": "s1", "state": "waiting", "prefill": {"done": 2048, "total": 8192}}
+    assert fmt.state_of(row) == "prefill 2048/8192"
+    assert fmt.state_of({"state": "running", "prefill": None}) == "running"
+    assert "prefill 2048/8192" in ps_table([row])
 
 
 # ---- small helpers --------------------------------------------------------------------------------

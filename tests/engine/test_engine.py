@@ -126,3 +126,31 @@ def test_the_pool_learns_its_pace_and_how_late_its_turns_end_against_their_forec
     assert eng.lateness == pytest.approx(1.6)
     run("early", (0.0, 100.0))  # far quicker than forecast: clipped to 0.5
     assert eng.lateness == pytest.approx(0.8 * 1.6 + 0.2 * 0.5)
+
+
+def test_a_prompt_of_several_chunks_says_how_far_it_came_before_its_first_token(backend):
+    events: dict[str, list[dict]] = {"long": [], "short": []}
+    done: dict[str, threading.Event] = {k: threading.Event() for k in events}
+
+    def seq(name, n_prompt):
+        def emit(ev):
+            events[name].append(ev)
+            if ev["type"] in ("done", "error"):
+                done[name].set()
+        return Sequence(name, backend.new_kv(128), list(range(10, 10 + n_prompt)),
+                        SamplingParams(max_tokens=3, temperature=0), SLARank.INTERACTIVE, emit=emit)
+
+    eng = BatchEngine("cpu", backend, SchedulerConfig(token_budget=64, max_batch=2, prefill_chunk=16))
+    eng.submit(seq("long", 40))  # chunks of 16, 16 and 8 tokens
+    eng.submit(seq("short", 10))  # one chunk
+    eng.start()
+    try:
+        assert all(e.wait(120) for e in done.values())
+    finally:
+        eng.stop()
+    kinds = [ev["type"] for ev in events["long"]]
+    assert kinds[:3] == ["progress", "progress", "token"], kinds
+    assert [(ev["prefilled"], ev["prompt"]) for ev in events["long"][:2]] == [(16, 40), (32, 40)]
+    assert "progress" not in kinds[2:]
+    assert [ev["type"] for ev in events["short"]][0] == "token"
+    assert not any(ev["type"] == "progress" for ev in events["short"])

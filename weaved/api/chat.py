@@ -24,7 +24,7 @@ from weaved.api.choices import collect_all, merged, start_choices, total_usage, 
 from weaved.api.logprobs import TextGate, chat_entry
 from weaved.api.models import ChatRequest
 from weaved.api.params import chat_params, check_model, check_vocab
-from weaved.api.sse import DONE, frame, sse_response, stream_chunk
+from weaved.api.sse import DONE, frame, progress_comment, sse_response, stream_chunk
 from weaved.api.state import ApiState, state_of
 from weaved.api.turn import Turn, TurnSpec, resolve, start_turn
 from weaved.errors import InvalidRequest
@@ -184,9 +184,11 @@ async def _stream(request: Request, turns: list[Turn], meta: _Meta, usage: bool)
         for i in range(len(turns)):
             if not waiting[i]:
                 yield role(i)
-        async for i, ev in merged(turns):
+        async for i, ev in merged(turns, progress=True):
             t, parser = turns[i], parsers[i]
-            if ev["type"] == "token":
+            if ev["type"] == "progress":
+                yield progress_comment(ev)
+            elif ev["type"] == "token":
                 released = gates[i].push(ev, _entry(tokenizer, ev)) if meta.logprobs else []
                 lp = {"content": released} if released else None
                 deltas = parser.push_token(ev["text"])

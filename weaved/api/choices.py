@@ -100,13 +100,13 @@ async def watch(request: Request, turns: list[Turn]) -> None:
             return
 
 
-async def merged(turns: list[Turn]) -> AsyncIterator[tuple[int, dict]]:
-    """(choice index, event) of all the choices, as they come."""
+async def merged(turns: list[Turn], progress: bool = False) -> AsyncIterator[tuple[int, dict]]:
+    """(choice index, event) of all the choices, as they come (``progress``: as ``Turn.events``)."""
     out: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, t: Turn) -> None:
         try:
-            async for ev in t.events():
+            async for ev in t.events(progress):
                 await out.put((i, ev))
         finally:
             await out.put((i, None))

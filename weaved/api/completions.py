@@ -20,7 +20,7 @@ from weaved.api.choices import collect_all, merged, start_choices, total_usage, 
 from weaved.api.logprobs import CompletionLogprobs, TextGate
 from weaved.api.models import CompletionRequest
 from weaved.api.params import check_model, check_vocab, completion_params, session_from
-from weaved.api.sse import DONE, frame, sse_response, stream_chunk
+from weaved.api.sse import DONE, frame, progress_comment, sse_response, stream_chunk
 from weaved.api.state import state_of
 from weaved.api.turn import Turn, TurnSpec, resolve, start_turn
 from weaved.errors import InvalidRequest
@@ -129,7 +129,10 @@ async def _stream(request: Request, turn: Turn, meta: _Meta, usage: bool, tokeni
     first = True
     turn.watch(request)
     try:
-        async for ev in turn.events():
+        async for ev in turn.events(progress=True):
+            if ev["type"] == "progress":
+                yield progress_comment(ev)
+                continue
             if ev["type"] == "prompt_logprobs":
                 entries.add(ev)
                 continue
@@ -163,9 +166,11 @@ async def _stream_choices(request: Request, turns: list[Turn], meta: _Meta, usag
     logs = [_Entries(tokenizer, "") for _ in turns]
     watcher = asyncio.create_task(watch(request, turns))
     try:
-        async for i, ev in merged(turns):
+        async for i, ev in merged(turns, progress=True):
             t = turns[i]
-            if ev["type"] == "token":
+            if ev["type"] == "progress":
+                yield progress_comment(ev)
+            elif ev["type"] == "token":
                 logs[i].add(ev)
                 lp = logs[i].take() if meta.logprobs else None
                 if ev["text"] or lp is not None:

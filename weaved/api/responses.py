@@ -28,7 +28,7 @@ from weaved.api import body
 from weaved.api.params import FIT_CONTEXT_MAX_TOKENS, SAMPLING_DEFAULTS, check_model, sla_from
 from weaved.api.response_items import OutputItems, new_id
 from weaved.api.responses_models import ResponsesRequest
-from weaved.api.sse import frame, sse_response
+from weaved.api.sse import frame, progress_comment, sse_response
 from weaved.api.state import state_of
 from weaved.api.turn import Turn, TurnSpec, start_turn
 from weaved.engine.sampling import SamplingParams
@@ -237,8 +237,10 @@ async def _stream(request: Request, reply: _Reply) -> AsyncIterator[bytes]:
     try:
         yield ev({"type": "response.created", "response": reply.obj("in_progress")})
         yield ev({"type": "response.in_progress", "response": reply.obj("in_progress")})
-        async for e in turn.events():
-            if e["type"] == "token":
+        async for e in turn.events(progress=True):
+            if e["type"] == "progress":
+                yield progress_comment(e)
+            elif e["type"] == "token":
                 for delta in reply.parser.push_token(e["text"]):
                     for out in reply.items.feed(delta):
                         yield ev(out)

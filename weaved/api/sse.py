@@ -11,6 +11,12 @@ DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"  # a comment line: clients ignore it; a dead client makes the write fail
 
 
+def progress_comment(ev: dict) -> bytes:
+    """A prompt's progress event (``{"prefilled", "prompt"}``) as a comment line, ``: prefill 2048/8192``:
+    OpenAI's clients skip it, weave's CLI shows it, and it keeps a long prefill's connection alive."""
+    return f": prefill {int(ev['prefilled'])}/{int(ev['prompt'])}\n\n".encode()
+
+
 def frame(data: dict, event: str | None = None) -> bytes:
     """One server-sent event: ``data`` as JSON, named ``event`` when given (the Responses API names each)."""
     head = b"event: " + event.encode() + b"\n" if event else b""

@@ -140,10 +140,15 @@ class Turn:
             self._watcher = None
 
     # ---- events ----------------------------------------------------------------------------------
-    async def events(self) -> AsyncIterator[dict]:
-        """The turn's events, ending with its ``done`` or ``error`` event."""
+    async def events(self, progress: bool = False) -> AsyncIterator[dict]:
+        """The turn's events, ending with its ``done`` or ``error`` event; with ``progress``, also the
+        ``progress`` events of a prompt that takes more than one step (``{"prefilled", "prompt"}``:
+        tokens fed so far, of the prompt's tokens not taken from a cached prefix), which a stream
+        passes on as comments (``sse.progress_comment``)."""
         while not self.done:
             ev = await self._queue.get()
+            if ev.get("type") == "progress" and not progress:
+                continue
             self._account(ev)
             yield ev
 

@@ -94,6 +94,9 @@ def session_status(s: Session, pools: dict[str, Pool], now: float) -> dict:
         "id": s.id, "class": s.sla.cls.value, "pool": s.pool, "kv_at": s.kv_at,
         "backend": pools[s.pool].backend.name if s.pool in pools else None,
         "context_tokens": s.context_tokens, "state": t.status.value if running else "idle",
+        # a prompt being fed: tokens fed so far, of those its cached prefix did not cover
+        "prefill": {"done": t.prefilled, "total": t.prefilled + len(t.pending)}
+        if running and t.prefilling and t.prefilled else None,
         "tokens_per_s": round(tps, 2) if tps else None, "ttft_s": round(ttft, 4) if ttft else None,
         "deadline_slack_s": round(slack, 3) if slack is not None and slack != float("inf") else None,
         "reason": "; ".join(s.placement.reasons), "ephemeral": s.ephemeral,

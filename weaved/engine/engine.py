@@ -378,8 +378,9 @@ class BatchEngine:
         if s.prompt_logprobs and was_prefill and len(logits):
             self.out.prompt_logprobs(s, s.pending[: w.n_tokens], logits)
         self._feed(s, w.n_tokens, prefill=was_prefill)
-        if s.pending:
-            return 0  # more prompt to feed
+        if s.pending:  # more prompt to feed: say how far it came (a long prompt takes many steps)
+            self.out.emit(s, {"type": "progress", "prefilled": s.prefilled, "prompt": s.prefilled + len(s.pending)})
+            return 0
         return self.out.sample(s, logits[-1], drawn)
 
     def _feed(self, s: Sequence, n: int, prefill: bool) -> None:

@@ -1,0 +1,37 @@
+"""A status session row: the state of its turn, and how far a prompt being fed has come."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from weaved.daemon.status import session_status
+from weaved.engine.sampling import SamplingParams
+from weaved.engine.sequence import Sequence, SLARank
+
+
+def _session(turn):
+    return SimpleNamespace(id="s1", sla=SimpleNamespace(cls=SimpleNamespace(value="interactive")), pool="cpu",
+                           kv_at="host", context_tokens=100, placement=SimpleNamespace(reasons=["first"]),
+                           ephemeral=False, turn=turn)
+
+
+def _turn(prompt: int) -> Sequence:
+    kv = SimpleNamespace(length=0, data=np.zeros(1))
+    return Sequence("s1", kv, list(range(prompt)), SamplingParams(max_tokens=4), SLARank.INTERACTIVE)
+
+
+def test_a_prompt_being_fed_shows_its_progress_and_nothing_else_does():
+    t = _turn(3000)
+    row = session_status(_session(t), {}, time.monotonic())
+    assert row["state"] == "waiting" and row["prefill"] is None  # queued: nothing fed yet
+    del t.pending[:1024]
+    t.prefilled = 1024
+    row = session_status(_session(t), {}, time.monotonic())
+    assert row["state"] == "waiting" and row["prefill"] == {"done": 1024, "total": 3000}
+    t.pending[:] = [7]
+    t.prefilled, t.first_token_at = 3000, time.monotonic()  # its first token: decoding now
+    assert session_status(_session(t), {}, time.monotonic())["prefill"] is None
+    assert session_status(_session(None), {}, time.monotonic())["prefill"] is None
