@@ -49,6 +49,7 @@ class BenchConfig:
     n_gen: int = 128  # tokens decoded per single-stream repetition
     n_batch_prompt: int = 16  # batchB_tps: prompt length of each sequence
     batch_steps: int = 32  # batchB_tps: decode steps per repetition (B tokens each)
+    llama_flash_attn: tuple[str, ...] = ("auto", "off")  # llama.cpp's figures: the best of these settings
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))
@@ -73,6 +74,9 @@ class BenchConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        bad = [m for m in self.llama_flash_attn if m not in ("auto", "off")]
+        if bad or not self.llama_flash_attn:
+            raise ValueError(f"llama_flash_attn takes 'auto' and/or 'off', got {self.llama_flash_attn}")
         if self.n_prefill > self.n_batch:
             raise ValueError(f"n_prefill ({self.n_prefill}) must fit one batch of {self.n_batch} tokens")
 

@@ -89,6 +89,7 @@ def format_table(report: dict[str, Any], reps: int | None = None) -> str:
             lines.append(f"{side} failed: {d['error']}")
     lines.append("ratio: Weave / llama.cpp (above 1: Weave is faster); decode @N: one sequence with N tokens "
                  "of context; prefill 8000: the context decode @8000 starts from, in 512-token chunks; "
-                 "batch K: K sequences decoding at once")
+                 "batch K: K sequences decoding at once; llama.cpp: each figure the better of its flash attention "
+                 "auto and off")
     lines += [f"warning: {m}" for m in report.get("warnings") or ()]
     return "\n".join(lines)
