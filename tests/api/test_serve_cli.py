@@ -50,6 +50,15 @@ def test_live_socket_is_refused(tmp_path: Path):
         live.close()
 
 
+def test_a_socket_path_that_cannot_be_bound_is_refused_before_the_model_loads(tmp_path: Path):
+    long = tmp_path / ("d" * 120) / "w.sock"
+    r = _serve("--socket", str(long), "--model", str(tmp_path / "no.gguf"))  # refused before the model is looked at
+    assert r.exit_code == 1 and "holds at most 107" in r.output and not long.parent.exists()
+    (tmp_path / "file").write_text("")
+    r = _serve("--socket", str(tmp_path / "file" / "w.sock"), "--model", str(tmp_path / "no.gguf"))
+    assert r.exit_code == 1 and "cannot make the socket's directory" in r.output and "[Errno" not in r.output
+
+
 def test_bad_profile_is_refused(tmp_path: Path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[host]\nmax_sessions = 'many'\n")

@@ -63,8 +63,17 @@ def socket_is_live(path: Path) -> bool:
         s.close()
 
 
+MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sun_path holds 108, with the final NUL)
+
+
 def check_socket_free(path: Path) -> None:
-    """ServerError if ``path`` is a live socket or not a socket at all (a stale socket is fine)."""
+    """ServerError if ``path`` cannot be a socket (too long; its directory cannot be made or written)
+    or is a live socket or not a socket at all (a stale socket is fine).  ``weave serve`` asks before
+    loading the model, so a bad path costs no load."""
+    if len(os.fsencode(str(path))) > MAX_SOCKET_PATH:
+        raise ServerError(f"the socket path {path} is {len(os.fsencode(str(path)))} bytes; a Unix socket's "
+                          f"path holds at most {MAX_SOCKET_PATH}: pass a shorter --socket")
+    _make_socket_dir(path.parent)
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -87,9 +96,18 @@ def _lock(path: Path) -> int:
     return fd
 
 
+def _make_socket_dir(d: Path) -> None:
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise ServerError(f"cannot make the socket's directory {d}: {e.strerror or e}; pass another "
+                          "--socket") from None
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise ServerError(f"cannot create the socket in {d}: permission denied; pass another --socket")
+
+
 def bind_unix(path: Path) -> socket.socket:
     """A listening-ready Unix socket at ``path``, mode 0600; a stale socket file is replaced."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     check_socket_free(path)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # stale: nobody answers on it
