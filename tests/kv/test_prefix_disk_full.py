@@ -1,11 +1,13 @@
 """A prefix file on a disk with no room: the blocks are allocated before a row is written through the
 mapping (a store into a page the disk cannot back is a SIGBUS, which kills the daemon), so a full disk is
-an error that leaves nothing behind; a fork then copies its rows; a publication a crash cut is swept."""
+an error that leaves nothing behind; a fork then copies its rows; a publication a crash cut is swept;
+another model's files count against the prefixes' cap."""
 
 from __future__ import annotations
 
 import errno
 import os
+import time
 
 import numpy as np
 import pytest
@@ -91,3 +93,27 @@ def test_a_full_disk_takes_back_stored_prefixes_nobody_maps_first(tmp_path, monk
     with pytest.raises(DiskFull):  # nothing left to give back: the disk is full
         monkeypatch.setattr(os, "posix_fallocate", _full)
         store.reserve(c, 300)
+
+
+def test_another_models_prefix_files_count_against_the_cap_and_go_first(tmp_path):
+    """A data directory that served another model keeps that model's prefix files for it, but their
+    disk counts: in the status, and against the prefixes' cap, where they go before this model's."""
+    bpt = CFG.kv_bytes_per_token
+    d = tmp_path / "kv" / "prefixes"
+    d.mkdir(parents=True)
+    for name, age in (("old", 100), ("new", 50)):
+        (d / f"{name}.json").write_text(f'{{"fingerprint": "another model", "key": "{name}", "keys": ["{name}"]}}')
+        (d / f"{name}.kv").write_bytes(b"\0" * (BLOCK * bpt))
+        t = time.time() - age
+        os.utime(d / f"{name}.kv", (t, t))
+    store = KVStore(tmp_path / "kv", CFG, cap_bytes=4 * 2 * BLOCK * bpt)  # prefixes get 2 blocks' bytes
+    st = store.prefixes.status()
+    assert st["other_models"] == {"files": 2, "bytes": 2 * BLOCK * bpt} and st["bytes"] == 2 * BLOCK * bpt
+    a = store.create("a", capacity=512)
+    store.reserve(a, BLOCK)
+    fill(a, 0, BLOCK, seed=1)
+    assert store.publish_prefix(a, tokens(BLOCK)) == BLOCK
+    st = store.prefixes.status()  # one of the other model's files made room: the oldest
+    assert st["other_models"] == {"files": 1, "bytes": BLOCK * bpt} and st["files"] == 1
+    assert sorted(p.stem for p in d.glob("*.kv") if p.stem in ("old", "new")) == ["new"]
+    assert not (d / "old.json").exists()

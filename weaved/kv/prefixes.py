@@ -11,7 +11,9 @@ A session reuses a prefix by mapping the prefix file's pages over the first posi
 mapping (``FileMapping.alias``: one read-only ``mmap`` per (layer, k|v, head) run); nothing is copied,
 the page cache holds the prefix once for every session, and the CPU backend reads it where it lies.
 Files survive restarts (the index is rebuilt from the sidecars); a file in use by a session is never
-evicted; the others go least recently used first when the prefixes' bytes pass their cap.
+evicted; the others go least recently used first when the prefixes' bytes pass their cap.  Another
+model's files (a data directory the daemon served a different model from) are kept for it, but count
+against the cap too and go first, oldest first: the disk they hold is the same disk.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class PrefixStore:
         self._pending: dict[str, threading.Event] = {}  # keys announced, being published
         self.hits = self.misses = self.reused_tokens = self.published = 0
         self.copied = 0  # sessions given their own copy of a prefix's rows (no mapping left to map it)
+        self._foreign: list[tuple[float, Path, int]] = []  # other models' files: (last used, path, bytes)
         for tmp in self.dir.glob("*.kv.tmp") if self.dir.is_dir() else []:  # a publication a crash cut
             tmp.unlink(missing_ok=True)
         for meta in sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []:
@@ -88,12 +91,18 @@ class PrefixStore:
             if not kv.exists():  # a publication a crash cut between the sidecar and the file
                 meta.unlink(missing_ok=True)
                 continue
-            if m.get("fingerprint") != fingerprint:
-                continue  # another model's: kept for it
+            if m.get("fingerprint") != fingerprint:  # another model's: kept for it, counted, evicted first
+                try:
+                    st = kv.stat()
+                except OSError:
+                    continue
+                self._foreign.append((st.st_mtime, kv, st.st_size))
+                continue
             self._add(Prefix(key, keys, kv, last_used=kv.stat().st_mtime))
         for kv in self.dir.glob("*.kv") if self.dir.is_dir() else []:
             if not kv.with_suffix(".json").exists():  # its sidecar is lost: nothing can map it again
                 kv.unlink(missing_ok=True)
+        self._foreign.sort(key=lambda f: f[0])  # oldest first
 
     def _add(self, p: Prefix) -> None:
         self._by_key[p.key] = p
@@ -211,8 +220,9 @@ class PrefixStore:
 
     # ---- the cap ---------------------------------------------------------------------------------
     def nbytes(self) -> int:
+        """Bytes of the prefix files on disk: this model's, and other models' kept for them."""
         bpt = self.config.kv_bytes_per_token
-        return sum(p.positions for p in self._by_key.values()) * bpt
+        return sum(p.positions for p in self._by_key.values()) * bpt + sum(f[2] for f in self._foreign)
 
     def evict(self, spare: str | None = None, free: int = 0) -> int:
         """Least recently used files nobody maps (nor ``spare``, just made) go until the prefixes fit
@@ -222,8 +232,13 @@ class PrefixStore:
             return 0
         with self._lock:
             bpt = self.config.kv_bytes_per_token
-            total = start = sum(p.positions for p in self._by_key.values()) * bpt
+            total = start = self.nbytes()
             target = max(0, min(self.cap_bytes if self.cap_bytes is not None else total, total - free))
+            while self._foreign and total > target:  # other models' files first, oldest first
+                _, path, size = self._foreign.pop(0)
+                path.unlink(missing_ok=True)
+                path.with_suffix(".json").unlink(missing_ok=True)
+                total -= size
             for p in sorted(self._by_key.values(), key=lambda x: x.last_used):
                 if total <= target:
                     break
@@ -251,7 +266,8 @@ class PrefixStore:
             return {"files": len(self._by_key), "bytes": self.nbytes(), "cap_bytes": self.cap_bytes,
                     "in_use": sum(1 for p in self._by_key.values() if p.users), "hits": self.hits,
                     "misses": self.misses, "reused_tokens": self.reused_tokens, "published": self.published,
-                    "copied": self.copied}
+                    "copied": self.copied,
+                    "other_models": {"files": len(self._foreign), "bytes": sum(f[2] for f in self._foreign)}}
 
 
 def _write_reserved(path: Path, rows: np.ndarray, shape: tuple[int, ...]) -> None:
