@@ -16,19 +16,21 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from weaved.cli.errors import ClientError, DaemonNotRunning, error_from_bytes
-from weaved.cli.socket_path import default_socket_path
+from weaved.cli.errors import ClientError, DaemonNotRunning, DaemonStarting, error_from_bytes
+from weaved.cli.socket_path import daemon_starting, default_socket_path
 from weaved.cli.sse import DONE, Progress, SSEDecoder
 
 CONNECT_TIMEOUT_S = 2.0
 REQUEST_TIMEOUT_S = 60.0
+START_POLL_S = 0.25  # while a daemon starts (its socket not bound yet), how often to try it again
 
 
 @dataclass(frozen=True)
@@ -110,9 +112,12 @@ class Client:
     microseconds), so a client may be used from one thread at a time and needs no closing."""
 
     def __init__(self, address: str | Path | None = None, api_key: str | None = None,
-                 timeout_s: float = REQUEST_TIMEOUT_S):
+                 timeout_s: float = REQUEST_TIMEOUT_S, on_starting: Callable[[str], None] | None = None):
+        """``on_starting``: given, a request that finds the daemon still starting (loading its model; its
+        socket not bound yet) is told once why it waits and waits for it; else that is an error."""
         self.address = resolve_address(address)
         self.timeout_s = timeout_s
+        self.on_starting = on_starting
         self._prefix = urlsplit(self.address).path.rstrip("/") if is_url(self.address) else ""
         self._headers = {"Accept": "application/json"}
         if api_key:
@@ -138,7 +143,9 @@ class Client:
             try:
                 conn.connect()
             except (FileNotFoundError, ConnectionRefusedError) as e:
-                raise DaemonNotRunning(self.address) from e
+                if is_url(self.address) or not daemon_starting(self.address):
+                    raise DaemonNotRunning(self.address) from e
+                self._wait_for_start(conn)
             except PermissionError as e:
                 raise ClientError(f"cannot open the daemon's socket {self.address}: permission denied") from e
             except OSError as e:
@@ -151,6 +158,22 @@ class Client:
         except BaseException:
             conn.close()
             raise
+
+    def _wait_for_start(self, conn: http.client.HTTPConnection) -> None:
+        """Connect ``conn`` once the starting daemon binds its socket; DaemonStarting without
+        ``on_starting``, DaemonNotRunning if it exits first (its lock goes with it)."""
+        if self.on_starting is None:
+            raise DaemonStarting(self.address)
+        self.on_starting(f"the daemon at {self.address} is starting (loading its model); waiting for it "
+                         "(Ctrl-C stops waiting)")
+        while True:
+            time.sleep(START_POLL_S)
+            try:
+                conn.connect()
+                return
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                if not daemon_starting(self.address):
+                    raise DaemonNotRunning(self.address) from e
 
     def _transport_errors(self) -> _TransportErrors:
         return _TransportErrors(self.address)

@@ -95,7 +95,7 @@ def reporting() -> Iterator[None]:
 @contextmanager
 def connect(socket: str | None, api_key: str | None) -> Iterator[Client]:
     """A client for the daemon at ``socket`` (None: the default address), with ``reporting``."""
-    with reporting(), Client(socket, api_key) as client:
+    with reporting(), Client(socket, api_key, on_starting=lambda m: echo(f"weave: {m}", err=True)) as client:
         yield client
 
 

@@ -16,6 +16,13 @@ class DaemonNotRunning(ClientError):
         self.address = address
 
 
+class DaemonStarting(DaemonNotRunning):
+    def __init__(self, address: str):
+        ClientError.__init__(self, f"the daemon at {address} is still starting (loading its model); try again "
+                                   "when `weave serve` says it is ready")
+        self.address = address
+
+
 class ApiError(ClientError):
     """The daemon refused a request: its HTTP status and OpenAI-shaped error fields."""
 

@@ -31,6 +31,7 @@ HELP = (
     "again in the same process to serve them from the cache without the compiler's memory."
 )
 RESTARTED_ENV = "WEAVE_SERVE_RESTARTED"  # set across that one restart, so that it happens at most once
+LOCK_FD_ENV = "WEAVE_SERVE_LOCK_FD"  # the socket lock's descriptor, held across that restart
 
 
 # the model and profile options of the commands that load a model in-process (serve, calibrate)
@@ -69,7 +70,7 @@ class _ConvertProgress:
             _say(f"converting the model: {tenth * 10}%")
 
 
-def _restart_fresh(daemon) -> NoReturn:
+def _restart_fresh(daemon, lock_fd: int) -> NoReturn:
     """Start ``weave serve`` again in this process (same pid, arguments and output) once its load has
     compiled kernels: compiling leaves LLVM's modules resident for the life of the process (hundreds
     of MB), while the new image loads the same kernels from numba's disk cache
@@ -83,7 +84,22 @@ def _restart_fresh(daemon) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os.environ[RESTARTED_ENV] = "1"
+    os.set_inheritable(lock_fd, True)  # the socket's lock stays held across the exec: clients keep waiting
+    os.environ[LOCK_FD_ENV] = str(lock_fd)
     os.execv(sys.executable, [sys.executable, "-m", "weaved.cli", *sys.argv[1:]])
+
+
+def _inherited_lock() -> int | None:
+    """The socket's lock this process held before ``_restart_fresh`` exec'd it again, if so."""
+    fd = os.environ.pop(LOCK_FD_ENV, None)
+    if fd is None or not fd.isdigit():
+        return None
+    try:
+        os.fstat(int(fd))
+    except OSError:
+        return None
+    os.set_inheritable(int(fd), False)
+    return int(fd)
 
 
 def resolve_model(model: Path | None) -> Path:
@@ -129,7 +145,7 @@ def register(app: typer.Typer) -> None:
 
         from weaved.cli.socket_path import default_socket_path
 
-        from weaved.api.server import Server, ServerError, check_socket_free, parse_listen
+        from weaved.api.server import Server, ServerError, check_socket_free, hold_socket_lock, parse_listen
         from weaved.config.load import load_profile
         from weaved.config.tables import ProfileError
         from weaved.federation.service import FederationError, federation_listen
@@ -169,6 +185,12 @@ def register(app: typer.Typer) -> None:
                 raise _fail(f"{chat_template}: {e}", 2) from None
         if data_dir is not None and not data_dir.strip():  # (an empty $VAR: not the current directory)
             raise _fail("--data-dir is empty: name a directory, or leave the option out for the profile's", 2)
+        try:  # held from here: a client that finds no socket yet waits for this daemon instead of failing
+            lock_fd = _inherited_lock()
+            if lock_fd is None:
+                lock_fd = hold_socket_lock(path)
+        except ServerError as e:
+            raise _fail(str(e)) from None
         model_path = resolve_model(model)
 
         from weaved.daemon.core import Daemon
@@ -184,8 +206,9 @@ def register(app: typer.Typer) -> None:
         except WeaveError as e:
             raise _fail(e.message) from None
         if daemon.compiled.kernels and not restarted:
-            _restart_fresh(daemon)
-        server = Server(daemon, path, listen=listen, api_key=api_key, log=_log_line, federation=federation)
+            _restart_fresh(daemon, lock_fd)
+        server = Server(daemon, path, listen=listen, api_key=api_key, log=_log_line, federation=federation,
+                        lock_fd=lock_fd)
 
         def ready(where: str) -> None:
             _say(f"serving {daemon.model_name} with profile {prof.name!r}, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -19,3 +20,22 @@ def default_socket_path() -> Path:
     if os.path.isabs(runtime):
         return Path(runtime) / "weave" / SOCKET_NAME
     return Path.home() / ".weave" / SOCKET_NAME
+
+
+def daemon_starting(socket: str | Path) -> bool:
+    """A daemon holds the lock beside ``socket`` (``<socket>.lock``), which ``weave serve`` takes before
+    it loads its model and keeps for its life: while nothing answers on the socket yet, it is starting.
+    (Asked by taking a shared lock for an instant: an exclusive one held means a daemon.)"""
+    try:
+        fd = os.open(f"{socket}.lock", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # (releases the shared lock, if taken)
+    return False

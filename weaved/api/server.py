@@ -84,16 +84,36 @@ def check_socket_free(path: Path) -> None:
         raise ServerError(f"a daemon is already listening on {path}; stop it first or pass another --socket")
 
 
-def _lock(path: Path) -> int:
-    """Hold an exclusive lock beside the socket for the server's life, so that two daemons starting
-    at once cannot both decide the socket is stale.  The lock file stays (removing it would race)."""
-    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+def hold_socket_lock(path: Path) -> int:
+    """Hold an exclusive lock beside the socket (``<socket>.lock``) from before the model loads for the
+    daemon's life, so that two daemons starting at once cannot both decide the socket is stale, and so
+    that a client finding no socket can tell a daemon that is still starting (the lock is held: it
+    waits) from none (``weaved.cli.socket_path.daemon_starting``).  The file says ``starting <pid>``,
+    then ``serving <pid>`` (``mark_serving``).  It stays after the daemon exits (removing it would race);
+    the lock goes with the process."""
+    _make_socket_dir(path.parent)
+    try:
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise ServerError(f"cannot create the socket's lock file beside {path}: {e.strerror or e}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise ServerError(f"another daemon is starting or running on {path}") from None
+    _say_in_lock(fd, "starting")
     return fd
+
+
+def mark_serving(fd: int) -> None:
+    """The held lock file (``hold_socket_lock``) now says the daemon serves."""
+    _say_in_lock(fd, "serving")
+
+
+def _say_in_lock(fd: int, state: str) -> None:
+    with contextlib.suppress(OSError):  # what it says is a courtesy; the lock is what counts
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{state} {os.getpid()}\n".encode(), 0)
 
 
 def _make_socket_dir(d: Path) -> None:
@@ -137,12 +157,13 @@ class Server:
     daemon down and removes the socket before returning."""
 
     def __init__(self, daemon, socket_path: Path, *, listen: str | None = None, api_key: str | None = None,
-                 log: Callable[[str], None] = print, federation=None):
+                 log: Callable[[str], None] = print, federation=None, lock_fd: int | None = None):
         if listen is not None and not api_key:
             raise ServerError("--listen needs an API key (--api-key or WEAVE_API_KEY): TCP has no file "
                               "permissions to protect it")
         self.daemon = daemon
         self.socket_path = Path(socket_path)
+        self.lock_fd = lock_fd  # the socket's lock, when the caller took it before loading (else serve takes it)
         self.listen = parse_listen(listen) if listen is not None else None
         self.api_key = api_key
         self.log = log
@@ -180,11 +201,11 @@ class Server:
         if self._stop_requested.is_set():
             self._stop.set()
         self.daemon.attach_loop(loop)
-        lock: int | None = None
+        lock: int | None = self.lock_fd
         listeners: list[tuple[uvicorn.Server, socket.socket]] = []
         try:
-            self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            lock = _lock(self.socket_path)
+            if lock is None:
+                lock = hold_socket_lock(self.socket_path)
             # before any client can connect: a cut task's session is taken back and its turn started again
             await resume_detached(self.app.state.weave, self.log)
             listeners.append((self._uvicorn(self.app), bind_unix(self.socket_path)))
@@ -207,6 +228,7 @@ class Server:
             for server, sock in listeners:
                 await server.startup(sockets=[sock])
             self._signals(loop, install=True)
+            mark_serving(lock)
             if on_ready is not None:
                 on_ready(where)
             await self._stop.wait()
