@@ -30,7 +30,8 @@ from weaved.cli.common import (
     utf8_problem,
 )
 from weaved.cli.errors import ApiError
-from weaved.cli.run import CUT, MaxTokensOpt, SeedOpt, SystemOpt, TemperatureOpt, length_note, write_stream
+from weaved.cli.run import CUT, MaxTokensOpt, SeedOpt, SystemOpt, TemperatureOpt, length_note
+from weaved.cli.stream_out import write_stream
 
 PROMPT = ">>> "
 COMMANDS = """\

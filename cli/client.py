@@ -58,7 +58,8 @@ class Delta:
         choices = chunk.get("choices") or [{}]
         first = choices[0]
         delta = first.get("delta") or {}
-        return cls(delta.get("content") or "", first.get("finish_reason"), chunk.get("weave"),
+        text = delta.get("content") or first.get("text") or ""  # a chat chunk's delta, a completion's text
+        return cls(text, first.get("finish_reason"), chunk.get("weave"),
                    chunk.get("usage"), delta.get("reasoning_content") or "", tuple(delta.get("tool_calls") or ()))
 
 
@@ -287,6 +288,16 @@ class Client:
         """A one-off chat completion (no session is kept)."""
         body = {"messages": messages, **_given({"sla": sla, **sampling})}
         return self.request("POST", "/v1/chat/completions", body)
+
+    def complete(self, prompt: str, *, sla: dict | None = None, **sampling: Any) -> dict:
+        """A one-off text completion: the model continues ``prompt`` as it stands (no chat template)."""
+        return self.request("POST", "/v1/completions", {"prompt": prompt, **_given({"sla": sla, **sampling})})
+
+    def stream_completion(self, prompt: str, *, sla: dict | None = None, **sampling: Any) -> Iterator[Delta]:
+        body = {"prompt": prompt, **_given({"sla": sla, **sampling}), "stream": True}
+        with closing(self.stream("POST", "/v1/completions", body)) as chunks:
+            for chunk in chunks:
+                yield Delta.of_event(chunk)
 
     def stream_chat(self, messages: list[dict], *, sla: dict | None = None,
                     **sampling: Any) -> Iterator[Delta]:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json as json_lib
 import sys
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Annotated, TextIO
+from typing import Annotated
 
 import typer
 from weaved.cli import fmt
@@ -25,6 +24,7 @@ from weaved.cli.common import (
     utf8_text,
 )
 from weaved.cli.errors import ApiError
+from weaved.cli.stream_out import write_stream
 
 
 def _system_text(value: str | None) -> str | None:
@@ -58,85 +58,6 @@ def messages_for(text: str, system: str | None = None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
 
 
-DIM, CALL, PLAIN = "\x1b[2m", "\x1b[36m", "\x1b[0m"
-
-
-def write_stream(deltas: Iterable[Delta], out: TextIO | None = None,
-                 stop: Callable[[], bool] | None = None, err: TextIO | None = None) -> Delta | None:
-    """Print each delta as it arrives (then a newline): the answer's text; its reasoning dimmed (on a
-    terminal; marked ``[thinking]`` otherwise); each tool call as ``-> name(arguments)``.  A long
-    prompt's progress shows on ``err`` (stderr) while it is a terminal, on one line rewritten in place
-    and cleared before the answer.  Returns the last delta that carries the finish reason or usage, or
-    None.  ``stop()``, asked after each delta, ends the printing early."""
-    out = out or sys.stdout
-    err = err or sys.stderr
-    tty = out.isatty()
-    last, mode, wrote = None, "text", False
-    progress = ProgressLine(err)
-
-    def switch(to: str) -> None:
-        nonlocal mode
-        if to == mode:
-            return
-        if mode == "reasoning":
-            out.write(PLAIN + "\n" if tty else "\n[/thinking]\n")
-        elif mode == "call":
-            out.write(")" + (PLAIN if tty else "") + "\n")
-        if to == "reasoning":
-            out.write(DIM if tty else "[thinking]\n")
-        mode = to
-
-    for d in deltas:
-        if d.prefill is not None:
-            progress.show(f"[prefill {d.prefill[0]}/{d.prefill[1]} prompt tokens]")
-            continue
-        progress.clear()
-        if d.reasoning:
-            switch("reasoning")
-            out.write(fmt.printable(d.reasoning))
-        for call in d.tool_calls:
-            fn = call.get("function") or {}
-            if "id" in call:  # a new call
-                switch("text")
-                out.write(("\n" if wrote else "") + (CALL if tty else "") + f"-> {fmt.printable(fn.get('name', ''))}(")
-                mode = "call"
-            out.write(fmt.printable(fn.get("arguments") or ""))
-        if d.text:
-            switch("text")
-            out.write(fmt.printable(d.text))  # a model's text may hold escape sequences
-        out.flush()
-        wrote = wrote or bool(d.text or d.reasoning or d.tool_calls)
-        if d.finish_reason or d.usage:  # (the usage chunk comes after the finish: keep its reason)
-            last = replace(d, finish_reason=d.finish_reason or (last.finish_reason if last else None))
-        if stop is not None and stop():
-            break
-    progress.clear()
-    switch("text")
-    out.write("\n")
-    out.flush()
-    return last
-
-
-class ProgressLine:
-    """One line of progress on a terminal, rewritten in place (nothing when ``err`` is not a terminal)."""
-
-    def __init__(self, err: TextIO):
-        self.err, self.shown = err, False
-        self.tty = err.isatty()
-
-    def show(self, text: str) -> None:
-        if self.tty:
-            self.err.write("\r\x1b[K" + text)
-            self.err.flush()
-            self.shown = True
-
-    def clear(self) -> None:
-        if self.shown:
-            self.err.write("\r\x1b[K")
-            self.err.flush()
-            self.shown = False
-
-
 def _note_length(last: Delta | None, max_tokens: int | None) -> None:
     """Say why an answer stopped short: a note for the token limit; an error (exit 1) when the answer
     was cut by the daemon - a shutdown, a cancel (e.g. the session deleted) - or the stream ended
@@ -157,13 +78,23 @@ CUT = {"shutdown": "the daemon shut down", "cancelled": "the turn was cancelled 
 PromptArg = Annotated[str, typer.Argument(help="The prompt; `-` reads it from stdin.", show_default=False)]
 
 
+RAW_MAX_TOKENS = 256  # --raw's default answer length (the completions API's own default is 16 tokens)
+
+RawOpt = Annotated[bool, typer.Option(
+    "--raw", help="Continue the prompt as plain text, without the chat template (the completions API): "
+                  f"for a base model, which has none. --max-tokens defaults to {RAW_MAX_TOKENS} here.")]
+
+
 def run(prompt: PromptArg, sla: SlaOpt = SLAClass.interactive, system: SystemOpt = None,
         max_tokens: MaxTokensOpt = None, temperature: TemperatureOpt = None, seed: SeedOpt = None,
-        socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
+        raw: RawOpt = False, socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
     """Answer one prompt, streaming the answer (no session is kept)."""
     text = sys.stdin.read() if prompt == "-" else prompt
     if not text.strip():
         raise fail("the prompt is empty", 2)  # bad usage, like every argument error
+    if raw:
+        _run_raw(text, sla, system, max_tokens, temperature, seed, socket, api_key, json)
+        return
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
     with connect(socket, api_key) as client:
         msgs = messages_for(text, system)
@@ -171,6 +102,22 @@ def run(prompt: PromptArg, sla: SlaOpt = SLAClass.interactive, system: SystemOpt
             print_json(client.chat(msgs, sla=sla_body(sla_class(sla)), **sampling))
             return
         last = write_stream(client.stream_chat(msgs, sla=sla_body(sla_class(sla)), **sampling))
+    _note_length(last, max_tokens)
+
+
+def _run_raw(text: str, sla: SLAClass, system: str | None, max_tokens: int | None, temperature: float | None,
+             seed: int | None, socket: str | None, api_key: str | None, json: bool) -> None:
+    if system is not None:
+        raise fail("--system needs the chat template: a --raw prompt is continued as it stands; put any "
+                   "instructions in the prompt itself", 2)
+    utf8_text(text, "the input")
+    max_tokens = RAW_MAX_TOKENS if max_tokens is None else max_tokens
+    sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    with connect(socket, api_key) as client:
+        if json:
+            print_json(client.complete(text, sla=sla_body(sla_class(sla)), **sampling))
+            return
+        last = write_stream(client.stream_completion(text, sla=sla_body(sla_class(sla)), **sampling))
     _note_length(last, max_tokens)
 
 

@@ -347,6 +347,23 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             self.fake.sessions.pop(s.id, None)
 
+    def completions(self, body: dict) -> None:
+        """A text completion: the fake model continues the prompt with ``reply_pieces`` of it."""
+        pieces = reply_pieces(str(body.get("prompt", "")))
+        finish = "stop"
+        if body.get("max_tokens") is not None and body["max_tokens"] < len(pieces):
+            pieces, finish = pieces[: body["max_tokens"]], "length"
+        meta = {"id": "cmpl-fake", "object": "text_completion", "created": int(EVENT_TIME), "model": MODEL}
+        if not body.get("stream"):
+            self._json(200, {**meta, "choices": [{"index": 0, "text": "".join(pieces), "logprobs": None,
+                                                  "finish_reason": finish}]})
+            return
+        self._start_sse()
+        for text, reason in [*((p, None) for p in pieces), ("", finish)]:
+            out = {**meta, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+            self._send(b"data: " + json.dumps(out).encode() + b"\n\n")
+        self._send(b"data: [DONE]\n\n")
+
     def _answer(self, s: FakeSession, body: dict, session_field: str | None = "") -> None:
         messages = body.get("messages") or []
         if self.fake.refuse_turns is not None:
@@ -449,6 +466,7 @@ ROUTES = [
     (rf"/v1/sessions/{SID}/turns", "POST", _Handler.turn),
     (rf"/v1/sessions/{SID}/(promote|demote)", "POST", _Handler.change_sla),
     (r"/v1/chat/completions", "POST", _Handler.chat_completions),
+    (r"/v1/completions", "POST", _Handler.completions),
 ]
 
 

@@ -425,7 +425,7 @@ def test_streams_show_reasoning_and_tool_calls():
     import io
 
     from weaved.cli.client import Delta
-    from weaved.cli.run import write_stream
+    from weaved.cli.stream_out import write_stream
 
     deltas = [Delta("", reasoning="Let me "), Delta("", reasoning="think."), Delta("Calling."),
               Delta("", tool_calls=({"index": 0, "id": "c1", "function": {"name": "lookup", "arguments": ""}},)),

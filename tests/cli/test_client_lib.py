@@ -64,7 +64,7 @@ class _Terminal(io.StringIO):
 
 
 def test_the_progress_shows_on_a_terminal_and_is_cleared_before_the_answer():
-    from weaved.cli.run import write_stream
+    from weaved.cli.stream_out import write_stream
 
     deltas = [Delta("", prefill=(512, 1536)), Delta("", prefill=(1024, 1536)), Delta("Hi"),
               Delta("", finish_reason="stop")]
