@@ -103,6 +103,9 @@ class ChatRepl:
                 if not self.handle(line):
                     break
             except ApiError as e:  # a refused turn or command ends nothing but itself
+                if e.code == "no_chat_template":  # no turn of this chat can be taken: leave, failing
+                    self.finish()
+                    raise
                 self.say(f"error: {e}")
                 if e.code == "context_length_exceeded" and e.param in ("messages", None):
                     self.say(f"(the session's context is full: /reset starts a new one, or `weave fork "

@@ -103,6 +103,7 @@ class FakeDaemon:
         self.disconnects = 0  # streams the client closed before the end
         self.cut_by: str | None = None  # when set, answers end with this finish reason (e.g. "shutdown")
         self.refuse_turns: str | None = None  # when set, every turn is refused (400) with this message
+        self.refuse_code: str | None = None  # ... and this code
         self.api_key: str | None = None  # when set, requests need "Authorization: Bearer <key>"
         self._subscribers: list[queue.Queue] = []
         self._lock = threading.Lock()
@@ -205,8 +206,9 @@ class _Server(socketserver.ThreadingUnixStreamServer):
     fake: FakeDaemon
 
 
-def _error(status: int, message: str, type: str, param: str | None = None) -> tuple[int, dict]:
-    return status, {"error": {"message": message, "type": type, "param": param, "code": None}}
+def _error(status: int, message: str, type: str, param: str | None = None,
+           code: str | None = None) -> tuple[int, dict]:
+    return status, {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -367,7 +369,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _answer(self, s: FakeSession, body: dict, session_field: str | None = "") -> None:
         messages = body.get("messages") or []
         if self.fake.refuse_turns is not None:
-            self._json(*_error(400, self.fake.refuse_turns, "invalid_request_error", "messages"))
+            self._json(*_error(400, self.fake.refuse_turns, "invalid_request_error", "messages",
+                               self.fake.refuse_code))
             return
         if not messages:
             self._json(*_error(400, "messages: List should have at least 1 item", "invalid_request_error",

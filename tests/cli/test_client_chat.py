@@ -209,3 +209,15 @@ def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(fake):
     assert "error: that line is not valid UTF-8 (byte 0xe9 at offset 3); nothing was sent" in said
     turns = [r for r in fake.requests[before:] if r.path.endswith("/turns")]
     assert [t.body["messages"] for t in turns] == [[{"role": "user", "content": "hello"}]]
+
+
+def test_a_model_without_a_chat_template_ends_the_chat_failing_and_leaves_no_session(fake):
+    fake.refuse_turns = "the model has no chat template, so it cannot take messages"
+    fake.refuse_code = "no_chat_template"
+    before = set(fake.sessions)
+    res = runner.invoke(app, ["chat"], input="hello\nand again\n", env={"WEAVE_SOCKET": str(fake.socket_path)})
+    assert res.exit_code == 1 and "no chat template" in res.stderr
+    assert set(fake.sessions) == before  # the session it made had no turns: deleted
+    fake.refuse_code = None  # another refusal ends nothing but that turn
+    res = runner.invoke(app, ["chat"], input="hello\n", env={"WEAVE_SOCKET": str(fake.socket_path)})
+    assert res.exit_code == 0 and "error:" in res.stdout + res.stderr

@@ -43,8 +43,9 @@ def test_bad_turns_change_nothing(daemon):
         daemon.start_turn(session_id=sid, messages=[], params=GREEDY, emit=lambda ev: None)
     template, daemon.tokenizer.chat_template = daemon.tokenizer.chat_template, None  # e.g. a base model
     try:
-        with pytest.raises(InvalidRequest, match="no chat template.*--chat-template FILE.*/v1/completions"):
+        with pytest.raises(InvalidRequest, match="no chat template.*--chat-template FILE.*/v1/completions") as info:
             run_turn(daemon, sid, "hi")
+        assert info.value.code == "no_chat_template"  # (weave chat leaves on it: no turn can be taken)
     finally:
         daemon.tokenizer.chat_template = template
     assert daemon.get_session(sid)["context_tokens"] == 0

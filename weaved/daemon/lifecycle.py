@@ -88,7 +88,8 @@ class DaemonLifecycle:
         self.tokenizer = Tokenizer(self.model_path, gguf, chat_template=self.chat_template)
         if not self.tokenizer.chat_template:  # said once here, not only in each refused request
             say(f"{self.model_path.name} has no chat template: chat and Responses requests will be refused; "
-                f"serve it with --chat-template FILE for them, or send prompts to /v1/completions")
+                f"serve it with --chat-template FILE for them, or send prompts to /v1/completions "
+                f"(`weave run --raw`)")
         self.grammar = GrammarEngine(self.tokenizer)  # builds its tokenizer on the first constrained turn
         from weaved.federation import service as fed
         from weaved.federation.shard_files import delete_group_files

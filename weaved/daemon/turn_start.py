@@ -57,8 +57,9 @@ class TurnStarts:
             raise InvalidRequest("messages must not be empty", param="messages")
         if messages is not None and not self.tokenizer.chat_template:
             raise InvalidRequest(f"the model {self.model_name} has no chat template, so it cannot take messages: "
-                                 f"serve it with --chat-template FILE, or send a prompt to /v1/completions",
-                                 param="messages")
+                                 f"serve it with --chat-template FILE, or send a prompt to /v1/completions "
+                                 f"(`weave run --raw` from the CLI)",
+                                 param="messages", code="no_chat_template")
         plan = AnswerPlan(answer or AnswerSpec(), self.tokenizer, self.grammar) if messages is not None else answer_plan
         if plan is not None and plan.spec.constrained:
             _ = self.grammar.lltokenizer  # built once (seconds for a large vocabulary), not under the lock
