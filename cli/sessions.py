@@ -45,15 +45,17 @@ def ps(socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = Fals
        = False) -> None:
     """List sessions: id, SLA class, pool, backend, context length, state, tokens/s, placement reason."""
     with connect(socket, api_key) as client:
-        sessions = client.status()["sessions"]
+        st = client.status()
+    sessions = st["sessions"]
     if not all:
         sessions = [s for s in sessions if not s.get("ephemeral")]
     if json:
         print_json(sessions)
-    elif not sessions:
-        echo("no sessions")
-    else:
-        echo(ps_table(sessions, _terminal_width()))
+        return
+    echo(ps_table(sessions, _terminal_width()) if sessions else "no sessions")
+    if unrecovered := st.get("unrecovered"):  # in the data directory, but not served by this daemon
+        echo(f"{len(unrecovered)} more in the data directory not recovered (another model's, ...): "
+             f"`weave status` says why, `weave rm ID` deletes one", err=True)
 
 
 def show_text(s: dict) -> str:

@@ -104,6 +104,7 @@ class FakeDaemon:
         self.cut_by: str | None = None  # when set, answers end with this finish reason (e.g. "shutdown")
         self.refuse_turns: str | None = None  # when set, every turn is refused (400) with this message
         self.refuse_code: str | None = None  # ... and this code
+        self.unrecovered: list[dict] = []  # /v1/status "unrecovered": {"id", "reason"}
         self.api_key: str | None = None  # when set, requests need "Authorization: Bearer <key>"
         self._subscribers: list[queue.Queue] = []
         self._lock = threading.Lock()
@@ -146,7 +147,7 @@ class FakeDaemon:
                                    "token_budget": 272},
                        "batch_depth": running, "queue_depth": waiting, "tokens_per_s": tps, "steps": 9120,
                        "tokens_generated": 48211, "tokens_prefilled": 90210, "preemptions": 3}],
-            "pool_notes": [], "sessions": sessions,
+            "pool_notes": [], "sessions": sessions, "unrecovered": list(self.unrecovered),
             "kv": {"file_bytes": 188_743_680, "ram_bytes": 96_468_992, "ram_measured": True,
                    "reserved_bytes": 201_326_592, "cap_bytes": 12_884_901_888, "sessions": len(sessions)},
             "hardware": {"cpu_percent": [63.0, 58.5], "memory_total": 25_769_803_776,

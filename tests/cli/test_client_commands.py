@@ -44,6 +44,14 @@ def test_ps_lists_sessions_with_class_pool_backend_context_state_speed_and_reaso
     assert out[3].split()[5:7] == ["waiting", "-"]
 
 
+def test_ps_says_how_many_sessions_of_the_data_directory_it_does_not_list(fake):
+    assert "not recovered" not in weave(fake, "ps").stderr
+    fake.unrecovered = [{"id": "s-0ther", "reason": "its KV file is another model's"}]
+    res = weave(fake, "ps")
+    assert res.exit_code == 0 and "s-0ther" not in res.stdout
+    assert "1 more in the data directory not recovered" in res.stderr and "weave status" in res.stderr
+
+
 def test_ps_json_is_the_status_sessions(fake):
     rows = json.loads(ok(weave(fake, "ps", "--json")))
     assert [r["id"] for r in rows] == list(fake.sessions)
