@@ -36,3 +36,17 @@ def test_a_load_that_fails_lets_go_of_the_data_directory(tiny_llama, tmp_path):
     with pytest.raises(WeaveError, match="kv_cap_bytes"):
         Daemon(tiny, tiny_llama, data_dir=tmp_path / "data", log_fn=lambda m: None).load()  # never shut down
     make_daemon(tiny_llama, tmp_path / "data").shutdown()  # the directory is free
+
+
+def test_a_data_directory_that_cannot_be_made_or_written_is_said_in_words(tiny_llama, tmp_path):
+    from weaved.errors import WeaveError
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(WeaveError, match="cannot make the data directory .*: Not a directory: pass another") as e:
+        make_daemon(tiny_llama, tmp_path / "file" / "data")
+    assert "[Errno" not in str(e.value)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / "daemon.lock").mkdir()  # (root may write anywhere: a lock path that cannot be opened stands in)
+    with pytest.raises(WeaveError, match="cannot write in the data directory .*; pass another --data-dir"):
+        make_daemon(tiny_llama, ro)

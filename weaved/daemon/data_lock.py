@@ -10,7 +10,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from weaved.errors import Conflict
+from weaved.errors import Conflict, WeaveError
 
 LOCK_NAME = "daemon.lock"
 
@@ -19,7 +19,11 @@ def lock_data_dir(data_dir: Path) -> int:
     """Take the directory's lock (a descriptor: closing it releases the lock); Conflict, naming the
     owner, when another process holds it."""
     path = Path(data_dir) / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:  # (read-only, not ours): said before anything else fails on it
+        raise WeaveError(f"cannot write in the data directory {data_dir}: {e.strerror or e}; pass another "
+                         "--data-dir") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

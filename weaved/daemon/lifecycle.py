@@ -53,7 +53,11 @@ class DaemonLifecycle:
         if self.data_dir.exists() and not self.data_dir.is_dir():
             raise WeaveError(f"the data directory {self.data_dir} is a file, not a directory: pass another "
                              f"--data-dir (or set the profile's host.data_dir)")
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise WeaveError(f"cannot make the data directory {self.data_dir}: {e.strerror or e}: pass another "
+                             f"--data-dir (or set the profile's host.data_dir)") from None
         self._data_lock = lock_data_dir(self.data_dir)  # (before anything in it is read or written)
         try:
             self._load(progress, config, make_backend, drive)
