@@ -191,24 +191,27 @@ def register(app: typer.Typer) -> None:
                 lock_fd = hold_socket_lock(path)
         except ServerError as e:
             raise _fail(str(e)) from None
-        model_path = resolve_model(model)
+        try:  # until the server owns the lock (it lets go of it when it stops), a failure lets go of it here
+            model_path = resolve_model(model)
+            from weaved.daemon.core import Daemon
+            from weaved.errors import WeaveError
 
-        from weaved.daemon.core import Daemon
-        from weaved.errors import WeaveError
-
-        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-        started = time.monotonic()
-        daemon = Daemon(prof, model_path, data_dir=None if data_dir is None else Path(data_dir), log_fn=_log_line,
-                        federation=federation, chat_template=template)
-        restarted = os.environ.pop(RESTARTED_ENV, None) is not None
-        try:
-            daemon.load(progress=_say)
-        except WeaveError as e:
-            raise _fail(e.message) from None
-        if daemon.compiled.kernels and not restarted:
-            _restart_fresh(daemon, lock_fd)
-        server = Server(daemon, path, listen=listen, api_key=api_key, log=_log_line, federation=federation,
-                        lock_fd=lock_fd)
+            logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+            started = time.monotonic()
+            daemon = Daemon(prof, model_path, data_dir=None if data_dir is None else Path(data_dir), log_fn=_log_line,
+                            federation=federation, chat_template=template)
+            restarted = os.environ.pop(RESTARTED_ENV, None) is not None
+            try:
+                daemon.load(progress=_say)
+            except WeaveError as e:
+                raise _fail(e.message) from None
+            if daemon.compiled.kernels and not restarted:
+                _restart_fresh(daemon, lock_fd)
+            server = Server(daemon, path, listen=listen, api_key=api_key, log=_log_line, federation=federation,
+                            lock_fd=lock_fd)
+        except BaseException:
+            os.close(lock_fd)
+            raise
 
         def ready(where: str) -> None:
             _say(f"serving {daemon.model_name} with profile {prof.name!r}, "
