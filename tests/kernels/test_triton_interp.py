@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-# two processes (each ~4 minutes in the interpreter), each within its own time limit
+# two processes (each ~4 minutes in the interpreter on a Zen 4 VM, over 10 on an Intel one of the same
+# size), each within its own time limit
 CASES = [("triton_interp_cases.py", "triton_router_cases.py"),
          ("triton_graphs_cases.py", "triton_rowwise_cases.py", "triton_attention_cases.py", "triton_fused_cases.py")]
 
@@ -27,6 +28,6 @@ def test_triton_kernels_in_the_interpreter(files):
     env.pop("WEAVE_TORCH_KERNELS", None)
     env.pop("WEAVE_DECODE_GRAPHS", None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(str(HERE / f) for f in files)]
-    r = subprocess.run(cmd, cwd=HERE.parents[1], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, cwd=HERE.parents[1], env=env, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]
