@@ -5,6 +5,7 @@ from __future__ import annotations
 import json as json_lib
 import sys
 from collections.abc import Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
@@ -92,32 +93,23 @@ def run(prompt: PromptArg, sla: SlaOpt = SLAClass.interactive, system: SystemOpt
     text = sys.stdin.read() if prompt == "-" else prompt
     if not text.strip():
         raise fail("the prompt is empty", 2)  # bad usage, like every argument error
-    if raw:
-        _run_raw(text, sla, system, max_tokens, temperature, seed, socket, api_key, json)
-        return
-    sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
-    with connect(socket, api_key) as client:
-        msgs = messages_for(text, system)
-        if json:
-            print_json(client.chat(msgs, sla=sla_body(sla_class(sla)), **sampling))
-            return
-        last = write_stream(client.stream_chat(msgs, sla=sla_body(sla_class(sla)), **sampling))
-    _note_length(last, max_tokens)
-
-
-def _run_raw(text: str, sla: SLAClass, system: str | None, max_tokens: int | None, temperature: float | None,
-             seed: int | None, socket: str | None, api_key: str | None, json: bool) -> None:
-    if system is not None:
+    if raw and system is not None:
         raise fail("--system needs the chat template: a --raw prompt is continued as it stands; put any "
                    "instructions in the prompt itself", 2)
-    utf8_text(text, "the input")
-    max_tokens = RAW_MAX_TOKENS if max_tokens is None else max_tokens
-    sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    if raw and max_tokens is None:
+        max_tokens = RAW_MAX_TOKENS
+    sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "sla": sla_body(sla_class(sla))}
     with connect(socket, api_key) as client:
+        if raw:  # the prompt as it stands, through the completions API
+            utf8_text(text, "the input")
+            answer, stream = partial(client.complete, text), partial(client.stream_completion, text)
+        else:
+            msgs = messages_for(text, system)
+            answer, stream = partial(client.chat, msgs), partial(client.stream_chat, msgs)
         if json:
-            print_json(client.complete(text, sla=sla_body(sla_class(sla)), **sampling))
+            print_json(answer(**sampling))
             return
-        last = write_stream(client.stream_completion(text, sla=sla_body(sla_class(sla)), **sampling))
+        last = write_stream(stream(**sampling))
     _note_length(last, max_tokens)
 
 
