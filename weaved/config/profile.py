@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weaved.config.tables import Invalid
+from weaved.config.tables import Invalid, one_of, toml_repr
 
 BACKENDS = ("cpu", "torch")
 STRATEGIES = ("standard", "qring")
@@ -52,7 +52,8 @@ class HostConfig:
     def __post_init__(self) -> None:
         _check(bool(self.name), "name", "must not be empty")
         _positive(self, "kv_cap_bytes", "max_sessions", "default_context")
-        _check(self.durability in DURABILITY, "durability", f"must be one of {DURABILITY}")
+        _check(self.durability in DURABILITY, "durability",
+               f"must be {one_of(DURABILITY)}, got {toml_repr(self.durability)}")
 
 
 @dataclass(frozen=True)
@@ -95,13 +96,13 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         _check(re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", self.name) is not None, "name",
-               f"{self.name!r} is not a pool name (lower-case letters, digits, '-', '_', '.')")
-        _check(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
+               f"{toml_repr(self.name)} is not a pool name (lower-case letters, digits, '-', '_', '.')")
+        _check(self.backend in BACKENDS, "backend", f"must be {one_of(BACKENDS)}, got {toml_repr(self.backend)}")
         ok_dev = self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device) is not None
-        _check(ok_dev, "device", f"must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        _check(ok_dev, "device", f'must be "cpu", "cuda" or "cuda:N", got {toml_repr(self.device)}')
         _check(self.backend == "torch" or self.device == "cpu", "device",
                "the cpu backend runs on device 'cpu' only")
-        _check(self.strategy in STRATEGIES, "strategy", f"must be one of {STRATEGIES}, got {self.strategy!r}")
+        _check(self.strategy in STRATEGIES, "strategy", f"must be {one_of(STRATEGIES)}, got {toml_repr(self.strategy)}")
         _check(self.strategy != "qring" or self.backend == "cpu", "backend",
                "a qring pool runs on the cpu backend (the ring's home runs the dense layers with the CPU kernels)")
         _check(not (self.speculative and self.strategy != "standard"), "speculative",
@@ -176,7 +177,7 @@ class RoutingThresholds:
         return self.interactive_itl_ms / 1000.0 * self.ttft_margin
 
     def __post_init__(self) -> None:
-        _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
+        _check(self.policy in POLICIES, "policy", f"must be {one_of(POLICIES)}, got {toml_repr(self.policy)}")
         for rate in ("cpu_prefill_tokens_per_s", "cpu_decode_tokens_per_s"):
             if getattr(self, rate) is not None:
                 _positive(self, rate)
@@ -199,7 +200,7 @@ class PeerConfig:
     def __post_init__(self) -> None:
         _check(bool(self.name), "name", "must not be empty")
         m = re.fullmatch(r"https?://(\[[0-9a-fA-F:.]+\]|[^/\s:\[\]]+)(:\d+)?/?", self.url)
-        _check(m is not None, "url", f"must be http(s)://host[:port], got {self.url!r}")
+        _check(m is not None, "url", f"must be http(s)://host[:port], got {toml_repr(self.url)}")
         _check(bool(self.token), "token", "must not be empty")
         _check(self.token.isprintable() and not any(c.isspace() for c in self.token), "token",
                "must be printable and without spaces (it travels in an HTTP header)")
@@ -226,7 +227,7 @@ class FederationConfig:
         if self.port is not None:
             _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
         _check(bool(self.bind) and not any(c.isspace() for c in self.bind), "bind",
-               f"must be a host address, got {self.bind!r}")
+               f"must be a host address, got {toml_repr(self.bind)}")
         if self.token is not None:
             _check(bool(self.token), "token", "must not be empty")
             _check(self.token.isprintable() and not any(c.isspace() for c in self.token), "token",

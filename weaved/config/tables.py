@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 from collections.abc import Callable
@@ -32,13 +33,32 @@ _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+def toml_repr(v: Any) -> str:
+    """``v`` as it would be written in the profile (``true``, ``"x"``, ``[1, 2]``), not as Python prints it."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(toml_repr(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "a table"
+    return str(v)
+
+
+def one_of(choices: tuple[str, ...]) -> str:
+    """"one of "a", "b" or "c"": the allowed values of a key, as the profile writes them."""
+    quoted = [toml_repr(c) for c in choices]
+    return "one of " + (", ".join(quoted[:-1]) + " or " + quoted[-1] if len(quoted) > 1 else quoted[0])
+
+
 def parse_size(v: int | str) -> int:
     """Bytes from an int or a string such as "8GiB", "512 MB", "1.5GiB" (ValueError otherwise)."""
     if isinstance(v, int) and not isinstance(v, bool):
         return v
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", v) if isinstance(v, str) else None
     if m is None or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {v!r} (an integer of bytes or a string like '8GiB', '512MB')")
+        raise ValueError(f"not a size: {toml_repr(v)} (an integer of bytes or a string like \"8GiB\", \"512MB\")")
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
@@ -66,7 +86,7 @@ class Table:
             return default
         v = self.data[k]
         if not ok(v):
-            raise self.err(k, f"must be {what}, got {v!r}")
+            raise self.err(k, f"must be {what}, got {toml_repr(v)}")
         return v
 
     def integer(self, k: str, default: Any = _MISSING, auto: bool = False) -> Any:
@@ -79,7 +99,7 @@ class Table:
         return v if v is None else float(v)
 
     def text(self, k: str, default: Any = _MISSING, choices: tuple[str, ...] = ()) -> Any:
-        what = f"one of {choices}" if choices else "a string"
+        what = one_of(choices) if choices else "a string"
         return self.get(k, lambda v: isinstance(v, str) and (not choices or v in choices), what, default)
 
     def flag(self, k: str, default: Any = _MISSING) -> Any:
