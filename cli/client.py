@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from weaved.cli.errors import ClientError, DaemonNotRunning, DaemonStarting, error_from_bytes
+from weaved.cli.errors import ClientError, DaemonNotRunning, DaemonStarting, NotASocket, error_from_bytes
 from weaved.cli.socket_path import daemon_starting, default_socket_path
 from weaved.cli.sse import DONE, Progress, SSEDecoder
 
@@ -108,6 +110,14 @@ def _connection(address: str) -> http.client.HTTPConnection:
     return cls(url.hostname or "localhost", url.port, timeout=CONNECT_TIMEOUT_S)
 
 
+def not_running(address: str) -> DaemonNotRunning:
+    """Nothing answers at ``address``: no daemon, unless the path is something other than a socket
+    (a Unix connect to a plain file is refused just as to a dead socket)."""
+    if not is_url(address) and os.path.exists(address) and not stat.S_ISSOCK(os.stat(address).st_mode):
+        return NotASocket(address, "a directory" if os.path.isdir(address) else "a file")
+    return DaemonNotRunning(address)
+
+
 class Client:
     """The daemon's API as methods.  Each call opens its own connection (a Unix socket connects in
     microseconds), so a client may be used from one thread at a time and needs no closing."""
@@ -145,7 +155,7 @@ class Client:
                 conn.connect()
             except (FileNotFoundError, ConnectionRefusedError) as e:
                 if is_url(self.address) or not daemon_starting(self.address):
-                    raise DaemonNotRunning(self.address) from e
+                    raise not_running(self.address) from e
                 self._wait_for_start(conn)
             except PermissionError as e:
                 raise ClientError(f"cannot open the daemon's socket {self.address}: permission denied") from e
@@ -174,7 +184,7 @@ class Client:
                 return
             except (FileNotFoundError, ConnectionRefusedError) as e:
                 if not daemon_starting(self.address):
-                    raise DaemonNotRunning(self.address) from e
+                    raise not_running(self.address) from e
 
     def _transport_errors(self) -> _TransportErrors:
         return _TransportErrors(self.address)

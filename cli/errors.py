@@ -16,6 +16,13 @@ class DaemonNotRunning(ClientError):
         self.address = address
 
 
+class NotASocket(DaemonNotRunning):
+    def __init__(self, address: str, kind: str):
+        ClientError.__init__(self, f"{address} is {kind}, not a socket: point --socket or $WEAVE_SOCKET at the "
+                                   "daemon's socket (`weave serve` prints where it listens)")
+        self.address = address
+
+
 class DaemonStarting(DaemonNotRunning):
     def __init__(self, address: str):
         ClientError.__init__(self, f"the daemon at {address} is still starting (loading its model); try again "

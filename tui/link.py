@@ -11,8 +11,8 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
-from weaved.cli.client import CONNECT_TIMEOUT_S, is_url
-from weaved.cli.errors import ClientError, DaemonNotRunning, error_from_bytes
+from weaved.cli.client import CONNECT_TIMEOUT_S, is_url, not_running
+from weaved.cli.errors import ClientError, error_from_bytes
 from weaved.cli.sse import DONE, SSEDecoder
 
 REQUEST_TIMEOUT_S = 10.0
@@ -33,7 +33,7 @@ class DaemonLink:
 
     def _failure(self, e: httpx.HTTPError) -> ClientError:
         if isinstance(e, httpx.ConnectError):
-            return DaemonNotRunning(self.address)
+            return not_running(self.address)
         if isinstance(e, httpx.TimeoutException):
             return ClientError(f"the daemon at {self.address} did not answer in time")
         return ClientError(f"lost the connection to the daemon at {self.address}: {e or type(e).__name__}")

@@ -195,3 +195,13 @@ def test_session_ids_are_quoted_into_the_path(fake):
     with pytest.raises(ApiError):
         Client(fake.socket_path).session("a/b")
     assert fake.requests[-1].path == "/v1/sessions/a%2Fb"
+
+
+def test_a_path_that_is_not_a_socket_is_named_as_such(tmp_path):
+    plain = tmp_path / "weave.sock"
+    plain.write_text("")
+    with pytest.raises(DaemonNotRunning) as info:  # (still "no daemon": the commands' exit code 3)
+        Client(plain).status()
+    assert str(info.value).startswith(f"{plain} is a file, not a socket: point --socket")
+    with pytest.raises(DaemonNotRunning, match="is a directory, not a socket"):
+        Client(tmp_path).status()
