@@ -206,7 +206,12 @@ def _model_file(model: Path | None, say: Callable[[str], None]) -> Path:
     another quantization is converted once, cached, with what that costs said through ``say``)."""
     from weaved.model.default import default_model_path, ensure_native
 
-    return Path(default_model_path() if model is None else ensure_native(model, log=say))
+    if model is None:
+        return Path(default_model_path())
+    try:
+        return Path(ensure_native(model, log=say))
+    except ValueError as e:  # (not a GGUF Weave runs; a missing file is refused by the option itself)
+        raise typer.BadParameter(str(e), param_hint="--model") from None
 
 
 def _shape_model(spec: str) -> Path:

@@ -112,7 +112,10 @@ def resolve_model(model: Path | None) -> Path:
         raise _fail(f"{model} is a directory: --model takes a GGUF file", 2)
     if not model.is_file():
         raise _fail(f"model file not found: {model}", 2)
-    return ensure_native(model, _ConvertProgress(), log=_say)
+    try:
+        return ensure_native(model, _ConvertProgress(), log=_say)
+    except ValueError as e:  # (not a GGUF Weave runs: a bad --model, as a missing one is)
+        raise _fail(str(e), 2) from None
 
 
 def register(app: typer.Typer) -> None:

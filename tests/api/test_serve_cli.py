@@ -6,9 +6,12 @@ import socket
 from pathlib import Path
 
 import pytest
+from gguf import GGMLQuantizationType as Q
 from typer.testing import CliRunner
 from weaved.cli.app import app
 from weaved.cli.socket_path import default_socket_path
+
+from tests.tiny_models import write_tiny_gguf
 
 
 def test_socket_path_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
@@ -73,6 +76,13 @@ def test_missing_model_is_refused(tmp_path: Path):
     assert r.exit_code == 2 and "not found" in r.output  # bad usage, as a missing --chat-template
     r = _serve("--socket", str(tmp_path / "w.sock"), "--profile", "cpu-only", "--model", str(tmp_path))
     assert r.exit_code == 2 and "is a directory: --model takes a GGUF file" in r.output
+    # a file that is not a GGUF Weave runs is the same bad --model, refused from its header before loading
+    (tmp_path / "notes.gguf").write_text("not a model")
+    r = _serve("--socket", str(tmp_path / "w.sock"), "--profile", "cpu-only", "--model", str(tmp_path / "notes.gguf"))
+    assert r.exit_code == 2 and "is not a readable GGUF file: no GGUF magic" in r.output
+    gpt2 = write_tiny_gguf(tmp_path / "gpt2.gguf", "gpt2", n_layers=1, wtype=Q.Q4_0)
+    r = _serve("--socket", str(tmp_path / "w.sock"), "--profile", "cpu-only", "--model", str(gpt2))
+    assert r.exit_code == 2 and "architecture 'gpt2' is not supported" in r.output
 
 
 def test_a_chat_template_that_cannot_be_read_or_compiled_is_refused_at_start(tmp_path: Path):

@@ -95,11 +95,16 @@ def ensure_native(
 ) -> Path:
     """``path`` itself if the engine runs all its tensor types, else its converted copy in the cache.
 
-    The conversion happens once (with a message through ``log``); later calls reuse the copy.
+    The conversion happens once (with a message through ``log``); later calls reuse the copy.  ValueError
+    (read from the header, before anything is converted or loaded) when ``path`` is not a GGUF file, or
+    one whose architecture, settings or tensor types Weave cannot run.
     """
+    from weaved.model.architectures import read_config
     from weaved.model.convert import needs_conversion
+    from weaved.model.gguf_file import GGUFFile
 
     src = Path(path)
+    read_config(GGUFFile(src))
     if not needs_conversion(src):
         return src
     return _converted_copy(src, progress, log)
@@ -161,10 +166,6 @@ def _converted_copy(src: Path, progress: ProgressFn | None, log: Callable[[str],
     target = models_dir() / converted_name(src)
     if target.is_file() or _link_same_content(target):
         return target
-    from weaved.model.architectures import read_config
-    from weaved.model.gguf_file import GGUFFile
-
-    read_config(GGUFFile(src))  # an architecture or setting Weave cannot run is refused before converting
     target.parent.mkdir(parents=True, exist_ok=True)
     lock = target.with_name(target.name + ".lock")
     try:
