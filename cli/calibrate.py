@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
         from weaved.config.tables import ProfileError
         from weaved.daemon.data_lock import data_dir_owner
         from weaved.daemon.pools import build_pools
-        from weaved.daemon.rates import calibration_of
+        from weaved.daemon.rates import FIT_LIMIT, calibration_of
         from weaved.kv.store import model_fingerprint
         from weaved.model.default import cache_dir
         from weaved.model.loader import open_model
@@ -58,6 +58,12 @@ def register(app: typer.Typer) -> None:
             typer.echo(printable(f"weave: error: {e}"), err=True)
             raise typer.Exit(2) from None
         where = data_dir or prof.host.data_dir
+        try:  # (before minutes of measuring: a result that cannot be stored is refused now)
+            where.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            typer.echo(printable(f"weave: error: cannot make the data directory {where}: {e.strerror or e}; pass "
+                                 "another --data-dir"), err=True)
+            raise typer.Exit(2) from None
         owner = data_dir_owner(where)
         if owner is not None:  # measuring beside a serving daemon measures the daemon's load too
             who = f"a daemon (pid {owner})" if owner else "a daemon"
@@ -85,4 +91,12 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"step model: prefill {c.prefill.base * 1e3:.2f} ms + {c.prefill.per_token * 1e6:.1f} us/token "
                    f"+ {c.prefill.per_token_context * 1e9:.2f} ns/(token x key); decode {c.decode.base * 1e3:.2f} ms"
                    f" + {c.decode.per_token * 1e6:.1f} us/sequence + {c.decode.per_token_context * 1e9:.2f} ns/key")
-        typer.echo(f"fit within {cal.fit_error:.0%} of every measured step; stored as {store.dir / cal.key}.json")
+        mine = store.dir / f"{cal.key}.json"
+        if cal.fit_error > FIT_LIMIT:  # (said above: a poor fit serves one run, never stored)
+            typer.echo(f"fit within {cal.fit_error:.0%} of every measured step: too poor to store; run it again "
+                       f"on a quiet host")
+        elif mine not in store.stored(cal.key):  # (the daemon reads the data directory's copy first)
+            typer.echo(printable(f"weave: error: could not write {mine}; the rates above are not stored"), err=True)
+            raise typer.Exit(1)
+        else:
+            typer.echo(f"fit within {cal.fit_error:.0%} of every measured step; stored as {mine}")

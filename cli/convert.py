@@ -47,6 +47,8 @@ def register(app: typer.Typer) -> None:
             raise _fail(f"input is a directory, not a GGUF file: {src}", 2)
         if dst.is_dir():
             raise _fail(f"{dst} is a directory: name the file to write (e.g. {dst / src.name})", 2)
+        if dst.parent.exists() and not dst.parent.is_dir():
+            raise _fail(f"cannot write {dst}: {dst.parent} is a file, not a directory", 2)
         if dst.exists() and not force:
             raise _fail(f"{dst} already exists; pass --force to overwrite it", 2)
 
@@ -68,6 +70,17 @@ def register(app: typer.Typer) -> None:
                 out = convert_gguf(src, dst, force=force, progress=progress, stats=stats)
             except FileExistsError:
                 raise _fail(f"{dst} already exists; pass --force to overwrite it") from None
-            except (ValueError, OSError) as exc:
-                raise _fail(str(exc)) from None
+            except ValueError as exc:  # (not a GGUF Weave runs: a bad input, as a missing one is)
+                raise _fail(str(exc), 2) from None
+            except OSError as exc:
+                raise _fail(_os_error(exc, src, dst)) from None
         typer.echo(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB); {stats.describe()}")
+
+
+def _os_error(exc: OSError, src: Path, dst: Path) -> str:
+    """An OSError in words: the file it concerns (OUT for its temporary file beside it) and why."""
+    why = exc.strerror or str(exc)
+    name = Path(exc.filename) if exc.filename else None
+    if name is None or name.parent == dst.parent:
+        return f"cannot write {dst}: {why}"
+    return f"cannot read {src}: {why}" if name == src else f"{name}: {why}"

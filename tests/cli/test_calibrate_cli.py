@@ -29,6 +29,13 @@ def test_calibrate_refuses_a_missing_model(tmp_path):
     assert out.exit_code == 2 and "model file not found" in out.output  # bad usage, as for serve
 
 
+def test_calibrate_refuses_a_data_directory_it_cannot_make_before_measuring(tmp_path):
+    (tmp_path / "plain").write_text("")
+    out = CliRunner().invoke(app, ["calibrate", "--profile", "cpu-only", "--data-dir", str(tmp_path / "plain" / "d")])
+    assert out.exit_code == 2 and "cannot make the data directory" in out.output and "Not a directory" in out.output
+    assert "calibrating" not in out.output
+
+
 def test_calibrate_refuses_an_unknown_profile_as_bad_usage(tmp_path):
     out = CliRunner().invoke(app, ["calibrate", "--profile", "nope"])
     assert out.exit_code == 2 and "no shipped profile" in out.output

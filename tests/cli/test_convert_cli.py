@@ -54,13 +54,28 @@ def test_refuses_to_overwrite_then_force(q4_1_model, tmp_path):
         assert result.exit_code == 2 and "is a directory: name the file to write" in _error_line(result)
 
 
+def test_an_out_that_cannot_be_written_is_said_in_words(q4_1_model, tmp_path):
+    (tmp_path / "plain").write_text("")
+    result = runner.invoke(app, ["convert", str(q4_1_model), str(tmp_path / "plain" / "out.gguf")])
+    assert result.exit_code == 2  # bad usage, found before any work
+    assert _error_line(result) == (f"weave: error: cannot write {tmp_path / 'plain' / 'out.gguf'}: "
+                                   f"{tmp_path / 'plain'} is a file, not a directory")
+    # a write that fails while converting (a full disk, a read-only mount) names OUT, not its temporary file
+    from weaved.cli.convert import _os_error
+
+    src, dst = tmp_path / "in.gguf", tmp_path / "out" / "x.gguf"
+    assert _os_error(OSError(28, "No space left on device", str(dst.parent / ".x.gguf.1.tmp")), src, dst) == \
+        f"cannot write {dst}: No space left on device"
+    assert _os_error(OSError(5, "Input/output error", str(src)), src, dst) == f"cannot read {src}: Input/output error"
+
+
 @pytest.mark.parametrize(
     ("make_input", "message", "code"),
     [
         (lambda d: d / "missing.gguf", "input file not found", 2),  # bad usage
         (lambda d: d, "is a directory", 2),
-        (lambda d: (d / "notes.txt", (d / "notes.txt").write_text("hello"))[0], "not a readable GGUF", 1),
-        (lambda d: write_tiny_gguf(d / "gpt2.gguf", "gpt2", n_layers=1), "unsupported architecture 'gpt2'", 1),
+        (lambda d: (d / "notes.txt", (d / "notes.txt").write_text("hello"))[0], "not a readable GGUF", 2),
+        (lambda d: write_tiny_gguf(d / "gpt2.gguf", "gpt2", n_layers=1), "unsupported architecture 'gpt2'", 2),
     ],
     ids=["missing", "directory", "not-gguf", "unsupported-arch"],
 )

@@ -96,6 +96,10 @@ class CalibrationStore:
         for path in self._paths(cal.key):
             self._write(path, cal)
 
+    def stored(self, key: str) -> list[Path]:
+        """Where calibration ``key`` is stored now: the data directory's copy first, then the cache's."""
+        return [p for p in self._paths(key) if p.is_file()]
+
     @staticmethod
     def _write(path: Path, cal: Calibration) -> None:
         try:
