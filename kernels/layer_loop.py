@@ -25,7 +25,7 @@ from numba import njit, types
 from numba.typed import List as TypedList
 
 from . import _gemm_driver
-from ._attention_rows import attend_batch, kv_store_batch
+from ._attention_batch import attend_batch, kv_store_batch
 from ._geglu import GELU_TABLE, geglu_drive
 from ._rope import rope_drive
 from ._rowwise import OPTS
@@ -141,7 +141,7 @@ def _residual(x, y, post_norm, li, eps, h):
 def _layers(mk, w, x, positions, kvs, seq_starts, pos0, n_heads, n_kv, head_dim, eps, rope_g, rope_s, scale,
             n_slices, max_items, nthreads, gelu_table):
     """Layers 0..L-1 in place on x float32 [T, d_model]; returns (error code, sequence) of the first
-    KV check that failed (``_attention_rows._check_batch``), (0, -1) when all ran.  w: the fields of
+    KV check that failed (``_attention_batch._check_batch``), (0, -1) when all ran.  w: the fields of
     ``LayerWeights`` as a tuple; rope_g / rope_s: ``rope_params`` of global / sliding-window layers."""
     mats, qk, n_out, est, attn_norm, ffn_norm, bias, q_norm, k_norm, post_attn, post_ffn, window, gelu = w[:13]
     moe_router, moe_gu, moe_down, moe_qk, moe_k, moe_ff = w[13:]
