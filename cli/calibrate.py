@@ -91,11 +91,11 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"step model: prefill {c.prefill.base * 1e3:.2f} ms + {c.prefill.per_token * 1e6:.1f} us/token "
                    f"+ {c.prefill.per_token_context * 1e9:.2f} ns/(token x key); decode {c.decode.base * 1e3:.2f} ms"
                    f" + {c.decode.per_token * 1e6:.1f} us/sequence + {c.decode.per_token_context * 1e9:.2f} ns/key")
-        mine = store.dir / f"{cal.key}.json"
+        mine = store.path(cal.key)
         if cal.fit_error > FIT_LIMIT:  # (said above: a poor fit serves one run, never stored)
             typer.echo(f"fit within {cal.fit_error:.0%} of every measured step: too poor to store; run it again "
                        f"on a quiet host")
-        elif mine not in store.stored(cal.key):  # (the daemon reads the data directory's copy first)
+        elif not mine.is_file():  # (the daemon reads the data directory's copy first)
             typer.echo(printable(f"weave: error: could not write {mine}; the rates above are not stored"), err=True)
             raise typer.Exit(1)
         else:

@@ -9,11 +9,10 @@ from numba import njit
 from weaved.kernels._attention_ir import f2h
 
 from ._attention_rows import attend_rows
+from ._rowwise import OPTS
 
-_OPTS = dict(cache=True, nogil=True, error_model="numpy")  # (as ``_attention_rows``'s)
 
-
-@njit(**_OPTS)
+@njit(**OPTS)
 def _check_batch(kvs, layer, seq_starts, pos0, T, n_kv, D):
     """(0, -1) if the batch is consistent, else (error code, sequence or -1)."""
     S = pos0.shape[0]
@@ -34,7 +33,7 @@ def _check_batch(kvs, layer, seq_starts, pos0, T, n_kv, D):
     return 0, -1
 
 
-@njit(**_OPTS)
+@njit(**OPTS)
 def kv_store_batch(kvs, layer, seq_starts, pos0, k, v):
     """Check the batch, then store row seq_starts[s] + i of k, v (float32 [T, n_kv, D]) as float16 at
     kvs[s][layer, 0 / 1, :, pos0[s] + i]; returns (error code, sequence) as ``_check_batch``."""
@@ -53,7 +52,7 @@ def kv_store_batch(kvs, layer, seq_starts, pos0, k, v):
     return 0, -1
 
 
-@njit(**_OPTS)
+@njit(**OPTS)
 def attend_batch(q, kvs, layer, seq_starts, pos0, scale, window, out, lse, n_slices, max_items):
     """Check the batch, then causal attention: row seq_starts[s] + i at position p = pos0[s] + i sees
     keys 0..p of kvs[s][layer], or with ``window`` > 0 the last ``window`` of them (p - window < j <=

@@ -75,8 +75,12 @@ class CalibrationStore:
         self.dir = Path(data_dir) / "calibration"
         self.cache = cache
 
+    def path(self, key: str) -> Path:
+        """The data directory's file of calibration ``key`` (the copy the daemon reads first)."""
+        return self.dir / f"{key}.json"
+
     def _paths(self, key: str) -> list[Path]:
-        return [d / f"{key}.json" for d in (self.dir, self.cache) if d is not None]
+        return [self.path(key), *([self.cache / f"{key}.json"] if self.cache is not None else [])]
 
     def load(self, key: str) -> Calibration | None:
         """The stored calibration ``key`` of this host, or None (unreadable files count as none)."""
@@ -95,10 +99,6 @@ class CalibrationStore:
     def save(self, cal: Calibration) -> None:
         for path in self._paths(cal.key):
             self._write(path, cal)
-
-    def stored(self, key: str) -> list[Path]:
-        """Where calibration ``key`` is stored now: the data directory's copy first, then the cache's."""
-        return [p for p in self._paths(key) if p.is_file()]
 
     @staticmethod
     def _write(path: Path, cal: Calibration) -> None:
