@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+from weaved.daemon.warmup import warm_up
 from weaved.engine.engine import BatchEngine
 from weaved.engine.sampling import SamplingParams
 from weaved.engine.scheduler import SchedulerConfig, Work
@@ -181,6 +182,9 @@ def _backend(request, kind: str, model: str):
 
             gguf, cfg = open_model(path)
             _backends[key] = mod.TorchBackend(gguf, cfg, device="cpu")
+        # compile the kernels here, as the daemon does at load: with a cold numba cache that takes minutes,
+        # which no engine run's deadline below is meant to cover
+        warm_up(_backends[key], _backends[key].config.vocab_size)
     return _backends[key]
 
 
