@@ -213,3 +213,40 @@ def test_a_responses_input_items_are_what_its_request_added(served):
     rest = sdk.responses.input_items.list(second.id, after=newest.data[0].id)
     assert [i.content[0].text for i in rest.data] == ["Another."] and not rest.has_more
     assert [i.content[0].text for i in sdk.responses.input_items.list(first.id).data] == ["Name a colour."]
+
+
+def test_an_input_token_count_is_the_usage_its_response_reports(served):
+    """``responses.input_tokens.count`` with a request's input fields gives the ``input_tokens`` that
+    request's response reports: a new chain with tools and a format, its continuation with new
+    instructions, and a branch from a response its chain has gone past; nothing is created by counting."""
+    sdk = _sdk(served.socket)
+    gen = dict(model="default", max_output_tokens=6, temperature=0)
+    sessions = len(sdk.get("/sessions", cast_to=object)["data"])
+    fmt = {"format": {"type": "json_schema", "name": "city", "schema": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}
+    shapes = [dict(input="Hi there."), dict(input="Weather in Oslo?", instructions=INSTRUCTIONS, tools=TOOLS),
+              dict(input=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "A city?"}],
+                   text=fmt)]
+    counts = [sdk.responses.input_tokens.count(model="default", **kw) for kw in shapes]
+    assert len(sdk.get("/sessions", cast_to=object)["data"]) == sessions  # counting stored nothing
+    assert len(set(c.input_tokens for c in counts)) == 3 and all(c.object == "response.input_tokens" for c in counts)
+    made = [sdk.responses.create(**gen, **kw) for kw in shapes]
+    assert [c.input_tokens for c in counts] == [r.usage.input_tokens for r in made]
+    first = made[1]
+    follow = dict(previous_response_id=first.id, instructions="Answer in French.", input="And in Rome?", tools=TOOLS)
+    n = sdk.responses.input_tokens.count(model="default", **follow).input_tokens
+    second = sdk.responses.create(**gen, **follow)
+    assert n == second.usage.input_tokens > first.usage.total_tokens
+    branch = dict(previous_response_id=first.id, instructions="Answer in French.", input="And in Oslo?", tools=TOOLS)
+    n = sdk.responses.input_tokens.count(model="default", **branch).input_tokens
+    assert n == sdk.responses.create(**gen, **branch).usage.input_tokens
+    # refusals: a generation field named, an unknown chain (404), a tool result answering no call of it
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.responses.input_tokens.count(model="default", input="Hi", extra_body={"max_output_tokens": 5})
+    assert e.value.body["param"] == "max_output_tokens"
+    with pytest.raises(openai.NotFoundError) as e:
+        sdk.responses.input_tokens.count(model="default", input="Hi", previous_response_id="resp_nope")
+    assert e.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError):
+        sdk.responses.input_tokens.count(model="default", previous_response_id=second.id, input=[
+            {"type": "function_call_output", "call_id": "call_nope", "output": "18"}])

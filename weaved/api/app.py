@@ -9,7 +9,7 @@ from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from weaved import http_errors
-from weaved.api import input_items, openai, peers, responses, sessions, system
+from weaved.api import input_items, openai, peers, response_counts, responses, sessions, system
 from weaved.api.state import ApiState
 from weaved.metrics import Metrics
 
@@ -53,7 +53,7 @@ def create_app(daemon, *, metrics: Metrics | None = None) -> FastAPI:
     state = ApiState(daemon, metrics or Metrics())
     app.state.weave = state
     http_errors.install(app)
-    for module in (openai, responses, input_items, sessions, system, peers):
+    for module in (openai, response_counts, responses, input_items, sessions, system, peers):
         for route in module.router.routes:  # HEAD wherever GET answers (RFC 9110; probes use it), not a stream
             if isinstance(route, APIRoute) and "GET" in route.methods and route.path not in STREAMS:
                 route.methods.add("HEAD")

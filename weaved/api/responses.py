@@ -50,6 +50,18 @@ def _params(req: ResponsesRequest) -> SamplingParams:
         raise InvalidRequest(str(e)) from None
 
 
+async def continued_chain(daemon, rid: str, messages: list[dict]) -> str:
+    """The session of stored response ``rid``, which ``messages`` continue (NotFound naming
+    ``previous_response_id``); InvalidRequest for tool results that answer none of its calls."""
+    try:
+        sid, previous = await run_in_threadpool(daemon.get_response, rid)
+    except NotFound as e:
+        raise NotFound(e.message, param="previous_response_id") from None
+    check_tool_results(messages, {i.get("call_id") for i in previous.get("output") or ()
+                                  if i.get("type") == "function_call"}, RESPONSES_WORDS)
+    return sid
+
+
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     req = await body.read(request, ResponsesRequest)
@@ -66,12 +78,7 @@ async def create_response(request: Request) -> Response:
         if not req.store:
             raise InvalidRequest("store: false cannot continue a stored chain (the turn would enter it unrecorded)",
                                  param="store")
-        try:
-            sid, previous = await run_in_threadpool(daemon.get_response, req.previous_response_id)
-        except NotFound as e:
-            raise NotFound(e.message, param="previous_response_id") from None
-        check_tool_results(messages, {i.get("call_id") for i in previous.get("output") or ()
-                                      if i.get("type") == "function_call"}, RESPONSES_WORDS)
+        sid = await continued_chain(daemon, req.previous_response_id, messages)
         latest = await run_in_threadpool(daemon.latest_response, sid)
         if latest != req.previous_response_id:  # its chain went on past it: a new chain branches off there
             try:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 
+from weaved.agent.plan import AnswerPlan, AnswerSpec
 from weaved.daemon.session import Session, transcript_view
+from weaved.daemon.turns import Context, chat_turn_tokens, check_names_rendered, no_chat_template
 from weaved.errors import Conflict, InvalidRequest, NotFound, Overloaded
 from weaved.kv.cache import KVCache
 from weaved.routing.types import SLA
@@ -60,6 +62,34 @@ class ResponseChains:
         rec = self.journal.get(sid)
         turn = sum(1 for m in rec.messages[:end] if m["role"] == "assistant")
         return self.fork_session(sid, turn, sla)["id"]
+
+    def count_input(self, messages: list[dict], answer: AnswerSpec, system: str | None,
+                    after: str | None = None) -> int:
+        """The prompt tokens (its usage's ``input_tokens``) of a turn feeding ``messages`` under ``system``
+        (the request's instructions): as a new chain's first turn, or continuing stored response
+        ``after`` - its chain's context through its answer, as a continuation rewinds or branches to it.
+        Nothing changes; what starting that turn would refuse of its messages is refused here too."""
+        if not self.tokenizer.chat_template:
+            raise no_chat_template(self.model_name)
+        plan = AnswerPlan(answer, self.tokenizer, self.grammar)
+        view = Context(system, [], [], [])
+        if after is not None:
+            sid, _ = self.get_response(after)
+            end = self.journal.response_end(after)
+            if end is None:
+                raise InvalidRequest(f"response {after!r} was stored by a Weave that did not record its place in "
+                                     f"its chain, so its context cannot be counted", param="previous_response_id")
+            with self._lock:
+                s = self._get(sid)
+                past, committed, tail = list(s.messages), list(s.committed), list(s.tail)
+                if len(past) > end:  # its chain went on (or a turn no response holds): the context at its end
+                    kv_at = self.journal.get(sid).messages[end]["kv_at"]
+                    past = past[:end]
+                    committed, tail = (committed, tail[:kv_at]) if s.rebuild else (committed[:kv_at], [])
+            view = Context(system, past, committed, tail)
+        check_names_rendered(plan.render, view.messages + list(messages))
+        new, keep = chat_turn_tokens(self.tokenizer, view, messages, render=plan.render)
+        return keep + len(new)
 
     def response_input(self, rid: str) -> list[dict]:
         """The messages response ``rid`` answered (its input: what its request added to the chain), as

@@ -21,6 +21,7 @@ from weaved.daemon.turns import (
     check_names_rendered,
     fitted,
     message_extra,
+    no_chat_template,
     prompt_turn_tokens,
     turn_constraint,
     turn_sequence,
@@ -56,10 +57,7 @@ class TurnStarts:
         if messages is not None and not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         if messages is not None and not self.tokenizer.chat_template:
-            raise InvalidRequest(f"the model {self.model_name} has no chat template, so it cannot take messages: "
-                                 f"serve it with --chat-template FILE, or send a prompt to /v1/completions "
-                                 f"(`weave run --raw` from the CLI)",
-                                 param="messages", code="no_chat_template")
+            raise no_chat_template(self.model_name)
         plan = AnswerPlan(answer or AnswerSpec(), self.tokenizer, self.grammar) if messages is not None else answer_plan
         if plan is not None and plan.spec.constrained:
             _ = self.grammar.lltokenizer  # built once (seconds for a large vocabulary), not under the lock

@@ -35,9 +35,26 @@ class TurnHandle:
     placement_now: Callable[[], dict] | None = None  # the session's placement now (a promotion moves a turn)
 
 
-def chat_turn_tokens(tok: Tokenizer, s: Session, new_messages: list[dict],
+@dataclass(frozen=True)
+class Context:
+    """What ``chat_turn_tokens`` reads of a session: a session as it would be (a dry run's view)."""
+
+    system: str | None
+    messages: list[dict]
+    committed: list[int]
+    tail: list[int]
+
+
+def no_chat_template(model_name: str) -> InvalidRequest:
+    return InvalidRequest(f"the model {model_name} has no chat template, so it cannot take messages: serve it "
+                          f"with --chat-template FILE, or send a prompt to /v1/completions (`weave run --raw` from "
+                          f"the CLI)", param="messages", code="no_chat_template")
+
+
+def chat_turn_tokens(tok: Tokenizer, s: Session | Context, new_messages: list[dict],
                      render: Callable[[list[dict]], str] | None = None) -> tuple[list[int], int]:
-    """Tokens this turn must feed, and how many committed tokens to keep.
+    """Tokens this turn must feed, and how many committed tokens to keep (``s``: the session, or a
+    ``Context`` of what it would hold).
 
     The transcript's tokens are the truth for what is already in the KV.  The chat template renders
     the whole conversation; when that text extends what the session's tokens decode to, only the
