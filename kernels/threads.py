@@ -72,9 +72,10 @@ def in_own_thread(fn: Callable[[], T]) -> T:
     team, and the team lives as long as that thread.  Once the teams' threads together outnumber the
     cores, libgomp stops spinning between regions (its "throttled" spin count) and every region pays
     a futex wake-up: measured on 2 cores, a decode step from an engine thread went from 4.3 ms to
-    11 ms when the main thread had run one parallel kernel at load.  Running one-off parallel work
-    (repacking weights at load) in a thread that then exits leaves the team to the thread that
-    steps the model.
+    11 ms when the main thread had run one parallel kernel at load, and a daemon under 64 clients
+    left a third of a core idle in those wake-ups.  Running one-off parallel work (repacking weights,
+    the daemon's warm-up and calibration at load) in a thread that then exits leaves the team to the
+    thread that steps the model.
     """
     box: list = []
 

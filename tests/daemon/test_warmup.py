@@ -62,3 +62,29 @@ def test_warm_up_touches_no_state_a_session_sees(tiny_qwen3):
     assert be.stats is stats and stats.steps == steps  # no step of a pool's
     after = be.forward([SeqChunk(be.new_kv(32), prompt, Logits.ALL)])[0]
     np.testing.assert_array_equal(before, after)
+
+
+def test_loading_a_daemon_runs_no_kernel_on_the_loading_thread(tiny_llama, tmp_path, monkeypatch):
+    """The warm-up and the calibration step the model at load: on a thread that then ends.  A thread that
+    has run a parallel kernel keeps its own team of kernel threads for its life, and with two teams on
+    the cores the engine's regions stop spinning and sleep at every boundary (kernels.threads.in_own_thread)."""
+    from weaved.config.load import load_profile
+    from weaved.daemon.core import Daemon
+
+    monkeypatch.setenv("WEAVE_CACHE_DIR", str(tmp_path / "cache"))  # (calibrated afresh: it steps the model)
+    where: list[threading.Thread] = []
+    real = CPUBackend.forward
+
+    def spy(self, chunks):
+        where.append(threading.current_thread())
+        return real(self, chunks)
+
+    monkeypatch.setattr(CPUBackend, "forward", spy)
+    d = Daemon(load_profile("cpu-only"), tiny_llama, data_dir=tmp_path / "data", log_fn=lambda m: None)
+    said: list[str] = []
+    d.load(progress=said.append)
+    try:
+        assert any("calibrat" in m for m in said) and len(where) > 10  # warmed up and calibrated here
+        assert threading.current_thread() not in where
+    finally:
+        d.shutdown()
