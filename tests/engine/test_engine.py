@@ -154,3 +154,45 @@ def test_a_prompt_of_several_chunks_says_how_far_it_came_before_its_first_token(
     assert "progress" not in kinds[2:]
     assert [ev["type"] for ev in events["short"]][0] == "token"
     assert not any(ev["type"] == "progress" for ev in events["short"])
+
+
+def test_the_step_model_follows_a_host_slower_than_its_calibration(backend):
+    """Steps that take twice what the pool's step model predicts move the model's factor toward 2 (a
+    moving geometric mean); admission then judges interactive turns with the model so scaled, and refuses
+    one whose step the calibrated model alone would have let in."""
+    from weaved.calibration.cost import Linear, StepCost
+    from weaved.engine.admission import Capacity
+
+    cost = StepCost(prefill=Linear(0.01, 0.001, 0.0), decode=Linear(0.01, 0.01, 0.0))
+    now = [0.0]
+
+    class Slow:  # the backend, each forward taking twice the model's time on the engine's clock
+        config = backend.config
+
+        def forward(self, chunks):
+            n_pre = sum(len(c.tokens) for c in chunks if len(c.tokens) > 1)
+            rows = sum(1 for c in chunks if len(c.tokens) == 1)
+            now[0] += 2 * cost.step_s(n_pre, 0.0, rows, 0.0)
+            return backend.forward(chunks)
+
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+    def engine() -> BatchEngine:
+        cfg = SchedulerConfig(token_budget=64, max_batch=8, prefill_chunk=64, step_cost=cost, step_target_s=0.08)
+        return BatchEngine("cpu", Slow(), cfg, capacity=Capacity(8, 1000.0, 1.0), clock=lambda: now[0])
+
+    def probe(eng: BatchEngine):  # a fourth interactive turn beside three: 10 + 4 x 10 ms by the model
+        for i in range(3):
+            eng.submit(_seq(backend, f"i{i}", SLARank.INTERACTIVE, [], {}, n_prompt=4))
+        return eng.refusal(_seq(backend, "new", SLARank.INTERACTIVE, [], {}, n_prompt=4))
+
+    assert probe(engine()) is None  # as calibrated: 50 ms, within the 80 ms target
+    eng = engine()
+    s = _seq(backend, "bg", SLARank.BACKGROUND, [], {}, n_prompt=8, max_tokens=70)
+    eng.submit(s)
+    while not s.status.done:
+        eng.run_once()
+    assert 1.8 < eng.step_drift.factor <= 2.0 and eng.step_drift.samples > 60
+    refused = probe(eng)  # as the host runs it: ~97 ms
+    assert refused is not None and "past the 80 ms" in refused.reason

@@ -78,6 +78,11 @@ class StepCost:
         """Aggregate decode rate of ``batch`` sequences of ``context_each`` positions."""
         return batch / self.decode_step_s(batch, context_each)
 
+    def scaled(self, factor: float) -> StepCost:
+        """Every step ``factor`` times as long (a host slower or faster than when this was measured)."""
+        return StepCost(Linear(*(x * factor for x in self.prefill.to_list())),
+                        Linear(*(x * factor for x in self.decode.to_list())))
+
     def to_dict(self) -> dict:
         return {"prefill": self.prefill.to_list(), "decode": self.decode.to_list()}
 

@@ -8,6 +8,7 @@ The kernels release the GIL, so the API's event loop keeps serving while a step 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ from weaved.engine.sampling import sample_rows
 from weaved.engine.scheduler import SchedulerConfig, Work, schedule
 from weaved.engine.sequence import SeqStatus, Sequence, SLARank
 from weaved.engine.speculative import Drafter, SpecConfig, verify
+from weaved.engine.step_drift import StepDrift, predicted_step_s
 from weaved.engine.turn_output import PACE_WEIGHT, TurnOutput
 
 log = logging.getLogger("weave.engine")
@@ -103,6 +105,7 @@ class BatchEngine:
         # the pool's pace now: a moving mean of its steps' durations (the router predicts a turn's answer
         # with it, since it holds the prefill chunks other turns feed beside the decodes)
         self.recent_step_s = 0.0
+        self.step_drift = StepDrift()  # the step model as this host runs it now (scheduling, admission)
         # (backend, bytes) -> whether it freed that much of the backend's own KV memory (a GPU's, by
         # demoting idle sessions): tried once before a step that lacks the room fails a turn
         self._make_room = make_room
@@ -146,8 +149,16 @@ class BatchEngine:
         with self._cond:
             live = list(self._active) + list(self._incoming)
         cfg = self.config
-        step = (cfg.step_cost, cfg.step_target_s) if cfg.step_cost is not None and cfg.step_target_s else None
+        step = (self.step_drift.scaled(cfg.step_cost), cfg.step_target_s) \
+            if cfg.step_cost is not None and cfg.step_target_s else None
         return judge(live, seq, self.capacity, self._clock(), step)
+
+    def _scheduling(self) -> SchedulerConfig:
+        """The scheduler's configuration with the step model as the host runs it now."""
+        cfg = self.config
+        if cfg.step_cost is None or self.step_drift.factor == 1.0:
+            return cfg
+        return dataclasses.replace(cfg, step_cost=self.step_drift.scaled(cfg.step_cost))
 
     def cancel(self, session_id: str) -> None:
         with self._cond:
@@ -284,7 +295,7 @@ class BatchEngine:
         """One scheduling step over the active sequences (engine thread only)."""
         now = self._clock()
         before = {id(s): s.status for s in self._active}
-        work = schedule(self._active, self.config, now)
+        work = schedule(self._active, self._scheduling(), now)
         for s in self._active:
             if s.status == SeqStatus.PAUSED and before[id(s)] != SeqStatus.PAUSED:
                 self.counters.preemptions += 1
@@ -304,10 +315,17 @@ class BatchEngine:
         for w, c in zip(work, chunks, strict=True):  # masks of the rows this step samples, during the forward
             if w.seq.constraint is not None and c.logits is not Logits.NONE:
                 w.seq.constraint.prefetch()
+        predicted = None if self.config.step_cost is None or drafts else predicted_step_s(
+            self.config.step_cost, [(w.n_tokens, w.seq.kv.length) for w in work if w.seq.prefilling],
+            [w.seq.kv.length for w in work if not w.seq.prefilling])
         t0 = self._clock()
         with self._forward_lock:
+            t1 = self._clock()
             outs = self.backend.forward(chunks)
+            ran = self._clock() - t1  # (without a wait for a backend another pool shares)
         took = self._clock() - t0
+        if predicted is not None:
+            self.step_drift.record(predicted, ran)
         self.counters.busy_s += took
         r = self.recent_step_s
         self.recent_step_s = took if not r else (1 - PACE_WEIGHT) * r + PACE_WEIGHT * took
