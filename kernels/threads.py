@@ -85,7 +85,8 @@ def in_own_thread(fn: Callable[[], T]) -> T:
         except BaseException as exc:  # handed to the caller
             box.append((False, exc))
 
-    t = threading.Thread(target=run, name="weave-kernels-once")
+    # (a daemon thread: a Ctrl-C that interrupts the caller's wait does not keep the process for the rest)
+    t = threading.Thread(target=run, name="weave-kernels-once", daemon=True)
     t.start()
     t.join()
     ok, value = box[0]
