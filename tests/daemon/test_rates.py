@@ -51,6 +51,8 @@ def test_a_first_daemon_calibrates_and_later_ones_read_the_result(tiny_llama, tm
         cost = pool.step_cost
         assert cost is not None and cost.to_dict() == rates["step_cost"]
         assert pool.engine.config.step_cost is cost and pool.engine.config.step_target_s == pytest.approx(0.08)
+        shown = next(p for p in d.status()["pools"] if p["name"] == "cpu")
+        assert shown["step_model_scale"] == 1.0  # nothing run yet: as calibrated
     finally:
         d.shutdown()
     again = _daemon(tiny_llama, tmp_path / "b")  # another data directory on this host: nothing measured

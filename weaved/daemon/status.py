@@ -76,6 +76,8 @@ def pool_status(pool: Pool) -> dict:
         "steps": e.counters.steps, "tokens_generated": e.counters.tokens_generated,
         "tokens_prefilled": e.counters.tokens_prefilled, "preemptions": e.counters.preemptions,
         **_spec_counters(e),
+        # how long its steps run against its calibrated step model (engine.step_drift; 1.0 as calibrated)
+        **({"step_model_scale": round(e.step_drift.factor, 3)} if e.config.step_cost is not None else {}),
         **({"ring": e.backend.describe()} if p.strategy == "qring" else {}),
         **({"device_memory": plan.to_dict()} if (plan := getattr(e.backend, "device_plan", None)) else {}),
     }
