@@ -34,7 +34,7 @@ GENERATION_FIELDS = ("stream", "stream_options", "store", "max_output_tokens", "
 class InputTokensRequest(ResponsesRequest):
     def unsupported(self) -> tuple[str, str] | None:
         for name in GENERATION_FIELDS:
-            if name in self.model_fields_set or name in (self.model_extra or {}):
+            if name in self.model_fields_set:
                 return name, (f"{name} is not a field of an input token count: it shapes a response's generation, "
                               f"not its input (POST /v1/responses takes it)")
         return super().unsupported()
