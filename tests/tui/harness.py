@@ -8,9 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rich.text import Text
 from textual.pilot import Pilot
-from textual.widgets import DataTable
 from weaved.tui.app import WeaveTop
 from weaved.tui.host_probe import GpuSample, HostSample
 
@@ -65,18 +63,4 @@ async def settle(pilot: Pilot) -> None:
     while app.polls < SCENE_POLLS:
         await app.refresh_status()
     await until(pilot, lambda: len(app.query_one("#events").entries) >= 4, what="the seeded events")
-    await until(pilot, lambda: tables_sized(app), what="the tables' columns sized to their rows")
     await pilot.pause(0.1)
-
-
-def tables_sized(app) -> bool:
-    """Every table's columns are as wide as their cells: a table measures rows added to it when the app
-    is next idle, which on a busy machine can come after a fixed pause."""
-    for table in app.query(DataTable):
-        for col in table.ordered_columns:
-            cells = list(table.get_column(col.key))
-            widest = max((Text.from_markup(c).cell_len if isinstance(c, str) else
-                          c.cell_len if isinstance(c, Text) else len(str(c)) for c in cells), default=0)
-            if col.content_width < widest:
-                return False
-    return True
