@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from rich.text import Text
-from textual.widgets import DataTable
 from weaved.cli.fmt import DASH, printable, rate, size, variant
+from weaved.tui.fitted_table import FittedTable
 
 COLUMNS = ("pool", "backend", "device", "strategy", "variant", "batch", "queue", "tok/s", "preempted")
 
 
-class PoolsTable(DataTable):
+class PoolsTable(FittedTable):
     def __init__(self, **kw) -> None:
         super().__init__(cursor_type="none", zebra_stripes=True, **kw)
         self._last: tuple | None = None
@@ -23,15 +23,15 @@ class PoolsTable(DataTable):
         if (pools, kv, notes) == self._last:
             return
         self._last = (pools, kv, notes)
-        self.clear()
+        rows = []
         for p in pools:
             # a torch pool on the CPU device stands in for a GPU pool (tests, functional benchmarks)
             device = f"{p.get('device')} (GPU stand-in)" if p.get("stand_in") else (p.get("device") or DASH)
             cells = [p["name"], p.get("backend") or DASH, device, p.get("strategy") or DASH,
                      variant(p.get("variant") or {})]
-            self.add_row(*(Text(printable(str(c))) for c in cells), p.get("batch_depth", 0),
-                         p.get("queue_depth", 0), rate(p.get("tokens_per_s")), p.get("preemptions", 0),
-                         key=p["name"])
+            rows.append((p["name"], [*(Text(printable(str(c))) for c in cells), p.get("batch_depth", 0),
+                                     p.get("queue_depth", 0), rate(p.get("tokens_per_s")), p.get("preemptions", 0)]))
+        self.fill(rows)
         ram = size(kv.get("ram_bytes")) if kv.get("ram_measured", True) else "?"
         device = f" · {size(kv['device_bytes'])} GPU" if kv.get("device_bytes") else ""
         sub = (f"KV {size(kv.get('file_bytes'))} disk · {ram} RAM{device} · {size(kv.get('reserved_bytes'))} reserved"

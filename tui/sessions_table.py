@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from rich.text import Text
-from textual.widgets import DataTable
 from weaved.cli.fmt import DASH, printable, rate, seconds, state_of
+from weaved.tui.fitted_table import FittedTable
 
 # (status field, column label)
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -30,7 +30,7 @@ def _sort_value(row: dict, key: str) -> tuple[int, Any]:
     return (v is None, v if v is not None else 0)
 
 
-class SessionsTable(DataTable):
+class SessionsTable(FittedTable):
     def __init__(self, **kw) -> None:
         super().__init__(cursor_type="row", zebra_stripes=True, **kw)
         self.rows_all: list[dict] = []
@@ -84,18 +84,20 @@ class SessionsTable(DataTable):
         keep = self.selected_id()
         rows = sorted((r for r in self.rows_all if self._matches(r)),
                       key=lambda r: (_sort_value(r, self.sort_key), r["id"]))
-        self.clear()
         self.shown_ids = [r["id"] for r in rows]
-        for r in rows:
-            state = r.get("state") or DASH
-            shown = state_of(r) or DASH
-            self.add_row(_plain(r["id"]), _plain(r.get("class")), _plain(r.get("pool")), _plain(r.get("backend")),
-                         r.get("context_tokens", 0), Text(printable(shown), style=STATE_STYLE.get(state, "")),
-                         rate(r.get("tokens_per_s")), seconds(r.get("ttft_s")),
-                         _slack(r.get("deadline_slack_s")), _plain(r.get("reason")), key=r["id"])
+        self.fill([(r["id"], self._cells(r)) for r in rows])
         if keep in self.shown_ids:
             self.move_cursor(row=self.shown_ids.index(keep))
         self._title()
+
+    @staticmethod
+    def _cells(r: dict) -> list[object]:
+        state = r.get("state") or DASH
+        shown = state_of(r) or DASH
+        return [_plain(r["id"]), _plain(r.get("class")), _plain(r.get("pool")), _plain(r.get("backend")),
+                r.get("context_tokens", 0), Text(printable(shown), style=STATE_STYLE.get(state, "")),
+                rate(r.get("tokens_per_s")), seconds(r.get("ttft_s")), _slack(r.get("deadline_slack_s")),
+                _plain(r.get("reason"))]
 
     def _title(self) -> None:
         label = dict(COLUMNS)[self.sort_key]

@@ -35,7 +35,11 @@ def top(fake: FakeDaemon, poll_interval_s: float = 0.5, **kw) -> WeaveTop:
 
 
 async def loaded(pilot, app: WeaveTop) -> None:
+    """The sessions shown, both tables measured (on their next idle), then laid out with those sizes."""
     await until(pilot, lambda: len(app.sessions.shown_ids) == 4, what="the sessions")
+    tables = (app.sessions, app.pools)
+    await until(pilot, lambda: all(t.virtual_size.height == 1 + t.row_count for t in tables), what="the tables")
+    await pilot.pause()  # a layout pass after the tables' sizes changed
 
 
 def test_shows_pools_sessions_events_and_the_connection(fake):
