@@ -16,7 +16,14 @@ tokens/s at a pool's chunk, decode tokens/s at its batch) follow from them.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+
+def chunk_token_context(n: int, context: float) -> float:
+    """The (token, key) pairs a chunk of ``n`` prompt tokens after ``context`` positions attends: each
+    token its predecessors and itself, about ``n * (context + n / 2)``."""
+    return n * (context + n / 2)
 
 
 @dataclass(frozen=True)
@@ -54,9 +61,19 @@ class StepCost:
         return (base + self.prefill.variable_s(prefill_tokens, prefill_token_context)
                 + self.decode.variable_s(decode_batch, decode_context))
 
+    def chunks_step_s(self, prefill: Iterable[tuple[int, int]], decode_contexts: Iterable[int]) -> float:
+        """A step of prefill chunks (``(tokens, context before them)`` each) and decode rows (each one's
+        sequence's context)."""
+        n_prefill, prefill_tc = 0, 0.0
+        for n, c in prefill:
+            n_prefill += n
+            prefill_tc += chunk_token_context(n, c)
+        contexts = list(decode_contexts)
+        return self.step_s(n_prefill, prefill_tc, len(contexts), float(sum(contexts)))
+
     def prefill_chunk_s(self, n: int, context: int) -> float:
         """One chunk of ``n`` prompt tokens after ``context`` positions."""
-        return self.prefill.s(n, n * (context + n / 2))
+        return self.prefill.s(n, chunk_token_context(n, context))
 
     def prefill_s(self, tokens: int, chunk: int, context: int = 0) -> float:
         """A prompt of ``tokens`` fed in chunks of ``chunk`` after ``context`` positions."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from weaved.backends.base import Backend, Logits, SeqChunk
-from weaved.calibration.cost import Linear, StepCost
+from weaved.calibration.cost import Linear, StepCost, chunk_token_context
 from weaved.kv.cache import KVCache
 
 REPS = {"prefill": 2, "decode": 5}  # timed repetitions per point (decode steps are short and noisier)
@@ -33,7 +33,7 @@ class Point:
     @property
     def token_context(self) -> float:
         if self.kind == "prefill":
-            return self.tokens * (self.context + self.tokens / 2)
+            return chunk_token_context(self.tokens, self.context)
         return self.batch * self.context
 
     def to_dict(self) -> dict:

@@ -24,7 +24,7 @@ from weaved.engine.sampling import sample_rows
 from weaved.engine.scheduler import SchedulerConfig, Work, schedule
 from weaved.engine.sequence import SeqStatus, Sequence, SLARank
 from weaved.engine.speculative import Drafter, SpecConfig, verify
-from weaved.engine.step_drift import StepDrift, predicted_step_s
+from weaved.engine.step_drift import StepDrift
 from weaved.engine.turn_output import PACE_WEIGHT, TurnOutput
 
 log = logging.getLogger("weave.engine")
@@ -315,8 +315,8 @@ class BatchEngine:
         for w, c in zip(work, chunks, strict=True):  # masks of the rows this step samples, during the forward
             if w.seq.constraint is not None and c.logits is not Logits.NONE:
                 w.seq.constraint.prefetch()
-        predicted = None if self.config.step_cost is None or drafts else predicted_step_s(
-            self.config.step_cost, [(w.n_tokens, w.seq.kv.length) for w in work if w.seq.prefilling],
+        predicted = None if self.config.step_cost is None or drafts else self.config.step_cost.chunks_step_s(
+            [(w.n_tokens, w.seq.kv.length) for w in work if w.seq.prefilling],
             [w.seq.kv.length for w in work if not w.seq.prefilling])
         t0 = self._clock()
         with self._forward_lock:

@@ -13,7 +13,6 @@ within [``LOW``, ``HIGH``].
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 from weaved.calibration.cost import StepCost
 
@@ -41,13 +40,3 @@ class StepDrift:
         """``cost`` as this host runs it now."""
         return cost if self.factor == 1.0 else cost.scaled(self.factor)
 
-
-def predicted_step_s(cost: StepCost, prefill: Iterable[tuple[int, int]], decode_contexts: Iterable[int]) -> float:
-    """The model's time for a step of prefill chunks (``(tokens, context before them)`` each) and decode
-    rows (each sequence's context)."""
-    n_prefill, prefill_tc = 0, 0.0
-    for n, c in prefill:
-        n_prefill += n
-        prefill_tc += n * (c + n / 2)
-    contexts = list(decode_contexts)
-    return cost.step_s(n_prefill, prefill_tc, len(contexts), float(sum(contexts)))

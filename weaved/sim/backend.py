@@ -114,21 +114,19 @@ class SimBackend(Backend):
 
     # ---- the step ---------------------------------------------------------------------------------
     def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
-        prefill_tokens, prefill_ctx, batch, decode_ctx = 0, 0.0, 0, 0.0
+        prefill, decode = [], []
         for c in chunks:
             n, p = len(c.tokens), c.kv.length
             if p + n > c.kv.capacity:
                 raise ValueError(f"KV cache full: {p} + {n} tokens > capacity {c.kv.capacity}")
             if n > 1:
-                prefill_tokens += n
-                prefill_ctx += n * (p + n / 2)
+                prefill.append((n, p))
             else:
-                batch += 1
-                decode_ctx += p
+                decode.append(p)
         if self._device():
             for c in chunks:
                 self._take(c.kv, c.kv.length + len(c.tokens))
-        dt = self.cost.step_s(prefill_tokens, prefill_ctx, batch, decode_ctx)
+        dt = self.cost.chunks_step_s(prefill, decode)
         self.clock.advance(dt)
         out = []
         for c in chunks:
@@ -138,8 +136,9 @@ class SimBackend(Backend):
             out.append(np.repeat(self._row, rows, axis=0) if rows != 1 else self._row)
         st = self.stats
         st.steps += 1
-        st.tokens += prefill_tokens + batch
+        prefill_tokens = sum(n for n, _ in prefill)
+        st.tokens += prefill_tokens + len(decode)
         st.prefill_tokens += prefill_tokens
-        st.decode_tokens += batch
+        st.decode_tokens += len(decode)
         st.seconds += dt
         return out
