@@ -81,12 +81,10 @@ class ResponseChains:
                                      f"its chain, so its context cannot be counted", param="previous_response_id")
             with self._lock:
                 s = self._get(sid)
-                past, committed, tail = list(s.messages), list(s.committed), list(s.tail)
-                if len(past) > end:  # its chain went on (or a turn no response holds): the context at its end
-                    kv_at = self.journal.get(sid).messages[end]["kv_at"]
-                    past = past[:end]
-                    committed, tail = (committed, tail[:kv_at]) if s.rebuild else (committed[:kv_at], [])
-            view = Context(system, past, committed, tail)
+                if len(s.messages) > end:  # its chain went on (or a turn no response holds): the context at its end
+                    view = Context(system, *_context_at(s, end, self.journal.get(sid).messages[end]["kv_at"]))
+                else:
+                    view = Context(system, list(s.messages), list(s.committed), list(s.tail))
         check_names_rendered(plan.render, view.messages + list(messages))
         new, keep = chat_turn_tokens(self.tokenizer, view, messages, render=plan.render)
         return keep + len(new)
@@ -144,15 +142,22 @@ class ResponseChains:
         rec = self.journal.get(s.id)
         kv_at = rec.messages[messages]["kv_at"]  # committed when the first dropped entry was recorded
         dropped = len(s.messages) - messages
-        if s.rebuild:  # its context is all unfed (its KV file was lost): only the tokens go
-            s.tail = s.tail[:kv_at]
-        else:
+        if not s.rebuild:
             if isinstance(s.kv, KVCache):
                 self.store.unshare(s.kv, kv_at)
             s.kv.truncate(kv_at)
-            del s.committed[kv_at:]
-            s.tail = []  # (the next turn's rendering writes the answer's end again)
-        del s.messages[messages:]
+        s.messages[:], s.committed[:], s.tail = _context_at(s, messages, kv_at)
         self.journal.rewind(s.id, messages, kv_at)
         self.publish("rewind", {"session": s.id, "messages": dropped, "from": kv_at})
         self.log(f"session {s.id}: {dropped} transcript entries dropped, {why}; context back to {kv_at} tokens")
+
+
+def _context_at(s: Session, end: int, kv_at: int) -> tuple[list, list, list]:
+    """Session ``s``'s transcript, committed tokens and unfed tail as they stood after its first ``end``
+    entries (``kv_at``: the tokens committed when entry ``end`` was recorded).  A session whose context is
+    all unfed (its KV file was lost) keeps its committed tokens and loses the tail's; otherwise the
+    committed tokens go back to ``kv_at`` and nothing is unfed (the next turn's rendering writes the
+    answer's end again)."""
+    if s.rebuild:
+        return s.messages[:end], list(s.committed), s.tail[:kv_at]
+    return s.messages[:end], s.committed[:kv_at], []
