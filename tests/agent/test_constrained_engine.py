@@ -7,7 +7,7 @@ import json
 
 import jsonschema
 
-from tests.engine.test_speculative import Run, _same, _turn, smol, tokenizer  # noqa: F401  (fixtures)
+from tests.engine_run import Run, same, turn
 from weaved.agent.formats import GENERIC
 from weaved.agent.grammar import GrammarEngine
 from weaved.agent.grammar_text import AnswerShape, LarkWriter, answer_grammar
@@ -26,10 +26,10 @@ def _constraint(tok, tools=(ITEM,), mode=ChoiceMode.REQUIRED):
     return lambda: engine.compile(lark, param="tools")
 
 
-def test_a_constrained_neighbour_changes_nothing_for_free_sequences(smol, tokenizer):  # noqa: F811
-    free = [_turn(f"free{i}", tokenizer.encode(p), max_tokens=24, logprobs=3)
+def test_a_constrained_neighbour_changes_nothing_for_free_sequences(smol, tokenizer):
+    free = [turn(f"free{i}", tokenizer.encode(p), max_tokens=24, logprobs=3)
             for i, p in enumerate(["The capital of France is", "def fib(n):", "Once upon a time"])]
-    bound = {**_turn("bound", tokenizer.encode("Add two apples to the list."), max_tokens=60),
+    bound = {**turn("bound", tokenizer.encode("Add two apples to the list."), max_tokens=60),
              "constraint": _constraint(tokenizer)}
     alone = Run(smol, free, None, tokenizer=tokenizer)
     mixed = Run(smol, [*free, bound], None, tokenizer=tokenizer)
@@ -46,13 +46,13 @@ def test_a_constrained_neighbour_changes_nothing_for_free_sequences(smol, tokeni
         jsonschema.validate(json.loads(c.arguments), ITEM.parameters)
 
 
-def test_speculation_with_a_grammar_gives_exactly_the_plain_tokens(smol, tokenizer):  # noqa: F811
+def test_speculation_with_a_grammar_gives_exactly_the_plain_tokens(smol, tokenizer):
     """A prompt full of the calls the answer will repeat, so drafts are proposed (and cut where the grammar
     refuses them): plain and speculative runs emit the same tokens, events and KV."""
     call = '{"tool_calls": [{"name": "add_item", "arguments": {"name": "apple", "qty": 2}}]}'
     prompt = tokenizer.encode(f"Earlier answers:\n{call}\n{call}\n{call}\nNext answer:\n")
-    t = {**_turn("s", prompt, max_tokens=40, logprobs=2), "constraint": _constraint(tokenizer)}
+    t = {**turn("s", prompt, max_tokens=40, logprobs=2), "constraint": _constraint(tokenizer)}
     plain = Run(smol, [t], None, tokenizer=tokenizer)
     fast = Run(smol, [t], SpecConfig(draft_tokens=6, ngram_sizes=(3, 2, 1)), tokenizer=tokenizer)
-    _same(plain, fast)
+    same(plain, fast)
     assert fast.counters.accepted > 0, "no draft accepted: the test would pass vacuously"

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import random
-import threading
 
 import numpy as np
 import pytest
 
-from weaved.daemon.warmup import warm_up
-from weaved.engine.engine import BatchEngine
+from tests.engine_run import Run, same, shared_backend, turn
 from weaved.engine.sampling import SamplingParams
 from weaved.engine.scheduler import SchedulerConfig, Work
 from weaved.engine.sequence import Sequence, SLARank
 from weaved.engine.speculative import Drafter, NgramIndex, SpecConfig, verify
-from weaved.engine.stops import StopChecker
 from weaved.kv.cache import KVCache
 
 # --- the drafter --------------------------------------------------------------------------------------
@@ -164,162 +161,28 @@ def test_verify_stops_at_the_token_that_finishes_the_turn():
 
 BACKENDS = ["cpu", "torch"]
 MODELS = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3moe", "smollm2_q4_0"]
-_backends: dict[tuple[str, str], object] = {}
-
-
-def _backend(request, kind: str, model: str):
-    if kind == "torch":
-        mod = pytest.importorskip("weaved.backends.torch")
-    key = (kind, model)
-    if key not in _backends:
-        path = request.getfixturevalue(model)
-        if kind == "cpu":
-            from weaved.backends.cpu import CPUBackend
-
-            _backends[key] = CPUBackend.from_file(path, threads=2)
-        else:
-            from weaved.model.loader import open_model
-
-            gguf, cfg = open_model(path)
-            _backends[key] = mod.TorchBackend(gguf, cfg, device="cpu")
-        # compile the kernels here, as the daemon does at load: with a cold numba cache that takes minutes,
-        # which no engine run's deadline below is meant to cover
-        warm_up(_backends[key], _backends[key].config.vocab_size)
-    return _backends[key]
 
 
 @pytest.fixture(params=[(k, m) for k in BACKENDS for m in MODELS], ids=lambda p: f"{p[0]}-{p[1]}")
 def backend(request):
-    return _backend(request, *request.param)
-
-
-@pytest.fixture
-def smol(request):
-    return _backend(request, "cpu", "smollm2_q4_0")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_q4_0):
-    from weaved.model.tokenizer import Tokenizer
-
-    return Tokenizer(smollm2_q4_0)
+    return shared_backend(request, *request.param)
 
 
 REPEATED_LIST = [1, 300, 301, 302, 303, 304, 305, 306] * 4  # a list the model has seen four times
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
 
 
-class _Checked:
-    """The backend, checking the engine's contract around each forward: every chunk's rows reserved.
-    (Problems are collected, not raised: the engine thread would turn an exception into failed turns.)"""
-
-    def __init__(self, be, reserved: dict[int, int], problems: list[str]):
-        self.be, self.reserved, self.problems, self.name = be, reserved, problems, be.name
-        self.host_parallel = be.host_parallel
-        self.seqs: dict[int, Sequence] = {}  # by id(kv)
-        self.chunks: list[list[tuple[int, list[int], int]]] = []  # per step: (id(kv), tokens, generated so far)
-
-    def prepare(self, kv, new_length):
-        self.be.prepare(kv, new_length)
-
-    def forward(self, chunks):
-        for c in chunks:
-            if self.reserved.get(id(c.kv), -1) < c.kv.length + len(c.tokens):
-                self.problems.append(f"rows {c.kv.length}..{c.kv.length + len(c.tokens) - 1} written unreserved")
-        self.chunks.append([(id(c.kv), c.tokens.tolist(), len(self.seqs[id(c.kv)].generated)) for c in chunks])
-        return self.be.forward(chunks)
-
-
-class Run:
-    """One engine run over some turns: events, commits and counters, with the contract checked."""
-
-    def __init__(self, be, turns: list[dict], spec: SpecConfig | None, sched: SchedulerConfig | None = None,
-                 tokenizer=None, reserve_limit: int | None = None):
-        self.events: dict[str, list[dict]] = {}
-        self.commits: dict[str, list[int]] = {}
-        reserved: dict[int, int] = {}
-        problems: list[str] = []
-        done = {t["id"]: threading.Event() for t in turns}
-
-        def reserve(seq, new_length):
-            if reserve_limit is not None and not seq.prefilling and new_length > seq.kv.length + reserve_limit:
-                raise RuntimeError("KV cap")
-            reserved[id(seq.kv)] = max(reserved.get(id(seq.kv), 0), new_length)
-
-        def commit(seq, fed):
-            got = self.commits.setdefault(seq.session_id, [])
-            got.extend(fed)
-            if seq.kv.length != len(got):
-                problems.append(f"{len(got)} tokens committed at KV length {seq.kv.length}")
-
-        self.backend = _Checked(be, reserved, problems)
-        eng = BatchEngine("p", self.backend, sched or SchedulerConfig(), commit=commit, reserve=reserve,
-                          speculative=spec)
-        self.seqs = []
-        for t in turns:
-            p: SamplingParams = t["params"]
-            stops = decoder = None
-            if tokenizer is not None:
-                decoder = tokenizer.stream_decoder()
-                stops = StopChecker(p.stop, set(p.stop_token_ids) | set(tokenizer.eog_ids))
-            elif p.stop_token_ids:
-                stops = StopChecker((), p.stop_token_ids)
-            s = Sequence(t["id"], be.new_kv(t.get("capacity", 512)), list(t["prompt"]), p, SLARank.INTERACTIVE,
-                         decoder=decoder, stops=stops,
-                         constraint=t["constraint"]() if "constraint" in t else None)
-            s.emit = self._sink(self.events.setdefault(t["id"], []), done[t["id"]])
-            self.seqs.append(s)
-            self.backend.seqs[id(s.kv)] = s
-            eng.submit(s)
-        eng.start()
-        try:
-            for e in done.values():
-                assert e.wait(120)
-        finally:
-            eng.stop()
-        assert not problems, problems[:3]
-        self.counters = eng.counters
-
-    @staticmethod
-    def _sink(log: list[dict], done: threading.Event):
-        def emit(ev: dict) -> None:
-            log.append(ev)
-            if ev["type"] in ("done", "error"):
-                done.set()
-
-        return emit
-
-    def __getitem__(self, sid: str) -> Sequence:
-        return next(s for s in self.seqs if s.session_id == sid)
-
-
-def _same(plain: Run, spec: Run) -> None:
-    """Every turn: the same events (tokens, text, logprobs, finish), commits and KV rows."""
-    for a in plain.seqs:
-        b = spec[a.session_id]
-        assert b.generated == a.generated and b.finish_reason == a.finish_reason
-        assert spec.events[a.session_id] == plain.events[a.session_id]
-        assert spec.commits[a.session_id] == plain.commits[a.session_id]
-        assert b.kv.length == a.kv.length == len(spec.commits[a.session_id])
-        n = a.kv.length
-        assert np.array_equal(b.kv.data[:, :, :, :n], a.kv.data[:, :, :, :n])
-
-
-def _turn(sid, prompt, **params) -> dict:
-    return {"id": sid, "prompt": prompt, "params": SamplingParams(**{"temperature": 0, **params})}
-
-
 def test_greedy_speculation_gives_exactly_the_plain_tokens(backend):
     be = backend
     turns = [
-        _turn("list", REPEATED_LIST, max_tokens=40),
-        _turn("plain", [1, 1000, 2000, 3000, 4000, 5000, 6000, 7000, 8000], max_tokens=40),
-        _turn("one", [7] * 10, max_tokens=40),
+        turn("list", REPEATED_LIST, max_tokens=40),
+        turn("plain", [1, 1000, 2000, 3000, 4000, 5000, 6000, 7000, 8000], max_tokens=40),
+        turn("one", [7] * 10, max_tokens=40),
     ]
     spec = SpecConfig(draft_tokens=6, ngram_sizes=(3, 2, 1))
     for t in turns:  # one at a time: each decodes alone, below any threshold
         plain, fast = Run(be, [t], None), Run(be, [t], spec)
-        _same(plain, fast)
+        same(plain, fast)
         assert plain.counters.drafted == 0
         if t["id"] == "list":
             assert fast.counters.accepted > 0, "no draft was accepted: the test would pass vacuously"
@@ -329,10 +192,10 @@ def test_greedy_speculation_gives_exactly_the_plain_tokens(backend):
 def test_seeded_sampling_with_penalties_and_logprobs_is_reproduced(smol, tokenizer):
     """Accept-while-equal draws one random number per emitted token, in order, as plain decoding does."""
     prompt = tokenizer.encode("Repeat this code exactly:\n" + CODE + "\nHere it is again:\n")
-    t = _turn("s", prompt, max_tokens=48, temperature=0.7, top_k=40, top_p=0.95, min_p=0.05,
+    t = turn("s", prompt, max_tokens=48, temperature=0.7, top_k=40, top_p=0.95, min_p=0.05,
               repetition_penalty=1.05, seed=1234, logprobs=2)
     plain, fast = Run(smol, [t], None, tokenizer=tokenizer), Run(smol, [t], SpecConfig(), tokenizer=tokenizer)
-    _same(plain, fast)
+    same(plain, fast)
     assert fast.counters.accepted > 0
     assert all("logprob" in ev for ev in fast.events["s"] if ev["type"] == "token" and ev["token"] is not None)
 
@@ -346,16 +209,16 @@ def _cut_mid_draft(run: Run, seq: Sequence) -> bool:
 
 def test_stop_strings_and_stop_tokens_cut_inside_a_draft(smol, tokenizer):
     prompt = tokenizer.encode("Repeat this code exactly:\n" + CODE + "\nHere it is again:\n")
-    ref = Run(smol, [_turn("r", prompt, max_tokens=40)], None, tokenizer=tokenizer)
+    ref = Run(smol, [turn("r", prompt, max_tokens=40)], None, tokenizer=tokenizer)
     text = "".join(ev["text"] for ev in ref.events["r"] if ev["type"] == "token")
     assert "return a - b" in text  # the model repeats the code; drafts should cover it
     cut = 0
     for params in ({"stop": ["a - b"]}, {"stop": ["sub("]}, {"stop": ["b)"]},
                    {"stop_token_ids": [ref["r"].generated[12]]}):
-        t = _turn("s", prompt, max_tokens=40, **params)
+        t = turn("s", prompt, max_tokens=40, **params)
         plain = Run(smol, [t], None, tokenizer=tokenizer)
         fast = Run(smol, [t], SpecConfig(), tokenizer=tokenizer)
-        _same(plain, fast)
+        same(plain, fast)
         assert plain["s"].finish_reason == "stop" and len(plain["s"].generated) < 40
         cut += _cut_mid_draft(fast, fast["s"])
     assert cut > 0, "no stop fell inside an accepted draft: the test did not test that"
@@ -364,13 +227,13 @@ def test_stop_strings_and_stop_tokens_cut_inside_a_draft(smol, tokenizer):
 def test_max_tokens_and_kv_capacity_end_a_turn_exactly(smol, tokenizer):
     prompt = tokenizer.encode("Repeat this code exactly:\n" + CODE + "\nHere it is again:\n")
     for max_tokens in (1, 2, 7, 13, 30):
-        t = _turn("s", prompt, max_tokens=max_tokens)
+        t = turn("s", prompt, max_tokens=max_tokens)
         plain, fast = Run(smol, [t], None, tokenizer=tokenizer), Run(smol, [t], SpecConfig(), tokenizer=tokenizer)
-        _same(plain, fast)
+        same(plain, fast)
         assert len(fast["s"].generated) == max_tokens and fast["s"].finish_reason == "length"
-    t = {**_turn("s", prompt, max_tokens=100), "capacity": len(prompt) + 21}
+    t = {**turn("s", prompt, max_tokens=100), "capacity": len(prompt) + 21}
     plain, fast = Run(smol, [t], None, tokenizer=tokenizer), Run(smol, [t], SpecConfig(), tokenizer=tokenizer)
-    _same(plain, fast)
+    same(plain, fast)
     assert fast["s"].finish_reason == "length" and fast.counters.accepted > 0
 
 
@@ -379,24 +242,24 @@ def test_several_sequences_in_the_pool_each_match_their_solo_plain_run(backend):
     it gets alone in plain decoding.  A fourth turn reaches the threshold: drafting stops, still exact."""
     be = backend
     turns = [
-        _turn("a", REPEATED_LIST, max_tokens=30),
-        _turn("b", [1, 2000, 2001, 2002, 2000, 2001, 2002, 2000], max_tokens=25),
-        _turn("c", list(range(400, 460)) + list(range(400, 430)), max_tokens=20),  # long: prefills in chunks
+        turn("a", REPEATED_LIST, max_tokens=30),
+        turn("b", [1, 2000, 2001, 2002, 2000, 2001, 2002, 2000], max_tokens=25),
+        turn("c", list(range(400, 460)) + list(range(400, 430)), max_tokens=20),  # long: prefills in chunks
     ]
     sched = SchedulerConfig(token_budget=64, prefill_chunk=16)
     solo = {t["id"]: Run(be, [t], None, sched) for t in turns}
     fast = Run(be, turns, SpecConfig(draft_tokens=5, ngram_sizes=(3, 2, 1), max_concurrency=4), sched)
     for t in turns:
-        _same(solo[t["id"]], _only(fast, t["id"]))
+        same(solo[t["id"]], _only(fast, t["id"]))
     assert fast.counters.accepted > 0
     mixed = [step for step in fast.backend.chunks if len(step) > 1 and any(len(toks) > 1 for _, toks, _ in step)]
     assert mixed  # steps verified drafts beside other sequences' work
-    busy = Run(be, turns + [_turn("d", [1, 9, 8, 7, 6], max_tokens=25)],
+    busy = Run(be, turns + [turn("d", [1, 9, 8, 7, 6], max_tokens=25)],
                SpecConfig(ngram_sizes=(3, 2, 1), max_concurrency=3), sched)
     for t in turns:
-        _same(solo[t["id"]], _only(busy, t["id"]))
+        same(solo[t["id"]], _only(busy, t["id"]))
     # two turns decode side by side for their whole length: never below a threshold of 2, never a draft
-    pair = [_turn("a", REPEATED_LIST, max_tokens=20), _turn("b", REPEATED_LIST[:16], max_tokens=20)]
+    pair = [turn("a", REPEATED_LIST, max_tokens=20), turn("b", REPEATED_LIST[:16], max_tokens=20)]
     both = Run(be, pair, SpecConfig(ngram_sizes=(3, 2, 1), max_concurrency=2), sched)
     assert both.counters.drafted == 0 and all(len(s.generated) == 20 for s in both.seqs)
 
@@ -410,13 +273,13 @@ def _only(run: Run, sid: str) -> Run:
 
 def test_a_draft_that_does_not_fit_the_kv_cap_is_dropped_not_the_turn(smol):
     """reserve refuses the draft's extra rows (a KV cap): the step decodes plainly and the turn goes on."""
-    t = _turn("s", REPEATED_LIST, max_tokens=30)
+    t = turn("s", REPEATED_LIST, max_tokens=30)
     plain = Run(smol, [t], None)
     capped = Run(smol, [t], SpecConfig(), reserve_limit=1)  # only ever one more row than the pending token
-    _same(plain, capped)
+    same(plain, capped)
     assert capped.counters.drafted == 0 and capped["s"].finish_reason == "length"
     some = Run(smol, [t], SpecConfig(draft_tokens=8), reserve_limit=4)  # short drafts fit, long ones do not
-    _same(plain, some)
+    same(plain, some)
     assert all(len(toks) <= 4 for step in some.backend.chunks[1:] for _, toks, _ in step)
     assert some.counters.accepted > 0  # near max_tokens the drafts are short enough to fit
 
