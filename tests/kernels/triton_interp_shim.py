@@ -1,5 +1,5 @@
-"""Two corrections to Triton 3.6's interpreter, so the kernels' tests can hold it to bits, and one
-change of speed.
+"""Two corrections to Triton 3.6's interpreter, so the kernels' tests can hold it to bits, and two
+changes of speed.
 
 * Runtime loop bounds under numpy 2: the interpreter holds a scalar as a one-element array and gives
   Python its ``int`` through ``int(array)``, which numpy 2 refuses for arrays that are not
@@ -17,6 +17,12 @@ change of speed.
   ``wide_product_tiles`` gives a product of more than ``WIDE`` outputs whose caller left the tile to the
   kernel ``WIDE_TILE`` outputs a program: a tile never changes a bit (the tile-sweep case checks it),
   and such a product takes a twentieth of the time.
+
+* Device-function calls: the interpreter patches ``triton.language`` again at every call of one jit
+  function from another, though the grid being run patched those same module attributes already; the
+  paged attention's ``_fold_v`` (a recursion of 127 calls a block of keys, so that the sum keeps the
+  key order) spent three quarters of a forward there.  ``device_calls_in_the_grids_patch`` skips the
+  repeat while a grid runs: the same patched functions, so the same bits.
 
 They touch only the interpreter (TRITON_INTERPRET=1), which the kernels' tests use.
 """
@@ -70,11 +76,53 @@ def wide_product_tiles() -> None:
     triton_q4._weave_wide_tiles = True
 
 
+def device_calls_in_the_grids_patch() -> None:
+    import inspect
+
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_weave_device_calls", False):
+        return
+    grid_call = interpreter.GridExecutor.__call__
+    device_call = interpreter.InterpretedFunction.__call__
+    lang = (interpreter.tl, interpreter.tl.core)
+    langs_of: dict[object, frozenset[int]] = {}  # a function's language modules, as the interpreter finds them
+    patched: list[set[int]] = []  # per grid being run: the language modules patched in it so far
+
+    def langs(fn) -> frozenset[int]:
+        if fn not in langs_of:
+            langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in lang)
+        return langs_of[fn]
+
+    def run_grid(self, *args, **kwargs):
+        patched.append(set(langs(self.fn)))  # the grid's own patch covers these
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def call(self, *args, **kwargs):
+        need = langs(self.fn)
+        if not patched or not need <= patched[-1]:
+            if patched:
+                patched[-1] |= need  # (the interpreter never takes a device call's patch back either)
+            return device_call(self, *args, **kwargs)
+        try:  # the rest of the interpreter's device call, after its patch of triton.language
+            return self.rewrite()(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    interpreter.GridExecutor.__call__ = run_grid
+    interpreter.InterpretedFunction.__call__ = call
+    interpreter._weave_device_calls = True
+
+
 def patch_interpreter() -> None:
-    """The corrections, and the wide products' tiles."""
+    """The corrections, the wide products' tiles and the device calls' patch."""
     allow_runtime_loop_bounds()
     exact_fma()
     wide_product_tiles()
+    device_calls_in_the_grids_patch()
 
 
 def require_interpreter() -> None:
