@@ -391,7 +391,8 @@ def test_smollm2_close_to_truth_and_llama(smollm2_q4_0):
 @pytest.mark.llama
 @pytest.mark.slow
 def test_smollm2_greedy_leaves_llama_only_at_near_ties(smollm2_q4_0):
-    check_greedy_near_ties(TorchBackend.from_file(smollm2_q4_0, threads=1), smollm2_q4_0, GREEDY_PROMPTS, 64)
+    # three of the prompts: the torch path's bits are the CPU backend's (above), whose test takes all five
+    check_greedy_near_ties(TorchBackend.from_file(smollm2_q4_0, threads=1), smollm2_q4_0, GREEDY_PROMPTS[:3], 64)
 
 
 @pytest.mark.llama
