@@ -250,8 +250,12 @@ def _plan(w: PackedWeight, T: int) -> int:
     return 1 if est_us < PAR_MIN_US else min(n, w.nt)
 
 
-# cost model of _plan (measured on a Zen 4 core: ~25 GB/s from DRAM, ~7 ns per 32x32 block dot)
-US_PER_BYTE = 1 / 25e3
+# cost model of _plan: ~7 ns per 32x32 block dot (a Zen 4 core); bytes at what one core streams from
+# DRAM on a slow server, 8 GB/s (a Sapphire Rapids VM's core: 9-10 GB/s; a Zen 4 desktop core: 25).
+# The slow rate errs toward splitting mid-sized products: where a core streams faster that costs a
+# region's ~5 us, where it does not a serial product takes twice as long (SmolLM2's q|k|v and output
+# products, 311 and 187 KB, ran serially at ~8 GB/s: 2 ms of a 9 ms decode token on that VM).
+US_PER_BYTE = 1 / 8e3
 US_PER_TBLOCK = 7e-3
 PAR_MIN_US = 16.0
 
