@@ -14,6 +14,8 @@ from numba import njit, prange
 from weaved.kernels._attention_ir import f2h
 from weaved.kernels._rowwise import OPTS, PAR_MIN_SWIGLU, gated_out
 
+from .threads import on_kernel_thread
+
 GELU_COEF_A = np.float32(0.044715)
 SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)
 
@@ -66,6 +68,7 @@ def geglu_drive(gu, y, table):
         _geglu_serial(gu, y, table)
 
 
+@on_kernel_thread
 def geglu(gate_up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """gelu(gate) * up: gate_up float32 [T, 2F] (gate = [:, :F], up = [:, F:]) -> float32 [T, F]."""
     out = gated_out(gate_up, out)

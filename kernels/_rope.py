@@ -22,6 +22,8 @@ import numpy as np
 from numba import njit, prange
 from weaved.kernels._rowwise import OPTS, PAR_MIN_ROPE, check_f32
 
+from .threads import on_kernel_thread
+
 
 @njit(**OPTS)
 def cos_sin_row(pos, n_rot, theta_scale, freq_scale, ff, ext, corr0, corr1, mscale, cache):
@@ -149,6 +151,7 @@ def _check_positions(x: np.ndarray, p) -> None:
         raise ValueError(f"positions must be int64 [{x.shape[0]}], got {desc}")
 
 
+@on_kernel_thread
 def rope(x: np.ndarray, positions: np.ndarray, params: tuple) -> np.ndarray:
     """Rotary embedding in place.  x float32 [T, H, Dh]; positions int64 [T]; params: ``rope_params``
     (or ``plain_rope``).  style "norm": pairs (x[2i], x[2i+1]) (llama); "neox": pairs (x[i],

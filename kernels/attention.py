@@ -22,6 +22,8 @@ from numba.typed import List as TypedList
 from weaved.kernels._attention_batch import attend_batch, kv_store_batch
 from weaved.kernels._attention_rows import BLOCK, CHUNK, attend_rows
 
+from .threads import on_kernel_thread
+
 _SCRATCH_FLOATS = 1 << 22  # chunk partial results held at once (16 MiB); more rows are taken in groups
 # work is cut into this many runs of about equal cost, one per thread of numba's pool (prange spreads
 # them over however many threads are in use; the cut never changes a result)
@@ -108,6 +110,7 @@ def kv_store(kvs, layer: int, seq_starts: np.ndarray, pos0: np.ndarray, k: np.nd
     raise_batch_error(*kv_store_batch(kvs, layer, seq_starts, pos0, k, v))
 
 
+@on_kernel_thread
 def attend(q: np.ndarray, kvs, layer: int, seq_starts: np.ndarray, pos0: np.ndarray, scale: float,
            out: np.ndarray, lse: np.ndarray, window: int = 0) -> None:
     """Causal attention of a ragged batch.  q float32 [T, n_heads, head_dim]; row i of sequence s
@@ -131,6 +134,7 @@ def attend(q: np.ndarray, kvs, layer: int, seq_starts: np.ndarray, pos0: np.ndar
                                     max_items))
 
 
+@on_kernel_thread
 def attend_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float
                    ) -> tuple[np.ndarray, np.ndarray]:
     """Attention of every row of q (float32 [T, H, D]) over all L keys of one shard, no mask:

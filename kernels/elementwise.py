@@ -29,6 +29,8 @@ from weaved.kernels._rope import (
 )
 from weaved.kernels._rowwise import F1, INF32, OPTS, PAR_MIN_NORM, PAR_MIN_SWIGLU, check_f32, exp_f32, gated_out
 
+from .threads import on_kernel_thread
+
 # ---------------------------------------------------------------- RMSNorm
 
 
@@ -65,6 +67,7 @@ def rmsnorm_drive(x, w, eps, y):
         _rmsnorm_serial(x, w, eps, y)
 
 
+@on_kernel_thread
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
     """RMSNorm of every row: x float32 [T, D], w float32 [D] -> out float32 [T, D] (may be x)."""
     check_f32("x", x, 2)
@@ -81,6 +84,7 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = N
     return out
 
 
+@on_kernel_thread
 def rmsnorm_heads(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """In-place RMSNorm of every head vector: x float32 [T, H, Dh], w float32 [Dh] (qwen3's q/k norm)."""
     check_f32("x", x, 3)
@@ -130,6 +134,7 @@ def swiglu_drive(gu, y):
         _swiglu_serial(gu, y)
 
 
+@on_kernel_thread
 def swiglu(gate_up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """silu(gate) * up: gate_up float32 [T, 2F] (gate = [:, :F], up = [:, F:]) -> float32 [T, F]."""
     out = gated_out(gate_up, out)

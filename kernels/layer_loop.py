@@ -32,6 +32,7 @@ from ._rowwise import OPTS
 from .elementwise import rmsnorm_drive, swiglu_drive
 from .matmul import PAR_MIN_US, US_PER_BYTE, US_PER_TBLOCK, PackedWeight, gemm_marker
 from .moe import experts_drive, route_drive
+from .threads import on_kernel_thread
 
 _EMPTY = np.zeros(0, np.uint8)  # a mixture of experts' dense FFN slots
 _PACKED = types.Array(types.uint8, 1, "C", readonly=True)  # a PackedWeight's data (read-only once built)
@@ -199,6 +200,7 @@ def _layers(mk, w, x, positions, kvs, seq_starts, pos0, n_heads, n_kv, head_dim,
     return 0, -1
 
 
+@on_kernel_thread
 def run_layers(w: LayerWeights, x: np.ndarray, positions: np.ndarray, kvs: TypedList, seq_starts: np.ndarray,
                pos0: np.ndarray, shape: tuple[int, int, int], eps: float, rope: tuple, rope_swa: tuple,
                scale: float, attention: tuple[int, int], threads: int) -> tuple[int, int]:

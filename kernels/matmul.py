@@ -22,7 +22,7 @@ from . import _gemm_driver, _gemm_float, _pack
 from ._pack import RT
 from .ggml import BLOCK_BYTES, BLOCK_ELEMS, GGMLType, as_ggml_type, row_bytes
 from .quants import Q8Activations, dequantize_rows
-from .threads import cpu_features, get_threads
+from .threads import cpu_features, get_threads, on_kernel_thread
 
 __all__ = ["PackedWeight", "pack_weight", "concat_rows", "linear", "linear_q", "padded_out", "embed_rows",
            "packed_rows",
@@ -100,6 +100,7 @@ def _nch(n_tiles: int) -> int:
     return max(1, min(get_threads(), n_tiles))
 
 
+@on_kernel_thread
 def pack_weight(raw: np.ndarray, qtype: GGMLType | int, n_out: int, n_in: int) -> PackedWeight:
     """Repack a GGUF tensor (uint8 [n_out, row_bytes] for Q4_0/Q8_0; float16/float32 [n_out, n_in]
     for F16/F32, as gguf.GGUFReader gives it) into the kernels' layout.  The result is a copy."""
@@ -170,6 +171,7 @@ def padded_out(T: int, n_out: int) -> np.ndarray:
 _NO_Q, _NO_D, _NO_S = np.empty((0, 0, 32), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0), np.int32)
 
 
+@on_kernel_thread
 def linear(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """x float32 [T, n_in] (C-contiguous) -> float32 [T, n_out] = x @ W.T (into ``out`` if given:
     C-contiguous float32 [T, m >= n_out], whose columns n_out.. are left as they are; see
@@ -196,6 +198,7 @@ def linear(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.
     return out
 
 
+@on_kernel_thread
 def linear_q(w: PackedWeight, qx: Q8Activations, out: np.ndarray | None = None) -> np.ndarray:
     """``linear`` with activations already quantized (one quantization shared by several weights
     that read the same input).  Q4_0 / Q8_0 weights only."""

@@ -32,7 +32,7 @@ from ._router_ir import GROUP, logits4
 from ._rowwise import OPTS
 from .elementwise import softmax_drive, swiglu_drive
 from .matmul import PackedWeight, gemm_marker
-from .threads import get_threads
+from .threads import get_threads, on_kernel_thread
 
 WEIGHT_SUM_MIN = np.float32(6.103515625e-5)  # ggml_clamp of the selected weights' sum (llama.cpp)
 LANES = 16  # the router's dot products: float32 lanes, as a 512-bit vector holds them
@@ -268,6 +268,7 @@ class ExpertWeights:
         return self.gate_up[0].nbytes + self.down[0].nbytes
 
 
+@on_kernel_thread
 def route(h: np.ndarray, w: ExpertWeights, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(experts int32 [T, k], weights float32 [T, k]) of h float32 [T, d] (C-contiguous)."""
     _check_h(h, w)
@@ -280,6 +281,7 @@ def route(h: np.ndarray, w: ExpertWeights, k: int) -> tuple[np.ndarray, np.ndarr
     return ids, wts
 
 
+@on_kernel_thread
 def moe_ffn(h: np.ndarray, w: ExpertWeights, k: int) -> np.ndarray:
     """The FFN of a mixture of experts on h float32 [T, d] (the FFN norm's output) -> float32 [T, d]."""
     ids, wts = route(h, w, k)

@@ -22,7 +22,7 @@ from numba import njit, prange
 
 from ._f16 import f16_to_f32, f32_to_f16_array
 from ._llvm import quant_block_q8
-from .threads import get_threads
+from .threads import get_threads, on_kernel_thread
 
 _OPTS = dict(cache=True, nogil=True, error_model="numpy", boundscheck=False)
 QK = 32
@@ -169,6 +169,7 @@ def _nch(n_rows: int) -> int:
     return max(1, min(get_threads(), n_rows))
 
 
+@on_kernel_thread
 def quantize_q4_0(x: np.ndarray) -> np.ndarray:
     """float [N, K] (K % 32 == 0; converted to float32) -> uint8 [N, K//32*18] GGUF Q4_0 rows,
     bit-exact with ``gguf.quants.quantize(x, Q4_0)``."""
@@ -179,6 +180,7 @@ def quantize_q4_0(x: np.ndarray) -> np.ndarray:
     return out
 
 
+@on_kernel_thread
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     """float [N, K] (K % 32 == 0) -> uint8 [N, K//32*34] GGUF Q8_0 rows, bit-exact with gguf.quants."""
     x = _as_rows(x, "quantize_q8_0")
@@ -199,11 +201,13 @@ def _dequantize(raw: np.ndarray, bsz: int, qk: int, name: str) -> np.ndarray:
     return out
 
 
+@on_kernel_thread
 def dequantize_q4_0(raw: np.ndarray) -> np.ndarray:
     """uint8 [N, nb*18] Q4_0 rows -> float32 [N, nb*32], bit-exact with gguf.quants.dequantize."""
     return _dequantize(raw, 18, 4, "dequantize_q4_0")
 
 
+@on_kernel_thread
 def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
     """uint8 [N, nb*34] Q8_0 rows -> float32 [N, nb*32], bit-exact with gguf.quants.dequantize."""
     return _dequantize(raw, 34, 8, "dequantize_q8_0")
@@ -237,6 +241,7 @@ def empty_activations(n_tokens: int, n_in: int) -> Q8Activations:
 PAR_QUANT_MIN_ROWS = 32
 
 
+@on_kernel_thread
 def quantize_activations(x: np.ndarray) -> Q8Activations:
     """float32 [T, K] (C-contiguous, K % 32 == 0) -> Q8Activations (llama.cpp's quantize_row_q8_0
     per row, float32 scales)."""

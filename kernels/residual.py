@@ -23,9 +23,10 @@ from .ggml import GGMLType
 from .matmul import PackedWeight, linear_q, padded_out
 from .quants import QK, Q8Activations, quantize_activations
 from .refine_rule import REFINE_MARGIN, REFINE_TOP
-from .threads import get_threads
+from .threads import get_threads, on_kernel_thread
 
 
+@on_kernel_thread
 def quantize_two_level(x: np.ndarray) -> tuple[Q8Activations, Q8Activations]:
     """x float32 [T, K] -> (first, second): the Q8_0 quantization of x, then that of its rounding
     error x - d1*q1 (computed in float32: d1*q1 is exact, the subtraction rounds once)."""
@@ -44,6 +45,7 @@ def _check(w: PackedWeight, x: np.ndarray) -> None:
         raise ValueError(f"linear_residual: needs Q4_0 or Q8_0 weights, got {w.qtype.name}")
 
 
+@on_kernel_thread
 def linear_residual(w: PackedWeight, x: np.ndarray, margin: float = REFINE_MARGIN,
                     top: int = REFINE_TOP, counts: np.ndarray | None = None) -> np.ndarray:
     """x float32 [T, n_in] -> float32 [T, n_out] = x @ W.T: one-level Q8_0 activations for every

@@ -1,4 +1,5 @@
-"""The thread budget shared by every parallel kernel, and the CPU's instruction-set features.
+"""The thread budget shared by every parallel kernel, the one thread that starts them
+(``on_kernel_thread``), and the CPU's instruction-set features.
 
 Kernels split their work into ``get_threads()`` chunks (the gemm's ranges give up their tail to
 threads that finish early: ``_steal``) and run them in numba's pool; the budget is process-wide
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import queue
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -65,31 +67,97 @@ def cpu_features() -> frozenset[str]:
     return frozenset(_CPUINFO_NAMES.get(name, name) for name, on in feats.items() if on)
 
 
-def in_own_thread(fn: Callable[[], T]) -> T:
-    """Run ``fn`` in a short-lived thread and return its result (or raise its exception).
+class _KernelThread:
+    """The one thread that runs the process's parallel kernels; see ``on_kernel_thread``."""
 
-    Why: with numba's OpenMP layer, every thread that starts a parallel region gets its own libgomp
-    team, and the team lives as long as that thread.  Once the teams' threads together outnumber the
-    cores, libgomp stops spinning between regions (its "throttled" spin count) and every region pays
-    a futex wake-up: measured on 2 cores, a decode step from an engine thread went from 4.3 ms to
-    11 ms when the main thread had run one parallel kernel at load, and a daemon under 64 clients
-    left a third of a core idle in those wake-ups.  Running one-off parallel work (repacking weights,
-    the daemon's warm-up and calibration at load) in a thread that then exits leaves the team to the
-    thread that steps the model.
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # (a daemon thread: a Ctrl-C that interrupts a caller's wait does not keep the process for the rest)
+        self._thread = threading.Thread(target=self._serve, name="weave-kernels", daemon=True)
+        self._thread.start()
+        self.ident = self._thread.ident
+
+    def _serve(self) -> None:
+        while True:
+            fn, box, done = self._jobs.get()
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:  # handed to the caller
+                box.append((False, exc))
+            # dropped before the caller resumes: holding the job until the next one would keep its
+            # arguments alive - a session's KV (its mapping and file) must go when its owner drops it
+            del fn, box
+            done.release()
+
+    def run(self, fn: Callable[[], T]) -> T:
+        done = threading.Lock()
+        done.acquire()
+        box: list = []
+        self._jobs.put((fn, box, done))
+        done.acquire()  # released by the kernel thread once fn has run
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+
+_kernel_thread: _KernelThread | None = None
+_ident = 0  # the kernel thread's get_ident() once started
+_start_lock = threading.Lock()
+
+
+def _reset_after_fork() -> None:  # a forked child has none of its parent's threads
+    global _kernel_thread, _ident, _start_lock
+    _kernel_thread, _ident, _start_lock = None, 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def kernel_thread_ident() -> int:
+    """``threading.get_ident()`` of the kernel thread (started on first use)."""
+    global _kernel_thread, _ident
+    if _kernel_thread is None:
+        with _start_lock:
+            if _kernel_thread is None:
+                _kernel_thread = _KernelThread()
+                _ident = _kernel_thread.ident
+    return _ident
+
+
+def run_on_kernel_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` run on the kernel thread (at once when called from it, or when numba's pool has one
+    thread: its regions start no other threads to keep spinning); its result, or its exception."""
+    if threading.get_ident() == _ident or max_threads() == 1:
+        return fn()
+    kernel_thread_ident()
+    return _kernel_thread.run(fn)
+
+
+def on_kernel_thread(fn: Callable[..., T]) -> Callable[..., T]:
+    """Decorate a function that runs parallel kernels so that its every call runs on the kernel thread.
+
+    Why one thread: with numba's OpenMP layer, every thread that starts a parallel region gets its own
+    libgomp team, and the team lives as long as that thread.  Once the teams' threads together
+    outnumber the cores, libgomp stops spinning between regions (its "throttled" spin count) and every
+    region pays a futex wake-up: measured on 2 cores, a decode step from an engine thread went from
+    4.3 ms to 11 ms when the main thread had run one parallel kernel at load, a daemon under 64 clients
+    left a third of a core idle in those wake-ups, and a second thread that had run one forward slowed
+    another's single-stream decode by a sixth.  A daemon steps its pools, repacks weights, warms up,
+    samples and serves its federation peers from several threads, and tests call kernels from theirs;
+    every public function of the kernels that starts a parallel region carries this decorator, and so
+    do coarser entry points above them (the CPU backend's forward and its pieces, federation's layer
+    runs and partial attention: one hand-off for many kernels), so every region starts from one
+    thread and the process has one team.  A call made on the kernel thread runs at once (entry points nest); a call
+    from another thread waits for the thread, which runs one caller's call at a time - on shared cores
+    that is what the regions would do anyway.  The hand-off is two thread switches (~20 us, within
+    the noise of a 7 ms SmolLM2 decode step).
     """
-    box: list = []
 
-    def run() -> None:
-        try:
-            box.append((True, fn()))
-        except BaseException as exc:  # handed to the caller
-            box.append((False, exc))
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if threading.get_ident() == _ident:  # (the common case, nested entry points: ~0.1 us)
+            return fn(*args, **kwargs)
+        return run_on_kernel_thread(functools.partial(fn, *args, **kwargs))
 
-    # (a daemon thread: a Ctrl-C that interrupts the caller's wait does not keep the process for the rest)
-    t = threading.Thread(target=run, name="weave-kernels-once", daemon=True)
-    t.start()
-    t.join()
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value
+    return call

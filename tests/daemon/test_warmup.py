@@ -6,7 +6,9 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 from numba import njit
+from weaved.kernels.threads import kernel_thread_ident, max_threads
 
 from weaved.backends.base import Logits, SeqChunk
 from weaved.backends.cpu import CPUBackend
@@ -64,27 +66,29 @@ def test_warm_up_touches_no_state_a_session_sees(tiny_qwen3):
     np.testing.assert_array_equal(before, after)
 
 
-def test_loading_a_daemon_runs_no_kernel_on_the_loading_thread(tiny_llama, tmp_path, monkeypatch):
-    """The warm-up and the calibration step the model at load: on a thread that then ends.  A thread that
-    has run a parallel kernel keeps its own team of kernel threads for its life, and with two teams on
-    the cores the engine's regions stop spinning and sleep at every boundary (kernels.threads.in_own_thread)."""
+@pytest.mark.skipif(max_threads() == 1, reason="numba's pool has one thread: kernels run on their caller")
+def test_loading_a_daemon_runs_its_kernels_on_the_kernel_thread(tiny_llama, tmp_path, monkeypatch):
+    """The warm-up and the calibration step the model at load, from the loading thread: their kernels run
+    on the process's kernel thread, where the engine's steps run too.  A thread that has run a parallel
+    kernel keeps its own team of kernel threads for its life, and with two teams on the cores the
+    engine's regions stop spinning and sleep at every boundary (kernels.threads.on_kernel_thread)."""
     from weaved.config.load import load_profile
     from weaved.daemon.core import Daemon
 
     monkeypatch.setenv("WEAVE_CACHE_DIR", str(tmp_path / "cache"))  # (calibrated afresh: it steps the model)
-    where: list[threading.Thread] = []
-    real = CPUBackend.forward
+    where: list[int] = []
+    real = CPUBackend.embed  # (called by each forward, on the thread the forward runs on)
 
-    def spy(self, chunks):
-        where.append(threading.current_thread())
-        return real(self, chunks)
+    def spy(self, ids):
+        where.append(threading.get_ident())
+        return real(self, ids)
 
-    monkeypatch.setattr(CPUBackend, "forward", spy)
+    monkeypatch.setattr(CPUBackend, "embed", spy)
     d = Daemon(load_profile("cpu-only"), tiny_llama, data_dir=tmp_path / "data", log_fn=lambda m: None)
     said: list[str] = []
     d.load(progress=said.append)
     try:
         assert any("calibrat" in m for m in said) and len(where) > 10  # warmed up and calibrated here
-        assert threading.current_thread() not in where
+        assert set(where) == {kernel_thread_ident()} != {threading.get_ident()}
     finally:
         d.shutdown()

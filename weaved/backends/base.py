@@ -81,10 +81,10 @@ class Backend(ABC):
 
     @property
     def host_parallel(self) -> bool:
-        """Whether its steps run the host's parallel kernels on the calling thread.  That thread then owns
-        a team of kernel threads already, and other parallel host work on it (sampling a step's rows)
-        adds none; on any other engine thread a parallel region would start a team of its own, whose
-        threads would compete with the kernels' for the cores (``kernels.threads.in_own_thread``)."""
+        """Whether its steps run the host's parallel kernels (on the process's one kernel thread,
+        ``kernels.threads.on_kernel_thread``).  Its engine then samples a step's rows there too, in
+        parallel, between its own steps; an engine of any other backend samples on its own thread, one
+        row after another, rather than wait for the kernel thread behind the CPU pools' steps."""
         return False
 
     @abstractmethod

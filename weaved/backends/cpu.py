@@ -61,10 +61,11 @@ class CPUBackend(Backend):
         self.config = config
         self.gguf = gguf
         self.stats = BackendStats()
-        # repacking runs parallel kernels: in a thread of its own, so that the thread which later
-        # steps the model owns the only OpenMP team (kernels.threads.in_own_thread says why)
-        kthreads.in_own_thread(lambda: self._load(gguf, config, progress or (lambda done, total: None)))
+        self._load(gguf, config, progress or (lambda done, total: None))
 
+    # Every method that runs parallel kernels runs them on the process's one kernel thread
+    # (``kernels.threads.on_kernel_thread`` says why): repacking, the forward and its pieces.
+    @kthreads.on_kernel_thread
     def _load(self, gguf: GGUFFile, config: ModelConfig, progress: Callable[[int, int], None]) -> None:
         t = gguf.tensors
         cfg = config
@@ -155,6 +156,7 @@ class CPUBackend(Backend):
                       for L in self.layers if L.experts is not None)
         return sum(w.nbytes for w in mats) + experts + self.wout.nbytes
 
+    @kthreads.on_kernel_thread
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """Token embeddings of ``ids`` int32 [T] (checked against the vocabulary by the caller), times the
         model's embedding scale (gemma3: float32 sqrt(d_model)): float32 [T, d_model]."""
@@ -166,6 +168,7 @@ class CPUBackend(Backend):
             x *= np.float32(self.config.embed_scale)
         return x
 
+    @kthreads.on_kernel_thread
     def output(self, hs: np.ndarray) -> np.ndarray:
         """Logits of final-normed hidden rows hs float32 [n, d_model]: float32 [n, vocab], whose rows may
         be padded apart (``kernels.matmul.padded_out``)."""
@@ -178,6 +181,7 @@ class CPUBackend(Backend):
 
     # The two halves of a layer around attention: the forward below runs them with attention over each
     # sequence's own KV; federation's Q-Ring runs them with attention gathered around the ring.
+    @kthreads.on_kernel_thread
     def pre_attention(self, li: int, x: np.ndarray, positions: np.ndarray
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Layer ``li``'s attention norm, q|k|v product (+ biases, q/k norms) and rope on x float32
@@ -200,6 +204,7 @@ class CPUBackend(Backend):
         ke.rope(k, positions, self._ropes[li])
         return q, k, v
 
+    @kthreads.on_kernel_thread
     def post_attention(self, li: int, x: np.ndarray, att: np.ndarray) -> None:
         """Output product + residual, then the feed-forward block + residual, into x [T, d_model] in
         place; att float32 [T, n_heads, head_dim]."""
@@ -227,6 +232,7 @@ class CPUBackend(Backend):
             ka.attend(q, kvs, li, seq_starts, pos0, self.attn_scale, att, lse, self.config.layer_window(li))
             self.post_attention(li, x, att)
 
+    @kthreads.on_kernel_thread
     def forward(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
         if not chunks:
             return []

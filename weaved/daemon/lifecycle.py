@@ -79,7 +79,6 @@ class DaemonLifecycle:
         from weaved.daemon.pools import build_pools
         from weaved.daemon.rates import apply_rates
         from weaved.daemon.warmup import CompileWatch, warm_up
-        from weaved.kernels.threads import in_own_thread
         from weaved.kv.store import KVStore, model_fingerprint
         from weaved.model.default import cache_dir, served_name
         from weaved.model.loader import open_model
@@ -121,21 +120,17 @@ class DaemonLifecycle:
                                                       make_backend=make_backend, clock=self.clock)
             self.engines = {name: p.engine for name, p in self.pools.items()}
 
-            def measure() -> None:
-                if make_backend is None:  # the first request then finds them compiled
-                    for backend in {id(p.backend): p.backend for p in self.pools.values()
-                                    if p.config.backend == "cpu" and p.config.strategy == "standard"}.values():
-                        warm_up(backend, self.config.vocab_size)
-                calibrations = CalibrationStore(self.data_dir, cache_dir() / "calibration")
-                self.profile, self.rates = apply_rates(self.profile, self.pools, model_fingerprint(self.config),
-                                                       calibrations, say)
-                self.device_rates = [] if make_backend is not None else calibrate_devices(  # (a simulation's are
-                    self.pools, model_fingerprint(self.config), calibrations, say,  # modelled)
-                    step_target_s=self.profile.routing.step_target_s)
-
-            # the warm-up and the calibration run the kernels: on a thread that then ends, so that the
-            # thread stepping the model is the only one with a team of kernel threads (in_own_thread says why)
-            in_own_thread(measure)
+            # (the warm-up's and the calibration's kernels run on the process's kernel thread, as every step's do)
+            if make_backend is None:  # the first request then finds them compiled
+                for backend in {id(p.backend): p.backend for p in self.pools.values()
+                                if p.config.backend == "cpu" and p.config.strategy == "standard"}.values():
+                    warm_up(backend, self.config.vocab_size)
+            calibrations = CalibrationStore(self.data_dir, cache_dir() / "calibration")
+            self.profile, self.rates = apply_rates(self.profile, self.pools, model_fingerprint(self.config),
+                                                   calibrations, say)
+            self.device_rates = [] if make_backend is not None else calibrate_devices(  # (a simulation's are
+                self.pools, model_fingerprint(self.config), calibrations, say,  # modelled)
+                step_target_s=self.profile.routing.step_target_s)
         if not any(p.config.strategy == "standard" for p in self.pools.values()):
             raise WeaveError("the profile has no pool this daemon can run: "
                              + "; ".join(self.pool_notes or ["it names none with the standard strategy"]))

@@ -380,9 +380,9 @@ class BatchEngine:
         return generated
 
     def _draw_plain(self, work: list[Work], outs: list[np.ndarray], drafts: dict) -> dict[Sequence, int]:
-        """The tokens of the sequences that sample this step from their row alone, drawn together - on the
-        kernels' threads where this thread has them (``Backend.host_parallel``) - with the tokens one by one
-        would give (``sampling.sample_rows``)."""
+        """The tokens of the sequences that sample this step from their row alone, drawn together - in parallel
+        on the kernel thread when the backend's steps run there (``Backend.host_parallel``) - with the tokens
+        one by one would give (``sampling.sample_rows``)."""
         plain = [(w.seq, out[-1]) for w, out in zip(work, outs, strict=True)
                  if w.seq not in drafts and w.n_tokens == len(w.seq.pending) and len(out) and w.seq.plain_sample]
         if len(plain) < 2:

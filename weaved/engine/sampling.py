@@ -28,6 +28,7 @@ import numpy as np
 
 from weaved.engine.logit_edits import apply_logit_bias, apply_mask, apply_penalties
 from weaved.kernels.sample_chain import ALL_NEG_INF, GREEDY, chain_row, chain_rows, chain_rows_serial
+from weaved.kernels.threads import run_on_kernel_thread
 from weaved.kernels.topk import top_k_positions
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit for top_logprobs)
@@ -206,7 +207,10 @@ def sample_rows(samplers: Sequence[Sampler], rows: Sequence[np.ndarray], paralle
     us = np.fromiter((s.rng.random() if a[0] != GREEDY else 0.0 for s, a in zip(samplers, args, strict=True)),
                      np.float64, n)
     out = np.empty(n, np.int64)
-    (chain_rows if parallel else chain_rows_serial)(base, which, ks, top_ps, min_ps, inv_ts, us, out)
+    if parallel:  # (a parallel region: started from the process's one kernel thread)
+        run_on_kernel_thread(lambda: chain_rows(base, which, ks, top_ps, min_ps, inv_ts, us, out))
+    else:
+        chain_rows_serial(base, which, ks, top_ps, min_ps, inv_ts, us, out)
     return [int(t) if t >= 0 else None for t in out]
 
 

@@ -5,7 +5,8 @@ kernels and order of operations, so federation computes exactly what a single no
 a runner over all layers reproduces ``CPUBackend.forward`` bit for bit (tested), and a pipeline of
 runners reproduces it too (hidden states travel as float32, bit for bit).  The half-layers around
 attention are the backend's own ``pre_attention`` / ``post_attention``; the embedding and the logits
-read its attributes (``_emb_raw``, ``out_norm``, ``_logits``).
+read its attributes (``_emb_raw``, ``out_norm``, ``_logits``).  Whatever runs kernels runs on the process's
+one kernel thread (``kernels.threads.on_kernel_thread``), as the backend's own methods do.
 
 Stage-local KV: a stage keeps KV for its own layers only, in the standard layout with the layer axis
 counted from ``first`` (``[last - first, 2, n_kv_heads, capacity, head_dim]``).
@@ -19,6 +20,7 @@ from weaved.backends.base import Logits
 from weaved.backends.cpu import CPUBackend
 from weaved.kernels import attention as ka
 from weaved.kernels import elementwise as ke
+from weaved.kernels.threads import on_kernel_thread
 from weaved.kv.cache import KVCache
 
 
@@ -53,6 +55,7 @@ class LayerRunner:
             raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
         return self.backend.embed(ids)
 
+    @on_kernel_thread
     def logits(self, x_rows: np.ndarray) -> np.ndarray:
         """Final norm and output matrix for the given hidden rows: float32 [n, vocab] (the last stage)."""
         if len(x_rows) == 0:
@@ -75,6 +78,7 @@ class LayerRunner:
 
     # ---- the range with standard (single-node) attention -------------------------------------------------
 
+    @on_kernel_thread
     def run(self, x: np.ndarray, kvs, seq_starts: np.ndarray, pos0: np.ndarray) -> np.ndarray:
         """Layers [first, last) over a ragged batch, in place on x [T, d_model]: rows seq_starts[s] ..
         seq_starts[s+1]-1 belong to sequence s and sit at positions pos0[s] ...; their K/V rows go to
@@ -93,6 +97,7 @@ class LayerRunner:
             self.post_attention(li, x, att)
         return x
 
+    @on_kernel_thread
     def forward(self, kvs: list[KVCache], tokens: list[np.ndarray], logits: list[Logits] | None = None
                 ) -> list[np.ndarray]:
         """The whole model over a ragged batch, as ``CPUBackend.forward`` computes it (a runner over

@@ -17,6 +17,7 @@ import numba
 import numpy as np
 
 from weaved.kernels import attention as ka
+from weaved.kernels.threads import on_kernel_thread
 
 _SCRATCH_FLOATS = 1 << 22  # as the kernel module's bound on partial results held at once
 _SLICES = max(1, numba.config.NUMBA_NUM_THREADS)
@@ -52,6 +53,7 @@ class ShardBatch:
     def n_rows(self) -> int:
         return len(self.row_seq)
 
+    @on_kernel_thread  # (a parallel kernel: started from the one thread, kernels.threads says why)
     def attend(self, q: np.ndarray, layer: int, h0: int, h1: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
         """Rows' query heads of kv heads h0..h1-1, q float32 [T, (h1-h0) * G, D] (G query heads per
         kv head), over their shards at ``layer`` -> (out float32 [T, (h1-h0)*G, D], lse float32

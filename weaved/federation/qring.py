@@ -44,6 +44,7 @@ from weaved.federation.partial import merge
 from weaved.federation.ring_rows import Packet, StepRows
 from weaved.federation.ring_serve import HOME, RingServe
 from weaved.federation.shards import KVFactory, ShardTable, split_kv
+from weaved.kernels.threads import on_kernel_thread
 from weaved.kv.cache import KVCache
 from weaved.model.config import ModelConfig
 
@@ -232,8 +233,10 @@ class RingMember(RingServe):
         pend = P.broadcast_cmd(self.group, P.Cmd.STEP, len(chunks), rows.n_rows, self.heads_per_group, body=body)
         x = self.runner.embed(ids)  # [T, d_model]
         att = np.empty((rows.n_rows, cfg.n_heads, cfg.head_dim), np.float32)
+        qkv = self.runner.pre_attention(0, x, rows.positions)
         for li in range(cfg.n_layers):
-            self._home_layer(li, x, rows, att)
+            self._home_attention(li, *qkv, rows, att)
+            qkv = self._dense_between(li, x, att, rows.positions)
         wait_all(pend)
         starts = rows.starts[:-1]
         want = [wanted_rows(c.logits, int(s), int(m)) for c, s, m in zip(chunks, starts, rows.ns, strict=True)]
@@ -245,10 +248,20 @@ class RingMember(RingServe):
         st.seconds += time.perf_counter() - t0
         return split_rows(logits, [len(w) for w in want])
 
-    def _home_layer(self, li: int, x: np.ndarray, rows: StepRows, att: np.ndarray) -> None:
+    @on_kernel_thread
+    def _dense_between(self, li: int, x: np.ndarray, att: np.ndarray, positions: np.ndarray) -> tuple:
+        """Layer ``li`` after attention, then layer ``li + 1`` up to it (q, k, v; Nones after the last layer):
+        one call on the kernel thread, where the two would be two hand-offs (~20 us each)."""
+        self.runner.post_attention(li, x, att)
+        if li + 1 == self.config.n_layers:
+            return None, None, None
+        return self.runner.pre_attention(li + 1, x, positions)
+
+    def _home_attention(self, li: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, rows: StepRows,
+                        att: np.ndarray) -> None:
+        """Layer ``li``'s attention around the ring into att [T, H, D]: q [T, H, D], k and v [T, Hkv, D]."""
         cfg, n, hg = self.config, self.n, self.heads_per_group
         G, D, T = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, rows.n_rows
-        q, k, v = self.runner.pre_attention(li, x, rows.positions)  # [T, H, D], [T, Hkv, D] x2
         groups = [(h0, h0 + hg) for h0 in range(0, cfg.n_kv_heads, hg)]
         sends, rets = [], []
         if n > 1:  # every head group leaves at once; rank 1 starts on g0 while the rest is on the wire
@@ -270,7 +283,6 @@ class RingMember(RingServe):
                 out, lse = self._merge_back(out, lse, *rets[g])
             att[:, h0 * G : h1 * G] = out
         wait_all(sends)
-        self.runner.post_attention(li, x, att)
 
     def _merge_back(self, out: np.ndarray, lse: np.ndarray, ret: Packet, pending) -> tuple[np.ndarray, np.ndarray]:
         """Wait for a returning packet (timed: the ring time the overlap did not hide) and merge its
