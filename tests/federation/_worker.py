@@ -261,15 +261,15 @@ def _arm_failure(ctx: Ctx, at_step: int, how: str, n_layers: int) -> None:
         time.sleep(3600)  # hang: alive, connected, silent
 
     if ctx.rank == 0:
-        orig = RingMember._home_layer
+        orig = RingMember._home_attention
 
-        def home_layer(self, li, *a):
+        def home_attention(self, li, *a):
             state["layer_calls"] += 1
             if state["layer_calls"] == target:
                 fail()
             return orig(self, li, *a)
 
-        RingMember._home_layer = home_layer
+        RingMember._home_attention = home_attention
     else:
         orig_store = qring.StepRows.store
 

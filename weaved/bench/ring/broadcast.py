@@ -45,10 +45,10 @@ class BroadcastMember(RingMember):
         hg = self.heads_per_group
         return [(h0, h0 + hg) for h0 in range(0, self.config.n_kv_heads, hg)]
 
-    def _home_layer(self, li: int, x: np.ndarray, rows: StepRows, att: np.ndarray) -> None:
+    def _home_attention(self, li: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, rows: StepRows,
+                        att: np.ndarray) -> None:
         cfg, n, hg = self.config, self.n, self.heads_per_group
         G, D, T = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, rows.n_rows
-        q, k, v = self.runner.pre_attention(li, x, rows.positions)
         groups = self._groups()
         sends: list = []
         rets: list[list] = [[] for _ in groups]
@@ -61,13 +61,12 @@ class BroadcastMember(RingMember):
                 ret = Packet(T, hg * G, hg, D, with_qkv=False)
                 rets[g].append((ret, self.group.irecv(ret.buf, r, tag)))
         rows.store(li, 0, cfg.n_kv_heads, k, v)
-        for g, (h0, h1) in enumerate(groups):
-            out, lse = rows.batch.attend(np.ascontiguousarray(q[:, h0 * G : h1 * G]), li, h0, h1, self.scale)
+        for g, (out, lse) in enumerate(self._local_partials(li, q, groups, rows)):
             for ret, pending in rets[g]:  # the N partials merged once, here
                 out, lse = self._merge_back(out, lse, ret, pending)
+            h0, h1 = groups[g]
             att[:, h0 * G : h1 * G] = out
         wait_all(sends)
-        self.runner.post_attention(li, x, att)
 
     def _serve_step(self, rows: StepRows, hg: int) -> None:
         cfg, g = self.config, self.group
