@@ -148,10 +148,10 @@ def on_kernel_thread(fn: Callable[..., T]) -> Callable[..., T]:
     every public function of the kernels that starts a parallel region carries this decorator, and so
     do coarser entry points above them (the CPU backend's forward and its pieces, federation's layer
     runs and partial attention: one hand-off for many kernels), so every region starts from one
-    thread and the process has one team.  A call made on the kernel thread runs at once (entry points nest); a call
-    from another thread waits for the thread, which runs one caller's call at a time - on shared cores
-    that is what the regions would do anyway.  The hand-off is two thread switches (~20 us, within
-    the noise of a 7 ms SmolLM2 decode step).
+    thread and the process has one team.  A call made on the kernel thread runs at once (entry points
+    nest); a call from another thread waits for the thread, which runs one caller's call at a time -
+    on shared cores that is what the regions would do anyway.  The hand-off is two thread switches
+    (~20 us, within the noise of a 7 ms SmolLM2 decode step).
     """
 
     @functools.wraps(fn)
