@@ -13,8 +13,7 @@ import numpy as np
 from numba import njit, prange
 from weaved.kernels._attention_ir import f2h
 from weaved.kernels._rowwise import OPTS, PAR_MIN_SWIGLU, gated_out
-
-from .threads import on_kernel_thread
+from weaved.kernels.threads import on_kernel_thread
 
 GELU_COEF_A = np.float32(0.044715)
 SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)

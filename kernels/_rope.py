@@ -21,8 +21,7 @@ import math
 import numpy as np
 from numba import njit, prange
 from weaved.kernels._rowwise import OPTS, PAR_MIN_ROPE, check_f32
-
-from .threads import on_kernel_thread
+from weaved.kernels.threads import on_kernel_thread
 
 
 @njit(**OPTS)

@@ -28,8 +28,7 @@ from weaved.kernels._rope import (
     rotate64,
 )
 from weaved.kernels._rowwise import F1, INF32, OPTS, PAR_MIN_NORM, PAR_MIN_SWIGLU, check_f32, exp_f32, gated_out
-
-from .threads import on_kernel_thread
+from weaved.kernels.threads import on_kernel_thread
 
 # ---------------------------------------------------------------- RMSNorm
 

@@ -114,15 +114,19 @@ def _reset_after_fork() -> None:  # a forked child has none of its parent's thre
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def kernel_thread_ident() -> int:
-    """``threading.get_ident()`` of the kernel thread (started on first use)."""
+def _started() -> _KernelThread:
     global _kernel_thread, _ident
     if _kernel_thread is None:
         with _start_lock:
             if _kernel_thread is None:
                 _kernel_thread = _KernelThread()
                 _ident = _kernel_thread.ident
-    return _ident
+    return _kernel_thread
+
+
+def kernel_thread_ident() -> int:
+    """``threading.get_ident()`` of the kernel thread (started on first use)."""
+    return _started().ident
 
 
 def run_on_kernel_thread(fn: Callable[[], T]) -> T:
@@ -130,8 +134,7 @@ def run_on_kernel_thread(fn: Callable[[], T]) -> T:
     thread: its regions start no other threads to keep spinning); its result, or its exception."""
     if threading.get_ident() == _ident or max_threads() == 1:
         return fn()
-    kernel_thread_ident()
-    return _kernel_thread.run(fn)
+    return _started().run(fn)
 
 
 def on_kernel_thread(fn: Callable[..., T]) -> Callable[..., T]:
