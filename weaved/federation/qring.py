@@ -41,7 +41,7 @@ from weaved.federation import protocol as P
 from weaved.federation.comm import PeerGroup, PeerLost, wait_all
 from weaved.federation.layers import LayerRunner, split_rows, wanted_rows
 from weaved.federation.partial import merge
-from weaved.federation.ring_rows import Packet, StepRows
+from weaved.federation.ring_rows import Packet, StepRows, head_groups
 from weaved.federation.ring_serve import HOME, RingServe
 from weaved.federation.shards import KVFactory, ShardTable, split_kv
 from weaved.kernels.threads import on_kernel_thread
@@ -263,7 +263,7 @@ class RingMember(RingServe):
         (the per-layer exchange; a subclass that exchanges otherwise replaces this)."""
         cfg, n, hg = self.config, self.n, self.heads_per_group
         G, D, T = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, rows.n_rows
-        groups = [(h0, h0 + hg) for h0 in range(0, cfg.n_kv_heads, hg)]
+        groups = head_groups(cfg.n_kv_heads, hg)
         sends, rets = [], []
         if n > 1:  # every head group leaves at once; rank 1 starts on g0 while the rest is on the wire
             for g, (h0, h1) in enumerate(groups):

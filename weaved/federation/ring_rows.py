@@ -10,6 +10,11 @@ from weaved.federation.protocol import ProtocolError
 from weaved.federation.shards import ShardTable, shard_length
 
 
+def head_groups(n_kv_heads: int, per_group: int) -> list[tuple[int, int]]:
+    """The kv heads [h0, h1) of each travelling head group, ``per_group`` heads a group, in order."""
+    return [(h0, h0 + per_group) for h0 in range(0, n_kv_heads, per_group)]
+
+
 class StepRows:
     """The rows of one step (session s contributes ns[s] tokens at positions pos0[s] ...) as seen by
     ``table``'s rank: the shards they attend, the rows it must store, the key count of each row."""

@@ -8,7 +8,7 @@ import numpy as np
 from weaved.federation import protocol as P
 from weaved.federation.comm import PeerGroup, wait_all
 from weaved.federation.partial import merge
-from weaved.federation.ring_rows import Packet, StepRows
+from weaved.federation.ring_rows import Packet, StepRows, head_groups
 from weaved.federation.shards import ShardTable, shard_length
 from weaved.model.config import ModelConfig
 
@@ -81,7 +81,7 @@ class RingServe:
     def _serve_step(self, rows: StepRows, hg: int) -> None:
         cfg, g, n, r = self.config, self.group, self.n, self.group.rank
         G, D, T = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, rows.n_rows
-        groups = [(h0, h0 + hg) for h0 in range(0, cfg.n_kv_heads, hg)]
+        groups = head_groups(cfg.n_kv_heads, hg)
         nxt = (r + 1) % n
         for li in range(cfg.n_layers):
             pks = [Packet(T, hg * G, hg, D) for _ in groups]

@@ -23,7 +23,7 @@ import numpy as np
 from weaved.federation import protocol as P
 from weaved.federation.comm import wait_all
 from weaved.federation.qring import RingMember
-from weaved.federation.ring_rows import Packet, StepRows
+from weaved.federation.ring_rows import Packet, StepRows, head_groups
 from weaved.federation.ring_serve import HOME
 
 
@@ -41,15 +41,11 @@ class _Query:
 class BroadcastMember(RingMember):
     """A ``RingMember`` whose steps broadcast the queries and merge once at home."""
 
-    def _groups(self) -> list[tuple[int, int]]:
-        hg = self.heads_per_group
-        return [(h0, h0 + hg) for h0 in range(0, self.config.n_kv_heads, hg)]
-
     def _home_attention(self, li: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, rows: StepRows,
                         att: np.ndarray) -> None:
         cfg, n, hg = self.config, self.n, self.heads_per_group
         G, D, T = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, rows.n_rows
-        groups = self._groups()
+        groups = head_groups(cfg.n_kv_heads, hg)
         sends: list = []
         rets: list[list] = [[] for _ in groups]
         for g, (h0, h1) in enumerate(groups if n > 1 else ()):  # every head group to every member at once
@@ -71,7 +67,7 @@ class BroadcastMember(RingMember):
     def _serve_step(self, rows: StepRows, hg: int) -> None:
         cfg, g = self.config, self.group
         G, D, T = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, rows.n_rows
-        groups = [(h0, h0 + hg) for h0 in range(0, cfg.n_kv_heads, hg)]
+        groups = head_groups(cfg.n_kv_heads, hg)
         for li in range(cfg.n_layers):
             msgs = [_Query(T, hg * G, hg, D) for _ in groups]
             recvs = [g.irecv(m.buf, HOME, P.TAG_RING + li * len(groups) + j) for j, m in enumerate(msgs)]
