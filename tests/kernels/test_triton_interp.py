@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-# two processes (about 4 and 1.5 minutes in the interpreter on a 2-core Intel VM), each within its own
+# two processes (about 3 minutes and 1 in the interpreter on a 2-core Intel VM), each within its own
 # time limit
 CASES = [("triton_interp_cases.py", "triton_router_cases.py"),
          ("triton_graphs_cases.py", "triton_rowwise_cases.py", "triton_attention_cases.py", "triton_fused_cases.py")]

@@ -8,6 +8,8 @@ then), so it must be set before anything in the process imports triton.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -84,17 +86,30 @@ def test_argument_checks(tt):
     assert tt.linear_q(w, tq.quantize_act(torch.zeros((0, 64)))).shape == (0, 8)
 
 
-@pytest.mark.parametrize("model", ["tiny_qwen2", "tiny_gemma3", "tiny_qwen3moe"])
-def test_torch_backend_on_the_triton_path(tt, model, request, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_gemma3_w8(tmp_path_factory) -> Path:
+    """``tiny_gemma3`` with a window of 8 positions: the interpreter runs every program of the attention's
+    grid in Python, so the windows bite within a third of the tokens the session's model needs."""
+    from tests.tiny_models import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "gemma3-w8.gguf", "gemma3", n_layers=7, head_dim=32,
+                           rope_base=1e6, window=8, output_norm_scale=4.0)
+
+
+@pytest.mark.parametrize(("model", "n", "cut"), [("tiny_qwen2", 28, 22), ("tiny_gemma3_w8", 12, 9),
+                                                 ("tiny_qwen3moe", 28, 22)])
+def test_torch_backend_on_the_triton_path(tt, model, n, cut, request, monkeypatch):
     """The backend with every op on Triton (products, row-wise ops, paged attention): the torch path's
-    logits bit for bit (with the interpreter's fma rounding once, as a GPU's), and batch invariant.
-    Gemma 3's sliding windows bite from position 24 on; qwen3moe routes to experts (Triton's router)."""
+    logits bit for bit (with the interpreter's fma rounding once, as a GPU's), and batch invariant
+    (``n`` tokens, then the first ``cut`` of them and the rest beside another sequence).  Gemma 3's
+    sliding windows bite from position 8 on, on both sides of the cut, and layer 5 attends globally;
+    qwen3moe routes to experts (Triton's router)."""
     from tests.oracles import mean_kl, top1_agreement
     from weaved.backends.base import Logits, SeqChunk
     from weaved.backends.torch import TorchBackend
 
     path = request.getfixturevalue(model)
-    tokens = (np.arange(28, dtype=np.int32) * 37 + 5) % 400
+    tokens = (np.arange(n, dtype=np.int32) * 37 + 5) % 400
     ref = TorchBackend.from_file(path, threads=1)
     monkeypatch.setenv("WEAVE_TORCH_KERNELS", "triton")
     be = TorchBackend.from_file(path, threads=1)
@@ -104,9 +119,9 @@ def test_torch_backend_on_the_triton_path(tt, model, request, monkeypatch):
     got = be.forward([SeqChunk(be.new_kv(64), tokens, Logits.ALL)])[0]
     assert np.array_equal(want, got), (mean_kl(want, got), top1_agreement(want, got))
     kv = be.new_kv(64)
-    be.forward([SeqChunk(kv, tokens[:22], Logits.NONE)])
-    rows = be.forward([SeqChunk(be.new_kv(8), tokens[:2]), SeqChunk(kv, tokens[22:], Logits.ALL)])[1]
-    assert np.array_equal(rows, got[22:])
+    be.forward([SeqChunk(kv, tokens[:cut], Logits.NONE)])
+    rows = be.forward([SeqChunk(be.new_kv(8), tokens[:2]), SeqChunk(kv, tokens[cut:], Logits.ALL)])[1]
+    assert np.array_equal(rows, got[cut:])
 
 
 @pytest.mark.parametrize("qtype", [tq.Q4_0, tq.Q8_0])
