@@ -53,6 +53,10 @@ def test_a_first_daemon_calibrates_and_later_ones_read_the_result(tiny_llama, tm
         assert pool.engine.config.step_cost is cost and pool.engine.config.step_target_s == pytest.approx(0.08)
         shown = next(p for p in d.status()["pools"] if p["name"] == "cpu")
         assert shown["step_model_scale"] == 1.0  # nothing run yet: as calibrated
+        assert pool.state(free_kv_tokens=1000).step_cost is cost
+        pool.engine.step_drift.factor = 2.0  # steps running at twice the model: the router sees it too
+        seen = pool.state(free_kv_tokens=1000).step_cost
+        assert seen.to_dict() == cost.scaled(2.0).to_dict() and pool.engine.step_cost_now().to_dict() == seen.to_dict()
     finally:
         d.shutdown()
     again = _daemon(tiny_llama, tmp_path / "b")  # another data directory on this host: nothing measured

@@ -19,6 +19,7 @@ import numpy as np
 
 from weaved.backends.base import Backend, Logits, SeqChunk
 from weaved.bursts import burst
+from weaved.calibration.cost import StepCost
 from weaved.engine.admission import Capacity, Refusal, judge
 from weaved.engine.sampling import sample_rows
 from weaved.engine.scheduler import SchedulerConfig, Work, schedule
@@ -148,17 +149,19 @@ class BatchEngine:
             return None
         with self._cond:
             live = list(self._active) + list(self._incoming)
-        cfg = self.config
-        step = (self.step_drift.scaled(cfg.step_cost), cfg.step_target_s) \
-            if cfg.step_cost is not None and cfg.step_target_s else None
-        return judge(live, seq, self.capacity, self._clock(), step)
+        cost, target = self.step_cost_now(), self.config.step_target_s
+        return judge(live, seq, self.capacity, self._clock(), (cost, target) if cost is not None and target else None)
+
+    def step_cost_now(self) -> StepCost | None:
+        """The pool's step model as the host runs it now (``step_drift``), or None before calibration: what
+        the scheduler, admission and the router predict steps with."""
+        cost = self.config.step_cost
+        return None if cost is None else self.step_drift.scaled(cost)
 
     def _scheduling(self) -> SchedulerConfig:
         """The scheduler's configuration with the step model as the host runs it now."""
-        cfg = self.config
-        if cfg.step_cost is None or self.step_drift.factor == 1.0:
-            return cfg
-        return dataclasses.replace(cfg, step_cost=self.step_drift.scaled(cfg.step_cost))
+        cfg, cost = self.config, self.step_cost_now()
+        return cfg if cost is cfg.step_cost else dataclasses.replace(cfg, step_cost=cost)
 
     def cancel(self, session_id: str) -> None:
         with self._cond:
