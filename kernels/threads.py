@@ -94,11 +94,15 @@ class _KernelThread:
         done.acquire()
         box: list = []
         self._jobs.put((fn, box, done))
+        del fn  # (a raised exception's traceback holds this frame: it must not keep the job's arguments)
         done.acquire()  # released by the kernel thread once fn has run
-        ok, value = box[0]
-        if not ok:
+        ok, value = box.pop()
+        if ok:
+            return value
+        try:
             raise value
-        return value
+        finally:  # nor the exception itself: exception -> traceback -> this frame -> exception is a cycle
+            del value
 
 
 _kernel_thread: _KernelThread | None = None
@@ -119,8 +123,11 @@ def _started() -> _KernelThread:
     if _kernel_thread is None:
         with _start_lock:
             if _kernel_thread is None:
-                _kernel_thread = _KernelThread()
-                _ident = _kernel_thread.ident
+                started = _KernelThread()
+                # its ident first: a thread that sees the thread published may hand it a job at once, and
+                # the job's nested calls must find themselves on the kernel thread
+                _ident = started.ident
+                _kernel_thread = started
     return _kernel_thread
 
 

@@ -130,3 +130,68 @@ def test_a_calls_arguments_are_not_kept_once_it_returns():
     assert run_on_kernel_thread(functools.partial(id, arg)) == id(arg)
     del arg
     assert gone() is None
+
+
+@needs_a_pool
+def test_a_failed_calls_arguments_are_not_kept_once_it_is_handled():
+    """Nor through the exception: it comes back without a reference cycle that would keep the call's
+    arguments until the garbage collector runs."""
+    import gc
+
+    class Arg:
+        pass
+
+    def fail(arg: Arg) -> None:
+        raise ValueError("bad shape")
+
+    arg = Arg()
+    gone = weakref.ref(arg)
+    gc.disable()
+    try:
+        with pytest.raises(ValueError, match="bad shape"):
+            run_on_kernel_thread(functools.partial(fail, arg))
+        del arg
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
+_START_RACE = """
+import sys, threading, time
+from weaved.kernels import threads as kt
+
+@kt.on_kernel_thread
+def inner():
+    return "nested"
+
+@kt.on_kernel_thread
+def outer():  # an entry point that calls another (the backend's forward, its embedding)
+    return inner()
+
+def slow_start():  # the starting thread loses its core after every line of the start
+    def tracer(frame, event, arg):
+        if frame.f_code is kt._started.__code__:
+            return lambda f, e, a: time.sleep(0.2) if e == "line" else None
+    sys.settrace(tracer)
+    kt.kernel_thread_ident()
+
+threading.Thread(target=slow_start, daemon=True).start()
+while kt._kernel_thread is None:  # the first moment another thread can see the kernel thread
+    time.sleep(0.0005)
+got = []
+t = threading.Thread(target=lambda: got.append(outer()), daemon=True)
+t.start()
+t.join(10)
+print(got[0] if got else "hung")
+"""
+
+
+@needs_a_pool
+def test_a_thread_that_sees_the_kernel_thread_starting_hands_it_work_that_nests():
+    """A job handed over while the starting thread is still inside the start: its nested calls run on
+    the kernel thread at once (had the thread been published before its identity, they would have
+    been queued behind the job itself, and every call of the process would wait forever)."""
+    out = subprocess.run([sys.executable, "-c", _START_RACE], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "NUMBA_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "nested"
