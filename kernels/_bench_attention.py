@@ -17,6 +17,7 @@ import time
 import numba
 import numpy as np
 from weaved.kernels.attention import attend, kv_list, kv_store
+from weaved.kernels.threads import run_on_kernel_thread
 
 N_LAYERS, N_HEADS, N_KV, HEAD_DIM = 30, 9, 3, 64
 
@@ -53,7 +54,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=numba.get_num_threads())
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
-    numba.set_num_threads(args.threads)
+    # numba's count is per thread, and the kernels' regions start on the kernel thread
+    run_on_kernel_thread(lambda: numba.set_num_threads(args.threads))
     rng = np.random.default_rng(0)
     print(f"SmolLM2-135M attention, {N_LAYERS} layers, {args.threads} thread(s), best of {args.repeat}")
     for ctx in (128, 2000, 8000):

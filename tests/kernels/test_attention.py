@@ -7,6 +7,7 @@ import numba
 import numpy as np
 import pytest
 from weaved.kernels import attention as A
+from weaved.kernels.threads import run_on_kernel_thread
 
 N_LAYERS = 2
 LAYER = 1
@@ -127,12 +128,13 @@ def test_rows_are_bit_identical_across_batch_compositions(monkeypatch):
     order = [3, 0, 4, 2, 1]
     q2 = np.concatenate([q[starts[s]:starts[s + 1]] for s in order])
     monkeypatch.setattr(A, "_SLICES", 7)
-    prev = numba.get_num_threads()
-    numba.set_num_threads(1)
+    # (numba's thread count is its calling thread's: the kernels' regions start on the kernel thread)
+    prev = run_on_kernel_thread(numba.get_num_threads)
+    run_on_kernel_thread(lambda: numba.set_num_threads(1))
     try:
         o2, l2 = run_attend(q2, [kvs[s] for s in order], [seqs[s] for s in order], 0.125)
     finally:
-        numba.set_num_threads(prev)
+        run_on_kernel_thread(lambda: numba.set_num_threads(prev))
     assert np.array_equal(o2, np.concatenate([out[starts[s]:starts[s + 1]] for s in order]))
     assert np.array_equal(l2, np.concatenate([lse[starts[s]:starts[s + 1]] for s in order]))
 

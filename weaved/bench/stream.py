@@ -12,6 +12,8 @@ import time
 import numpy as np
 from numba import njit, prange, uint64
 
+from weaved.kernels.threads import on_kernel_thread
+
 STREAM_BYTES = 1 << 30  # far above any last-level cache
 
 
@@ -34,6 +36,7 @@ def _max_lanes(a, nch):
     return parts.max()
 
 
+@on_kernel_thread  # (the process's parallel regions start from one thread: ``on_kernel_thread``)
 def stream_gbs(threads: int, nbytes: int = STREAM_BYTES, passes: int = 5) -> float:
     """Best read rate over ``passes`` passes of a ``nbytes`` buffer with ``threads`` threads."""
     a = np.ones(nbytes // 4 // 64 * 64, np.int32)
