@@ -2,8 +2,11 @@
 
 At a few thousand positions a 128k-262k vocabulary's logits take gigabytes per engine, so each side
 reduces its logits to two numbers per position as they come: the log-probability of the actual next
-token and the top-1 token.  The yardstick is llama.cpp against itself - the same file with flash
-attention on and off - since exact equality is not the bar (its own paths disagree at near-ties).
+token and the top-1 token.  Over a long text llama.cpp computes the logits of every ``every``-th
+position only: its output projection over the whole vocabulary at every position was half of what a
+shape cut to a few layers cost it, and a thousand positions measure the agreement as well.  The
+yardstick is llama.cpp against itself - the same file with flash attention on and off - since exact
+equality is not the bar (its own paths disagree at near-ties).
 """
 
 from __future__ import annotations
@@ -27,37 +30,65 @@ class TokenStats:
     def top1_agreement(self, other: TokenStats) -> float:
         return float(np.mean(self.top1 == other.top1))
 
+    def every(self, step: int) -> TokenStats:
+        """The positions 0, step, 2 step, ... (those ``llama_stats(..., every=step)`` computes)."""
+        return TokenStats(self.logprob[::step], self.top1[::step])
+
 
 def piece(tokenizer, token_id: int) -> str:
     """A token's text as the API reports it (its bytes decoded leniently)."""
     return tokenizer.token_bytes(int(token_id)).decode("utf-8", errors="replace")
 
 
-def stats_from_rows(rows, tokens: list[int], tokenizer, block: int = 256) -> TokenStats:
-    """TokenStats from ``rows`` ([>= T-1, vocab] logits, row t predicting token t+1), a block at a time."""
-    n = len(tokens) - 1
+def stats_from_rows(rows, nexts: list[int], tokenizer, block: int = 256) -> TokenStats:
+    """TokenStats from ``rows`` ([n, vocab] logits, row i predicting token ``nexts[i]``), a block at a time."""
+    n = len(nexts)
     lp, top = np.empty(n), np.empty(n, object)
     for a in range(0, n, block):
         z = np.asarray(rows[a:min(n, a + block)], dtype=np.float64)
         m = z.max(-1, keepdims=True)
         lse = (m + np.log(np.exp(z - m).sum(-1, keepdims=True)))[:, 0]
-        nxt = np.asarray(tokens[a + 1:a + 1 + len(z)])
+        nxt = np.asarray(nexts[a:a + len(z)])
         lp[a:a + len(z)] = z[np.arange(len(z)), nxt] - lse
         top[a:a + len(z)] = [piece(tokenizer, i) for i in z.argmax(-1)]
     return TokenStats(lp, top)
 
 
-def llama_stats(path: Path, tokens: list[int], tokenizer, flash_attn: bool) -> TokenStats:
-    """llama.cpp's teacher-forced TokenStats on the same file (one model at a time: its logits of every
-    position are the memory this costs)."""
+def llama_stats(path: Path, tokens: list[int], tokenizer, flash_attn: bool, every: int = 1) -> TokenStats:
+    """llama.cpp's teacher-forced TokenStats on the same file at positions 0, ``every``, 2 ``every``, ...:
+    the prompt is decoded in batches whose other positions ask for no logits (its C API's per-token
+    flag), so the output projection runs for the chosen positions alone."""
+    import llama_cpp
+
     from tests.oracles import llama_model
 
-    llm = llama_model(path, n_ctx=len(tokens) + 16, flash_attn=flash_attn)
+    n, n_batch = len(tokens) - 1, 512
+    want = range(0, n, every)
+    llm = llama_model(path, n_ctx=len(tokens) + 16, flash_attn=flash_attn, logits_all=False)
+    batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
     try:
-        llm.reset()
-        llm.eval(tokens)
-        return stats_from_rows(llm.scores, tokens, tokenizer)
+        vocab = llm.n_vocab()
+        rows = np.empty((len(want), vocab), np.float32)
+        k = 0
+        for a in range(0, len(tokens), n_batch):
+            chunk = tokens[a:a + n_batch]
+            batch.n_tokens = len(chunk)
+            outputs = []
+            for j, token in enumerate(chunk):
+                t = a + j
+                batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.seq_id[j][0] = token, t, 1, 0
+                batch.logits[j] = t < n and t % every == 0
+                if batch.logits[j]:
+                    outputs.append(j)
+            if llama_cpp.llama_decode(llm.ctx, batch) != 0:
+                raise RuntimeError(f"llama.cpp could not decode positions {a}-{a + len(chunk) - 1}")
+            for j in outputs:
+                rows[k] = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, j), shape=(vocab,))
+                k += 1
+        assert k == len(want)
+        return stats_from_rows(rows, [tokens[t + 1] for t in want], tokenizer)
     finally:
+        llama_cpp.llama_batch_free(batch)
         llm.close()
 
 
