@@ -7,6 +7,10 @@
   only the modification time of the file that defines a cached function, not of the modules its
   LLVM intrinsics and callees live in, so without it an edit to a helper module could leave stale
   machine code in use.
+* ``NUMBA_THREADING_LAYER_PRIORITY`` defaults to OpenMP first (numba's own order puts TBB first when
+  it is installed): the kernels' thread plan - one kernel thread starting every region, spinning
+  threads between regions, static splits with work stealing - was built and measured on numba's
+  OpenMP layer (``threads.on_kernel_thread``).  TBB, then numba's work queue, remain the fallbacks.
 * ``OPENBLAS_NUM_THREADS`` defaults to 1: OpenBLAS's spinning worker threads and numba's pool fight
   for the cores when both are active in one process (measured: millisecond stalls on 2 cores).  It
   only takes effect if numpy has not been imported yet.
@@ -18,6 +22,8 @@ import hashlib
 import os
 import sys
 from pathlib import Path
+
+LAYER_PRIORITY = ("omp", "tbb", "workqueue")
 
 
 def _source_digest() -> str:
@@ -44,6 +50,11 @@ def apply() -> None:
         numba_mod = sys.modules.get("numba")
         if numba_mod is not None:  # numba imported before us: its config has already read the environment
             numba_mod.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+    if not os.environ.get("NUMBA_THREADING_LAYER_PRIORITY"):
+        os.environ["NUMBA_THREADING_LAYER_PRIORITY"] = " ".join(LAYER_PRIORITY)
+        numba_mod = sys.modules.get("numba")
+        if numba_mod is not None:  # (read at its import; it picks a layer at the first parallel region)
+            numba_mod.config.THREADING_LAYER_PRIORITY = list(LAYER_PRIORITY)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 

@@ -195,3 +195,16 @@ def test_a_thread_that_sees_the_kernel_thread_starting_hands_it_work_that_nests(
                          env={**os.environ, "NUMBA_NUM_THREADS": "2"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-1] == "nested"
+
+
+def test_numbas_openmp_layer_comes_first_unless_the_environment_says_otherwise():
+    """The thread plan above is OpenMP's (numba's own order would take TBB first where it is installed)."""
+    import numba
+
+    if os.environ.get("NUMBA_THREADING_LAYER_PRIORITY", "omp tbb workqueue") == "omp tbb workqueue":
+        assert numba.config.THREADING_LAYER_PRIORITY == ["omp", "tbb", "workqueue"]
+    out = subprocess.run([sys.executable, "-c", "import numba, weaved.kernels.threads; "
+                          "print(' '.join(numba.config.THREADING_LAYER_PRIORITY))"],
+                         capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER_PRIORITY"})
+    assert out.returncode == 0 and out.stdout.split() == ["omp", "tbb", "workqueue"], out.stderr[-2000:]
