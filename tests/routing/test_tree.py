@@ -324,7 +324,7 @@ def test_a_ttft_target_on_promotion_is_predicted_for_the_next_turn():
 def test_demotion_moves_a_gpu_session_back_to_the_cpu():
     p = promote(ON_GPU, req(BG, prompt=3000), state(*HOST), TH)
     assert (p.decode_pool, p.prefill_pool, p.priority) == ("cpu", "cpu", PRIORITY[BG])
-    assert said(p, "freeing the GPU", "written back")
+    assert said(p, "freeing the GPU", "nothing is copied")
 
 
 def test_demotion_with_the_cpu_full_stays_on_the_gpu_at_lower_priority():

@@ -337,6 +337,6 @@ def promote(current: Placement, req: SessionRequest, state: SystemState, thresho
         return stay(prio, f"stays on GPU pool {here.name!r} at priority {prio}")
     if c is not None:
         reasons.append(f"moves from GPU pool {here.name!r} to CPU pool {c.describe()}, freeing the GPU (its "
-                       f"KV is written back to the session's file)")
+                       f"KV is already in the session's file: nothing is copied)")
         return Placement("standard", "standard", c.name, c.name, prio, tuple(reasons))
     return stay(prio, f"no CPU pool has room: stays on GPU pool {here.name!r} at priority {prio}")
