@@ -69,7 +69,7 @@ class Pool:
     def use_step_model(self, cost: StepCost, itl_target_s: float | None) -> None:
         """The backend's calibrated step-time model: the router predicts turns on this pool with it, and
         while an interactive turn decodes the scheduler keeps steps within ``itl_target_s`` by it (both
-        scaled by how the engine's steps run against it: ``BatchEngine.step_cost_now``)."""
+        scaled by how the engine's steps run against it: ``BatchEngine.step_drift``)."""
         self.step_cost = cost
         self.engine.config = dataclasses.replace(self.engine.config, step_cost=cost, step_target_s=itl_target_s)
 
@@ -94,7 +94,7 @@ class Pool:
                           queue_depth=len(waiting), queued_prefill_tokens=sum(len(s.pending) for s in waiting
                                                                                if s.prefilling),
                           device_kind=self.device_kind, context_tokens=sum(s.kv.length for s in running + waiting),
-                          step_cost=self.engine.step_cost_now(),
+                          step_cost=None if self.step_cost is None else self.engine.step_drift.scaled(self.step_cost),
                           step_s=self.engine.recent_step_s if running or waiting else 0.0,
                           lateness=self.engine.lateness, device_kv_tokens=device_tokens)
 
