@@ -15,6 +15,8 @@ from weaved.agent.plan import AnswerPlan, AnswerSpec
 from weaved.agent.tool_results import answered_calls, check_tool_results
 from weaved.daemon.session import Session
 from weaved.daemon.turns import (
+    Context,
+    TokensAhead,
     TurnHandle,
     chat_turn_tokens,
     check_fits,
@@ -65,6 +67,17 @@ class TurnStarts:
             info = self.create_session(sla or SLA(SLAClass.INTERACTIVE), ephemeral=True)
             session_id = info["id"]
         self._await_previous_turn(session_id)
+
+        def tokens(view: Session | Context) -> tuple[list[int], int]:
+            if messages is None:
+                return prompt_turn_tokens(self.tokenizer, view, prompt)
+            check_names_rendered(plan.render, list(view.messages) + list(messages))
+            return chat_turn_tokens(self.tokenizer, view, messages, render=plan.render)
+
+        with self._lock:  # (a continuation that drops turns first is computed under the lock, after that)
+            s = self._get(session_id)
+            view = Context.of(s) if continues is None or continues >= len(s.messages) else None
+        ahead = TokensAhead.compute(view, tokens) if view is not None else None
         with self._lock:
             s = self._get(session_id)
             if s.turn is not None and not s.turn.ended.is_set():
@@ -75,10 +88,7 @@ class TurnStarts:
             try:
                 if messages is not None:
                     check_tool_results(messages, answered_calls(s.messages))
-                    check_names_rendered(plan.render, list(s.messages) + list(messages))
-                    new, keep = chat_turn_tokens(self.tokenizer, s, messages, render=plan.render)
-                else:
-                    new, keep = prompt_turn_tokens(self.tokenizer, s, prompt)
+                new, keep = ahead.get(s, tokens) if ahead is not None else tokens(s)
                 # the answer the router budgets for: what max_tokens allows, or a typical one when unset
                 answer = min(params.max_tokens, self.profile.routing.answer_tokens) if params.fit_context \
                     else params.max_tokens

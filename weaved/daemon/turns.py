@@ -44,6 +44,16 @@ class Context:
     committed: list[int]
     tail: list[int]
 
+    @classmethod
+    def of(cls, s: Session) -> Context:
+        """A copy of what ``s`` holds now (its messages one level deep: a later edit does not reach it)."""
+        return cls(s.system, [dict(m) for m in s.messages], list(s.committed), list(s.tail))
+
+    def holds(self, s: Session) -> bool:
+        """Whether ``s`` still holds exactly this: what was computed from the copy holds for it."""
+        return (s.system == self.system and s.tail == self.tail and s.committed == self.committed
+                and s.messages == self.messages)
+
 
 def no_chat_template(model_name: str) -> InvalidRequest:
     return InvalidRequest(f"the model {model_name} has no chat template, so it cannot take messages: serve it "
@@ -63,7 +73,7 @@ def chat_turn_tokens(tok: Tokenizer, s: Session | Context, new_messages: list[di
     ``render``: the conversation's prompt text (an ``AnswerPlan``'s, with tools; default: the template's).
     """
     messages = list(s.messages) + list(new_messages)
-    if s.system and not any(m.get("role") == "system" for m in messages):
+    if s.system:  # the session's own, first: a system message a turn brings comes where the turn put it
         messages = [{"role": "system", "content": s.system}, *messages]
     text = render(messages) if render is not None else tok.render_chat(messages, add_generation_prompt=True)
     have = s.committed + s.tail
@@ -81,7 +91,7 @@ def chat_turn_tokens(tok: Tokenizer, s: Session | Context, new_messages: list[di
     return full[keep:], keep
 
 
-def prompt_turn_tokens(tok: Tokenizer, s: Session, prompt: str | list[int]) -> tuple[list[int], int]:
+def prompt_turn_tokens(tok: Tokenizer, s: Session | Context, prompt: str | list[int]) -> tuple[list[int], int]:
     """Tokens a raw-prompt turn feeds (the session's unfed tail first) and the committed tokens it keeps
     (all of them).  A text prompt gets BOS only when it starts the session."""
     if isinstance(prompt, list):
@@ -89,6 +99,32 @@ def prompt_turn_tokens(tok: Tokenizer, s: Session, prompt: str | list[int]) -> t
     else:
         ids = tok.encode_prompt(prompt) if not s.committed else tok.encode(prompt, add_bos=False)
     return s.tail + list(ids), len(s.committed)
+
+
+@dataclass(frozen=True)
+class TokensAhead:
+    """A turn's tokens (or its refusal) computed from a copy of its session before the daemon's lock is
+    taken: rendering and tokenizing a long prompt takes seconds (a 12 MB one, fifteen), which under the
+    lock would stall every other turn's start and step.  They hold while the session holds the copy."""
+
+    view: Context
+    tokens: tuple[list[int], int] | None
+    error: Exception | None
+
+    @classmethod
+    def compute(cls, view: Context, tokens: Callable[[Context], tuple[list[int], int]]) -> TokensAhead:
+        try:
+            return cls(view, tokens(view), None)
+        except Exception as e:  # (a refusal: raised when the turn starts, if the session is still as copied)
+            return cls(view, None, e)
+
+    def get(self, s: Session, tokens: Callable[[Session], tuple[list[int], int]]) -> tuple[list[int], int]:
+        """The tokens for ``s`` (under the lock): those computed ahead, or ``tokens(s)`` if it changed."""
+        if not self.view.holds(s):
+            return tokens(s)
+        if self.error is not None:
+            raise self.error
+        return self.tokens
 
 
 def _context(s: Session) -> int:

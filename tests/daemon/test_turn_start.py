@@ -1,0 +1,76 @@
+"""Starting a turn beside others: a prompt's rendering and tokenizing happen outside the daemon's lock,
+and what they were computed from is checked again under it."""
+
+from __future__ import annotations
+
+import threading
+
+from tests.daemon.support import GREEDY, run_to_end, run_turn
+from weaved.routing.types import SLA, SLAClass
+
+
+def test_a_prompt_being_tokenized_does_not_hold_up_another_sessions_turn(daemon, monkeypatch):
+    """The first turn's tokenizing waits until another session's turn has run to its end: had it held the
+    daemon's lock, that turn could not have started (the wait gives up, and the test fails)."""
+    slow = daemon.create_session(SLA(SLAClass.BACKGROUND), None, None)["id"]
+    other = daemon.create_session(SLA(SLAClass.INTERACTIVE), None, None)["id"]
+    real = daemon.tokenizer.encode_chat
+    tokenizing, other_done = threading.Event(), threading.Event()
+    waited: list[bool] = []
+
+    def encode_chat(text: str) -> list[int]:
+        if "a very long document" in text:
+            tokenizing.set()
+            waited.append(other_done.wait(60))
+        return real(text)
+
+    monkeypatch.setattr(daemon.tokenizer, "encode_chat", encode_chat)
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(run_turn(daemon, slow, "Summarize a very long document")))
+    t.start()
+    assert tokenizing.wait(60)
+    events, _ = run_turn(daemon, other, "hi")
+    other_done.set()
+    t.join(120)
+    assert events[-1]["type"] == "done" and waited == [True]
+    assert result and result[0][0][-1]["type"] == "done"
+
+
+def test_a_session_changed_while_its_prompt_was_tokenized_is_tokenized_again(daemon, monkeypatch):
+    """What was computed from the session's copy is used only while the session still holds it: a system
+    prompt set meanwhile is in the turn's prompt."""
+    sid = daemon.create_session(SLA(SLAClass.BACKGROUND), None, None)["id"]
+    real = daemon.tokenizer.encode_chat
+    texts: list[str] = []
+
+    def encode_chat(text: str) -> list[int]:
+        texts.append(text)
+        if len(texts) == 1:  # while the copy is tokenized, the session gets a system prompt
+            daemon.set_system(sid, "You are terse.")
+        return real(text)
+
+    monkeypatch.setattr(daemon.tokenizer, "encode_chat", encode_chat)
+    events, handle = run_to_end(daemon, session_id=sid, messages=[{"role": "user", "content": "Hello"}],
+                                params=GREEDY)
+    assert events[-1]["type"] == "done"
+    assert len(texts) == 2 and "You are terse." not in texts[0] and "You are terse." in texts[1]
+    assert handle.prompt_tokens == len(real(texts[1]))
+
+
+def test_a_sessions_system_prompt_stays_first_beside_a_turns_own_system_message(daemon, monkeypatch):
+    """A session made with a system prompt keeps it when a turn brings a system message too (the model
+    sees both, the session's first), and a later turn's system message leaves the context before it as
+    it was: nothing is fed again."""
+    sid = daemon.create_session(SLA(SLAClass.BACKGROUND), None, "You are a pirate named Jack.")["id"]
+    real = daemon.tokenizer.encode_chat
+    texts: list[str] = []
+    monkeypatch.setattr(daemon.tokenizer, "encode_chat", lambda text: texts.append(text) or real(text))
+    run_to_end(daemon, session_id=sid, params=GREEDY, messages=[
+        {"role": "system", "content": "You are a robot named Bolt."}, {"role": "user", "content": "Who are you?"}])
+    assert texts and texts[0].index("pirate named Jack") < texts[0].index("robot named Bolt")
+    assert daemon.get_session(sid)["system"] == "You are a pirate named Jack."
+    later = daemon.create_session(SLA(SLAClass.BACKGROUND), None, "You are a pirate named Jack.")["id"]
+    run_turn(daemon, later, "Who are you?")
+    events, handle = run_to_end(daemon, session_id=later, params=GREEDY, messages=[
+        {"role": "system", "content": "From now on answer briefly."}, {"role": "user", "content": "And your ship?"}])
+    assert events[-1]["type"] == "done" and handle.reprefilled == 0 and handle.cached_tokens > 0
