@@ -149,8 +149,8 @@ def test_typed_stream_events_assemble_the_same_response(served):
 
 
 def test_a_response_being_generated_is_shown_in_progress(served):
-    """A stored response is visible while it streams: in_progress, not deletable until it ends, then the
-    stored object."""
+    """A stored response is visible while it streams: in_progress, neither deletable nor continued until it
+    ends (409), then the stored object."""
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(served.socket)), base_url="http://weave",
                       timeout=120.0) as h:
         with h.stream("POST", "/v1/responses", json={"input": "Count to fifty.", "max_output_tokens": 40,
@@ -165,6 +165,10 @@ def test_a_response_being_generated_is_shown_in_progress(served):
             given = h.get(f"/v1/responses/{rid}/input_items")
             assert given.status_code == 200, given.text
             items = given.json()["data"]
+            for path in ("/v1/responses", "/v1/responses/input_tokens"):  # not continued before it ends
+                early = h.post(path, json={"input": "Go on.", "previous_response_id": rid})
+                assert early.status_code == 409, early.text
+                assert early.json()["error"]["param"] == "previous_response_id"
             for _ in lines:
                 pass
         done = h.get(f"/v1/responses/{rid}").json()

@@ -50,7 +50,7 @@ async def count_input_tokens(request: Request) -> dict:
         raise InvalidRequest(bad[1], param=bad[0])
     messages = req.messages()
     if req.previous_response_id is not None:
-        await continued_chain(state.daemon, req.previous_response_id, messages)
+        await continued_chain(state, req.previous_response_id, messages)
     else:
         check_tool_results(messages, set(), RESPONSES_WORDS)
     count = partial(state.daemon.count_input, messages, req.answer(), req.instructions,

@@ -50,11 +50,15 @@ def _params(req: ResponsesRequest) -> SamplingParams:
         raise InvalidRequest(str(e)) from None
 
 
-async def continued_chain(daemon, rid: str, messages: list[dict]) -> str:
+async def continued_chain(state, rid: str, messages: list[dict]) -> str:
     """The session of stored response ``rid``, which ``messages`` continue (NotFound naming
-    ``previous_response_id``); InvalidRequest for tool results that answer none of its calls."""
+    ``previous_response_id``; Conflict while it is being generated); InvalidRequest for tool results
+    that answer none of its calls."""
+    if rid in state.running_responses:
+        raise Conflict(f"response {rid} is still being generated; continue it once it has ended",
+                       param="previous_response_id")
     try:
-        sid, previous = await run_in_threadpool(daemon.get_response, rid)
+        sid, previous = await run_in_threadpool(state.daemon.get_response, rid)
     except NotFound as e:
         raise NotFound(e.message, param="previous_response_id") from None
     check_tool_results(messages, {i.get("call_id") for i in previous.get("output") or ()
@@ -78,7 +82,7 @@ async def create_response(request: Request) -> Response:
         if not req.store:
             raise InvalidRequest("store: false cannot continue a stored chain (the turn would enter it unrecorded)",
                                  param="store")
-        sid = await continued_chain(daemon, req.previous_response_id, messages)
+        sid = await continued_chain(state, req.previous_response_id, messages)
         latest = await run_in_threadpool(daemon.latest_response, sid)
         if latest != req.previous_response_id:  # its chain went on past it: a new chain branches off there
             try:
