@@ -20,6 +20,20 @@ PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+class NullIsDefault(BaseModel):
+    """A body whose optional fields take an explicit null as their default: OpenAI types them ``X | null``,
+    and clients that write every field (``None`` serialized) send ``"stream": null``, ``"n": null``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = {f.alias or name: f for name, f in cls.model_fields.items()}
+        nulls = [k for k, v in data.items() if v is None and k in fields and not fields[k].is_required()]
+        return {k: v for k, v in data.items() if k not in nulls} if nulls else data
+
+
 class SLABody(BaseModel):
     """Weave's SLA tags: ``{"class", "ttft_ms", "ttlt_s"}``."""
 
@@ -30,7 +44,7 @@ class SLABody(BaseModel):
     ttlt_s: PositiveFloat | None = None
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(NullIsDefault):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
@@ -155,7 +169,7 @@ def inert_field_problem(name: str, value: Any, *, stored: bool) -> str | None:
     return None
 
 
-class Sampling(BaseModel):
+class Sampling(NullIsDefault):
     """Fields shared by chat completions, session turns and completions.  Unknown fields are kept (in
     ``model_extra``) only so that ``unsupported`` can refuse them by name."""
 

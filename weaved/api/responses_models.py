@@ -25,7 +25,7 @@ from weaved.api.agent_models import (
     answer_spec,
     other_tool_type,
 )
-from weaved.api.models import INERT_FIELDS, SLABody, StreamOptions, inert_field_problem
+from weaved.api.models import INERT_FIELDS, NullIsDefault, SLABody, StreamOptions, inert_field_problem
 from weaved.api.response_items import unseal_reasoning
 from weaved.errors import InvalidRequest
 
@@ -158,7 +158,28 @@ class TextOptions(BaseModel):
     verbosity: Literal["medium"] | None = None  # the only one a model without that training can honour
 
 
-class ResponsesRequest(BaseModel):
+class ReasoningOptions(BaseModel):
+    """``reasoning`` as a response echoes it (both null): the model's thinking is what its chat template
+    asks for (``chat_template_kwargs``), so an effort or a summary it cannot honour is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    effort: None = None
+    summary: None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nothing_to_adjust(cls, v: Any) -> Any:
+        for key in ("effort", "summary"):
+            if isinstance(v, dict) and v.get(key) is not None:
+                raise ValueError(f"reasoning.{key} cannot be honoured: this model thinks as its chat template "
+                                 f"says (a thinking template's switch is chat_template_kwargs, e.g. "
+                                 f"{{\"enable_thinking\": false}}), and its reasoning comes back whole, not "
+                                 f"summarized; leave it null")
+        return v
+
+
+class ResponsesRequest(NullIsDefault):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -180,6 +201,7 @@ class ResponsesRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None  # extension, as on chat completions
     sla: SLABody | None = None  # Weave extension
     include: list[str] | None = None  # extra output data: reasoning items' encrypted_content alone
+    reasoning: ReasoningOptions | None = None  # accepted as the response echoes it (nothing to adjust)
 
     @field_validator("tool_choice", mode="before")
     @classmethod
