@@ -80,7 +80,7 @@ def test_tcp_needs_the_key_unix_socket_does_not(fake: FakeDaemon, sock_path):
             r = httpx.get(f"{base}/v1/models", headers=headers, timeout=WAIT_S)
             assert r.status_code == 401
             assert r.json()["error"]["type"] == "authentication_error"
-            assert r.headers["www-authenticate"] == "Bearer"
+            assert r.headers["www-authenticate"] == "Bearer" and r.headers["x-request-id"].startswith("req_")
         r = httpx.post(f"{base}/v1/chat/completions", json={"messages": USER}, timeout=WAIT_S)
         assert r.status_code == 401 and not [c for n, c in fake.calls if n == "start_turn"]
         r = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer sekrit"}, timeout=WAIT_S)

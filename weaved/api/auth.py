@@ -7,6 +7,7 @@ only the app served on TCP.
 from __future__ import annotations
 
 import hmac
+import secrets
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -32,6 +33,8 @@ class BearerAuth:
         if scope["type"] in ("http", "websocket") and not self._allowed(scope):
             body = error_body(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                               code="invalid_api_key")
-            await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            # (answered before the app, whose middleware gives every other answer its id)
+            headers = {"WWW-Authenticate": "Bearer", "x-request-id": f"req_{secrets.token_hex(12)}"}
+            await JSONResponse(body, status_code=401, headers=headers)(scope, receive, send)
             return
         await self.app(scope, receive, send)
