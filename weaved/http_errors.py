@@ -46,7 +46,8 @@ def validation_error(errors: list) -> InvalidRequest:
         return InvalidRequest("invalid request")
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
-    # unions report one error per member ("prompt.str", "prompt.list[int]"): name the field only
+    # unions report one error per member ("prompt.str", "prompt.list[int]"), or the tag of the member a
+    # discriminator chose ("tag:message"): name the field only
     loc = [p for p in loc if not _is_type_tag(p)]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")  # a validator's own message
@@ -59,7 +60,7 @@ def validation_error(errors: list) -> InvalidRequest:
 
 
 def _is_type_tag(part: str) -> bool:
-    return part in ("str", "int", "float", "bool") or part.startswith(("list[", "function-", "literal[",
+    return part in ("str", "int", "float", "bool") or part.startswith(("tag:", "list[", "function-", "literal[",
                                                                        "constrained-"))
 
 

@@ -286,8 +286,19 @@ def test_unknown_fields_are_named_alike_everywhere_and_images_are_said_to_be_uns
     picture = [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
                                             {"type": "input_image", "image_url": "data:,"}]}]
     err = assert_error(client.post("/v1/responses", json={"input": picture}), 400, param="input")
-    assert "input[0]: input_image content parts are not supported" in err["message"]
+    assert "input[0]: content parts of type 'input_image' are not supported" in err["message"]
     assert "Input should be" not in err["message"]
+
+
+@pytest.mark.parametrize(("item", "words"), [
+    ({"role": "user"}, "input.0.content: Field required"),  # (a message item's own field, not every shape's)
+    ({"content": "hi"}, "input.0.role: Field required"),
+    ({"type": "reasoning", "summary": [], "encrypted_content": "garbage"}, "encrypted_content"),
+    ({"type": "function_call", "call_id": "c1", "name": "f"}, "input.0.arguments: Field required"),
+], ids=["message-without-content", "message-without-role", "foreign-encrypted-content", "call-without-arguments"])
+def test_a_bad_responses_input_item_is_refused_in_its_own_shapes_words(client, item: dict, words: str):
+    err = assert_error(client.post("/v1/responses", json={"input": [item]}), 400)
+    assert words in err["message"] and "more problem" not in err["message"], err["message"]
 
 
 

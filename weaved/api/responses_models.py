@@ -9,9 +9,9 @@ tool choice and response format, so both APIs share one grammar and one parser.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from weaved.agent.plan import AnswerSpec
 from weaved.api.agent_models import (
@@ -111,7 +111,16 @@ class ReasoningItem(BaseModel):
         return "".join(p.text for p in self.summary)
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+def _item_type(v: Any) -> str:
+    """An input item's ``type`` (a message may leave it out): which item shape checks it, so that a bad
+    item is refused in its own shape's words rather than every shape's."""
+    kind = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", "message")
+    return f"tag:{kind}"  # ("tag:": an error's location leaves it out, ``http_errors.validation_error``)
+
+
+InputItem = Annotated[Annotated[MessageItem, Tag("tag:message")] | Annotated[FunctionCallItem, Tag("tag:function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("tag:function_call_output")]
+                      | Annotated[ReasoningItem, Tag("tag:reasoning")], Discriminator(_item_type)]
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
@@ -183,7 +192,8 @@ class ResponsesRequest(NullIsDefault):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    input: str | list[InputItem]
+    input: Annotated[Annotated[str, Tag("tag:text")] | Annotated[list[InputItem], Tag("tag:items")],
+                     Discriminator(lambda v: "tag:text" if isinstance(v, str) else "tag:items")]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
@@ -237,8 +247,8 @@ class ResponsesRequest(NullIsDefault):
             for part in parts if isinstance(parts, list) else ():
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind is not None and kind not in ("input_text", "output_text", "text", "reasoning_text"):
-                    raise ValueError(f"input[{i}]: {kind} content parts are not supported: this model takes "
-                                     f"text only")
+                    raise ValueError(f"input[{i}]: content parts of type {kind!r} are not supported: a text part "
+                                     f"is input_text (or output_text, sent back); this model takes text only")
         return v
 
     @field_validator("input")
