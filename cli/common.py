@@ -121,7 +121,7 @@ def remove_each(items: list[str], remove: Callable[[str], Any], said: Callable[[
         try:
             done.append(remove(item))
         except ApiError as e:  # (a lost daemon, DaemonNotRunning, ends it at once)
-            refused.append(f"{item}: {e}")
+            refused.append(str(e) if item in str(e) else f"{item}: {e}")  # (named once)
             continue
         if not json:
             echo(said(item))

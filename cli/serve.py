@@ -155,13 +155,13 @@ def register(app: typer.Typer) -> None:
 
         path = (socket or default_socket_path()).expanduser().absolute()
         try:  # everything that can be refused is refused before the model loads
-            if listen is not None:
-                if not api_key:
-                    raise _fail("--listen needs an API key (--api-key or WEAVE_API_KEY)", 2)
+            if listen is not None:  # (the address first: a key would not make a bad one usable)
                 try:
                     parse_listen(listen)
                 except ServerError as e:
                     raise _fail(str(e), 2) from None
+                if not api_key:
+                    raise _fail("--listen needs an API key (--api-key or WEAVE_API_KEY)", 2)
             check_socket_free(path)
             try:
                 prof = load_profile(profile)

@@ -431,3 +431,8 @@ def test_responses_refusals_speak_of_the_responses_fields(client, fake):
     missing = refused({"input": [user, call, user]}, "input")
     assert "function_call_output" in missing and "call_a" in missing and "tool" not in missing
     assert not [c for c in fake.calls if c[0] == "start_turn"]
+
+
+def test_an_sla_given_as_a_word_is_shown_the_object_it_takes(client):
+    err = assert_error(client.post(CHAT, json={"messages": USER, "sla": "batch"}), 400, param="sla")
+    assert '{"class": "batch"}' in err["message"] and "SLABody" not in err["message"]

@@ -43,6 +43,17 @@ class SLABody(BaseModel):
     ttft_ms: PositiveFloat | None = None
     ttlt_s: PositiveFloat | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _an_object(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            raise ValueError(f'must be an object, e.g. {{"class": "{v}"}} (with "ttft_ms" or "ttlt_s" if you '
+                             f'like), or the X-Weave-SLA-Class header')
+        if not isinstance(v, dict | SLABody):
+            raise ValueError('must be an object: {"class": "interactive" | "background" | "batch", "ttft_ms", '
+                             '"ttlt_s"}')
+        return v
+
 
 class StreamOptions(NullIsDefault):
     model_config = ConfigDict(extra="forbid")
