@@ -246,13 +246,16 @@ class DaemonLifecycle:
         if getattr(self, "peers", None) is not None:
             self.peers.stop()
         with self._lock:
-            cut = sorted(s.id for s in self.sessions.values() if s.busy and not s.ephemeral)
-        if cut:  # said now: the next start tells only which of them run again
-            more = f", +{len(cut) - 5} more" if len(cut) > 5 else ""
-            self.log(f"stopping: {len(cut)} session turn(s) end as 'shutdown' ({', '.join(cut[:5])}{more}); "
-                     f"a detached one runs again at the next start")
+            running = [s for s in self.sessions.values() if s.busy and not s.ephemeral]
         for e in self.engines.values():  # (their last turns' ends may still queue prefixes to publish)
             e.stop()
+        # said once the engines have stopped (a turn may end by itself in their last step), so that it
+        # names the turns the stop cut; the next start tells only which of them run again
+        cut = sorted(s.id for s in running if s.turn is not None and s.turn.finish_reason == "shutdown")
+        if cut:
+            more = f", +{len(cut) - 5} more" if len(cut) > 5 else ""
+            self.log(f"stopped: {len(cut)} session turn(s) ended as 'shutdown' ({', '.join(cut[:5])}{more}); "
+                     f"a detached one runs again at the next start")
 
     def shutdown(self) -> None:
         self.stop_turns()
