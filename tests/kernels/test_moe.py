@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from weaved.kernels import matmul
 from weaved.kernels.moe import ExpertWeights, moe_ffn, route
+from weaved.kernels.threads import on_kernel_thread
 
 torch = pytest.importorskip("torch")
 from weaved.kernels import torch_moe  # noqa: E402
@@ -95,11 +96,12 @@ def test_a_large_router_split_over_threads_routes_as_one_thread_does():
     h = rng.standard_normal((9, d), dtype=np.float32)
     assert E * d >= kmoe.PAR_MIN_ROUTER_WEIGHTS
     many = np.empty((9, k), np.int32), np.empty((9, k), np.float32)
-    kmoe.route_drive(h, w, k, *many, 2)  # 9 tokens: split by token
+    drive = on_kernel_thread(kmoe.route_drive)  # (where the kernels start their regions: one team of threads)
+    drive(h, w, k, *many, 2)  # 9 tokens: split by token
     for t0, t1 in ((0, 1), (3, 5), (6, 9)):  # 1-3 tokens: split by expert (2 threads) or serial (1)
         for threads in (1, 2):
             ids, wts = np.empty((t1 - t0, k), np.int32), np.empty((t1 - t0, k), np.float32)
-            kmoe.route_drive(h[t0:t1], w, k, ids, wts, threads)
+            drive(h[t0:t1], w, k, ids, wts, threads)
             assert np.array_equal(ids, many[0][t0:t1]) and np.array_equal(wts, many[1][t0:t1])
 
 

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from numba import njit, prange
 from weaved.kernels import _steal
+from weaved.kernels.threads import on_kernel_thread
 
 
 @njit(parallel=True, cache=False)
-def _take_all(n, nth, own, stall):
+def _take_all_here(n, nth, own, stall):
     """Every thread walks its own range (own items at a time), then steals from the others' backs.
     With ``stall``, thread 0 stops after its first item until its range's back has moved (another
     thread stole from it; bounded).  Returns (times each item was taken, which thread took it)."""
@@ -34,6 +35,11 @@ def _take_all(n, nth, own, stall):
                         break
             first = False
     return taken, by
+
+
+# on the kernel thread, as the kernels run: a region started here would make a second team of threads,
+# whose spinning on the same cores can delay thread 0 past the moment the test needs it to start at
+_take_all = on_kernel_thread(_take_all_here)
 
 
 @pytest.mark.parametrize("n,nth,own", [(0, 2, 1), (1, 2, 1), (7, 2, 4), (100, 2, 1), (1000, 3, 4), (5, 8, 2)])
