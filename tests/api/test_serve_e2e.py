@@ -118,6 +118,23 @@ def test_completions_echo_logprobs(http):
     assert r["choices"][0]["text"].startswith("The capital of France is")
     for tok, lp_, top in zip(lp["tokens"][-2:], lp["token_logprobs"][-2:], lp["top_logprobs"][-2:], strict=True):
         assert top[tok] == lp_ == max(top.values())  # greedy: each generated token is the most likely one
+    # max_tokens 0: the prompt alone, scored - the same entries for its tokens, nothing generated
+    for stream in (False, True):
+        body = {"prompt": "The capital of France is", "max_tokens": 0, "echo": True, "logprobs": 2, "stream": stream}
+        if stream:
+            chunks = [json.loads(x.removeprefix("data: ")) for x in http.post("/v1/completions", json=body).text
+                      .splitlines() if x.startswith("data: {")]
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            reason = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+            scored = {k: sum(((c["choices"][0]["logprobs"] or {}).get(k, []) for c in chunks if c["choices"]), [])
+                      for k in ("tokens", "token_logprobs")}
+        else:
+            alone = http.post("/v1/completions", json=body).json()
+            text, reason, scored = alone["choices"][0]["text"], alone["choices"][0]["finish_reason"], \
+                alone["choices"][0]["logprobs"]
+            assert alone["usage"]["completion_tokens"] == 0
+        assert text == "The capital of France is" and reason == "length"
+        assert scored["tokens"] == lp["tokens"][:-2] and scored["token_logprobs"] == lp["token_logprobs"][:-2]
 
 
 def test_bad_input_against_the_real_daemon(http):

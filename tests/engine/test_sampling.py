@@ -203,7 +203,7 @@ def test_logprobs_of_is_stable_for_large_logits():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
         ({"top_k": -1}, "top_k"),

@@ -310,6 +310,15 @@ class CompletionRequest(Sampling):
     prompt: Any
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # 0 with echo: the prompt alone, scored (its log-probabilities), as OpenAI's completions allowed it
+    max_tokens: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _nothing_generated_needs_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("max_tokens 0 generates nothing: it scores the prompt alone, which needs echo: "
+                                 "true (with logprobs for the scores)", param="max_tokens")
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod

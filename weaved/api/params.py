@@ -89,7 +89,8 @@ def chat_params(req: ChatRequest) -> SamplingParams:
 
 def completion_params(req: CompletionRequest) -> SamplingParams:
     check_supported(req)
-    return _sampling(req, req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs)
+    limit = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens  # (0: the prompt alone)
+    return _sampling(req, limit, req.logprobs)
 
 
 def _header_number(headers: Headers, name: str) -> float | None:

@@ -227,7 +227,7 @@ def check_fits(s: Session, keep: int, new: list[int], max_tokens: int) -> None:
     where = "this request's context" if s.ephemeral else "the session's context"
     if total > cap:
         raise ContextTooLong(f"the prompt needs {total} tokens of context but {where} holds {cap}")
-    if total == cap:
+    if total == cap and max_tokens:
         raise ContextTooLong(f"the prompt's {total} tokens fill {where} of {cap} tokens: no room is left "
                              f"for an answer")
     if total + max_tokens > cap:

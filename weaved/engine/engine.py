@@ -402,6 +402,9 @@ class BatchEngine:
         if s.pending:  # more prompt to feed: say how far it came (a long prompt takes many steps)
             self.out.emit(s, {"type": "progress", "prefilled": s.prefilled, "prompt": s.prefilled + len(s.pending)})
             return 0
+        if s.params.max_tokens == 0:  # the prompt alone was asked for (scored, with echo): nothing is sampled
+            self.out.finish(s, SeqStatus.FINISHED, "length")
+            return 0
         return self.out.sample(s, logits[-1], drawn)
 
     def _feed(self, s: Sequence, n: int, prefill: bool) -> None:

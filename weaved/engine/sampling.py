@@ -72,7 +72,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in self.logit_bias))
-        _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("max_tokens", self.max_tokens, lo=0)  # 0: the prompt alone (its log-probabilities)
         _check_float("temperature", self.temperature, lo=0.0)
         _check_int("top_k", self.top_k, lo=0)
         _check_float("top_p", self.top_p, lo=0.0, hi=1.0)  # 0 keeps the most probable token (llama.cpp)
