@@ -13,6 +13,7 @@ that response's answer (``branch_response``), and the new chain lives in the for
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 from weaved.agent.plan import AnswerPlan, AnswerSpec
 from weaved.daemon.session import Session, transcript_view
@@ -84,7 +85,7 @@ class ResponseChains:
                 if len(s.messages) > end:  # its chain went on (or a turn no response holds): the context at its end
                     view = Context(system, *_context_at(s, end, self.journal.get(sid).messages[end]["kv_at"]))
                 else:
-                    view = Context(system, list(s.messages), list(s.committed), list(s.tail))
+                    view = dataclasses.replace(Context.of(s), system=system)
         check_names_rendered(plan.render, view.messages + list(messages))
         new, keep = chat_turn_tokens(self.tokenizer, view, messages, render=plan.render)
         return keep + len(new)
