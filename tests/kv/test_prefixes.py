@@ -149,6 +149,7 @@ def test_a_lookup_waits_for_an_announced_publication(tmp_path):
 
     threading.Thread(target=publish_late).start()
     b = store.create("b", capacity=512)
+    store.prefixes.await_announced(prompt)  # (outside the locks a lookup runs under)
     assert store.share_prefix(b, prompt) == BLOCK  # not a miss: it waited for the block being copied
     store.prefixes.announce(tokens(BLOCK, seed=99))
     store.prefixes.settle(tokens(BLOCK, seed=99))  # an announcement that came to nothing waits for nobody

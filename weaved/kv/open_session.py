@@ -18,3 +18,5 @@ class OpenSession:
     prefix: str | None = None  # the shared prefix file mapped over its first positions
     shared: int = 0  # positions [0, shared) are that prefix's pages (read-only)
     memory_only: bool = False  # no file: private memory, for a session that never outlives its request
+    readers: int = 0  # copies reading its rows off the store's lock (``KVStore.pinned``): its release waits
+    deleted: bool = False  # deleted while read: the last reader lets go of its mapping

@@ -133,17 +133,25 @@ class PrefixStore:
                 if ev is not None:
                     ev.set()
 
+    def await_announced(self, tokens: Sequence[int]) -> None:
+        """Wait (at most ``PENDING_WAIT_S``) for the leading blocks of ``tokens`` that another thread has
+        announced and not yet published, so that ``longest`` finds them rather than missing them by a
+        few milliseconds.  Called holding no lock: ``longest`` itself never waits, since it runs under
+        the store's and the daemon's locks, which every engine's step needs."""
+        for k in chain_keys(self.fingerprint, tokens):
+            if self._index.get(k) is not None:
+                continue
+            pending = self._pending.get(k)
+            if pending is None or not pending.wait(PENDING_WAIT_S) or self._index.get(k) is None:
+                return
+
     def longest(self, tokens: Sequence[int], limit: int) -> tuple[Prefix, int] | None:
         """The prefix file holding the most leading blocks of ``tokens`` (at most ``limit`` positions),
-        and how many positions of it apply (waiting for blocks announced but not yet published); counts
-        a hit or a miss."""
+        and how many positions of it apply (blocks announced but not yet published are not waited for:
+        ``await_announced``); counts a hit or a miss."""
         best = None
         for k in chain_keys(self.fingerprint, tokens[:limit]):
             found = self._index.get(k)
-            pending = self._pending.get(k) if found is None else None
-            if pending is not None:
-                pending.wait(PENDING_WAIT_S)
-                found = self._index.get(k)
             if found is None:
                 break
             best = found

@@ -24,6 +24,7 @@ Thread safety: bookkeeping is guarded by one lock, so the engine thread may rese
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -32,6 +33,7 @@ import re
 import shutil
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import asdict
 from enum import Enum
 from pathlib import Path
@@ -121,8 +123,13 @@ class KVStore(PrefixSharing):
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
-    def create(self, session_id: str, capacity: int, *, memory_only: bool = False) -> KVCache:
+    def create(self, session_id: str, capacity: int, *, memory_only: bool = False,
+               unfilled: bool = False) -> KVCache:
         """Create the session's (sparse) file for ``capacity`` positions; error if it exists.
+
+        ``unfilled``: a file made again for a session whose journal names committed tokens (its old file
+        was lost): its sidecar says its rows were never computed, so that a restart before they are
+        (``filled``) does not take the journal's length for rows that hold nothing.
 
         ``memory_only``: no file at all - the rows live in private memory (shared prefixes still map
         over it), for a session deleted when its request ends.  It skips what only persistence needs:
@@ -142,7 +149,7 @@ class KVStore(PrefixSharing):
             tmp = meta.with_suffix(".json.tmp")
             try:
                 with open(tmp, "w") as f:
-                    json.dump(self._meta(capacity), f)
+                    json.dump({**self._meta(capacity), **({"unfilled": True} if unfilled else {})}, f)
                     f.flush()
                     os.fsync(f.fileno())  # once per session: the sidecar must survive a power loss
                 fd = os.open(self._kv_path(session_id), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -187,12 +194,27 @@ class KVStore(PrefixSharing):
                 raise KVStoreError(f"session {session_id}: KV file size does not match capacity {capacity}")
             if not 0 <= length <= capacity:
                 raise KVStoreError(f"session {session_id}: length {length} outside capacity {capacity}")
+            if meta.get("unfilled") and length:
+                raise KVStoreError(f"session {session_id}: its KV file was made again after an earlier restart and "
+                                   f"its {length} committed positions were never computed into it")
             self._unopened.pop(session_id, None)
             kv = self._map(session_id, capacity, length)
             shared = meta.get("prefix")
             if shared is not None:  # its first positions are a shared prefix's pages: map them again
-                self._reshare(kv, session_id, self._open[session_id], shared["key"], int(shared["positions"]))
+                s, n = self._open[session_id], int(shared["positions"])
+                if n > length:  # mapped, then stopped before the journal committed them: its own copy of those it did
+                    self._own_copy(session_id, s, shared["key"], length)
+                else:
+                    self._reshare(kv, session_id, s, shared["key"], n)
             return kv
+
+    def filled(self, kv: KVCache) -> None:
+        """The session's journal no longer names positions its file never held (``create``'s ``unfilled``):
+        from now on its rows are computed and committed as any session's."""
+        session_id = self._session_of(kv)
+        with self._lock:
+            s = self._open[session_id]
+            self._write_meta(session_id, s, None if s.prefix is None else {"key": s.prefix, "positions": s.shared})
 
     def _map(self, session_id: str, capacity: int, length: int) -> KVCache:
         fd = os.open(self._kv_path(session_id), os.O_RDWR)
@@ -233,11 +255,36 @@ class KVStore(PrefixSharing):
             self._meta_path(session_id).unlink(missing_ok=True)
             if s is not None and s.prefix is not None:
                 self.prefixes.drop_user(s.prefix, session_id)
+            if s is not None and s.readers:  # a copy reads its rows now: the last reader lets go (``pinned``)
+                s.deleted, s = True, None
         if s is not None:
             if wait:
                 s.mm.release()
             else:
                 self._releaser.submit(s.mm.release)
+
+    @contextlib.contextmanager
+    def pinned(self, kv: KVCache) -> Iterator[bool]:
+        """While held, the session's rows stay its file's even if it is deleted meanwhile (its release -
+        which would swap them for zeros - waits for the last reader): a copy made off the store's lock
+        (a prefix published from them, short blocks kept) reads what its tokens say.  Yields False, and
+        nothing should be read, when ``kv`` is not an open session of this store any more."""
+        with self._lock:
+            session_id = self._ids.get(kv)
+            s = self._open.get(session_id) if session_id is not None else None
+            if s is not None and s.data is not kv.data:  # (an id deleted and made again: another session)
+                s = None
+            if s is not None:
+                s.readers += 1
+        try:
+            yield s is not None
+        finally:
+            if s is not None:
+                with self._lock:
+                    s.readers -= 1
+                    release = s.deleted and not s.readers
+                if release:
+                    self._releaser.submit(s.mm.release)
 
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until the files of sessions deleted with ``wait=False`` are let go of."""

@@ -115,13 +115,10 @@ class PrefixSharing:
         or (no mappings left) copy its rows into the session's own file.  ``KVStoreError``, with the
         session closed again, when neither can be done.  (Under the store's lock.)"""
         try:
-            try:
-                ok = self._alias(kv, session_id, s, key, n)
-            except NoMapsLeft:  # (_alias found the prefix: it is there)
-                self._allocate(session_id, s, 0, n)
-                self._rows_from_prefix(s.data, self.prefixes.get(key), n)
-                self._write_meta(session_id, s, None)
-                return
+            ok = self._alias(kv, session_id, s, key, n)
+        except NoMapsLeft:  # (_alias found the prefix: it is there)
+            self._own_copy(session_id, s, key, n)
+            return
         except (KVStoreError, OSError, ValueError) as e:
             self._open.pop(session_id).mm.release()
             why = str(e).removeprefix(f"session {session_id}: ")  # (an error of _alias names it too)
@@ -129,6 +126,23 @@ class PrefixSharing:
         if not ok:
             self._open.pop(session_id).mm.release()
             raise KVStoreError(f"session {session_id}: its shared prefix no longer fits its layout")
+
+    def _own_copy(self, session_id: str, s: OpenSession, key: str, n: int) -> None:
+        """At a restart, instead of mapping prefix ``key`` again: the session's own copy of its first ``n``
+        positions (none when ``n`` is 0), its sidecar naming no prefix any more.  ``KVStoreError``, with
+        the session closed again, when the prefix's rows cannot be read.  (Under the store's lock.)"""
+        try:
+            if n:
+                prefix = self.prefixes.get(key)
+                if prefix is None:
+                    raise KVStoreError(f"its shared prefix {key} is gone from {self.prefixes.dir}")
+                self._allocate(session_id, s, 0, n)
+                self._rows_from_prefix(s.data, prefix, n)
+            self._write_meta(session_id, s, None)
+        except (KVStoreError, OSError, ValueError) as e:
+            self._open.pop(session_id).mm.release()
+            why = str(e).removeprefix(f"session {session_id}: ")
+            raise KVStoreError(f"session {session_id}: its shared prefix's rows cannot be copied: {why}") from e
 
     def copy_prefix(self, kv: KVCache, tokens: list[int], start: int) -> int:
         """Past the ``start`` positions a new session holds (0, or a mapped prefix's), copy in the kept
@@ -155,7 +169,10 @@ class PrefixSharing:
         a few blocks, so the copy is small; how many were added."""
         if not self.share or len(tokens) > kv.length:
             return 0
-        return self.hot.keep(kv.data, tokens, start=(len(tokens) // PREFIX_BLOCK) * PREFIX_BLOCK)
+        with self.pinned(kv) as open_:
+            if not open_:  # deleted meanwhile: its rows may be zeros by now
+                return 0
+            return self.hot.keep(kv.data, tokens, start=(len(tokens) // PREFIX_BLOCK) * PREFIX_BLOCK)
 
     def cached_prefix(self, tokens: list[int]) -> int:
         """Positions of ``tokens`` a new session would not compute: a prefix file's, then kept short blocks."""
@@ -201,7 +218,10 @@ class PrefixSharing:
             raise KVStoreError(f"{len(tokens)} tokens but only {kv.length} KV rows")
         if not self.share:
             return 0
-        p = self.prefixes.publish(kv.data, tokens)
+        with self.pinned(kv) as open_:
+            if not open_:  # deleted meanwhile: its rows may be zeros by now, not what ``tokens`` computed
+                return 0
+            p = self.prefixes.publish(kv.data, tokens)
         if p is None:
             return 0
         if adopt:
@@ -211,9 +231,11 @@ class PrefixSharing:
     def _adopt(self, kv: KVCache, key: str, n: int) -> None:
         """Map prefix ``key``'s positions [0, n) (equal to the session's own rows) over the session's and
         punch its own blocks there out."""
-        session_id = self._session_of(kv)
         with self._lock:
-            s = self._open[session_id]
+            session_id = self._ids.get(kv)
+            s = self._open.get(session_id) if session_id is not None else None
+            if s is None or s.data is not kv.data:  # deleted meanwhile
+                return
             if s.shared >= n or not s.mm.can_alias or kv.length < n:
                 return
             if s.prefix is not None:
@@ -225,6 +247,9 @@ class PrefixSharing:
                 return
             if s.memory_only:  # the pages the alias replaced were private: freed with the mapping's change
                 return
+            # the sidecar names the prefix before the session's own rows go: a stop in between leaves both
+            # copies of those rows (one wasted), never neither
+            self._write_meta(session_id, s, {"key": key, "positions": n})
             row = self.config.head_dim * 2
             fd = os.open(self._kv_path(session_id), os.O_RDWR)
             try:
@@ -232,7 +257,6 @@ class PrefixSharing:
                     punch_hole(fd, r * s.capacity * row, n * row)
             finally:
                 os.close(fd)
-            self._write_meta(session_id, s, {"key": key, "positions": n})
 
     def copy_rows(self, src: KVCache, dst: KVCache, start: int, stop: int) -> None:
         """Rows [start, stop) of ``src`` into ``dst`` (a fork's part past the shared prefix)."""
