@@ -66,6 +66,31 @@ def test_promote_and_demote_change_placement(daemon):
     assert any("priority kept at the highest, 2" in r for r in again["placement"]["reasons"])
 
 
+def test_a_demotion_for_idleness_skips_a_session_that_was_used_since(daemon):
+    """Idle demotion (and making device room) decides from a list taken under the lock and demotes
+    afterwards: a session whose turn started or ran in between is left as it is."""
+    sid = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    since = daemon.sessions[sid].last_active
+    run_turn(daemon, sid, "Hello")
+    assert daemon.demote(sid, reason="idle demotion", idle_since=since) is None
+    assert daemon.get_session(sid)["sla"]["class"] == "interactive"
+    now = daemon.sessions[sid].last_active
+    assert daemon.demote(sid, reason="idle demotion", idle_since=now)["sla"]["class"] == "background"
+
+
+def test_a_deleted_session_is_gone_from_the_journal_before_its_files(daemon, monkeypatch):
+    """A stop between the two leaves no record of a session whose file is gone (it would come back
+    rebuilt at the restart, deleted as it was)."""
+    sid = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    run_turn(daemon, sid, "Hello")
+    seen = []
+    real = daemon.store.delete
+    monkeypatch.setattr(daemon.store, "delete", lambda i, wait=True: (seen.append(daemon.journal.get(i)),
+                                                                       real(i, wait=wait)))
+    daemon.delete_session(sid)
+    assert seen == [None]
+
+
 def test_cpu_only_daemon_never_imports_torch(tiny_llama, tmp_path):
     code = textwrap.dedent("""
         import sys

@@ -4,6 +4,7 @@ message left in a transcript the journal does not hold - while the daemon goes o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sqlite3
 
@@ -127,3 +128,36 @@ def test_a_turn_the_disk_fails_before_its_first_token_is_taken_back(daemon, monk
     _, h = run_turn(daemon, sid, "And the sky?")
     _, h_twin = run_turn(daemon, twin, "And the sky?")
     assert h.prompt_tokens == h_twin.prompt_tokens
+
+
+def test_a_journal_that_fills_mid_turn_fails_that_turn_only(daemon, monkeypatch):
+    """The journal's disk fills while two turns decode in one step: the turn whose tokens could not be
+    recorded fails (507), its session's KV, transcript and journal agreeing again; the other turn ends
+    as it would have, and the failed session's next turn runs."""
+    from tests.daemon.support import LONG, Stream
+
+    a = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    b = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    real, calls = daemon.journal.commit_tokens, {"a": 0}
+
+    def commit(sid, ids, new_length):
+        if sid == a:
+            calls["a"] += 1
+            if calls["a"] > 3:
+                raise JournalFull(f"session {sid}: the data directory's disk is full")
+        return real(sid, ids, new_length)
+
+    monkeypatch.setattr(daemon.journal, "commit_tokens", commit)
+    sa, sb = Stream(), Stream()
+    params = dataclasses.replace(LONG, max_tokens=40)
+    daemon.start_turn(session_id=b, messages=[{"role": "user", "content": "Count."}], params=params, emit=sb)
+    daemon.start_turn(session_id=a, messages=[{"role": "user", "content": "Count too."}], params=params, emit=sa)
+    assert sa.done.wait(120) and sb.done.wait(120)
+    assert sa.events[-1]["type"] == "error" and sa.events[-1].get("status") == 507
+    assert sb.events[-1]["type"] == "done"
+    assert sum(e["type"] == "token" for e in sb.events) == 40
+    monkeypatch.setattr(daemon.journal, "commit_tokens", real)
+    s = daemon.sessions[a]
+    assert s.kv.length == len(s.committed) == daemon.journal.get(a).kv_length
+    events, _ = run_turn(daemon, a, "Again.")
+    assert events[-1]["type"] == "done"

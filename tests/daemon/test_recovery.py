@@ -195,3 +195,31 @@ def test_a_lost_kv_file_is_rebuilt_from_the_journal(tiny_llama, tmp_path, damage
 def d2_ctx(events, h) -> int:
     """The context after a turn: its prompt and its answer."""
     return h.prompt_tokens + sum(1 for e in events if e["type"] == "token" and e.get("token") is not None)
+
+
+def test_a_rebuilt_session_stays_to_be_rebuilt_until_its_next_turn(tiny_llama, tmp_path):
+    """A session rebuilt at a restart holds a new, empty file until its next turn computes its context:
+    a second restart before that turn must rebuild it again, not read the empty file as its context."""
+    plain = make_daemon(tiny_llama, tmp_path / "plain")
+    try:
+        sid = plain.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+        run_turn(plain, sid, "Remember the number seven.")
+        want, _ = run_turn(plain, sid, "Which number?")
+    finally:
+        plain.shutdown()
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    sid = d.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    run_turn(d, sid, "Remember the number seven.")
+    d.shutdown()
+    (tmp_path / "data" / "kv" / f"{sid}.kv").unlink()
+    for _ in range(2):  # restarted twice before its next turn
+        logs: list[str] = []
+        d = make_daemon(tiny_llama, tmp_path / "data", log_fn=logs.append)
+        assert any(f"session {sid}:" in m and "rebuilt from its journal" in m for m in logs)
+        if _ == 0:
+            d.shutdown()
+    try:
+        got, _ = run_turn(d, sid, "Which number?")
+        assert [e.get("token") for e in got] == [e.get("token") for e in want]
+    finally:
+        d.shutdown()

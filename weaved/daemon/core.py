@@ -136,15 +136,16 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
         return self.get_session(sid)
 
     def _new_kv(self, sid: str, placement, capacity: int, tokens: list[int] | None = None,
-                memory_only: bool = False):
+                memory_only: bool = False, unfilled: bool = False):
         """A session's KV: its file here (``memory_only``: in memory, for an ephemeral session, which
-        never outlives its request), or for Q-Ring decode its ring handle (the rows live on the ring's
-        nodes; the transcript ``tokens`` rebuild them)."""
+        never outlives its request; ``unfilled``: a lost file made again, its journal's tokens not yet
+        computed into it), or for Q-Ring decode its ring handle (the rows live on the ring's nodes; the
+        transcript ``tokens`` rebuild them)."""
         if placement.decode_strategy == "qring":
             return self.pools[placement.decode_pool].backend.new_kv(capacity, tokens or (), label=sid)
         if tokens is not None:
             return self.store.open(sid, len(tokens))
-        return self.store.create(sid, capacity, memory_only=memory_only)
+        return self.store.create(sid, capacity, memory_only=memory_only, unfilled=unfilled)
 
     def _get(self, sid: str) -> Session:
         s = self.sessions.get(sid)
@@ -186,11 +187,11 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
                 s.turn.cancel_requested = True
                 self.engines[s.pool].cancel(sid)
             del self.sessions[sid]
+        if not s.ephemeral:  # its record first: a stop before its files go leaves no session to bring back
+            self.journal.delete(sid)
         if s.publishing is not None:  # the publisher reads its rows: free them once it is done
             s.publishing.wait(CANCEL_WAIT_S)
         self._free_kv(s)
-        if not s.ephemeral:
-            self.journal.delete(sid)
 
     def set_system(self, sid: str, system: str | None) -> None:
         """Replace a session's system prompt (its next turn re-renders the conversation: the context
@@ -231,18 +232,23 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
     def promote(self, sid: str) -> dict:
         return self._change_sla(sid, SLAClass.INTERACTIVE, 500.0, "promotion")
 
-    def demote(self, sid: str, reason: str = "demotion") -> dict:
+    def demote(self, sid: str, reason: str = "demotion", idle_since: float | None = None) -> dict | None:
         """To background (off a GPU pool where a CPU pool has room); a batch session, already below
-        background, keeps its class and is only re-placed."""
-        return self._change_sla(sid, SLAClass.BACKGROUND, None, reason)
+        background, keeps its class and is only re-placed.  ``idle_since``: only if the session is still
+        idle since then (a demotion for idleness or for room decided before a turn started in between:
+        None, nothing changed)."""
+        return self._change_sla(sid, SLAClass.BACKGROUND, None, reason, idle_since)
 
-    def _change_sla(self, sid: str, cls: SLAClass, ttft_ms: float | None, kind: str) -> dict:
+    def _change_sla(self, sid: str, cls: SLAClass, ttft_ms: float | None, kind: str,
+                    idle_since: float | None = None) -> dict | None:
         """The session's class and first-token target change; its whole-answer budget (``ttlt_s``), the
         client's own, is kept - and so is its first-token target when the class stays (promoting an
         interactive session re-places it, e.g. onto a GPU pool that now has room).  A demotion never
         raises a batch session."""
         with self._lock:
             s = self._get(sid)
+            if idle_since is not None and (s.busy or s.last_active != idle_since):
+                return None
             if cls is SLAClass.BACKGROUND and s.sla.cls is SLAClass.BATCH:
                 cls = SLAClass.BATCH
             if s.sla.cls is cls:
@@ -258,13 +264,15 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
         """Demote sessions whose KV sat idle on a GPU pool with ``idle_demote_s`` for longer than that:
         they leave the GPU pool if a CPU pool has room, and their device copy is freed either way."""
         with self._lock:
-            due = self.moves.idle_on_gpu(self.sessions.values(), now)
-        for sid in due:
+            due = [(sid, self.sessions[sid].last_active) for sid in self.moves.idle_on_gpu(self.sessions.values(), now)]
+        demoted = []
+        for sid, since in due:
             try:
-                self.demote(sid, reason="idle demotion")
+                if self.demote(sid, reason="idle demotion", idle_since=since) is not None:
+                    demoted.append(sid)
             except Exception:
                 log.exception("idle demotion of %s failed", sid)
-        return due
+        return demoted
 
     # ---- status and events -----------------------------------------------------------------------
     def publish(self, kind: str, data: dict) -> None:

@@ -34,15 +34,15 @@ class DeviceRoom:
         """(an engine thread, holding no lock) Demote idle sessions whose KV ``backend`` holds until it
         has ``need_bytes`` free; whether it has them now."""
         with self._lock:
-            idle = [s for s in self.sessions.values()
+            idle = [(s, s.last_active) for s in self.sessions.values()
                     if s.kv_at in self.pools and self.pools[s.kv_at].backend is backend and not s.busy]
-        idle.sort(key=lambda s: (-_RANK[s.sla.cls], s.last_active))
-        for s in idle:
+        idle.sort(key=lambda e: (-_RANK[e[0].sla.cls], e[1]))
+        for s, since in idle:
             free = backend.device_kv_free_bytes()
             if free is None or free >= need_bytes:
                 break
             try:
-                self.demote(s.id, reason=REASON)
+                self.demote(s.id, reason=REASON, idle_since=since)  # (not if a turn started meanwhile)
             except Exception:  # e.g. deleted meanwhile: the next one
                 log.exception("demoting %s for device memory failed", s.id)
         free = backend.device_kv_free_bytes()

@@ -205,7 +205,7 @@ class DaemonLifecycle:
                     self.log(f"session {rec.id}: {why}; rebuilt from its journal (its {rec.kv_length} tokens "
                              f"are computed again at its next turn)")
                     self.store.delete(rec.id)
-                    kv, rebuild = self._new_kv(rec.id, placement, cap), True
+                    kv, rebuild = self._new_kv(rec.id, placement, cap, unfilled=True), True
             except Exception as exc:  # a KV file made for another model; no ring: keep the rest serving
                 why = str(exc).removeprefix(f"session {rec.id}: ")  # (the store's message names it too)
                 self.log(f"session {rec.id} not recovered: {why}")

@@ -56,9 +56,13 @@ class TurnEvents:
             s = self.sessions.get(seq.session_id)
             if s is None:
                 return
-            s.committed.extend(fed)
             if not s.ephemeral:
-                self.journal.commit_tokens(s.id, fed, seq.kv.length)
+                try:
+                    self.journal.commit_tokens(s.id, fed, seq.kv.length)
+                except Exception:  # (a full disk): the rows the journal cannot name go, so the KV, the session
+                    seq.kv.truncate(len(s.committed))  # and the journal agree again; this turn fails, not the step's
+                    raise
+            s.committed.extend(fed)
 
     def _on_turn_event(self, s: Session, seq: Sequence, ev: dict, emit: Callable[[dict], None],
                        n_prompt: int, first: bool = False) -> None:

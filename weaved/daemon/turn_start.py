@@ -78,6 +78,10 @@ class TurnStarts:
             s = self._get(session_id)
             view = Context.of(s) if continues is None or continues >= len(s.messages) else None
         ahead = TokensAhead.compute(view, tokens) if view is not None else None
+        if ahead is not None and ahead.tokens is not None and not view.committed and not echo and self.store.share:
+            # a fresh session's prompt whose blocks another turn is storing right now: wait for them here,
+            # holding no lock, rather than compute them again
+            self.store.prefixes.await_announced(ahead.tokens[0][:-1])
         with self._lock:
             s = self._get(session_id)
             if s.turn is not None and not s.turn.ended.is_set():
@@ -105,6 +109,8 @@ class TurnStarts:
                 raise
             if s.rebuild:  # this turn feeds its lost context again: the journal records it anew as it commits
                 self.journal.truncate(s.id, 0)
+                if isinstance(s.kv, KVCache):
+                    self.store.filled(s.kv)  # (after the journal: a stop between leaves 0 of 0 rows unfilled)
                 s.rebuild = False
             reprefilled = len(s.committed) - keep
             if reprefilled:  # the template rewrote history (e.g. dropped earlier thinking): re-prefill from there

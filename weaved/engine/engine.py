@@ -398,7 +398,8 @@ class BatchEngine:
         was_prefill = s.prefilling
         if s.prompt_logprobs and was_prefill and len(logits):
             self.out.prompt_logprobs(s, s.pending[: w.n_tokens], logits)
-        self._feed(s, w.n_tokens, prefill=was_prefill)
+        if not self._feed(s, w.n_tokens, prefill=was_prefill):
+            return 0
         if s.pending:  # more prompt to feed: say how far it came (a long prompt takes many steps)
             self.out.emit(s, {"type": "progress", "prefilled": s.prefilled, "prompt": s.prefilled + len(s.pending)})
             return 0
@@ -407,16 +408,26 @@ class BatchEngine:
             return 0
         return self.out.sample(s, logits[-1], drawn)
 
-    def _feed(self, s: Sequence, n: int, prefill: bool) -> None:
-        """The first ``n`` pending tokens' KV rows are written: they join the history and are committed."""
+    def _feed(self, s: Sequence, n: int, prefill: bool) -> bool:
+        """The first ``n`` pending tokens' KV rows are written: they join the history and are committed.
+        False when committing them failed (the journal's disk is full): that turn has failed, no other."""
         fed = s.pending[:n]
         del s.pending[:n]
         s.history.extend(fed)
         if prefill:
             s.prefilled += len(fed)
             self.counters.tokens_prefilled += len(fed)
-        if self._commit is not None:
+        if self._commit is None:
+            return True
+        try:
             self._commit(s, fed)
+        except Exception as exc:
+            status = getattr(exc, "http_status", None)  # the server's capacity, not a bug: no traceback
+            if status is None:
+                log.exception("engine %s: committing %s's tokens failed", self.name, s.session_id)
+            self.out.fail(s, f"its tokens could not be recorded: {exc}", status)
+            return False
+        return True
 
     def _event(self, kind: str, data: dict) -> None:
         if self._on_event is not None:
