@@ -88,3 +88,20 @@ def test_a_schema_refusal_names_the_requests_own_field(generic):
     for field in ("response_format", "text.format"):
         e = _refused(generic, AnswerSpec(schema=bad, format_field=field))
         assert e is not None and e.param == field and e.message.startswith(f"{field} cannot be enforced: "), e
+
+
+@pytest.mark.parametrize("model", ["generic", "hermes"])
+def test_with_tool_choice_none_no_call_is_parsed_from_the_answer(request, model):
+    """``tool_choice: "none"``: an answer that spells a call's marker out in plain text is text, never a
+    call (the grammar only keeps the marker's special token out); the generic format's envelope is still
+    unwrapped."""
+    tok, engine = request.getfixturevalue(model)
+    plan = AnswerPlan(AnswerSpec(tools=(TOOL,), choice=ToolChoice(ChoiceMode.NONE)), tok, engine)
+    plan.render([{"role": "user", "content": "hi"}])
+    text = ('{"response": "<tool_call>\\n{\\"name\\": \\"f\\", \\"arguments\\": {\\"a\\": 1}}\\n</tool_call>"}'
+            if model == "generic" else '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
+    p = plan.parser()
+    p.push(text)
+    p.finish()
+    assert p.answer.calls == []
+    assert p.answer.content == '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'

@@ -107,6 +107,33 @@ def test_an_answer_cut_mid_call_keeps_the_call_incomplete_and_no_syntax_as_conte
         assert got_calls == [(c.name, c.arguments) for c in ans.calls]
 
 
+@pytest.mark.parametrize(("fmt", "text"), [
+    (LLAMA3, '{"name": "Bob", "age": 3}'),  # content that starts as a call does, then is not one
+    (LLAMA3, '{"name": "Bob"}'),
+    (HERMES, 'I would write <tool_call>\n{"name": "f", then stop.'),
+])
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_text_that_only_starts_like_a_call_never_streams_a_call(fmt, text, step):
+    """A call's first delta (its id and name) is said only once the syntax after the name holds: a
+    client never receives a call that the answer then turns out not to make."""
+    ans, deltas = parse(fmt, text, step)
+    assert ans.calls == [] and ans.content == text
+    assert not any("tool_calls" in d for d in deltas)
+    assert assembled(deltas) == (text, "", [])
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_an_answer_in_a_response_format_is_never_taken_for_the_envelope(step):
+    """With a response format the generic format's answer is the format's JSON itself: one whose first
+    key is "response" is that JSON, not an envelope around its string."""
+    for text in ('{"response": "hello", "score": 3}', '{"response": "The answer is 4"}'):
+        ans, deltas = parse(GENERIC, text, step, envelope=False)
+        assert ans.content == text and ans.calls == [] and assembled(deltas) == (text, "", [])
+    calls = '{"tool_calls": [{"name": "f", "arguments": {}}]}'
+    ans, deltas = parse(GENERIC, calls, step, envelope=False)
+    assert [(c.name, c.arguments) for c in ans.calls] == [("f", "{}")] and ans.content == ""
+
+
 def test_text_that_breaks_the_call_syntax_is_still_content():
     text = '[TOOL_CALLS] is what I would write'
     ans, deltas = parse(MISTRAL, text, 2)

@@ -328,6 +328,39 @@ def test_an_answer_sent_back_as_the_sdks_model_dump_is_accepted(client, fake):
 
 
 
+def test_an_answer_from_the_sdks_parse_helpers_sent_back_is_accepted(client, fake):
+    """``client.chat.completions.parse(...)``'s message, appended as it is: the SDK sends its own
+    readings of the content and of a call's arguments (``parsed``, ``parsed_arguments``) back too."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": '{"a": 1}', "parsed_arguments": {"a": 1}}}
+    sent = {"role": "assistant", "content": '{"x": 1}', "parsed": {"x": 1}, "refusal": None, "tool_calls": [call]}
+    messages = [*USER, sent, {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+    r = client.post(CHAT, json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    turn = fake.calls[-1][1]["messages"][1]
+    assert turn["content"] == '{"x": 1}' and turn["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+
+
+@pytest.mark.parametrize(("tool", "words"), [
+    ({"type": "function", "name": "my tool", "parameters": {"type": "object"}}, "function names"),
+    ({"type": "function", "name": "f", "parameters": {"type": "string"}}, "type object"),
+])
+def test_a_bad_responses_tool_is_a_400_naming_it(client, tool, words):
+    err = assert_error(client.post("/v1/responses", json={"input": "hi", "tools": [tool]}), 400, "*",
+                       "invalid_request_error")
+    assert words in err["message"] and err["param"].startswith("tools.0.")
+
+
+def test_responses_stream_options_are_honoured_or_refused(client):
+    err = assert_error(client.post("/v1/responses", json={"input": "hi", "stream_options": {}}), 400,
+                       "stream_options")
+    assert "stream: true" in err["message"]
+    err = assert_error(client.post("/v1/responses", json={"input": "hi", "stream": True,
+                                                          "stream_options": {"include_usage": True}}),
+                       400, "stream_options")
+    assert "response.completed" in err["message"]
+
+
 def test_fields_that_ask_for_what_weave_does_anyway_are_accepted(client, fake):
     r = client.post(CHAT, json={"messages": USER, "modalities": ["text"], "stream": True,
                                 "stream_options": {"include_usage": True, "include_obfuscation": False}})

@@ -45,3 +45,18 @@ def test_other_include_values_are_refused_by_name():
     req = ResponsesRequest.model_validate({"input": "hi", "include": ["reasoning.encrypted_content",
                                                                       "message.output_text.logprobs"]})
     assert req.unsupported()[0] == "include" and "message.output_text.logprobs" in req.unsupported()[1]
+
+
+def test_text_then_a_call_sent_back_is_one_assistant_message():
+    """A client that keeps its own items (``store: false``) sends back an answer's message item and the
+    call items that followed it: one answer, so one assistant message with its text and its calls."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+    req = ResponsesRequest.model_validate({"store": False, "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        call, {**call, "call_id": "call_2"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "a"},
+        {"type": "function_call_output", "call_id": "call_2", "output": "b"}]})
+    msgs = req.messages()
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "tool"]
+    assert msgs[1]["content"] == "Let me look." and [c["id"] for c in msgs[1]["tool_calls"]] == ["call_1", "call_2"]

@@ -70,12 +70,15 @@ def detect(template_source: str | None) -> CallFormat:
 GENERIC_INSTRUCTIONS = (
     "You can call these tools (JSON schema of each one's arguments):\n{tools}\n\n"
     "Answer with one JSON object: either {{\"tool_calls\": [{{\"name\": <tool name>, \"arguments\": <arguments "
-    "object>}}, ...]}} to call tools, or {{\"response\": <your answer as a string>}}."
+    "object>}}, ...]}} to call tools, or {answer}."
 )
+ENVELOPE_ANSWER = "{\"response\": <your answer as a string>}"
+JSON_ANSWER = "your answer itself, as the JSON object its format asks for"
 
 
-def generic_system_text(tools: tuple[Tool, ...]) -> str:
-    """What the generic format adds to the system turn: the tools and the answer's JSON envelope."""
+def generic_system_text(tools: tuple[Tool, ...], json_answer: bool = False) -> str:
+    """What the generic format adds to the system turn: the tools and the answer's JSON envelope (or,
+    ``json_answer``, the answer's own JSON: a response format)."""
     listing = "\n".join(json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters},
                                    ensure_ascii=False) for t in tools)
-    return GENERIC_INSTRUCTIONS.format(tools=listing)
+    return GENERIC_INSTRUCTIONS.format(tools=listing, answer=JSON_ANSWER if json_answer else ENVELOPE_ANSWER)

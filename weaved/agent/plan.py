@@ -77,7 +77,7 @@ class AnswerPlan:
             if self.fmt.template_tools:
                 tools = [t.to_openai() for t in self.spec.tools]
             else:
-                msgs = generic_messages(msgs, self.spec.tools)
+                msgs = generic_messages(msgs, self.spec.tools, json_answer=self.spec.schema is not None)
         elif self._generic_history and any(m.get("tool_calls") or m["role"] == "tool" for m in msgs):
             msgs = generic_messages(msgs, ())
         text = self._tok.render_chat(msgs, add_generation_prompt=True, tools=tools,
@@ -144,8 +144,11 @@ class AnswerPlan:
         return None
 
     def parser(self, call_seed: str | None = None) -> AnswerParser:
-        return AnswerParser(self.fmt if self.offers_tools else None, thinking=self.thinking,
-                            in_reasoning=self.in_reasoning, call_seed=call_seed)
+        """The answer's parser.  With ``tool_choice`` "none" no call is parsed (text that spells a call's
+        marker out is text), except the generic format's envelope, which that answer still has."""
+        none = self.spec.choice.mode is ChoiceMode.NONE and self.fmt.name != GENERIC.name
+        return AnswerParser(self.fmt if self.offers_tools and not none else None, thinking=self.thinking,
+                            in_reasoning=self.in_reasoning, call_seed=call_seed, envelope=self.spec.schema is None)
 
     def _special_id(self, text: str) -> int | None:
         return self._grammar.special_id(text) if self._grammar is not None else None
@@ -166,7 +169,7 @@ def template_message(m: dict) -> dict:
     return out
 
 
-def generic_messages(msgs: list[dict], tools: tuple[Tool, ...]) -> list[dict]:
+def generic_messages(msgs: list[dict], tools: tuple[Tool, ...], json_answer: bool = False) -> list[dict]:
     """The conversation for a template with no tool branch: the tools and the answer's envelope in the
     system turn (none when ``tools`` is empty: a turn that offers none), past calls as the envelope the
     model writes, tool results as user turns (the results of one answer's calls in one turn: templates
@@ -198,7 +201,7 @@ def generic_messages(msgs: list[dict], tools: tuple[Tool, ...]) -> list[dict]:
             results = False
     if not tools:
         return out
-    system = generic_system_text(tools)
+    system = generic_system_text(tools, json_answer)
     if out and out[0]["role"] == "system":
         out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
     else:

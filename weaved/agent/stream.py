@@ -34,8 +34,12 @@ class AnswerParser:
     calls' ids derive from it (two parsers of one answer give the same ids), else they are random."""
 
     def __init__(self, fmt: CallFormat | None = None, *, thinking: bool = False, in_reasoning: bool = False,
-                 call_seed: str | None = None):
+                 call_seed: str | None = None, envelope: bool = True):
         self.fmt = fmt
+        # the generic format's answer envelope ({"response": ...}); not when the answer is JSON of its own
+        # (a response format), which may well start the same way
+        self._envelope = envelope
+        self._header: dict | None = None  # a call's first delta, held until its syntax is past its name
         self._call_seed = call_seed  # calls' ids: from (seed, index) when given (``tools.call_id``)
         self.answer = Answer()
         self._buf = ""  # text not yet classified
@@ -74,6 +78,9 @@ class AnswerParser:
             # was written stays a call, incomplete, with its arguments as far as they came (as OpenAI
             # answers a call cut by max_tokens), as its deltas already streamed it
             self._buf = ""
+            if self._header is not None:  # cut right after its name: the call it was, now said
+                out.append(self._header)
+                self._header = None
         elif self._state == "main?" and self._lead_prefix(self._buf.lstrip()):
             self._buf = ""  # cut inside the opening of an answer's envelope: nothing was said yet
         elif self._buf:
@@ -88,8 +95,11 @@ class AnswerParser:
         fmt = self.fmt
         if fmt is None or fmt.trigger or not s:
             return False
-        leads = ('{"tool_calls": [', '{"response": "') if fmt.name == "generic" else ("<|python_tag|>",)
+        leads = self._generic_leads() if fmt.name == "generic" else ("<|python_tag|>",)
         return any(lead.startswith(s) and s != lead for lead in leads)
+
+    def _generic_leads(self) -> tuple[str, ...]:
+        return ('{"tool_calls": [', '{"response": "') if self._envelope else ('{"tool_calls": [',)
 
     # ---- states ----------------------------------------------------------------------------------
     def _emit(self, out: list[dict], key: str, text: str) -> None:
@@ -157,7 +167,7 @@ class AnswerParser:
         if not s:
             return False
         if fmt.name == "generic":
-            for lead, state in (('{"tool_calls": [', "calls"), ('{"response": "', "resp")):
+            for lead, state in zip(self._generic_leads(), ("calls", "resp"), strict=False):
                 if s.startswith(lead):
                     self._raw_since_calls = self._buf[: len(self._buf) - len(s) + len(lead)]
                     self._buf = s[len(lead):]
@@ -223,6 +233,9 @@ class AnswerParser:
             return False
         self._expect = []
         self._state = then
+        if then == "call:args" and self._header is not None:  # past its name: it is a call, said now
+            out.append(self._header)
+            self._header = None
         if then == "call:between":  # a call is complete: what follows starts afresh
             self._raw_since_calls = ""
         return True
@@ -244,8 +257,10 @@ class AnswerParser:
             call = {"id": call_id(self.fmt.id_style, self._call_seed, len(self._calls)), "name": name, "args": ""}
             self._calls.append(call)
             idx = len(self._calls) - 1
-            out.append({"tool_calls": [{"index": idx, "id": call["id"], "type": "function",
-                                        "function": {"name": name, "arguments": ""}}]})
+            # held until the syntax after the name holds too: an unconstrained answer that only starts
+            # like a call (a JSON object whose first key is "name") never streams a call it then takes back
+            self._header = {"tool_calls": [{"index": idx, "id": call["id"], "type": "function",
+                                            "function": {"name": name, "arguments": ""}}]}
             self._expect = [self.fmt.mid()[1:]]  # the closing quote is consumed
             self._next_after_lit = "call:args"
             self._state = "call:lit"
@@ -312,6 +327,7 @@ class AnswerParser:
     def _broken(self, out: list[dict]) -> bool:
         """Text that does not follow the call syntax (an unconstrained answer): the rest is content."""
         self._calls = [c for c in self._calls if c.get("done")]
+        self._header = None  # (the call it would have said was not one)
         self._emit(out, "content", self._raw_since_calls + self._buf)
         self._buf = self._raw_since_calls = ""
         self.fmt, self._state = None, "main"

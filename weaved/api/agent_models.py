@@ -84,6 +84,7 @@ class CallFunction(BaseModel):
 
     name: str
     arguments: str
+    parsed_arguments: Any = None  # the openai SDK's parse() helpers' reading of ``arguments``, sent back
 
 
 class ToolCallIn(BaseModel):

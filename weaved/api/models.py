@@ -97,6 +97,9 @@ class Message(BaseModel):
     audio: Any = None
     function_call: Any = None
     annotations: list[Any] | None = None
+    # the openai SDK's parse() helpers send back their own reading of ``content`` (``parsed``): derived
+    # from the content, which is what the model reads, so nothing is lost in not reading it again
+    parsed: Any = None
 
     @field_validator("content", mode="before")
     @classmethod

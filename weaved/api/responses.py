@@ -41,7 +41,9 @@ router = APIRouter()
 def _params(req: ResponsesRequest) -> SamplingParams:
     kw = dict(SAMPLING_DEFAULTS)
     kw.update({k: getattr(req, k) for k in ("temperature", "top_p", "seed") if getattr(req, k) is not None})
-    if req.seed is not None:
+    if req.seed == -1:  # llama.cpp's "no seed", as on chat completions: a fresh random one
+        kw.pop("seed")
+    elif req.seed is not None:
         kw["seed"] = req.seed % 2**64  # (a negative one as its two's complement)
     try:
         return SamplingParams(max_tokens=req.max_output_tokens or FIT_CONTEXT_MAX_TOKENS,

@@ -124,14 +124,11 @@ InputItem = Annotated[Annotated[MessageItem, Tag("tag:message")] | Annotated[Fun
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionTool(FunctionDef):
+    """A function tool, flat as the Responses API writes it (chat completions nests it under
+    ``function``): the same checks of its name and parameters, at parse time."""
 
     type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class ToolChoiceFunction(BaseModel):
@@ -259,6 +256,11 @@ class ResponsesRequest(NullIsDefault):
         return v
 
     def unsupported(self) -> tuple[str, str] | None:
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed with stream: true"
+        if self.stream_options is not None and self.stream_options.include_usage:
+            return "stream_options", ("include_usage is a chat completions option: a response's usage is always in "
+                                      "its response.completed event")
         other = sorted(set(self.include or ()) - INCLUDABLE)
         if other:
             return "include", f"include values are not supported: {other} (only {sorted(INCLUDABLE)})"
@@ -291,8 +293,8 @@ class ResponsesRequest(NullIsDefault):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
                 last = out[-1] if out else None
-                if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
-                    last["tool_calls"].append(call)
+                if last is not None and last["role"] == "assistant":  # the text the call came after, or a call
+                    last.setdefault("tool_calls", []).append(call)  # (one answer: one assistant message)
                 else:
                     msg = {"role": "assistant", "content": "", "tool_calls": [call]}
                     if reasoning:
