@@ -9,6 +9,7 @@ trained model's (std 1/sqrt(fan-in), norms near 1), so activations and logits st
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,7 @@ def write_tiny_gguf(
     n_layers: int = 2,
     d_model: int = 64,
     n_heads: int = 4,
-    n_kv_heads: int = 2,
+    n_kv_heads: int | list[int] = 2,
     d_ff: int = 128,
     wtype: GGMLQuantizationType = Q.Q4_0,
     embd_type: GGMLQuantizationType = Q.Q8_0,
@@ -55,6 +56,7 @@ def write_tiny_gguf(
     rope_scaling: tuple[str, float, int] | None = None,
     window: int = 0,
     experts: tuple[int, int, int] | None = None,
+    extra: Callable[[GGUFWriter, Callable[[str, np.ndarray, GGMLQuantizationType], None]], None] | None = None,
 ) -> Path:
     """Write a random model of architecture ``arch`` to ``path`` and return the path.
 
@@ -68,7 +70,8 @@ def write_tiny_gguf(
     for the ``rope.scaling.*`` keys; ``window`` is gemma3's sliding window (its layers 0-4, 6-10 ...
     attend the last ``window`` positions).  ``experts`` is (experts, used per token, expert FFN length):
     every layer's FFN becomes a router and stacked experts (qwen3moe's, or Mixtral's under llama);
-    qwen3moe has (8, 2, 32) unless given.
+    qwen3moe has (8, 2, 32) unless given.  ``extra(writer, add)`` writes more keys or tensors (``add(name,
+    weights, type)``) before the file is closed; ``n_kv_heads`` may be a list, one per layer.
     """
     if arch == "qwen3moe" and experts is None:
         experts = (8, 2, 32)
@@ -126,7 +129,8 @@ def write_tiny_gguf(
         data = gguf_quants.quantize(weights, qtype)
         writer.add_tensor(name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
 
-    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+    q_dim = n_heads * head_dim
+    kv_dim = (n_kv_heads[0] if isinstance(n_kv_heads, list) else n_kv_heads) * head_dim
     add("token_embd.weight", matrix(vocab, d_model, d_model**-0.5), embd_type)
     add("output_norm.weight", output_norm_scale * near_one(d_model), norm_type)
     if rope_freqs is not None:
@@ -161,6 +165,8 @@ def write_tiny_gguf(
         add(f"{blk}.ffn_gate.weight", matrix(d_ff, d_model), wtype)
         add(f"{blk}.ffn_up.weight", matrix(d_ff, d_model), wtype)
         add(f"{blk}.ffn_down.weight", matrix(d_model, d_ff), wtype)
+    if extra is not None:
+        extra(writer, add)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -174,15 +174,13 @@ class DaemonLifecycle:
                              f"{MIN_KV_POSITIONS}: raise it (e.g. kv_cap_bytes = \"4GiB\", or \"auto\")")
 
     def _check_memory(self) -> None:
-        """Refuse a model the CPU pool cannot hold: it repacks every matrix into memory once, so its
-        weights take about the file's size in RAM."""
-        import psutil
+        """Refuse a model the CPU pool cannot hold: it repacks every matrix into memory once
+        (``weaved.model.footprint``)."""
+        from weaved.model.footprint import too_large
 
-        size, total = self.model_path.stat().st_size, psutil.virtual_memory().total
-        if size > total:
-            raise WeaveError(f"{self.model_path.name} needs about {size / 2**30:.1f} GiB of memory for its weights "
-                             f"(the file's size: the CPU pool holds them repacked), but this host has "
-                             f"{total / 2**30:.1f} GiB of RAM")
+        why = too_large(self.model_path)
+        if why is not None:
+            raise WeaveError(why)
 
     def _recover(self) -> None:
         rebuilt = 0

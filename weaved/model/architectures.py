@@ -71,7 +71,9 @@ def _yarn_attn_factor(factor: float, gguf_attn_factor: float) -> float:
 def _rope(f: GGUFFile, arch: str, context_length: int) -> RopeSpec:
     """The rope of the model's (global) layers from its metadata and ``rope_freqs.weight``."""
     base = float(f.get(f"{arch}.rope.freq_base", 10000.0))
-    scaling = f.get(f"{arch}.rope.scaling.type", "none") or "none"
+    # llama.cpp: the type defaults to linear, so a factor (or the older scale_linear key) alone scales
+    # the frequencies; a type of "none" never scales
+    scaling = f.get(f"{arch}.rope.scaling.type", "linear") or "linear"
     if scaling not in ROPE_SCALING:
         raise ValueError(f"{f.path.name}: rope scaling '{scaling}' is not supported "
                          f"(supported: {', '.join(ROPE_SCALING)})")
@@ -93,15 +95,38 @@ def _rope(f: GGUFFile, arch: str, context_length: int) -> RopeSpec:
                     orig_ctx=orig)
 
 
+def _one_value(f: GGUFFile, key: str, value):
+    """A hyper-parameter llama.cpp may read per layer (``get_key_or_arr``): an array of one repeated value
+    is that value; one that varies by layer is refused by name (Weave's layers are alike)."""
+    if isinstance(value, (list, tuple)):
+        if not value or any(v != value[0] for v in value):
+            raise ValueError(f"{f.path.name}: {key} varies by layer ({list(value)[:8]}...): Weave runs models "
+                             f"whose layers have one shape")
+        return value[0]
+    return value
+
+
 def read_config(f: GGUFFile) -> ModelConfig:
     """ModelConfig from a GGUF's metadata; ValueError naming what is unsupported or missing."""
+    split = f.get("split.count")
+    if split is not None and int(split) > 1:
+        raise ValueError(f"{f.path.name} is one of the {int(split)} parts of a split model (split.count): Weave "
+                         f"serves one file - merge the parts first with llama.cpp's `llama-gguf-split --merge "
+                         f"{f.path.name} merged.gguf`")
     arch = f.require("general.architecture")
     if arch not in ARCHS:
         raise ValueError(
             f"{f.path.name}: architecture '{arch}' is not supported (supported: {', '.join(ARCHS)})"
         )
     spec = ARCHS[arch]
-    n_heads = int(f.require(f"{arch}.attention.head_count"))
+
+    def get(key: str, default=None):
+        return _one_value(f, key, f.get(key, default))
+
+    def require(key: str):
+        return _one_value(f, key, f.require(key))
+
+    n_heads = int(require(f"{arch}.attention.head_count"))
     d_model = int(f.require(f"{arch}.embedding_length"))
     head_dim = int(f.get(f"{arch}.attention.key_length", d_model // n_heads))
     vocab = f.get("tokenizer.ggml.tokens")
@@ -111,7 +136,14 @@ def read_config(f: GGUFFile) -> ModelConfig:
     gemma: dict = {}
     if spec.gemma:
         window = int(f.get(f"{arch}.attention.sliding_window", 0) or 0)
-        pattern = int(f.get(f"{arch}.attention.sliding_window_pattern", GEMMA_SWA_PATTERN)) if window else 0
+        pattern = f.get(f"{arch}.attention.sliding_window_pattern", GEMMA_SWA_PATTERN) if window else 0
+        if isinstance(pattern, (list, tuple)):  # per layer, whether it slides: llama.cpp's every-sixth-global
+            want = [(i + 1) % GEMMA_SWA_PATTERN != 0 for i in range(n_layers)]
+            if [bool(v) for v in pattern] != want:
+                raise ValueError(f"{f.path.name}: {arch}.attention.sliding_window_pattern is not every "
+                                 f"{GEMMA_SWA_PATTERN}th layer global, the only pattern Weave (and llama.cpp) runs")
+            pattern = GEMMA_SWA_PATTERN
+        pattern = int(pattern)
         swa_base = float(f.get(f"{arch}.rope.freq_base_swa", GEMMA_SWA_ROPE_BASE))
         # llama.cpp: 1/sqrt(n_embd / n_head) for the 62-layer 27B, else 1/sqrt(head_dim), in float32
         q_size = d_model // n_heads if n_layers == 62 else head_dim
@@ -124,7 +156,7 @@ def read_config(f: GGUFFile) -> ModelConfig:
     moe = {}
     if n_experts:
         used = int(f.require(f"{arch}.expert_used_count"))
-        n_ff = int(f.require(f"{arch}.feed_forward_length"))
+        n_ff = int(require(f"{arch}.feed_forward_length"))
         # llama.cpp: a llama file's experts are feed_forward_length long; qwen3moe has a key of its own
         # (without it, the dense length over the experts used)
         d_ff_expert = n_ff if arch == "llama" else int(f.get(f"{arch}.expert_feed_forward_length", 0) or 0) or (
@@ -136,10 +168,10 @@ def read_config(f: GGUFFile) -> ModelConfig:
         n_layers=n_layers,
         d_model=d_model,
         n_heads=n_heads,
-        n_kv_heads=int(f.get(f"{arch}.attention.head_count_kv", n_heads)),
+        n_kv_heads=int(get(f"{arch}.attention.head_count_kv", n_heads)),
         head_dim=head_dim,
-        d_ff=int(f.get(f"{arch}.feed_forward_length", 0) or 0) if n_experts else int(
-            f.require(f"{arch}.feed_forward_length")),
+        d_ff=int(get(f"{arch}.feed_forward_length", 0) or 0) if n_experts else int(
+            require(f"{arch}.feed_forward_length")),
         vocab_size=vocab_size,
         context_length=context_length,
         rms_eps=float(f.require(f"{arch}.attention.layer_norm_rms_epsilon")),
@@ -175,11 +207,18 @@ def required_tensors(cfg: ModelConfig) -> list[str]:
 
 
 def check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
-    """Every tensor the architecture needs is present, of a type the engine runs natively."""
-    missing = [n for n in required_tensors(cfg) if n not in f.tensors]
+    """Every tensor the architecture needs is present, of a type the engine runs natively, and none
+    it would leave unread (llama.cpp too refuses a file with tensors its architecture does not take)."""
+    required = required_tensors(cfg)
+    missing = [n for n in required if n not in f.tensors]
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ValueError(f"{f.path.name}: tensors missing for {cfg.arch}: {', '.join(missing[:3])}{more}")
+    extra = sorted(set(f.tensors) - set(required) - {"rope_freqs.weight"})
+    if extra:
+        more = f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""
+        raise ValueError(f"{f.path.name}: tensors {cfg.arch} does not take, which Weave would leave out of the "
+                         f"computation: {', '.join(extra[:3])}{more}")
     if cfg.rope.freq_factors is not None and len(cfg.rope.freq_factors) < cfg.n_rot // 2:
         raise ValueError(f"{f.path.name}: rope_freqs.weight has {len(cfg.rope.freq_factors)} values, "
                          f"the model rotates {cfg.n_rot // 2} pairs")

@@ -101,12 +101,16 @@ def ensure_native(
     """
     from weaved.model.architectures import read_config
     from weaved.model.convert import needs_conversion
+    from weaved.model.footprint import too_large
     from weaved.model.gguf_file import GGUFFile
 
     src = Path(path)
     read_config(GGUFFile(src))
     if not needs_conversion(src):
         return src
+    why = too_large(src)  # before hours of converting a model this host cannot hold anyway
+    if why is not None:
+        raise ValueError(why)
     return _converted_copy(src, progress, log)
 
 

@@ -104,8 +104,17 @@ def scan_gguf(path: str | os.PathLike[str], want: Callable[[str], bool] = lambda
         except struct.error as exc:  # a read past the end: the file stops inside its header
             raise ValueError(f"{path} is not a readable GGUF file: its header is cut short (the file "
                              f"ends at {path.stat().st_size:,} bytes)") from exc
+        except RetiredType as exc:
+            raise ValueError(f"{path.name}: {exc}") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+class RetiredType(ValueError):
+    """A tensor type llama.cpp once wrote and no longer reads (gguf-py has no name for it either)."""
+
+
+_RETIRED = {31: "Q4_0_4_4", 32: "Q4_0_4_8", 33: "Q4_0_8_8"}
 
 
 class _Scanner:
@@ -167,6 +176,9 @@ class _Scanner:
             (n_dims,) = self.unpack("I")
             dims = self.unpack(f"{n_dims}Q")
             qtype, offset = self.unpack("IQ")
+            if qtype in _RETIRED:
+                raise RetiredType(f"tensor {name} is {_RETIRED[qtype]}, an ARM repacking of Q4_0 that llama.cpp "
+                                  f"no longer reads either: use the model's plain Q4_0 file")
             info = TensorInfo(name, tuple(reversed(dims)), GGMLQuantizationType(qtype), offset)
             if dims and dims[0] % GGML_QUANT_SIZES[info.type][0]:
                 raise ValueError(f"tensor {name}: rows of {dims[0]} are not whole {info.type.name} blocks")

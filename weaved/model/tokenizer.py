@@ -12,6 +12,7 @@ llama-server does), and a raw prompt that already starts with it gets none added
 from __future__ import annotations
 
 import codecs
+import collections
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,7 +31,13 @@ class Tokenizer:
         if meta.get("tokenizer.ggml.model") is None:  # llama.cpp would only say it failed to load the file
             raise ValueError(f"{self.path} has no tokenizer (no tokenizer.ggml.model key): Weave needs the "
                              f"model's vocabulary in the file, as llama.cpp does")
-        self._llama = llama_cpp.Llama(str(self.path), vocab_only=True, verbose=False)
+        _RECENT_LOG.clear()
+        try:
+            self._llama = llama_cpp.Llama(str(self.path), vocab_only=True, verbose=False)
+        except ValueError as e:  # llama.cpp says why only in its log ("unknown pre-tokenizer type", ...)
+            said = [t for level, t in _RECENT_LOG if level in (_WARN, _ERROR) and t]
+            raise ValueError(f"{self.path.name}: llama.cpp cannot read its vocabulary"
+                             + (f": {' / '.join(said[-3:])}" if said else f" ({e})")) from None
         self.vocab_size = int(self._llama.n_vocab())
         self.bos_id = _opt_int(meta.get("tokenizer.ggml.bos_token_id"))
         self.eos_id = _opt_int(meta.get("tokenizer.ggml.eos_token_id"))
@@ -113,13 +120,21 @@ class StreamDecoder:
 _LOG_CALLBACK = None  # kept alive: llama.cpp holds a pointer to it
 
 
+_WARN, _ERROR = 3, 4  # ggml's log levels
+_RECENT_LOG: collections.deque[tuple[int, str]] = collections.deque(maxlen=64)
+
+
 def quiet_llama_logs(llama_cpp) -> None:
-    """Route llama.cpp's own log lines (context warnings of the vocabulary-only model) nowhere."""
+    """Route llama.cpp's own log lines (context warnings of the vocabulary-only model) off the terminal,
+    keeping the last few: a vocabulary llama.cpp refuses is refused with its words."""
     global _LOG_CALLBACK
     if _LOG_CALLBACK is None:
         import ctypes
 
-        _LOG_CALLBACK = llama_cpp.llama_log_callback(lambda level, text, user: None)
+        def keep(level: int, text: bytes, user) -> None:
+            _RECENT_LOG.append((int(level), (text or b"").decode("utf-8", "replace").strip()))
+
+        _LOG_CALLBACK = llama_cpp.llama_log_callback(keep)
         llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
 
 

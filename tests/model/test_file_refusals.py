@@ -1,0 +1,111 @@
+"""Files a user may bring that Weave must refuse by name - or read as llama.cpp reads them - rather
+than load and compute something else: a split model, hyper-parameters per layer, tensors the
+architecture does not take, a model larger than the RAM (refused before it is converted), and rope
+scaling keys in llama.cpp's defaults."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from tests.tiny_models import write_tiny_gguf
+from weaved.model.architectures import check_tensors, read_config
+from weaved.model.default import ensure_native
+from weaved.model.footprint import weights_bytes
+from weaved.model.gguf_file import GGUFFile
+from weaved.model.gguf_scan import scan_gguf
+
+Q = GGMLQuantizationType
+
+
+def test_one_part_of_a_split_model_is_refused_with_the_way_out(tmp_path):
+    def split(w, add):
+        w.add_uint16("split.no", 0)
+        w.add_uint16("split.count", 3)
+
+    path = write_tiny_gguf(tmp_path / "m-00001-of-00003.gguf", n_layers=1, wtype=Q.Q4_1, extra=split)
+    with pytest.raises(ValueError, match=r"one of the 3 parts of a split model.*llama-gguf-split --merge"):
+        ensure_native(path, log=lambda m: None)
+
+
+def test_a_hyper_parameter_given_per_layer_is_read_when_alike_and_refused_when_not(tmp_path):
+    alike = write_tiny_gguf(tmp_path / "alike.gguf", n_layers=2, n_kv_heads=[2, 2])
+    assert read_config(GGUFFile(alike)).n_kv_heads == 2
+    varies = write_tiny_gguf(tmp_path / "varies.gguf", n_layers=2, n_kv_heads=[2, 1])
+    with pytest.raises(ValueError, match=r"head_count_kv varies by layer"):
+        read_config(GGUFFile(varies))
+
+
+def test_a_tensor_the_architecture_does_not_take_is_refused_by_name(tmp_path):
+    """A llama file with q biases (a port of a model trained with them): llama.cpp adds them, so a
+    Weave that left them out would compute another function."""
+    def bias(w, add):
+        add("blk.0.attn_q.bias", np.full(64, 0.1, np.float32), Q.F32)
+
+    path = write_tiny_gguf(tmp_path / "bias.gguf", n_layers=1, extra=bias)
+    f = GGUFFile(path)
+    with pytest.raises(ValueError, match=r"does not take.*blk\.0\.attn_q\.bias"):
+        check_tensors(f, read_config(f))
+
+
+@pytest.mark.parametrize(("keys", "scale"), [({"scale_linear": 4.0}, 0.25), ({"scaling.factor": 4.0}, 0.25),
+                                             ({"scaling.type": "none", "scaling.factor": 4.0}, 1.0)])
+def test_a_rope_factor_without_a_type_scales_linearly(tmp_path, keys, scale):
+    """llama.cpp: the scaling type defaults to linear (freq_scale 1/factor); "none" never scales."""
+    def rope(w, add):
+        for k, v in keys.items():
+            (w.add_string if isinstance(v, str) else w.add_float32)(f"llama.rope.{k}", v)
+
+    path = write_tiny_gguf(tmp_path / "rope.gguf", n_layers=1, extra=rope)
+    assert read_config(GGUFFile(path)).rope.freq_scale == scale
+
+
+def test_a_model_larger_than_the_ram_is_refused_before_it_is_converted(tmp_path, monkeypatch):
+    import psutil
+
+    path = write_tiny_gguf(tmp_path / "q41.gguf", n_layers=1, wtype=Q.Q4_1)
+    fake = psutil.virtual_memory()._replace(total=weights_bytes(path) // 2)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: fake)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"needs about .* GiB of memory .* this host has .* GiB of RAM"):
+        ensure_native(path, log=lambda m: None)
+    assert not list((tmp_path / "cache").rglob("*.gguf"))  # nothing converted
+
+
+def test_the_weights_footprint_counts_float_matrices_at_32_bits(tmp_path):
+    q4 = write_tiny_gguf(tmp_path / "q4.gguf", n_layers=2, wtype=Q.Q4_0, embd_type=Q.Q8_0)
+    f16 = write_tiny_gguf(tmp_path / "f16.gguf", n_layers=2, wtype=Q.F16, embd_type=Q.F16, norm_type=Q.F16)
+    q41 = write_tiny_gguf(tmp_path / "q41.gguf", n_layers=2, wtype=Q.Q4_1, embd_type=Q.Q8_0)
+    def stored(path) -> int:
+        return sum(t.nbytes for t in scan_gguf(path, want=lambda key: False).tensors)
+
+    assert weights_bytes(q4) == stored(q4)  # as stored (its norms F32 already)
+    assert weights_bytes(f16) == 2 * stored(f16)  # every tensor F16, widened
+    assert weights_bytes(q41) == weights_bytes(q4)  # what the conversion writes
+
+
+def test_a_vocabulary_llama_cpp_refuses_is_refused_with_its_words(tmp_path):
+    from weaved.model.tokenizer import Tokenizer
+
+    path = write_tiny_gguf(tmp_path / "odd.gguf", "bogusarch", n_layers=1)
+    with pytest.raises(ValueError, match=r"cannot read its vocabulary.*unknown model architecture"):
+        Tokenizer(path)
+
+
+def test_an_arm_repacked_q4_0_file_is_named_as_such(tmp_path):
+    """Q4_0_4_4 (type 31), which llama.cpp retired: not "not a GGUF", but what it is and the way out."""
+    import struct
+
+    from weaved.model.gguf_scan import scan_gguf as scan
+
+    path = write_tiny_gguf(tmp_path / "q4044.gguf", n_layers=1)
+    data = bytearray(path.read_bytes())
+    header = scan(path, want=lambda key: False)
+    name = header.tensors[-1].name.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, 31)  # its type
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"is Q4_0_4_4, an ARM repacking.*plain Q4_0 file"):
+        scan(path)
