@@ -9,6 +9,7 @@ import gc
 import json
 
 import numpy as np
+import pytest
 
 from tests.kv.test_prefixes import tokens
 from tests.kv.test_store import CFG, fill
@@ -69,16 +70,18 @@ def test_sessions_past_the_budget_copy_the_prefix_and_give_every_mapping_back(tm
     assert store.prefixes.status()["copied"] == 3 and budget.used == 2 * ALIASED
 
 
-def test_a_session_taking_its_rows_back_gives_its_mappings_back(tmp_path):
+def test_a_session_taking_its_rows_back_keeps_its_pieces_counted_until_it_goes(tmp_path):
     budget = MapBudget(limit=10 * ALIASED, spare=1)
     store = KVStore(tmp_path, CFG, maps=budget)
     prompt, rows, _ = published(store, 2 * BLOCK + 30)
     kv = store.create("b", capacity=1024)
     store.share_prefix(kv, prompt)
     assert budget.used == 2 * ALIASED
-    store.unshare(kv, BLOCK + 3)  # a rewrite inside the prefix
-    assert budget.used == ALIASED + 1
+    store.unshare(kv, BLOCK + 3)  # a rewrite inside the prefix: its file's runs remapped, still apart
+    assert budget.used == 2 * ALIASED
     assert np.array_equal(kv.data[:, :, :, :BLOCK + 3], rows[:, :, :, :BLOCK + 3])
+    store.delete("b")
+    assert budget.used == ALIASED + 1  # (its anonymous pages: one mapping, until its arrays go)
 
 
 def test_a_fork_past_the_budget_copies_its_parents_rows(tmp_path):
@@ -110,3 +113,25 @@ def test_a_restart_without_room_to_map_a_prefix_copies_it_into_the_session(tmp_p
     assert store2.prefixes.status()["copied"] == 1 and "prefix" not in json.loads((tmp_path / "b.json").read_text())
     b.data[:, :, :, 0] = 3  # its own pages: writable, and only its
     assert np.array_equal(a.data[:, :, :, 0], rows[:, :, :, 0])
+
+
+@pytest.mark.parametrize("memory_only", [False, True])
+def test_taking_a_prefix_back_gives_back_only_the_mappings_that_went(tmp_path, memory_only):
+    """The budget counts what the process's map holds: a file-backed session's pieces stay apart after
+    it takes its own rows back (each run remapped from the file opened anew), a memory-only one's
+    merge again."""
+    def held() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+
+    store = KVStore(tmp_path, CFG)
+    prompt = tokens(BLOCK + 10)
+    a = store.create("a", capacity=512)
+    store.reserve(a, len(prompt))
+    fill(a, 0, len(prompt), seed=1)
+    store.publish_prefix(a, prompt, adopt=False)
+    before, counted = held(), store.maps.status()["used"]
+    b = store.create("b", capacity=512, memory_only=memory_only)
+    store.share_prefix(b, prompt)
+    store.unshare(b, 5)
+    assert store.maps.status()["used"] - counted >= held() - before

@@ -109,6 +109,11 @@ class FileMapping:
         self._budget.give(n)
 
     @property
+    def split(self) -> bool:
+        """Whether mappings are claimed for this one's splits (``claim_maps``)."""
+        return self._mm is None and self._maps[0] > 1
+
+    @property
     def can_alias(self) -> bool:
         return self._mm is None and not self.released
 

@@ -67,7 +67,7 @@ class PrefixSharing:
         row = self.config.head_dim * 2
         if (s.capacity * row) % mmap.PAGESIZE or (prefix.positions * row) % mmap.PAGESIZE or (n * row) % mmap.PAGESIZE:
             return False
-        if not s.shared and not s.mm.claim_maps(2 * self.prefixes.runs()):
+        if not s.mm.split and not s.mm.claim_maps(2 * self.prefixes.runs()):
             self._note_no_maps()
             raise NoMapsLeft(f"session {session_id}: no room under vm.max_map_count to map a shared prefix")
         fd = os.open(prefix.path, os.O_RDONLY)
@@ -203,7 +203,10 @@ class PrefixSharing:
                 finally:
                     os.close(fd)
             s.data[:, :, :, :keep] = rows
-            s.mm.unclaim_maps(2 * self.prefixes.runs())  # its own pages again: the splits are gone
+            if s.memory_only:  # anonymous pages again: the kernel merges the pieces back (measured)
+                s.mm.unclaim_maps(2 * self.prefixes.runs())
+            # (a file's pieces stay apart - each remap opened the file anew - and stay claimed until the
+            # session's mapping goes: a later prefix's aliases reuse them)
             self.prefixes.drop_user(s.prefix, session_id)
             s.prefix, s.shared = None, 0
             kv.shared = None
