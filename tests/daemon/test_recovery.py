@@ -14,6 +14,7 @@ import pytest
 
 from tests.daemon.support import GREEDY, make_daemon, prefilled, run_turn, wait_for_commits
 from weaved.daemon.core import Daemon
+from weaved.errors import Conflict
 from weaved.routing.types import SLA, SLAClass
 
 
@@ -85,6 +86,7 @@ CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from weaved.daemon.core import Daemon
+from weaved.errors import Conflict
     from weaved.engine.sampling import SamplingParams
     from weaved.config.load import load_profile
     from weaved.routing.types import SLA, SLAClass
@@ -219,6 +221,8 @@ def test_a_rebuilt_session_stays_to_be_rebuilt_until_its_next_turn(tiny_llama, t
         if _ == 0:
             d.shutdown()
     try:
+        with pytest.raises(Conflict, match="rebuilt from its journal"):  # no rows to fork from yet
+            d.fork_session(sid, turn=1)
         got, _ = run_turn(d, sid, "Which number?")
         assert [e.get("token") for e in got] == [e.get("token") for e in want]
     finally:

@@ -34,6 +34,10 @@ class SessionForks:
                                param="session")
             if not isinstance(parent.kv, KVCache):
                 raise InvalidRequest("a session decoded on a ring cannot be forked", param="session")
+            if parent.rebuild:  # its file was lost: its rows exist again only once its next turn computes them
+                raise Conflict(f"session {sid} was rebuilt from its journal at the last start and holds no KV "
+                               f"until its next turn computes its context again; fork it after that turn",
+                               param="session")
             messages, tokens, tail, records = self._fork_point(parent, turn)
         info = self.create_session(sla or parent.sla, parent.max_context, parent.system, forked_from=sid)
         cid = info["id"]

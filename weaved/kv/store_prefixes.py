@@ -241,13 +241,14 @@ class PrefixSharing:
                 return
             if s.shared >= n or not s.mm.can_alias or kv.length < n:
                 return
-            if s.prefix is not None:
-                self.prefixes.drop_user(s.prefix, session_id)
+            old = s.prefix
             try:
                 if not self._alias(kv, session_id, s, key, n):
                     return
-            except NoMapsLeft:  # it keeps its own copy of the rows
+            except (NoMapsLeft, KVStoreError):  # it keeps its own copy of the rows (the prefix went meanwhile)
                 return
+            if old is not None and old != key:  # (only now: until then it still mapped the old one)
+                self.prefixes.drop_user(old, session_id)
             if s.memory_only:  # the pages the alias replaced were private: freed with the mapping's change
                 return
             # the sidecar names the prefix before the session's own rows go: a stop in between leaves both
