@@ -338,7 +338,8 @@ def test_an_answer_from_the_sdks_parse_helpers_sent_back_is_accepted(client, fak
     r = client.post(CHAT, json={"messages": messages, "max_tokens": 2})
     assert r.status_code == 200, r.text
     turn = fake.calls[-1][1]["messages"][1]
-    assert turn["content"] == '{"x": 1}' and turn["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+    assert turn["content"] == '{"x": 1}' and turn["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert "parsed" not in turn  # (nothing of the SDK's readings is kept in the transcript)
 
 
 @pytest.mark.parametrize(("tool", "words"), [

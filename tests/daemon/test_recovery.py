@@ -86,7 +86,6 @@ CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from weaved.daemon.core import Daemon
-from weaved.errors import Conflict
     from weaved.engine.sampling import SamplingParams
     from weaved.config.load import load_profile
     from weaved.routing.types import SLA, SLAClass
@@ -225,5 +224,29 @@ def test_a_rebuilt_session_stays_to_be_rebuilt_until_its_next_turn(tiny_llama, t
             d.fork_session(sid, turn=1)
         got, _ = run_turn(d, sid, "Which number?")
         assert [e.get("token") for e in got] == [e.get("token") for e in want]
+    finally:
+        d.shutdown()
+
+
+def test_a_kv_file_whose_session_left_the_journal_is_removed_at_start(tiny_llama, tmp_path):
+    """A deletion records the session's end first, then frees its files: a stop in between leaves a
+    file no session holds, which the next start removes (it would count against the KV cap forever)."""
+    from weaved.daemon.journal import Journal
+
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    keep = d.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    gone = d.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    run_turn(d, gone, "Hello")
+    d.shutdown()
+    j = Journal(tmp_path / "data" / "journal.sqlite")
+    j.delete(gone)  # the deletion's first half
+    j.close()
+    logs: list[str] = []
+    d = make_daemon(tiny_llama, tmp_path / "data", log_fn=logs.append)
+    try:
+        assert not (tmp_path / "data" / "kv" / f"{gone}.kv").exists()
+        assert (tmp_path / "data" / "kv" / f"{keep}.kv").exists()
+        assert any(gone in m and "removed" in m for m in logs)
+        assert [s["id"] for s in d.list_sessions()] == [keep]
     finally:
         d.shutdown()

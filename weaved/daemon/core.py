@@ -187,11 +187,13 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
                 s.turn.cancel_requested = True
                 self.engines[s.pool].cancel(sid)
             del self.sessions[sid]
-        if not s.ephemeral:  # its record first: a stop before its files go leaves no session to bring back
-            self.journal.delete(sid)
-        if s.publishing is not None:  # the publisher reads its rows: free them once it is done
-            s.publishing.wait(CANCEL_WAIT_S)
-        self._free_kv(s)
+        try:
+            if not s.ephemeral:  # its record first: a stop before its files go leaves no session to bring back
+                self.journal.delete(sid)  # (and files without a record are removed at the next start)
+        finally:  # (a record that cannot be deleted - a full disk - still lets its KV go now)
+            if s.publishing is not None:  # the publisher reads its rows: free them once it is done
+                s.publishing.wait(CANCEL_WAIT_S)
+            self._free_kv(s)
 
     def set_system(self, sid: str, system: str | None) -> None:
         """Replace a session's system prompt (its next turn re-renders the conversation: the context

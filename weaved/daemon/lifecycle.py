@@ -184,7 +184,14 @@ class DaemonLifecycle:
 
     def _recover(self) -> None:
         rebuilt = 0
-        for rec in self.journal.list():
+        records = self.journal.list()
+        recorded = {rec.id for rec in records}
+        for sid in self.store.session_ids():  # a session deleted just before a stop: its record went first
+            if sid not in recorded:
+                self.store.delete(sid)
+                self.log(f"KV file of session {sid} removed: no session of the journal holds it (deleted, or "
+                         f"never recorded, before the last stop)")
+        for rec in records:
             sla = SLA.from_dict(rec.sla)
             placement = Placement.from_dict(rec.placement) if rec.placement else None
             rebuild = False

@@ -50,19 +50,22 @@ class TurnEvents:
 
     def _commit(self, seq: Sequence, fed: list[int]) -> None:
         s = self.sessions.get(seq.session_id)
-        if s is not None and self.fsync and not s.ephemeral and isinstance(seq.kv, KVCache):
-            self.store.flush(seq.kv)  # the rows reach the disk before the journal says they exist
-        with self._lock:
-            s = self.sessions.get(seq.session_id)
-            if s is None:
-                return
-            if not s.ephemeral:
-                try:
+        try:
+            if s is not None and self.fsync and not s.ephemeral and isinstance(seq.kv, KVCache):
+                self.store.flush(seq.kv)  # the rows reach the disk before the journal says they exist
+            with self._lock:
+                s = self.sessions.get(seq.session_id)
+                if s is None:
+                    return
+                if not s.ephemeral:
                     self.journal.commit_tokens(s.id, fed, seq.kv.length)
-                except Exception:  # (a full disk): the rows the journal cannot name go, so the KV, the session
-                    seq.kv.truncate(len(s.committed))  # and the journal agree again; this turn fails, not the step's
-                    raise
-            s.committed.extend(fed)
+                s.committed.extend(fed)
+        except Exception:  # (a full disk): the rows the journal cannot name go, so the KV, the session and the
+            with self._lock:  # journal agree again; this turn fails (the engine's), not the step's others
+                s = self.sessions.get(seq.session_id)
+                if s is not None and seq.kv.length > len(s.committed):
+                    seq.kv.truncate(len(s.committed))
+            raise
 
     def _on_turn_event(self, s: Session, seq: Sequence, ev: dict, emit: Callable[[dict], None],
                        n_prompt: int, first: bool = False) -> None:

@@ -78,7 +78,8 @@ class TurnStarts:
             s = self._get(session_id)
             view = Context.of(s) if continues is None or continues >= len(s.messages) else None
         ahead = TokensAhead.compute(view, tokens) if view is not None else None
-        if ahead is not None and ahead.tokens is not None and not view.committed and not echo and self.store.share:
+        if (ahead is not None and ahead.tokens is not None and not view.committed and not echo and self.store.share
+                and isinstance(s.kv, KVCache)):
             # a fresh session's prompt whose blocks another turn is storing right now: wait for them here,
             # holding no lock, rather than compute them again
             self.store.prefixes.await_announced(ahead.tokens[0][:-1])

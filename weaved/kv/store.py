@@ -199,6 +199,8 @@ class KVStore(PrefixSharing):
                                    f"its {length} committed positions were never computed into it")
             self._unopened.pop(session_id, None)
             kv = self._map(session_id, capacity, length)
+            if meta.get("unfilled"):  # (length 0: the journal names nothing it lacks; a stop came before filled)
+                self._write_meta(session_id, self._open[session_id], meta.get("prefix"))
             shared = meta.get("prefix")
             if shared is not None:  # its first positions are a shared prefix's pages: map them again
                 s, n = self._open[session_id], int(shared["positions"])

@@ -208,7 +208,8 @@ def required_tensors(cfg: ModelConfig) -> list[str]:
 
 def check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
     """Every tensor the architecture needs is present, of a type the engine runs natively, and none
-    it would leave unread (llama.cpp too refuses a file with tensors its architecture does not take)."""
+    it would leave unread: llama.cpp refuses tensors an architecture has no place for, and adds some
+    optional ones (a llama file's biases) that Weave does not implement - refused rather than ignored."""
     required = required_tensors(cfg)
     missing = [n for n in required if n not in f.tensors]
     if missing:
@@ -217,8 +218,9 @@ def check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
     extra = sorted(set(f.tensors) - set(required) - {"rope_freqs.weight"})
     if extra:
         more = f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""
-        raise ValueError(f"{f.path.name}: tensors {cfg.arch} does not take, which Weave would leave out of the "
-                         f"computation: {', '.join(extra[:3])}{more}")
+        raise ValueError(f"{f.path.name}: tensors Weave does not implement for {cfg.arch} (llama.cpp would use or "
+                         f"refuse them; left out, the model would compute something else): "
+                         f"{', '.join(extra[:3])}{more}")
     if cfg.rope.freq_factors is not None and len(cfg.rope.freq_factors) < cfg.n_rot // 2:
         raise ValueError(f"{f.path.name}: rope_freqs.weight has {len(cfg.rope.freq_factors)} values, "
                          f"the model rotates {cfg.n_rot // 2} pairs")

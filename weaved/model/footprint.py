@@ -20,10 +20,13 @@ def weights_bytes(path: str | os.PathLike[str]) -> int:
     """Bytes of the CPU pool's copy of the weights of the GGUF at ``path`` (after any conversion)."""
     from weaved.model.convert import NATIVE_TYPES, target_type
 
+    tensors = scan_gguf(path, want=lambda key: False).tensors
+    converted = any(t.type not in NATIVE_TYPES for t in tensors)  # then every tensor is written anew
+    tied = not any(t.name == "output.weight" for t in tensors)
     total = 0
-    for t in scan_gguf(path, want=lambda key: False).tensors:
-        typ = t.type if t.type in NATIVE_TYPES else target_type(t.name, t.type, len(t.shape))
-        if typ in _FLOAT:
+    for t in tensors:
+        typ = target_type(t.name, t.type, len(t.shape)) if converted else t.type
+        if typ in _FLOAT and (t.name != "token_embd.weight" or tied):  # (an untied embedding is read in place)
             total += 4 * t.n_elements
         else:
             block, size = GGML_QUANT_SIZES[typ]

@@ -114,7 +114,7 @@ class RetiredType(ValueError):
     """A tensor type llama.cpp once wrote and no longer reads (gguf-py has no name for it either)."""
 
 
-_RETIRED = {31: "Q4_0_4_4", 32: "Q4_0_4_8", 33: "Q4_0_8_8"}
+_RETIRED = {31: "Q4_0_4_4", 32: "Q4_0_4_8", 33: "Q4_0_8_8", 36: "IQ4_NL_4_4", 37: "IQ4_NL_4_8", 38: "IQ4_NL_8_8"}
 
 
 class _Scanner:
@@ -177,8 +177,8 @@ class _Scanner:
             dims = self.unpack(f"{n_dims}Q")
             qtype, offset = self.unpack("IQ")
             if qtype in _RETIRED:
-                raise RetiredType(f"tensor {name} is {_RETIRED[qtype]}, an ARM repacking of Q4_0 that llama.cpp "
-                                  f"no longer reads either: use the model's plain Q4_0 file")
+                raise RetiredType(f"tensor {name} is {_RETIRED[qtype]}, an ARM repacking llama.cpp no longer "
+                                  f"reads either: use the model's plain Q4_0 (or IQ4_NL) file")
             info = TensorInfo(name, tuple(reversed(dims)), GGMLQuantizationType(qtype), offset)
             if dims and dims[0] % GGML_QUANT_SIZES[info.type][0]:
                 raise ValueError(f"tensor {name}: rows of {dims[0]} are not whole {info.type.name} blocks")
