@@ -210,3 +210,25 @@ def test_a_damaged_peer_file_does_not_stop_the_daemon(tmp_path):
     reg = PeerRegistry([PeerConfig("a", "http://h:2", "t2")], store_path=path, log=said.append)
     assert [(p["name"], p["url"]) for p in reg.list()] == [("a", "http://h:2")]  # the profile wins
     assert any("#1" in s for s in said) and any("#2" in s for s in said) and any("profile names" in s for s in said)
+
+
+def test_peers_compare_weights_not_only_the_shape(tmp_path):
+    """Two files of one shape and name but other weights (a fine-tune, another quantization) must not
+    split a prompt's layers between them: their fingerprints differ; a copy of one file does not."""
+    import shutil
+    from types import SimpleNamespace
+
+    from tests.tiny_models import write_tiny_gguf
+    from weaved.federation.node_report import weights_fingerprint
+    from weaved.model.architectures import read_config
+    from weaved.model.gguf_file import GGUFFile
+
+    a = write_tiny_gguf(tmp_path / "a.gguf", n_layers=1, seed=1)
+    b = write_tiny_gguf(tmp_path / "b.gguf", n_layers=1, seed=2)
+    copy = shutil.copy(a, tmp_path / "copy.gguf")
+
+    def fp(path):
+        return weights_fingerprint(SimpleNamespace(config=read_config(GGUFFile(path)), model_path=path))
+
+    assert read_config(GGUFFile(a)) == read_config(GGUFFile(b))  # the same shape and name
+    assert fp(a) != fp(b) and fp(a) == fp(copy)

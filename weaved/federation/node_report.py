@@ -27,10 +27,29 @@ def hardware_report() -> dict:
     return dict(_hardware())
 
 
-def node_report(daemon: Any) -> dict:
-    """The report of a loaded ``weaved.daemon.core.Daemon`` (or anything with its attributes)."""
+def weights_fingerprint(daemon: Any) -> str:
+    """What peers compare before sharing work: the model's shape (``weaved.kv.store.model_fingerprint``,
+    which names the KV layout) and its weights (a digest of the file's size, header and sampled content,
+    ``weaved.model.default.content_digest``), so that two daemons serving a fine-tune or another
+    quantization of one shape never split a prompt's layers between them.  Read once per daemon."""
     from weaved.kv.store import model_fingerprint
 
+    cached = getattr(daemon, "_weights_fingerprint", None)
+    if cached is not None:
+        return cached
+    shape = model_fingerprint(daemon.config)
+    path = getattr(daemon, "model_path", None)
+    if path is None:  # (an object standing in for a daemon, without a file)
+        return shape
+    from weaved.model.default import content_digest
+
+    fp = f"{shape}-{content_digest(path)}"
+    daemon._weights_fingerprint = fp
+    return fp
+
+
+def node_report(daemon: Any) -> dict:
+    """The report of a loaded ``weaved.daemon.core.Daemon`` (or anything with its attributes)."""
     cfg, prof = daemon.config, daemon.profile
     per_token = cfg.kv_bytes_per_token
     cap = prof.host.kv_cap_bytes
@@ -45,7 +64,7 @@ def node_report(daemon: Any) -> dict:
         "version": REPORT_VERSION,
         "node": prof.host.name,
         "instance": getattr(daemon, "instance", None),  # this process's id: a peer that is us says it
-        "model": {"name": daemon.model_name, "arch": cfg.arch, "fingerprint": model_fingerprint(cfg),
+        "model": {"name": daemon.model_name, "arch": cfg.arch, "fingerprint": weights_fingerprint(daemon),
                   "n_layers": cfg.n_layers, "kv_bytes_per_token": per_token, "context_length": cfg.context_length},
         "hardware": hardware_report(),
         "kv": {"cap_bytes": cap, "reserved_bytes": reserved, "free_bytes": free, "free_tokens": free // per_token},

@@ -11,7 +11,7 @@ Profile peers are fixed for the daemon's life (the profile is their source: edit
 run-time peers (``add``/``remove``) are saved in ``<data_dir>/peers.json`` and restored on start.
 
 Layers a peer can hold: Q-Ring shards and pipeline stages are only meaningful between daemons that
-serve the same model, so a peer whose model fingerprint (``weaved.kv.store.model_fingerprint``)
+serve the same model, so a peer whose model fingerprint (``weaved.federation.node_report.weights_fingerprint``)
 matches ours can hold all of its layers, and any other peer none, with the reason.
 """
 

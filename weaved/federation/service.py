@@ -47,11 +47,11 @@ def federation_listen(profile: Profile, port: int | None = None) -> FederationLi
 def peer_registry(daemon: Any):
     """The registry of a daemon being loaded (its model known): profile peers plus the run-time
     peers saved in its data directory, checked at the profile's interval."""
+    from weaved.federation.node_report import weights_fingerprint
     from weaved.federation.peers import LocalModel, PeerRegistry
-    from weaved.kv.store import model_fingerprint
 
     fed, cfg = daemon.profile.federation, daemon.config
-    local = LocalModel(daemon.model_name, model_fingerprint(cfg), cfg.n_layers, getattr(daemon, "instance", None))
+    local = LocalModel(daemon.model_name, weights_fingerprint(daemon), cfg.n_layers, getattr(daemon, "instance", None))
     return PeerRegistry(daemon.profile.peers, store_path=daemon.data_dir / PEERS_FILE, local=local,
                         interval_s=fed.health_interval_s, timeout_s=fed.health_timeout_s, log=daemon.log)
 
@@ -74,15 +74,15 @@ def advertise_host(bind: str) -> str:
 def ring_factory(daemon: Any, listen: FederationListen):
     """What ``build_pools`` calls for a ``qring`` pool: a ``RingBackend`` homing this daemon's ring
     sessions on the daemon's peers (its registry, KV store and events)."""
+    from weaved.federation.node_report import weights_fingerprint
     from weaved.federation.qring import check_heads_per_group
     from weaved.federation.ring_backend import RingBackend
     from weaved.federation.ring_form import FormSpec
-    from weaved.kv.store import model_fingerprint
 
     def make(cfg, cpu):
         prof, fed = daemon.profile, daemon.profile.federation
         check_heads_per_group(daemon.config.n_kv_heads, fed.ring_heads_per_group)  # at start, not a first ring turn
-        spec = FormSpec(prof.host.name, advertise_host(listen.host), model_fingerprint(daemon.config),
+        spec = FormSpec(prof.host.name, advertise_host(listen.host), weights_fingerprint(daemon),
                         fed.ring_timeout_s, fed.ring_idle_timeout_s)
         return RingBackend(cpu, daemon.peers, daemon.store, spec, heads_per_group=fed.ring_heads_per_group,
                            pipeline_min_tokens=prof.routing.pipeline_min_prompt_tokens,
@@ -96,10 +96,10 @@ def member_groups(daemon: Any, listen: FederationListen):
     """The groups this daemon joins for its peers (needs a CPU pool: members compute with its
     backend), or None."""
     from weaved.federation.member_groups import MemberGroups
-    from weaved.kv.store import model_fingerprint
+    from weaved.federation.node_report import weights_fingerprint
 
     cpu = next((p.backend for p in daemon.pools.values() if p.backend.name == "cpu"), None)
     if cpu is None:
         return None
-    return MemberGroups(cpu, daemon.store, model_fingerprint(daemon.config), advertise_host(listen.host),
+    return MemberGroups(cpu, daemon.store, weights_fingerprint(daemon), advertise_host(listen.host),
                         publish=daemon.publish)
