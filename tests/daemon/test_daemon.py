@@ -410,3 +410,20 @@ def test_a_sessions_state_is_its_turns_as_the_status_rows_say_it(daemon):
     daemon.cancel_turn(sid)
     assert done.wait(60)
     assert row["state"] in ("waiting", "running", "paused") and daemon.get_session(sid)["state"] == "idle"
+
+
+def test_a_turn_demoted_while_it_runs_takes_its_new_class_budget(daemon):
+    """An interactive turn has no whole-turn budget of its own; demoted mid-turn it is paced to the
+    background budget, not left without a deadline behind every other turn."""
+    sid = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    stream = Stream(hold=True)
+    daemon.start_turn(session_id=sid, messages=[{"role": "user", "content": "Count."}], params=LONG, emit=stream)
+    assert stream.first.wait(60)
+    try:
+        assert daemon.sessions[sid].turn.ttlt_s is None
+        daemon.demote(sid)
+        assert daemon.sessions[sid].turn.ttlt_s == daemon.profile.routing.background_ttlt_s
+    finally:
+        daemon.cancel_turn(sid)
+        stream.go.set()
+        assert stream.done.wait(60)

@@ -186,3 +186,33 @@ def test_a_paced_decode_taking_each_token_when_due_ends_at_its_pace_not_at_its_b
             s.generated.append(0)
     assert now <= PACE * 300.0 + 0.5
     assert now >= PACE * 300.0 - 0.5 * s.params.max_tokens  # paced, not run as fast as possible
+
+
+def test_a_turn_without_a_length_limit_is_paced_for_a_typical_answer_not_for_the_context():
+    """max_tokens set to the context's room (the API's default without a limit) with the router's
+    typical answer expected: tokens are due as for that answer, and a longer answer is planned anew
+    as it grows (twice what it has), never as the whole context."""
+    from weaved.engine.sequence import PACE
+
+    kv = KVCache(np.zeros((1, 2, 1, 8, 4), np.float16))
+    s = Sequence("b", kv, [0], SamplingParams(max_tokens=30000, temperature=0), SLARank.BACKGROUND, ttlt_s=600.0,
+                 arrival=0.0, expected_tokens=256)
+    s.first_token_at = s.last_token_at = 0.0
+    s.status = SeqStatus.RUNNING
+    assert s.remaining_tokens == 256
+    assert s.deadline(0.0) == PACE * 600.0 / 256  # not every 18 ms
+    s.generated = [0] * 300
+    assert s.remaining_tokens == 300
+    s.generated = [0] * 20000
+    assert s.remaining_tokens == 10000  # (bounded by max_tokens)
+
+
+def test_a_due_background_prompt_takes_what_the_interactive_decodes_leave():
+    """A throughput-tolerant prompt past its due time sorts first, but its chunk never takes the rows of
+    the interactive turns decoding: they run in the same step."""
+    inter = [_seq(f"i{k}", SLARank.INTERACTIVE, decoding=True) for k in range(3)]
+    bg = _seq("bg", SLARank.BACKGROUND, pending=500, ttft=0.1)  # due since 0.1 s
+    work = schedule([*inter, bg], SchedulerConfig(token_budget=100, max_batch=8, prefill_chunk=256), now=1.0)
+    assert work[0].seq is bg and work[0].n_tokens == 97
+    assert {w.seq.session_id for w in work[1:]} == {"i0", "i1", "i2"}
+    assert all(s.status == SeqStatus.RUNNING for s in inter)

@@ -233,7 +233,7 @@ class SessionMoves:
             if s.turn.handoff is not None:  # mid long-prompt prefill: the handoff goes to the new pool
                 return
             if s.pool == to:
-                self.pools[to].engine.set_rank(s.id, s.rank)
+                self.pools[to].engine.set_rank(s.id, s.rank, self._turn_budget(s))
                 return
             self.pools[s.pool].engine.detach(s.id, lambda seq, s=s, to=to: self._detached(s, seq, to, reason))
             return
@@ -253,8 +253,15 @@ class SessionMoves:
         self._bring_kv(s, to, reason)
         s.where = to
         if seq is not None:
-            seq.rank = s.rank
+            seq.rank, seq.ttlt_s = s.rank, self._turn_budget(s)
             self.pools[to].engine.submit(seq)
+
+    def _turn_budget(self, s: Session) -> float | None:
+        """A running turn's whole-turn budget once its session's class changed: the client's own, else its
+        new class's default (a turn demoted from interactive is paced to the background budget, not
+        left without a deadline behind every other turn)."""
+        r = self.routing
+        return s.sla.ttlt_s or {SLAClass.BACKGROUND: r.background_ttlt_s, SLAClass.BATCH: r.batch_ttlt_s}.get(s.sla.cls)
 
     def idle_on_gpu(self, sessions: Iterable[Session], now: float) -> list[str]:
         """Ids of the sessions whose KV has sat idle on a GPU pool with ``idle_demote_s`` for longer than

@@ -168,7 +168,7 @@ class TurnStarts:
                 s.messages.extend(dict(m) for m in messages)
             seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, arrival=self.clock(),
                                 default_ttlt_s=self._default_ttlt(s.sla), constraint=constraint,
-                                stops_until=plan.stops_until if plan is not None else None)
+                                stops_until=plan.stops_until if plan is not None else None, expected_tokens=answer)
             seq.forecast = predicted
             n_prompt = len(s.committed) + len(new)
             seq.emit = lambda ev, s=s, seq=seq: self._on_turn_event(s, seq, ev, emit, n_prompt, first)
@@ -191,7 +191,7 @@ class TurnStarts:
         changed yet when it refuses."""
         probe = Sequence(session_id=s.id, kv=s.kv, pending=list(new), params=params,
                          rank=SLA_RANK[sla.cls], ttft_s=sla.ttft_ms / 1000 if sla.ttft_ms else None,
-                         ttlt_s=sla.ttlt_s or self._default_ttlt(sla))
+                         ttlt_s=sla.ttlt_s or self._default_ttlt(sla), expected_tokens=answer)
         moved, pool, refusal = self.moves.route_turn(s, probe, sla, answer)
         if refusal is not None:
             self.publish("refusal", {"session": s.id, "pool": pool, "class": sla.cls.value,

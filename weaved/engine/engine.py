@@ -177,12 +177,13 @@ class BatchEngine:
             self._detach.append((session_id, on_detached))
             self._cond.notify_all()
 
-    def set_rank(self, session_id: str, rank: SLARank) -> bool:
-        """Change a running turn's SLA rank; it takes effect at the next step."""
+    def set_rank(self, session_id: str, rank: SLARank, ttlt_s: float | None) -> bool:
+        """Change a running turn's SLA rank and whole-turn budget (its new class's); it takes effect at
+        the next step."""
         with self._cond:
             for s in self._active + self._incoming:
                 if s.session_id == session_id and not s.status.done:
-                    s.rank = rank
+                    s.rank, s.ttlt_s = rank, ttlt_s
                     return True
         return False
 

@@ -75,6 +75,10 @@ def schedule(active: list[Sequence], cfg: SchedulerConfig, now: float) -> list[W
             budget = min(budget, cfg.interactive_budget)
         if cfg.step_cost is not None and cfg.step_target_s is not None:
             budget = min(budget, _interactive_budget(ordered, interactive, cfg, now))
+    # the interactive decodes' rows are kept from a due throughput-tolerant prompt sorted ahead of them:
+    # its chunk takes what they leave - all of the budget only when they would leave it nothing (a due
+    # turn must go on: a budget no larger than the interactive rows would otherwise starve it)
+    held = sum(1 for s in interactive if not s.prefilling) if cfg.order == "sla" else 0
     picked: list[Work] = []
     for seq in ordered:
         if seq.status.done or not seq.pending:
@@ -82,9 +86,13 @@ def schedule(active: list[Sequence], cfg: SchedulerConfig, now: float) -> list[W
         if len(picked) >= cfg.max_batch or budget <= 0:
             _pause(seq)
             continue
-        n = min(len(seq.pending), cfg.prefill_chunk, budget) if seq.prefilling else 1
+        ours = seq.rank == SLARank.INTERACTIVE
+        room = budget if ours or budget <= held else budget - held
+        n = min(len(seq.pending), cfg.prefill_chunk, room) if seq.prefilling else 1
         picked.append(Work(seq, n))
         budget -= n
+        if ours and not seq.prefilling:
+            held -= 1
         seq.status = SeqStatus.WAITING if seq.prefilling else SeqStatus.RUNNING
     return picked
 

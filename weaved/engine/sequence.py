@@ -59,6 +59,10 @@ class Sequence:
     rank: SLARank
     ttft_s: float | None = None  # target time to first token
     ttlt_s: float | None = None  # budget for the whole turn
+    # the answer length pacing and admission plan for (the router's typical answer) when max_tokens only
+    # bounds it by the context: a request without a limit is not planned as ~30,000 tokens (a token due
+    # every few ms, a whole batch slot) - None: max_tokens
+    expected_tokens: int | None = None
     emit: Callable[[dict], None] | None = None
     decoder: object | None = None  # tokenizer.StreamDecoder: token ids -> text as it streams
     stops: StopChecker | None = None  # stop strings and stop/end-of-generation token ids
@@ -104,7 +108,12 @@ class Sequence:
 
     @property
     def remaining_tokens(self) -> int:
-        return max(1, self.params.max_tokens - len(self.generated))
+        """Tokens the turn still plans to generate: up to ``max_tokens``, or ``expected_tokens`` where
+        given - twice what it has generated once the answer outgrows that."""
+        n, cap = len(self.generated), self.params.max_tokens
+        planned = cap if self.expected_tokens is None else min(
+            cap, self.expected_tokens if n < self.expected_tokens else 2 * n)
+        return max(1, planned - n)
 
     def deadline(self, now: float) -> float:
         """When this sequence's next unit of work is due (monotonic seconds; inf if no target).
