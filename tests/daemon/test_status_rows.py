@@ -35,3 +35,17 @@ def test_a_prompt_being_fed_shows_its_progress_and_nothing_else_does():
     t.prefilled, t.first_token_at = 3000, time.monotonic()  # its first token: decoding now
     assert session_status(_session(t), {}, time.monotonic())["prefill"] is None
     assert session_status(_session(None), {}, time.monotonic())["prefill"] is None
+
+
+def test_a_pools_rate_counts_only_the_tokens_inside_its_span():
+    """A lone step polled a millisecond after it ended is no 64,000 tokens a second: the first step in
+    the window only opens the span."""
+    from types import SimpleNamespace
+
+    from weaved.daemon.status import _tps
+
+    engine = SimpleNamespace(now=lambda: 100.001, tps_window=[(100.0, 64)])
+    assert _tps(engine) == 0.0
+    engine.tps_window = [(99.0, 64), (99.5, 64), (100.0, 64)]
+    assert abs(_tps(engine) - 128 / 1.001) < 1e-6
+

@@ -100,3 +100,14 @@ def test_interactive_turns_are_bounded_by_the_step_the_inter_token_target_allows
     slow = (StepCost(prefill=Linear(1.0, 0.1, 0.0), decode=Linear(1.0, 0.1, 0.0)), 0.08)
     assert judge([], turn(SLARank.INTERACTIVE), CAP, now=0.0, step=slow) is None
     assert judge(live[:1], turn(SLARank.INTERACTIVE), CAP, now=0.0, step=slow) is not None
+
+
+def test_a_pool_without_a_measured_rate_still_bounds_its_interactive_turns_by_its_slots():
+    """A GPU pool has no rate until it has run full batches: the batch's slots still bound the
+    interactive turns (the paced demand, which needs the rate, does not apply yet)."""
+    unknown = Capacity(max_batch=2, prior_tps=None, prefill_cost=0.5)
+    live = [turn(SLARank.INTERACTIVE) for _ in range(2)]
+    refusal = judge(live, turn(SLARank.INTERACTIVE), unknown, now=0.0)
+    assert refusal is not None and "batch slots" in refusal.reason
+    assert judge(live, turn(SLARank.BACKGROUND, ttlt=1.0), unknown, now=0.0) is None
+    assert judge(live[:1], turn(SLARank.INTERACTIVE), unknown, now=0.0) is None

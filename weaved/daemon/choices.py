@@ -36,21 +36,28 @@ class LateHandle:
 
     def __init__(self):
         self._ready = threading.Event()
+        self._lock = threading.Lock()  # a cancel and the handle's arrival: whichever comes second acts
         self.handle: TurnHandle | None = None
         self.cancelled = False
 
     def set(self, handle: TurnHandle | None) -> None:
-        self.handle = handle
+        with self._lock:
+            self.handle = handle
+            late_cancel = self.cancelled and handle is not None  # cancelled while the turn was starting
         self._ready.set()
+        if late_cancel:
+            handle.cancel()
 
     def wait(self, timeout: float | None = None) -> TurnHandle | None:
         self._ready.wait(timeout)
         return self.handle
 
     def cancel(self) -> None:
-        self.cancelled = True
-        if self.handle is not None:
-            self.handle.cancel()
+        with self._lock:
+            self.cancelled = True
+            handle = self.handle
+        if handle is not None:
+            handle.cancel()
 
 
 class TurnChoices:

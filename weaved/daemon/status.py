@@ -13,12 +13,14 @@ from weaved.daemon.session import Session
 
 
 def _tps(engine, window_s: float = 10.0) -> float:
+    """Tokens a second over the last ``window_s``: the steps' ends are known, not their starts, so the
+    first step in the window only opens the span (its tokens came before it)."""
     now = engine.now()
     recent = [(t, n) for t, n in list(engine.tps_window) if now - t <= window_s]
-    if not recent:
+    if len(recent) < 2:
         return 0.0
     span = max(now - recent[0][0], 1e-3)
-    return sum(n for _, n in recent) / span
+    return sum(n for _, n in recent[1:]) / span
 
 
 def _gpus(pools: list[Pool]) -> list[dict]:

@@ -54,6 +54,7 @@ class TurnStarts:
         dropped first.  ``detached``: the request of a turn nobody listens to, journaled until the turn
         ends, so that a stop or a crash before then leaves it to be run again (``resume_detached``).
         WeaveError for a turn it refuses; nothing else has changed then."""
+        arrival = self.clock()  # its deadlines count from here: waits for a previous turn, tokenizing, the lock
         if (messages is None) == (prompt is None):
             raise InvalidRequest("a turn needs either messages or a prompt")
         if messages is not None and not messages:
@@ -103,7 +104,7 @@ class TurnStarts:
                 # a fresh session's prompt may start with a stored prefix: its prefill cost is the rest
                 cached = self.store.cached_prefix(new[:-1]) if (
                     not s.committed and isinstance(s.kv, KVCache) and self.store.share and not echo) else 0
-                moved, predicted = self._admit(s, new[cached:], params, sla or s.sla, answer)
+                moved, predicted = self._admit(s, new[cached:], params, sla or s.sla, answer, arrival)
             except WeaveError:
                 if s.ephemeral:
                     self._drop_ephemeral(s)
@@ -166,7 +167,7 @@ class TurnStarts:
             s.turn_from = len(s.messages) if messages is not None else None
             if messages is not None:
                 s.messages.extend(dict(m) for m in messages)
-            seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, arrival=self.clock(),
+            seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, arrival=arrival,
                                 default_ttlt_s=self._default_ttlt(s.sla), constraint=constraint,
                                 stops_until=plan.stops_until if plan is not None else None, expected_tokens=answer)
             seq.forecast = predicted
@@ -183,7 +184,7 @@ class TurnStarts:
         self.engines[run_in].submit(seq)
         return handle
 
-    def _admit(self, s: Session, new: list[int], params: SamplingParams, sla: SLA, answer: int
+    def _admit(self, s: Session, new: list[int], params: SamplingParams, sla: SLA, answer: int, arrival: float
                ) -> tuple[Placement | None, tuple[float, float] | None]:
         """Where the turn runs (``SessionMoves.route_turn``: a placement to move the session to, or None to
         stay) and the router's forecast for it there, or Overloaded (503 with Retry-After) for a turn no
@@ -191,7 +192,7 @@ class TurnStarts:
         changed yet when it refuses."""
         probe = Sequence(session_id=s.id, kv=s.kv, pending=list(new), params=params,
                          rank=SLA_RANK[sla.cls], ttft_s=sla.ttft_ms / 1000 if sla.ttft_ms else None,
-                         ttlt_s=sla.ttlt_s or self._default_ttlt(sla), expected_tokens=answer)
+                         ttlt_s=sla.ttlt_s or self._default_ttlt(sla), expected_tokens=answer, arrival=arrival)
         moved, pool, refusal = self.moves.route_turn(s, probe, sla, answer)
         if refusal is not None:
             self.publish("refusal", {"session": s.id, "pool": pool, "class": sla.cls.value,

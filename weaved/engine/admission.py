@@ -74,14 +74,14 @@ def judge(live: list[Sequence], new: Sequence, capacity: Capacity, now: float,
     ``step``: the pool's step-time model and the step time an interactive turn's gap allows (None: not
     known; then only the batch slots bound the interactive turns)."""
     cap = capacity.tokens_per_s
-    if cap is None:
-        return None
-    slot = cap / capacity.max_batch
+    slot = cap / capacity.max_batch if cap is not None else None
     live = [s for s in live if not s.status.done]
     interactive = [s for s in live if s.rank == SLARank.INTERACTIVE]
     tolerant = [s for s in live if s.rank != SLARank.INTERACTIVE]
+    # the batch's slots and the step model bound the interactive turns whether or not the pool's rate is
+    # known yet (a GPU pool measures it only once it has run full batches)
     if new.rank == SLARank.INTERACTIVE and len(interactive) >= capacity.max_batch:
-        wait = min(s.remaining_tokens for s in interactive) / slot
+        wait = min(s.remaining_tokens for s in interactive) / slot if slot else RETRY_MIN_S
         return Refusal(f"every one of the pool's {capacity.max_batch} batch slots holds an interactive turn",
                        _clamp(wait))
     if new.rank == SLARank.INTERACTIVE and step is not None and interactive:
@@ -93,6 +93,8 @@ def judge(live: list[Sequence], new: Sequence, capacity: Capacity, now: float,
             return Refusal(f"a step of the pool's {len(interactive)} interactive turns and this one would take "
                            f"{step_s * 1e3:.0f} ms, past the {target_s * 1e3:.0f} ms an interactive token may take",
                            _clamp(wait))
+    if cap is None:  # the paced demand needs the rate: unknown, every other turn is admitted
+        return None
     slots = (len(interactive) + (new.rank == SLARank.INTERACTIVE)) * slot
     paced = sum(_rate(s, now, slot, capacity.prefill_cost) for s in tolerant)
     need = slot if new.rank == SLARank.INTERACTIVE else _rate(new, now, slot, capacity.prefill_cost)

@@ -234,8 +234,13 @@ class BatchEngine:
             self._incoming.clear()
             cancelled, self._cancel = self._cancel, set()
             detach, self._detach = self._detach, []
-            admitted = [s for s in self._active if s.on_admit is not None]
-            outside = [s for s in self._active if s.prefill_outside is not None]
+        # cancels first: a turn cancelled while it queued brings no KV to this pool's device, and is
+        # not prefilled elsewhere (the flag too: a cancel sent before the sequence reached this engine)
+        for s in self._active:
+            if (s.session_id in cancelled or s.cancel_requested) and not s.status.done:
+                self.out.finish(s, SeqStatus.CANCELLED, "cancelled")
+        admitted = [s for s in self._active if s.on_admit is not None and not s.status.done]
+        outside = [s for s in self._active if s.prefill_outside is not None and not s.status.done]
         for s in admitted:
             admit, s.on_admit = s.on_admit, None
             try:
@@ -249,9 +254,6 @@ class BatchEngine:
             self._prefill_outside(s)
         for sid, callback in detach:
             self._hand_over(sid, callback)
-        for s in self._active:  # (the flag too: a cancel sent before the sequence reached this engine)
-            if (s.session_id in cancelled or s.cancel_requested) and not s.status.done:
-                self.out.finish(s, SeqStatus.CANCELLED, "cancelled")
         self._active = [s for s in self._active if not s.status.done]
         if self._active:
             try:
