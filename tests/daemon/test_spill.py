@@ -110,3 +110,32 @@ def test_the_baselines_never_spill(daemon_factory):  # noqa: F811
     pool.step_cost = StepCost(Linear(1.0, 0.1, 0.0), Linear(10.0, 0.5, 0.0))
     _run(d, sid, PROMPTS[1])
     assert d.get_session(sid)["pool"] == "cpu"  # the isolation baseline keeps it where its class put it
+
+
+def test_a_check_in_is_judged_by_the_pool_the_router_moves_it_to(daemon_factory):  # noqa: F811
+    """A background session checked in as interactive is sent to the GPU pool by its turn: admission
+    judges that pool, not the full CPU pool it leaves (which would have refused it with a 503)."""
+    from tests.daemon.test_coexec import Turn
+
+    d = daemon_factory()
+    sid = d.create_session(MINUTE)["id"]
+    _run(d, sid, PROMPTS[0])
+    other = d.create_session(MINUTE)["id"]
+    assert d.get_session(sid)["pool"] == d.get_session(other)["pool"] == "cpu"
+    cpu = d.pools["cpu"].engine
+    kept = cpu.capacity
+    busy = start(d, other, PROMPTS[0], SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True))
+    try:
+        busy.wait_tokens(1)
+        assert d.get_session(other)["pool"] == "cpu"
+        cpu.capacity = Capacity(1, 1e-3, 1.0)  # the CPU pool's rate is all taken by the other session's turn
+        t = Turn()
+        d.start_turn(session_id=sid, prompt=PROMPTS[1], params=TURN, emit=t.emit, sla=SLA(SLAClass.INTERACTIVE))
+        t.finish()
+    finally:
+        cpu.capacity = kept
+        d.cancel_turn(other)
+        busy.finish()
+    info = d.get_session(sid)
+    assert info["pool"] == "gpu" and info["sla"]["class"] == "interactive"
+    assert len(t.tokens) == TURN.max_tokens

@@ -80,8 +80,10 @@ def test_capacity_is_measured_from_full_steps_and_scaled_to_a_full_batch():
         cap.record(12, 40, 0.1)  # 12 decodes + 40 prompt tokens (20 decode tokens of work) in 0.1 s
     assert cap.tokens_per_s == pytest.approx(32 / 0.1 * 16 / 12)
     assert Capacity(16, None, 0.5).tokens_per_s is None
-    assert judge([turn(SLARank.INTERACTIVE) for _ in range(40)], turn(SLARank.INTERACTIVE),
-                 Capacity(16, None, 0.5), now=0.0) is None  # unknown capacity: admit
+    assert judge([turn(SLARank.INTERACTIVE) for _ in range(15)], turn(SLARank.INTERACTIVE),
+                 Capacity(16, None, 0.5), now=0.0) is None  # unknown capacity: the batch's slots alone
+    assert judge([turn(SLARank.BACKGROUND, ttlt=1.0) for _ in range(40)], turn(SLARank.BACKGROUND, ttlt=1.0),
+                 Capacity(16, None, 0.5), now=0.0) is None  # and no paced demand is counted
     assert HEADROOM < 1.0
 
 

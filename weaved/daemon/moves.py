@@ -178,7 +178,7 @@ class SessionMoves:
         if s.committed and sla == s.sla:  # a first turn or a changed SLA is placed by the router itself
             new = place_turn(s.placement, sla, len(probe.pending), len(s.committed), answer_tokens, state,
                              self.routing)
-        pool = new.decode_pool if new is not None else s.pool
+        pool = new.decode_pool if new is not None else self._placed_pool(s, sla, len(probe.pending), state)
         refusal = self.pools[pool].engine.refusal(probe)
         if refusal is not None and self._may_spill(s, sla, pool):
             need = len(s.committed) + len(probe.pending) + answer_tokens
@@ -195,6 +195,24 @@ class SessionMoves:
             f = forecast(here, len(probe.pending), answer_tokens, self.routing, len(s.committed))
             probe.forecast = (f.ttft_s, f.step_s)
         return new, pool, refusal
+
+    def _placed_pool(self, s: Session, sla: SLA, n_new: int, state) -> str:
+        """The pool this turn will run in once ``start_turn`` has placed the session again - its first
+        turn (``place_first_turn``), a change of class or a misplaced session (``replace``) - computed the
+        same way before anything changes, so that admission judges the pool the turn goes to, not the
+        one it leaves; the session's own pool when it stays."""
+        try:
+            if not s.committed:
+                new = place(SessionRequest(sla, n_new, s.max_context), state, self.routing)
+                if new.decode_strategy != s.placement.decode_strategy:  # (it stays: its KV is laid out there)
+                    return s.pool
+            elif sla.cls != s.sla.cls or self.misplaced(s):
+                new = promote(s.placement, SessionRequest(sla, s.context_tokens, s.max_context), state, self.routing)
+            else:
+                return s.pool
+        except RoutingError:  # (it stays, as the placing itself would keep it)
+            return s.pool
+        return new.decode_pool if new.decode_pool in self.pools else s.pool
 
     def _may_spill(self, s: Session, sla: SLA, pool: str) -> bool:
         return (self.routing.policy == "sla" and sla.cls is not SLAClass.INTERACTIVE

@@ -9,6 +9,8 @@ the rest read from the daemon's counters, without taking an engine step's time.
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 from typing import Any
 
 REPORT_VERSION = 1
@@ -34,18 +36,20 @@ def weights_fingerprint(daemon: Any) -> str:
     quantization of one shape never split a prompt's layers between them.  Read once per daemon."""
     from weaved.kv.store import model_fingerprint
 
-    cached = getattr(daemon, "_weights_fingerprint", None)
-    if cached is not None:
-        return cached
     shape = model_fingerprint(daemon.config)
     path = getattr(daemon, "model_path", None)
     if path is None:  # (an object standing in for a daemon, without a file)
         return shape
+    st = os.stat(path)
+    return f"{shape}-{_file_digest(str(path), st.st_size, st.st_mtime_ns)}"
+
+
+@functools.lru_cache(maxsize=8)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    """The file's content digest, read once per file as it stands (its size and time in the key)."""
     from weaved.model.default import content_digest
 
-    fp = f"{shape}-{content_digest(path)}"
-    daemon._weights_fingerprint = fp
-    return fp
+    return content_digest(Path(path))
 
 
 def node_report(daemon: Any) -> dict:
