@@ -134,6 +134,17 @@ def test_an_answer_in_a_response_format_is_never_taken_for_the_envelope(step):
     assert [(c.name, c.arguments) for c in ans.calls] == [("f", "{}")] and ans.content == ""
 
 
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_text_that_breaks_the_syntax_after_a_complete_call_is_content_once(step):
+    """The call's arguments closed, then the text leaves the syntax (an unconstrained answer): the call is
+    kept, and only what came after its arguments is content - not the call's text a second time."""
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": 1}} and then some words'
+    ans, deltas = parse(HERMES, text, step)
+    assert [(c.name, c.arguments) for c in ans.calls] == [("f", '{"a": 1}')]
+    assert ans.content == "} and then some words"
+    assert assembled(deltas) == (ans.content, "", [("f", '{"a": 1}')])
+
+
 def test_text_that_breaks_the_call_syntax_is_still_content():
     text = '[TOOL_CALLS] is what I would write'
     ans, deltas = parse(MISTRAL, text, 2)

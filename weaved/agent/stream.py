@@ -302,6 +302,7 @@ class AnswerParser:
             out.append({"tool_calls": [{"index": idx, "function": {"arguments": frag}}]})
         if done:
             call["done"] = True
+            self._raw_since_calls = ""  # (the call is kept: text that then breaks the syntax is content alone)
             self._expect = [self.fmt.after]
             self._next_after_lit = "call:between"
             self._state = "call:lit"
