@@ -213,3 +213,33 @@ def test_one_node_pipeline_is_the_cpu_backend(backend):
     with pytest.raises(ValueError, match="ranges"):
         pm.prefill([1], prompts[:1], ranges=[(0, 1)])
     pm.stop()
+
+
+def test_a_peer_lost_mid_gather_leaves_the_cache_empty_for_the_local_prefill():
+    """The gather hand-off writes this stage's own layers and the length before the other stages' blocks
+    arrive: a peer lost then must leave the cache as empty as it came, or the engine's own prefill would
+    start past positions that hold only some layers."""
+    import itertools
+    import threading
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from weaved.federation.comm import PeerLost
+    from weaved.federation.ring_backend import RingBackend
+    from weaved.kv.cache import KVCache
+
+    kv = KVCache(np.zeros((2, 2, 1, 64, 4), np.float16))
+
+    def prefill(sids, prompts, *, ranges, capacities, handoff):
+        kv.data[:1, :, :, :10] = 1  # its own layers, then the others' never come
+        kv.length = 10
+        raise PeerLost("g", 1, "gather", "its process is gone")
+
+    home = SimpleNamespace(pipe=SimpleNamespace(prefill=prefill), targets={}, group=SimpleNamespace(name="g"))
+    rb = object.__new__(RingBackend)  # (only what pipeline_gather touches)
+    lost: list = []
+    rb._lock, rb._ring, rb._stages = threading.Lock(), lambda: home, lambda h: [(0, 1), (1, 2)]
+    rb.pipeline_min_tokens, rb._rids, rb._lost = 1, itertools.count(1), lost.append
+    assert rb.pipeline_gather(kv, list(range(10))) is False
+    assert kv.length == 0 and len(lost) == 1 and home.targets == {}

@@ -253,6 +253,9 @@ class RingBackend(RingSessions, Backend):
                 finally:
                     home.targets.pop(sid, None)
             except (PeerLost, RingUnavailable) as e:
+                # the hand-off may have written this stage's own layers and set the length before the
+                # others' blocks failed to come: the cache is empty again (the caller prefills it all)
+                kv.length = 0
                 if isinstance(e, PeerLost):
                     self._lost(e)
                 log.warning("pipeline prefill not run: %s", e)
