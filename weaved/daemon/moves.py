@@ -251,7 +251,7 @@ class SessionMoves:
             if s.turn.handoff is not None:  # mid long-prompt prefill: the handoff goes to the new pool
                 return
             if s.pool == to:
-                self.pools[to].engine.set_rank(s.id, s.rank, self._turn_budget(s))
+                self.pools[to].engine.set_rank(s.id, s.rank, self.turn_budget(s.sla))
                 return
             self.pools[s.pool].engine.detach(s.id, lambda seq, s=s, to=to: self._detached(s, seq, to, reason))
             return
@@ -271,15 +271,16 @@ class SessionMoves:
         self._bring_kv(s, to, reason)
         s.where = to
         if seq is not None:
-            seq.rank, seq.ttlt_s = s.rank, self._turn_budget(s)
+            seq.rank, seq.ttlt_s = s.rank, self.turn_budget(s.sla)
             self.pools[to].engine.submit(seq)
 
-    def _turn_budget(self, s: Session) -> float | None:
-        """A running turn's whole-turn budget once its session's class changed: the client's own, else its
-        new class's default (a turn demoted from interactive is paced to the background budget, not
-        left without a deadline behind every other turn)."""
+    def turn_budget(self, sla: SLA) -> float | None:
+        """A turn's whole-turn budget under ``sla``: the client's own, else its class's default (the
+        profile's ``background_ttlt_s`` / ``batch_ttlt_s``; an interactive turn has none).  A running turn
+        whose session's class changes takes its new class's: one demoted from interactive is paced to the
+        background budget, not left without a deadline behind every other turn."""
         r = self.routing
-        return s.sla.ttlt_s or {SLAClass.BACKGROUND: r.background_ttlt_s, SLAClass.BATCH: r.batch_ttlt_s}.get(s.sla.cls)
+        return sla.ttlt_s or {SLAClass.BACKGROUND: r.background_ttlt_s, SLAClass.BATCH: r.batch_ttlt_s}.get(sla.cls)
 
     def idle_on_gpu(self, sessions: Iterable[Session], now: float) -> list[str]:
         """Ids of the sessions whose KV has sat idle on a GPU pool with ``idle_demote_s`` for longer than

@@ -168,7 +168,7 @@ class TurnStarts:
             if messages is not None:
                 s.messages.extend(dict(m) for m in messages)
             seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, arrival=arrival,
-                                default_ttlt_s=self._default_ttlt(s.sla), constraint=constraint,
+                                default_ttlt_s=self.moves.turn_budget(s.sla), constraint=constraint,
                                 stops_until=plan.stops_until if plan is not None else None, expected_tokens=answer)
             seq.forecast = predicted
             n_prompt = len(s.committed) + len(new)
@@ -192,7 +192,7 @@ class TurnStarts:
         changed yet when it refuses."""
         probe = Sequence(session_id=s.id, kv=s.kv, pending=list(new), params=params,
                          rank=SLA_RANK[sla.cls], ttft_s=sla.ttft_ms / 1000 if sla.ttft_ms else None,
-                         ttlt_s=sla.ttlt_s or self._default_ttlt(sla), expected_tokens=answer, arrival=arrival)
+                         ttlt_s=self.moves.turn_budget(sla), expected_tokens=answer, arrival=arrival)
         moved, pool, refusal = self.moves.route_turn(s, probe, sla, answer)
         if refusal is not None:
             self.publish("refusal", {"session": s.id, "pool": pool, "class": sla.cls.value,
@@ -200,11 +200,6 @@ class TurnStarts:
             raise Overloaded(f"pool {pool!r} is at capacity: {refusal.reason}; retry in "
                              f"{refusal.retry_after_s:.0f} s", retry_after_s=refusal.retry_after_s)
         return moved, probe.forecast
-
-    def _default_ttlt(self, sla: SLA) -> float | None:
-        """The TTLT budget of a throughput-tolerant turn whose SLA names none (the profile's)."""
-        th = self.profile.routing
-        return {SLAClass.BACKGROUND: th.background_ttlt_s, SLAClass.BATCH: th.batch_ttlt_s}.get(sla.cls)
 
     def _await_previous_turn(self, sid: str) -> None:
         """Wait (bounded) for the session's last turn to be over when it is only ending: cancelled by a
