@@ -246,10 +246,7 @@ class BatchEngine:
             try:
                 admit()
             except Exception as exc:  # e.g. no device memory for its KV: that turn fails
-                status = getattr(exc, "http_status", None)  # the server's capacity, not a bug: no traceback
-                if status is None:
-                    log.exception("engine %s: admitting %s failed", self.name, s.session_id)
-                self.out.fail(s, f"could not bring the session's KV to pool {self.name!r}: {exc}", status)
+                self._fail_turn(s, exc, "admitting", f"could not bring the session's KV to pool {self.name!r}")
         for s in outside:
             self._prefill_outside(s)
         for sid, callback in detach:
@@ -425,12 +422,17 @@ class BatchEngine:
         try:
             self._commit(s, fed)
         except Exception as exc:
-            status = getattr(exc, "http_status", None)  # the server's capacity, not a bug: no traceback
-            if status is None:
-                log.exception("engine %s: committing %s's tokens failed", self.name, s.session_id)
-            self.out.fail(s, f"its tokens could not be recorded: {exc}", status)
+            self._fail_turn(s, exc, "committing the tokens of", "its tokens could not be recorded")
             return False
         return True
+
+    def _fail_turn(self, s: Sequence, exc: Exception, doing: str, what: str) -> None:
+        """``s``'s turn fails, the step's others go on: a traceback in the log for a bug, none for the
+        server's capacity (an error with an ``http_status``: no device memory, a full disk)."""
+        status = getattr(exc, "http_status", None)
+        if status is None:
+            log.exception("engine %s: %s %s failed", self.name, doing, s.session_id)
+        self.out.fail(s, f"{what}: {exc}", status)
 
     def _event(self, kind: str, data: dict) -> None:
         if self._on_event is not None:
