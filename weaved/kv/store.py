@@ -272,10 +272,7 @@ class KVStore(PrefixSharing):
         (a prefix published from them, short blocks kept) reads what its tokens say.  Yields False, and
         nothing should be read, when ``kv`` is not an open session of this store any more."""
         with self._lock:
-            session_id = self._ids.get(kv)
-            s = self._open.get(session_id) if session_id is not None else None
-            if s is not None and s.data is not kv.data:  # (an id deleted and made again: another session)
-                s = None
+            _, s = self._still_open(kv)
             if s is not None:
                 s.readers += 1
         try:
@@ -372,6 +369,13 @@ class KVStore(PrefixSharing):
     def _os_error(self, session_id: str, what: str, e: OSError) -> KVStoreError:
         cls = DiskFull if e.errno in DISK_FULL else KVStoreError
         return cls(f"session {session_id}: {what} in {self.dir} failed: {e.strerror or e}")
+
+    def _still_open(self, kv: KVCache) -> tuple[str | None, OpenSession | None]:
+        """``kv``'s session id and open state, or (None, None) when it was deleted - also when its id
+        was made again since, for another session (caller holds the store's lock)."""
+        session_id = self._ids.get(kv)
+        s = self._open.get(session_id) if session_id is not None else None
+        return (session_id, s) if s is not None and s.data is kv.data else (None, None)
 
     def _session_of(self, kv: KVCache) -> str:
         session_id = self._ids.get(kv)

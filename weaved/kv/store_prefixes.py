@@ -235,11 +235,8 @@ class PrefixSharing:
         """Map prefix ``key``'s positions [0, n) (equal to the session's own rows) over the session's and
         punch its own blocks there out."""
         with self._lock:
-            session_id = self._ids.get(kv)
-            s = self._open.get(session_id) if session_id is not None else None
-            if s is None or s.data is not kv.data:  # deleted meanwhile
-                return
-            if s.shared >= n or not s.mm.can_alias or kv.length < n:
+            session_id, s = self._still_open(kv)
+            if s is None or s.shared >= n or not s.mm.can_alias or kv.length < n:  # (deleted meanwhile: None)
                 return
             old = s.prefix
             try:
