@@ -93,6 +93,23 @@ def test_a_vocabulary_llama_cpp_refuses_is_refused_with_its_words(tmp_path):
         Tokenizer(path)
 
 
+def test_the_refusal_keeps_its_words_after_another_log_callback_was_set(tmp_path):
+    """llama.cpp holds one process-wide log callback: one set since (a benchmark's, a reference run's)
+    must not leave the refusal with only "failed to load"."""
+    import ctypes
+
+    import llama_cpp
+
+    from weaved.model.tokenizer import Tokenizer, quiet_llama_logs
+
+    quiet_llama_logs(llama_cpp)  # ours first, as when a tokenizer was loaded earlier in the process
+    drop = llama_cpp.llama_log_callback(lambda level, text, user: None)
+    llama_cpp.llama_log_set(drop, ctypes.c_void_p(0))
+    path = write_tiny_gguf(tmp_path / "odd.gguf", "bogusarch", n_layers=1)
+    with pytest.raises(ValueError, match=r"cannot read its vocabulary.*unknown model architecture"):
+        Tokenizer(path)
+
+
 def test_an_arm_repacked_q4_0_file_is_named_as_such(tmp_path):
     """Q4_0_4_4 (type 31), which llama.cpp retired: not "not a GGUF", but what it is and the way out."""
     import struct

@@ -7,21 +7,13 @@ attention left to llama.cpp (``auto``), no GPU layers, ``n_threads = n_threads_b
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 
 import numpy as np
 
 from weaved.bench import BenchConfig
 from weaved.bench.harness import Progress, measure, resident_mb
-
-_LOG_CB = None  # keeps the ctypes log callback alive for the life of the process
-
-
-def _quiet_logs(L) -> None:
-    global _LOG_CB
-    _LOG_CB = L.llama_log_callback(lambda level, text, user: None)
-    L.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+from weaved.model.tokenizer import quiet_llama_logs
 
 
 class LlamaEngine:
@@ -31,7 +23,7 @@ class LlamaEngine:
         import llama_cpp as L
 
         self.L = L
-        _quiet_logs(L)
+        quiet_llama_logs(L)  # the process's one log sink, off the terminal
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0

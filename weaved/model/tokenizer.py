@@ -126,16 +126,19 @@ _RECENT_LOG: collections.deque[tuple[int, str]] = collections.deque(maxlen=64)
 
 def quiet_llama_logs(llama_cpp) -> None:
     """Route llama.cpp's own log lines (context warnings of the vocabulary-only model) off the terminal,
-    keeping the last few: a vocabulary llama.cpp refuses is refused with its words."""
-    global _LOG_CALLBACK
-    if _LOG_CALLBACK is None:
-        import ctypes
+    keeping the last few: a vocabulary llama.cpp refuses is refused with its words.
 
+    The sink is installed again on every call: llama.cpp holds one process-wide callback, and whatever
+    set another since (a reference run, the benchmark) must not leave the refusal without its words."""
+    global _LOG_CALLBACK
+    import ctypes
+
+    if _LOG_CALLBACK is None:
         def keep(level: int, text: bytes, user) -> None:
             _RECENT_LOG.append((int(level), (text or b"").decode("utf-8", "replace").strip()))
 
         _LOG_CALLBACK = llama_cpp.llama_log_callback(keep)
-        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+    llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
 
 
 def _opt_int(v) -> int | None:
