@@ -20,7 +20,8 @@ import numpy as np
 from numba import types
 from numba.typed import List as TypedList
 from weaved.kernels._attention_batch import attend_batch, kv_store_batch
-from weaved.kernels._attention_rows import BLOCK, CHUNK, attend_rows
+from weaved.kernels._attention_chunk import BLOCK, CHUNK
+from weaved.kernels._attention_rows import attend_rows
 from weaved.kernels.threads import on_kernel_thread
 
 _SCRATCH_FLOATS = 1 << 22  # chunk partial results held at once (16 MiB); more rows are taken in groups

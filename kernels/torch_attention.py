@@ -34,8 +34,8 @@ import math
 import torch
 from weaved.kernels.torch_rowwise import check_tensor, exp_f32, tree_sum
 
-CHUNK = 512  # keys per chunk: the CPU kernel's _attention_rows.CHUNK
-BLOCK = 64  # keys per online-softmax block: _attention_rows.BLOCK
+CHUNK = 512  # keys per chunk: the CPU kernel's _attention_chunk.CHUNK
+BLOCK = 64  # keys per online-softmax block: _attention_chunk.BLOCK
 LANES = 16
 GROUP_ELEMS = 1 << 21  # bound on a row group's [heads, rows, BLOCK, head_dim] temporaries
 PRODUCTS_ELEMS = 1 << 16  # up to this many, a block's p * v products are formed at once

@@ -139,6 +139,31 @@ def test_rows_are_bit_identical_across_batch_compositions(monkeypatch):
     assert np.array_equal(l2, np.concatenate([lse[starts[s]:starts[s + 1]] for s in order]))
 
 
+@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(8, 8, 64), (16, 8, 128), (12, 3, 64), (16, 2, 256)])
+def test_prompt_rows_sharing_a_tile_equal_each_row_alone(n_heads, n_kv, head_dim):
+    """A prompt's consecutive rows read each K/V block once for the whole tile (one to sixteen rows,
+    by the GQA ratio); each row's bits are still those of the row attended alone, across a chunk
+    boundary (512) and with the tile's rows ending in different blocks."""
+    rng = np.random.default_rng(5)
+    seqs = [(470, 61), (0, 1), (30, 37)]
+    kvs = make_kvs(rng, [p + n for p, n in seqs], n_kv, head_dim)
+    T = sum(n for _, n in seqs)
+    q = rng.standard_normal((T, n_heads, head_dim)).astype(np.float32)
+    out, lse = run_attend(q, kvs, seqs, 0.1)
+    starts, _ = batch(seqs)
+    for s, (p, n) in enumerate(seqs):
+        for i in range(n):
+            t = starts[s] + i
+            o1, l1 = run_attend(q[t:t + 1].copy(), [kvs[s]], [(p + i, 1)], 0.1)
+            assert np.array_equal(o1[0], out[t]) and np.array_equal(l1[0], lse[t]), (s, i)
+    # a shard's rows (all the same keys) are tiles too
+    k, v = kvs[0][LAYER, 0, :, :530], kvs[0][LAYER, 1, :, :530]
+    o_all, l_all = A.attend_partial(q[:20], k, v, 0.1)
+    for t in (0, 7, 19):
+        o1, l1 = A.attend_partial(q[t:t + 1].copy(), k, v, 0.1)
+        assert np.array_equal(o1[0], o_all[t]) and np.array_equal(l1[0], l_all[t])
+
+
 def test_rows_taken_in_groups_are_unchanged(monkeypatch):
     """Batches too large for the scratch are processed in groups of rows: same bits."""
     rng = np.random.default_rng(3)
