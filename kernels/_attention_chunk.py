@@ -32,6 +32,7 @@ from weaved.kernels._rowwise import exp_f32
 
 CHUNK = 512  # keys per work item: longer runs stream better from memory, shorter ones split finer
 BLOCK = 64  # keys scored together inside a chunk (multiple of 16)
+SCORE_HEADS = 2  # heads scored per pass over 8 keys: 16 accumulators + 8 keys stay in registers (4 spilled)
 TILE_PAIRS = 16  # (row, head) pairs of a tile: a block's K/V (16 KiB each at head_dim 128) stays in L1
 
 # error_model "numpy": x / 0 gives inf; the "python" model checks every division, which blocks vectorizing
@@ -96,8 +97,8 @@ def _block(qt, ga, gb, kaddr, vaddr, b0, nb, scale, acc, ml, kf, s, lanes):
     D = qt.shape[1]
     n8 = nb - nb % 8
     for r0 in range(0, n8, 8):  # scores of whole groups of 8 keys, read from the kv array
-        for g0 in range(ga, gb, MAX_TILE_HEADS):
-            scores8_heads(qt, g0 * D, min(MAX_TILE_HEADS, gb - g0), kaddr, (b0 + r0) * D, D, scale, s,
+        for g0 in range(ga, gb, SCORE_HEADS):
+            scores8_heads(qt, g0 * D, min(SCORE_HEADS, gb - g0), kaddr, (b0 + r0) * D, D, scale, s,
                           g0 * BLOCK + r0)
     if n8 < nb:  # the last keys, converted and padded with zero rows (their scores are unused)
         cvt_rows(kaddr, (b0 + n8) * D, (nb - n8) * D, kf)
