@@ -90,26 +90,24 @@ class RingBackend(RingSessions, Backend):
         return kv
 
     def _truncate(self, kv: RingKV, length: int) -> None:
-        with self._lock:
-            if kv.epoch is not None and kv.epoch == self._epoch and self._usable():
-                try:
-                    self._home.ring.truncate(kv.rid, length)
-                    return
-                except PeerLost as e:
-                    self._lost(e)
-            kv.epoch = None  # no ring holds it now: rebuilt from the (truncated) transcript later
+        """No network here (the daemon may hold its lock): the shards are cut at the session's next
+        placement (``_place``), on the engine thread."""
+        kv.ring_cut = True
 
     def drop(self, kv) -> int:
-        """The session is deleted: close it on the ring (its shards' files go on every node)."""
+        """The session is deleted: close it on the ring (its shards' files go on every node).  A step
+        already prepared with it does not open it again (``_step``)."""
         with self._lock:
             self.labels.pop(getattr(kv, "rid", -1), None)
-            if isinstance(kv, RingKV) and kv.epoch == self._epoch and self._usable():
+            if not isinstance(kv, RingKV):
+                return 0
+            kv.dropped = True
+            if self._usable() and kv.rid in self._home.ring.capacity:  # (a stale open from a failed step too)
                 try:
                     self._home.ring.close_session(kv.rid)
                 except PeerLost as e:
                     self._lost(e)
-            if isinstance(kv, RingKV):
-                kv.epoch = None
+            kv.epoch = None
         return 0
 
     # ---- the ring ----------------------------------------------------------------------------------
@@ -211,7 +209,7 @@ class RingBackend(RingSessions, Backend):
         """Before a step: a session no ring holds is opened now (every node reserving its shard) and
         rebuilt from its transcript, so that a failure - no room on a node, no ring at all - fails its
         turn alone."""
-        if not isinstance(kv, RingKV) or kv.epoch == self._epoch and self._usable():
+        if not isinstance(kv, RingKV) or kv.dropped or kv.epoch == self._epoch and self._usable() and not kv.ring_cut:
             return
         with self._lock:
             self._on_ring(lambda home: self._place(home, kv), regrow=True)
@@ -286,17 +284,42 @@ class RingBackend(RingSessions, Backend):
         return out
 
     def _step(self, home: HomeGroup, chunks: list[SeqChunk]) -> list[np.ndarray]:
+        """One ring step of ``chunks``.  All or nothing for the transcripts: a step that fails (a lost
+        peer, retried on the next ring) leaves every session's transcript as it was and every session
+        it touched to be rebuilt from it, so a retry feeds each chunk once."""
         out: dict[int, np.ndarray] = {}
+        before = [c.kv.length for c in chunks]
+        live = []
         for i, c in enumerate(chunks):
-            self._place(home, c.kv)  # a session whose ring was lost since ``prepare``
-            if c.kv.length == 0 and c.logits is not Logits.ALL:  # a long first prompt: one pipeline prefill
-                first = self._pipeline_first(home, c)
-                if first is not None:
-                    out[i] = first
-        rest = [i for i in range(len(chunks)) if i not in out]
-        if rest:
-            res = home.ring.step([RingChunk(chunks[i].kv.rid, chunks[i].tokens, chunks[i].logits) for i in rest])
-            out.update(zip(rest, res, strict=True))
+            if c.kv.dropped:  # deleted since its step was prepared (its turn was cancelled): no ring work,
+                out[i] = self._unread_rows(c)  # rows no one reads
+            else:
+                live.append(i)
+        fed: list[int] = []  # sessions whose shards this attempt changed beyond their transcript's state
+        try:
+            for i in live:
+                c = chunks[i]
+                self._place(home, c.kv)  # a session whose ring was lost since ``prepare``
+                if c.kv.length == 0 and c.logits is not Logits.ALL:  # a long first prompt: one pipeline prefill
+                    fed.append(i)
+                    first = self._pipeline_first(home, c)
+                    if first is not None:
+                        out[i] = first
+            rest = [i for i in live if i not in out]
+            if rest:
+                fed += rest
+                res = home.ring.step([RingChunk(chunks[i].kv.rid, chunks[i].tokens, chunks[i].logits) for i in rest])
+                out.update(zip(rest, res, strict=True))
+        except BaseException:
+            for i in fed:
+                kv = chunks[i].kv
+                del kv.tokens[before[i]:]  # (a pipeline prefill had recorded its chunk)
+                kv.epoch = None  # its shards may hold part of the step: opened anew and rebuilt before the next
+            raise
         for i in rest:
             chunks[i].kv.tokens.extend(int(t) for t in chunks[i].tokens)
         return [out[i] for i in range(len(chunks))]
+
+    def _unread_rows(self, c: SeqChunk) -> np.ndarray:
+        n = {Logits.NONE: 0, Logits.LAST: 1}.get(c.logits, len(c.tokens))
+        return np.zeros((n, self.config.vocab_size), np.float32)

@@ -9,7 +9,9 @@ lost), which is how the backend knows a session must be rebuilt before it can st
 
 The engine reads ``length`` and ``capacity`` and the daemon calls ``truncate`` exactly as with a
 ``KVCache``; the backend advances ``length`` (by extending the transcript) once a step's rows are
-stored on the ring.
+stored on the ring.  ``truncate`` only records the cut (``ring_cut``): the ring's shards are cut
+by the backend on the engine thread before the session's next step, so that no caller (the daemon
+under its lock) waits on the network.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class RingKV:
         if len(self.tokens) > capacity:
             raise ValueError(f"a transcript of {len(self.tokens)} tokens exceeds the capacity {capacity}")
         self.epoch: int | None = None  # the ring formation holding this session's shards
+        self.ring_cut = False  # the transcript was cut since the ring's shards last matched it
+        self.dropped = False  # deleted: never placed on a ring again
         self._on_truncate = on_truncate
 
     @property
@@ -35,7 +39,7 @@ class RingKV:
         return len(self.tokens)
 
     def truncate(self, length: int) -> None:
-        """Forget positions from ``length`` on, on the ring too when a ring holds the session."""
+        """Forget positions from ``length`` on; the ring's shards are cut before the next step."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a session of length {self.length} to {length}")
         if self._on_truncate is not None and length < self.length:

@@ -36,9 +36,14 @@ class RingSessions:
     ``default_speed``, ``counters``, ``labels``, ``_publish``."""
 
     def _place(self, home: HomeGroup, kv: RingKV) -> None:
-        """Make sure ``kv`` is open on ``home``'s ring with its whole transcript in the shards."""
+        """Make sure ``kv`` is open on ``home``'s ring with its whole transcript in the shards (and no
+        more: a transcript cut since the last step is cut on the ring now)."""
         if kv.epoch == self._epoch:
+            if kv.ring_cut:
+                home.ring.truncate(kv.rid, kv.length)
+                kv.ring_cut = False
             return
+        kv.ring_cut = False  # opened anew below: the shards are made from the transcript as it is
         if kv.rid in home.ring.capacity:  # a stale open from a step that failed half-way
             home.ring.close_session(kv.rid)
         n = home.group.world_size
