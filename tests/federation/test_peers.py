@@ -151,6 +151,42 @@ def test_a_silent_peer_is_dead_after_the_timeout():
         silent.close()
 
 
+def test_a_peer_trickling_its_answer_is_dead_within_the_checks_deadline():
+    """Each read arrives within the timeout, the whole answer never does: the check ends anyway."""
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+
+    def trickle():
+        for _ in range(2):  # the health request, and one retry at most
+            try:
+                conn, _addr = srv.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(4096)
+                try:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+                    for _ in range(100):  # a byte every 0.05 s, 5 s at most: stops by itself
+                        conn.sendall(b"x")
+                        time.sleep(0.05)
+                except OSError:  # the checker hung up
+                    pass
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    try:
+        reg = registry([PeerConfig("slow", f"http://127.0.0.1:{srv.getsockname()[1]}", "t")])
+        reg.check_now()
+        p = reg.get("slow")
+        assert p["state"] == "dead" and "too slowly" in p["last_error"]
+    finally:
+        srv.close()
+        t.join(10)
+
+
 def test_a_peer_added_at_run_time_is_checked_at_once(tmp_path):
     with peer_node("b", "tok-b") as b:
         reg = registry(interval_s=600.0, timeout_s=1.0, store_path=tmp_path / "peers.json")

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -245,8 +246,8 @@ class PeerRegistry:
         return result
 
     def check_now(self) -> None:
-        """Check every peer once, concurrently; returns when all are recorded (each within about two
-        timeouts)."""
+        """Check every peer once, concurrently; returns when all are recorded: each within about two
+        timeouts, the round within a deadline whatever a peer does."""
         with self._lock:
             peers = list(self._peers.values())
         if not peers:
@@ -254,9 +255,16 @@ class PeerRegistry:
         pool = self._pool or ThreadPoolExecutor(MAX_CHECK_THREADS, thread_name_prefix="peer-check")
         try:
             futures = [(p, pool.submit(probe, p.config, self.timeout_s, self._transport)) for p in peers]
+            # one deadline for the round: a check that overruns it (a peer that holds a connection
+            # open) is a dead peer, and the round - and whoever waits on it - goes on
+            waves = -(-len(peers) // MAX_CHECK_THREADS)  # checks wait for a thread beyond that many peers
+            limit = (2 * waves + 1) * self.timeout_s  # each check's two requests, and a margin
+            deadline = time.monotonic() + limit
             for p, fut in futures:
                 try:
-                    result = fut.result()
+                    result = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    result = Probe(DEAD, error=f"no whole answer within {limit:g} s")
                 except Exception as e:  # noqa: BLE001 - a bug in one check must not stop the others
                     result = Probe(DEAD, error=f"check failed: {type(e).__name__}: {e}")
                 self._record(p, result)

@@ -38,10 +38,23 @@ def _message(r: httpx.Response) -> str:
         return " ".join(r.text.split())[:200]
 
 
-def _get(client: httpx.Client, base: str, path: str, token: str) -> tuple[httpx.Response | None, str | None]:
-    """The answer, or the reason there is none."""
+MAX_BODY = 1 << 20  # a node report is a few KiB: more is not a Weave peer
+
+
+def _get(client: httpx.Client, base: str, path: str, token: str, deadline: float
+         ) -> tuple[httpx.Response | None, str | None]:
+    """The answer, or the reason there is none.  The body is read against ``deadline`` (monotonic),
+    not only the per-read timeout: a peer trickling bytes cannot hold a check for longer."""
     try:
-        return client.get(base + path, headers={"Authorization": f"Bearer {token}"}), None
+        with client.stream("GET", base + path, headers={"Authorization": f"Bearer {token}"}) as r:
+            body = bytearray()
+            for part in r.iter_bytes():
+                body += part
+                if len(body) > MAX_BODY:
+                    return None, f"{path} answered more than {MAX_BODY >> 20} MiB"
+                if time.monotonic() > deadline:
+                    return None, "no whole answer in time (the peer sends too slowly)"
+            return httpx.Response(r.status_code, headers=r.headers, content=bytes(body), request=r.request), None
     except httpx.TimeoutException:
         return None, f"no answer within {client.timeout.read:g} s"
     except httpx.ConnectError as e:
@@ -62,19 +75,21 @@ def _refused(r: httpx.Response, path: str) -> Probe | None:
 
 
 def probe(peer: PeerConfig, timeout_s: float, transport: httpx.BaseTransport | None = None) -> Probe:
-    """Check ``peer`` now; returns within about two timeouts (two requests)."""
+    """Check ``peer`` now; returns within about two timeouts (two requests, their bodies read against
+    that deadline)."""
     base = peer.url.rstrip("/")
+    deadline = time.monotonic() + 2 * timeout_s
     timeout = httpx.Timeout(timeout_s)
     # a fresh client per check: no pooled connection to a peer that died between rounds
     with httpx.Client(timeout=timeout, transport=transport, follow_redirects=False, trust_env=False) as client:
         t0 = time.perf_counter()
-        r, why = _get(client, base, HEALTH_PATH, peer.token)
+        r, why = _get(client, base, HEALTH_PATH, peer.token, deadline)
         latency = (time.perf_counter() - t0) * 1000.0
         if r is None:
             return Probe(DEAD, error=why)
         if (bad := _refused(r, HEALTH_PATH)) is not None:
             return bad
-        r, why = _get(client, base, INFO_PATH, peer.token)
+        r, why = _get(client, base, INFO_PATH, peer.token, deadline)
         if r is None:
             return Probe(DEAD, latency, error=f"{INFO_PATH}: {why}")
         if (bad := _refused(r, INFO_PATH)) is not None:
