@@ -196,3 +196,34 @@ def test_the_step_model_follows_a_host_slower_than_its_calibration(backend):
     assert 1.8 < eng.step_drift.factor <= 2.0 and eng.step_drift.samples > 60
     refused = probe(eng)  # as the host runs it: ~97 ms
     assert refused is not None and "past the 80 ms" in refused.reason
+
+
+def test_a_cancel_that_lands_during_a_step_samples_nothing_more(backend):
+    """A turn cancelled (or its session deleted) while its step runs keeps the rows that step wrote
+    but gets no further token: its stream ends with the tokens it had."""
+    log: list[tuple[str, str]] = []
+    done: dict[str, threading.Event] = {}
+    seq = _seq(backend, "cut", SLARank.INTERACTIVE, log, done, max_tokens=50)
+    seen: dict[str, int] = {}
+
+    class CancelDuringStep:
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+        def forward(self, chunks):
+            out = backend.forward(chunks)
+            if len(seq.generated) >= 2 and "at" not in seen:  # as a DELETE would, between two steps' checks
+                seq.cancel_requested = True
+                seen["at"] = len(seq.generated)
+            return out
+
+    eng = BatchEngine("cpu", CancelDuringStep(), SchedulerConfig(token_budget=64, max_batch=2, prefill_chunk=32))
+    eng.start()
+    try:
+        eng.submit(seq)
+        assert done["cut"].wait(60)
+    finally:
+        eng.stop()
+    assert seq.status.value == "cancelled"
+    assert len(seq.generated) == seen["at"]
+    assert sum(1 for name, kind in log if kind == "token") == seen["at"]

@@ -403,6 +403,9 @@ class BatchEngine:
         if s.pending:  # more prompt to feed: say how far it came (a long prompt takes many steps)
             self.out.emit(s, {"type": "progress", "prefilled": s.prefilled, "prompt": s.prefilled + len(s.pending)})
             return 0
+        if s.cancel_requested:  # cancelled (or deleted) during the step: its rows are kept, nothing sampled
+            self.out.finish(s, SeqStatus.CANCELLED, "cancelled")
+            return 0
         if s.params.max_tokens == 0:  # the prompt alone was asked for (scored, with echo): nothing is sampled
             self.out.finish(s, SeqStatus.FINISHED, "length")
             return 0
