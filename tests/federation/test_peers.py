@@ -268,3 +268,19 @@ def test_peers_compare_weights_not_only_the_shape(tmp_path):
 
     assert read_config(GGUFFile(a)) == read_config(GGUFFile(b))  # the same shape and name
     assert fp(a) != fp(b) and fp(a) == fp(copy)
+
+
+def test_a_peer_answering_through_a_compressing_proxy_is_alive():
+    """A check reads the body itself (against its deadline): a gzip-encoded answer is still read once."""
+    import gzip
+    import json
+
+    from weaved.federation.probe import ALIVE, probe
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        doc = {"status": "ok"} if request.url.path.endswith("/health") else {"model": {"name": "m"}, "node": "p"}
+        return httpx.Response(200, headers={"content-encoding": "gzip", "content-type": "application/json"},
+                              content=gzip.compress(json.dumps(doc).encode()))
+
+    got = probe(PeerConfig("zipped", "http://zipped.invalid", "t"), 1.0, httpx.MockTransport(handler))
+    assert got.state == ALIVE and got.report["model"] == {"name": "m"}

@@ -39,6 +39,7 @@ def _message(r: httpx.Response) -> str:
 
 
 MAX_BODY = 1 << 20  # a node report is a few KiB: more is not a Weave peer
+_ENCODING_HEADERS = {"content-encoding", "content-length", "transfer-encoding"}
 
 
 def _get(client: httpx.Client, base: str, path: str, token: str, deadline: float
@@ -54,7 +55,9 @@ def _get(client: httpx.Client, base: str, path: str, token: str, deadline: float
                     return None, f"{path} answered more than {MAX_BODY >> 20} MiB"
                 if time.monotonic() > deadline:
                     return None, "no whole answer in time (the peer sends too slowly)"
-            return httpx.Response(r.status_code, headers=r.headers, content=bytes(body), request=r.request), None
+            # the body is decoded already: it keeps the headers that do not describe its encoding
+            headers = [(k, v) for k, v in r.headers.multi_items() if k.lower() not in _ENCODING_HEADERS]
+            return httpx.Response(r.status_code, headers=headers, content=bytes(body), request=r.request), None
     except httpx.TimeoutException:
         return None, f"no answer within {client.timeout.read:g} s"
     except httpx.ConnectError as e:
