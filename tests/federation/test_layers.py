@@ -243,3 +243,25 @@ def test_a_peer_lost_mid_gather_leaves_the_cache_empty_for_the_local_prefill():
     rb.pipeline_min_tokens, rb._rids, rb._lost = 1, itertools.count(1), lost.append
     assert rb.pipeline_gather(kv, list(range(10))) is False
     assert kv.length == 0 and len(lost) == 1 and home.targets == {}
+
+
+def test_a_pipelines_waits_allow_for_the_work_before_them(backend):
+    """A stage's wait on its predecessors, and rank 0's on the drain, grow with the micro-batch: the
+    allowance scales with tokens and stages, from this node's measured rate once it has one."""
+    from weaved.backends.base import BackendStats
+    from weaved.federation.node_report import MEASURED_AFTER
+    from weaved.federation.pipeline import UNMEASURED_RATE, compute_allowance_s, stage_seconds_per_token
+
+    L = backend.config.n_layers
+    saved = backend.stats
+    try:
+        backend.stats = BackendStats()
+        assert stage_seconds_per_token(backend, L) == 1 / UNMEASURED_RATE  # slow until measured
+        backend.stats = BackendStats(prefill_tokens=MEASURED_AFTER, tokens=MEASURED_AFTER, seconds=MEASURED_AFTER / 400)
+        spt = stage_seconds_per_token(backend, L // 2)
+        assert spt == pytest.approx((L // 2) / (L * 400))
+    finally:
+        backend.stats = saved
+    assert compute_allowance_s(2, 1000, spt) == pytest.approx(2 * compute_allowance_s(1, 1000, spt))
+    assert compute_allowance_s(1, 2000, spt) == pytest.approx(2 * compute_allowance_s(1, 1000, spt))
+    assert compute_allowance_s(1, 1000, spt) > 1000 * spt  # a margin over the estimate

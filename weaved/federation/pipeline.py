@@ -18,6 +18,14 @@ whatever the split or the micro-batch size.  Afterwards the KV goes to the decod
 Layer split: proportional to each stage's measured speed (largest remainder, at least one layer
 each).  The output matrix (on the last stage) runs on one row per prompt, so it is left out of the
 balance.
+
+Waits on computation: a stage's receive of micro-batch j waits for the stages before it to compute
+j, and rank 0's receive of the logits for the stages after it to drain - both grow with the
+micro-batches (about a quarter of the prompt per stage), so they get the group's timeout plus an
+allowance for that work (``compute_allowance_s``): rank 0 estimates one stage's seconds per token from
+its own measured prefill rate (the split makes the stages about equally fast) and sends it with the
+plan.  A peer process that dies is still seen at once (gloo reports the closed connection); only a
+silent one is waited on for the allowance.
 """
 
 from __future__ import annotations
@@ -35,11 +43,27 @@ from weaved.federation import protocol as P
 from weaved.federation.comm import PeerGroup, PeerLost, wait_all
 from weaved.federation.handoff import Handoff, hand_off
 from weaved.federation.layers import LayerRunner
+from weaved.federation.node_report import measured_prefill_rate
 from weaved.federation.shards import KVFactory, memory_kv_factory
 from weaved.kernels import attention as ka
 from weaved.kv.cache import KVCache
 
 OnKV = Callable[[int, KVCache, int], None]  # (session id, cache that landed here, session length)
+UNMEASURED_RATE = 5.0  # tokens/s of the whole model assumed until this node has measured its own
+WAIT_MARGIN = 4.0  # a wait's allowance: this many times the estimate of the computation before it
+
+
+def stage_seconds_per_token(backend: CPUBackend, n_stage_layers: int) -> float:
+    """One stage's estimated seconds per token: this node's measured prefill rate (or a slow
+    ``UNMEASURED_RATE``) for ``n_stage_layers`` of the model's layers."""
+    rate = measured_prefill_rate(backend.stats) or UNMEASURED_RATE
+    return n_stage_layers / (backend.config.n_layers * rate)
+
+
+def compute_allowance_s(stages: int, tokens: int, s_per_token: float) -> float:
+    """How long a wait may take beyond the group's timeout for ``stages`` stages to compute ``tokens``
+    tokens each, at ``s_per_token`` per stage and token (with ``WAIT_MARGIN``)."""
+    return WAIT_MARGIN * stages * tokens * s_per_token
 
 
 def split_layers(n_layers: int, speeds: Sequence[float]) -> list[tuple[int, int]]:
@@ -127,11 +151,13 @@ class PipelineMember:
             raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
         mb = mb_tokens or default_mb_tokens(sum(lens), n)
         body = np.concatenate([np.asarray(sids, np.int64), lens, caps, np.asarray(ranges, np.int64).reshape(-1)])
+        us_per_token = math.ceil(1e6 * stage_seconds_per_token(self.backend, ranges[0][1] - ranges[0][0]))
         with self._lock:
             try:
                 t0 = time.perf_counter()
-                pend = P.broadcast_cmd(self.group, P.Cmd.PREFILL, len(ids), n, mb, int(handoff), dst, body=body)
-                res = self._run(list(sids), lens, caps, ranges, mb, Handoff(handoff), dst, ids)
+                pend = P.broadcast_cmd(self.group, P.Cmd.PREFILL, len(ids), n, mb, int(handoff), dst, us_per_token,
+                                       body=body)
+                res = self._run(list(sids), lens, caps, ranges, mb, Handoff(handoff), dst, ids, us_per_token / 1e6)
                 wait_all(pend)
                 P.recv_acks(self.group, "prefill")
                 res.seconds = time.perf_counter() - t0
@@ -167,15 +193,15 @@ class PipelineMember:
 
     def serve_prefill(self, args: np.ndarray, body: np.ndarray) -> None:
         """A stage's part of one PREFILL command (its header ``args`` and ``body``), then its ack."""
-        S, n, mb, mode, dst = (int(a) for a in args[:5])
+        S, n, mb, mode, dst, us_per_token = (int(a) for a in args[:6])
         if n != self.group.world_size:
             raise P.ProtocolError(f"a plan for {n} stages in a group of {self.group.world_size}")
         sids, lens, caps = (body[i * S : (i + 1) * S].tolist() for i in range(3))
         ranges = [tuple(r) for r in body[3 * S :].reshape(n, 2).tolist()]
-        self._run(sids, lens, caps, ranges, mb, Handoff(mode), dst, None)
+        self._run(sids, lens, caps, ranges, mb, Handoff(mode), dst, None, us_per_token / 1e6)
         P.send_ack(self.group, 0)
 
-    def _run(self, sids, lens, caps, ranges, mb, mode: Handoff, dst: int, ids) -> PrefillResult:
+    def _run(self, sids, lens, caps, ranges, mb, mode: Handoff, dst: int, ids, s_per_token: float) -> PrefillResult:
         g, cfg = self.group, self.config
         n, s = g.world_size, g.rank
         a, b = ranges[s]
@@ -192,8 +218,8 @@ class PipelineMember:
             if s == 0:
                 x = runner.embed(np.concatenate([ids[q][st:e] for q, st, e in pieces]))  # [T_j, d_model]
             else:
-                x, pending = recvs[j]
-                pending.wait()
+                x, pending = recvs[j]  # once the stages before this one have computed it
+                pending.wait(g.spec.timeout_s + compute_allowance_s(s, len(x), s_per_token))
             seq_starts = np.concatenate([[0], np.cumsum([e - st for _, st, e in pieces])]).astype(np.int64)
             pos0 = np.array([st for _, st, _ in pieces], np.int64)
             runner.run(x, ka.kv_list([stage_kv[q].data for q, _, _ in pieces]), seq_starts, pos0)
@@ -208,8 +234,8 @@ class PipelineMember:
             logits = runner.logits(np.stack([ends[q] for q in range(len(lens))]))
             if s != 0:
                 sends.append(g.isend(logits, 0, P.TAG_LOGITS))
-        elif s == 0:
-            g.recv(logits, n - 1, P.TAG_LOGITS)
+        elif s == 0:  # once the stages after this one have drained (they may lag by every micro-batch)
+            g.recv(logits, n - 1, P.TAG_LOGITS, g.spec.timeout_s + compute_allowance_s(n - 1, sum(lens), s_per_token))
         wait_all(sends)
         kvs = hand_off(g, cfg, mode, dst, ranges, stage_kv, sids, lens, caps, self.kv_factory)
         res = PrefillResult(logits=[logits[i : i + 1] for i in range(len(lens))] if s == 0 else [])
