@@ -139,3 +139,22 @@ def test_a_check_in_is_judged_by_the_pool_the_router_moves_it_to(daemon_factory)
     info = d.get_session(sid)
     assert info["pool"] == "gpu" and info["sla"]["class"] == "interactive"
     assert len(t.tokens) == TURN.max_tokens
+
+
+def test_a_check_in_with_a_first_token_target_is_judged_for_the_prompt_it_brings(daemon_factory):  # noqa: F811
+    """A batch session checked in as background with a first-token target: the router predicts that
+    target for the turn's own prompt (not for an empty one, which any pool meets) and moves it to the
+    GPU pool when the CPU pool would miss it."""
+    from tests.daemon.test_coexec import Turn
+
+    d = daemon_factory()
+    sid = d.create_session(SLA(SLAClass.BATCH, ttlt_s=600.0))["id"]
+    _run(d, sid, PROMPTS[0])
+    assert d.get_session(sid)["pool"] == "cpu"
+    t = Turn()
+    d.start_turn(session_id=sid, prompt=PROMPTS[1], params=TURN, emit=t.emit,
+                 sla=SLA(SLAClass.BACKGROUND, ttft_ms=0.01, ttlt_s=600.0))
+    t.finish()
+    info = d.get_session(sid)
+    assert info["pool"] == "gpu" and info["sla"]["class"] == "background"
+    assert any("TTFT target" in r and "over" in r for r in info["placement"]["reasons"])

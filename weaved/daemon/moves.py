@@ -226,11 +226,12 @@ class SessionMoves:
             self.journal.set_placement(s.id, new.to_dict())
         self._move_to(s, new.decode_pool, reason)
 
-    def replace(self, s: Session, reason: str) -> Placement:
+    def replace(self, s: Session, reason: str, turn_tokens: int = 0) -> Placement:
         """Let the router place the session again for its (new) SLA, record it and send the session
-        where it says (caller holds ``self.lock``)."""
+        where it says (caller holds ``self.lock``).  ``turn_tokens``: the prompt of the turn it runs
+        next, when a turn brings the change (what a first-token target is predicted for)."""
         new = promote(s.placement, SessionRequest(s.sla, s.context_tokens, s.max_context), self.system_state(),
-                      self.routing)
+                      self.routing, turn_tokens)
         s.placement = new
         if not s.ephemeral:
             self.journal.set_sla(s.id, s.sla.to_dict())

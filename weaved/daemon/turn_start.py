@@ -140,7 +140,8 @@ class TurnStarts:
             if sla is not None and sla != s.sla:
                 s.sla = sla
             if resla or self.moves.misplaced(s):  # a check-in: the router re-places the session first
-                new_pl = self.moves.replace(s, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion")
+                new_pl = self.moves.replace(s, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion",
+                                            len(new))
                 self.publish("placement", {"session": s.id, "placement": new_pl.to_dict()})
             elif moved is not None:  # a throughput-tolerant turn spills to a GPU pool, or returns to the CPU
                 self.moves.send(s, moved, "spill" if self.pools[moved.decode_pool].device_kind == "gpu" else "return")
