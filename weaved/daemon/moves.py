@@ -207,7 +207,7 @@ class SessionMoves:
                 if new.decode_strategy != s.placement.decode_strategy:  # (it stays: its KV is laid out there)
                     return s.pool
             elif sla.cls != s.sla.cls or self.misplaced(s):
-                new = promote(s.placement, SessionRequest(sla, s.context_tokens, s.max_context), state, self.routing)
+                new = self._promoted(s, sla, state, n_new)
             else:
                 return s.pool
         except RoutingError:  # (it stays, as the placing itself would keep it)
@@ -230,14 +230,19 @@ class SessionMoves:
         """Let the router place the session again for its (new) SLA, record it and send the session
         where it says (caller holds ``self.lock``).  ``turn_tokens``: the prompt of the turn it runs
         next, when a turn brings the change (what a first-token target is predicted for)."""
-        new = promote(s.placement, SessionRequest(s.sla, s.context_tokens, s.max_context), self.system_state(),
-                      self.routing, turn_tokens)
+        new = self._promoted(s, s.sla, self.system_state(), turn_tokens)
         s.placement = new
         if not s.ephemeral:
             self.journal.set_sla(s.id, s.sla.to_dict())
             self.journal.set_placement(s.id, new.to_dict())
         self._move_to(s, new.decode_pool, reason)
         return new
+
+    def _promoted(self, s: Session, sla: SLA, state, turn_tokens: int) -> Placement:
+        """The router's placement of ``s`` under ``sla`` for a turn of ``turn_tokens`` prompt tokens (what
+        ``replace`` applies, and what admission judges before it does)."""
+        return promote(s.placement, SessionRequest(sla, s.context_tokens, s.max_context), state, self.routing,
+                       turn_tokens)
 
     def misplaced(self, s: Session) -> bool:
         """A latency-sensitive session sitting on a CPU pool while the host has GPU pools (e.g. it was
