@@ -1,7 +1,8 @@
 """A throughput-tolerant session's turns beside a GPU pool (the torch backend, on torch's CPU device
 here): a turn the CPU pool cannot take - its admission refuses it, or the router predicts it would end
 past its budget - spills to the GPU pool with one KV copy and the same tokens; the session returns to
-the CPU once the CPU has room again, copying nothing."""
+the CPU once the CPU has room again, copying nothing.  Admission judges every turn where, and at the
+rank, it then runs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import dataclasses
 import pytest
 
 from tests.daemon.test_coexec import (  # noqa: F401 (daemon_factory: a fixture)
+    Turn,
     backends,
     daemon_factory,
     prompt_ids,
@@ -115,8 +117,6 @@ def test_the_baselines_never_spill(daemon_factory):  # noqa: F811
 def test_a_check_in_is_judged_by_the_pool_the_router_moves_it_to(daemon_factory):  # noqa: F811
     """A background session checked in as interactive is sent to the GPU pool by its turn: admission
     judges that pool, not the full CPU pool it leaves (which would have refused it with a 503)."""
-    from tests.daemon.test_coexec import Turn
-
     d = daemon_factory()
     sid = d.create_session(MINUTE)["id"]
     _run(d, sid, PROMPTS[0])
@@ -145,8 +145,6 @@ def test_a_check_in_with_a_first_token_target_is_judged_for_the_prompt_it_brings
     """A batch session checked in as background with a first-token target: the router predicts that
     target for the turn's own prompt (not for an empty one, which any pool meets) and moves it to the
     GPU pool when the CPU pool would miss it."""
-    from tests.daemon.test_coexec import Turn
-
     d = daemon_factory()
     sid = d.create_session(SLA(SLAClass.BATCH, ttlt_s=600.0))["id"]
     _run(d, sid, PROMPTS[0])
@@ -158,3 +156,59 @@ def test_a_check_in_with_a_first_token_target_is_judged_for_the_prompt_it_brings
     info = d.get_session(sid)
     assert info["pool"] == "gpu" and info["sla"]["class"] == "background"
     assert any("TTFT target" in r and "over" in r for r in info["placement"]["reasons"])
+
+
+def test_a_check_in_the_cpu_refuses_spills_and_runs_where_admission_judged(daemon_factory):  # noqa: F811
+    """A batch session checked in as background while its CPU pool has no rate to spare: admission
+    finds the GPU pool can take the turn, and the turn runs there - the re-placement of the check-in
+    applies the spill instead of placing the session back on the pool that refused it."""
+    d = daemon_factory()
+    sid = d.create_session(SLA(SLAClass.BATCH, ttlt_s=600.0))["id"]
+    _run(d, sid, PROMPTS[0])
+    assert d.get_session(sid)["pool"] == "cpu"
+    cpu = d.pools["cpu"].engine
+    kept = cpu.capacity
+    cpu.capacity = Capacity(1, 1e-3, 1.0)  # no decode rate to spare for a paced turn
+    t = Turn()
+    try:
+        d.start_turn(session_id=sid, prompt=PROMPTS[1], params=TURN, emit=t.emit, sla=MINUTE)
+        t.finish()
+    finally:
+        cpu.capacity = kept
+    info = d.get_session(sid)
+    assert info["sla"]["class"] == "background"
+    assert info["pool"] == "gpu" and "cannot take the turn" in info["placement"]["reasons"][0]
+    assert len(t.tokens) == TURN.max_tokens
+
+
+def _probe_ranks(d) -> list:
+    """The ranks admission judges turns at, as the pools' engines are asked."""
+    seen = []
+    for pool in d.pools.values():
+        refusal = pool.engine.refusal
+
+        def judged(seq, refusal=refusal):
+            seen.append(seq.rank)
+            return refusal(seq)
+
+        pool.engine.refusal = judged
+    return seen
+
+
+@pytest.mark.parametrize("policy", ["fifo", "isolation"])
+def test_admission_judges_a_turn_at_the_rank_the_engine_runs_it(daemon_factory, policy):  # noqa: F811
+    """The baselines keep a session's priority whatever its class (fifo: one for all; isolation: the
+    class it was placed with): admission judges each turn at that rank, the engine's, not its class's."""
+    d = daemon_factory()
+    d.profile = dataclasses.replace(d.profile, routing=dataclasses.replace(d.profile.routing, policy=policy))
+    d.moves.routing = d.profile.routing
+    sid = d.create_session(SLA(SLAClass.BATCH, ttlt_s=600.0))["id"]
+    _run(d, sid, PROMPTS[0])
+    ranks = _probe_ranks(d)
+    t = Turn()
+    d.start_turn(session_id=sid, prompt=PROMPTS[1], params=TURN, emit=t.emit, sla=SLA(SLAClass.INTERACTIVE))
+    ran_at = d.sessions[sid].turn.rank
+    t.finish()
+    assert d.get_session(sid)["sla"]["class"] == "interactive"
+    assert ranks and ranks[-1] == ran_at == d.sessions[sid].rank
+    assert ran_at.name == "BATCH"  # fifo's one priority, and isolation's kept one, both rank last

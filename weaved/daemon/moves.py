@@ -22,7 +22,7 @@ from weaved.backends.base import Backend
 from weaved.config.profile import RoutingThresholds
 from weaved.daemon.migration import Mover
 from weaved.daemon.pools import Pool
-from weaved.daemon.session import Session
+from weaved.daemon.session import Session, rank_of
 from weaved.engine.admission import Refusal
 from weaved.engine.sequence import Sequence
 from weaved.routing.predict import forecast
@@ -172,13 +172,18 @@ class SessionMoves:
         pool's admission, or None).  A throughput-tolerant session spills from a CPU pool to a GPU pool
         when the router predicts the CPU would miss its budget (``routing.tree.place_turn``) or the CPU's
         admission refuses the turn and a GPU pool takes it; it returns to the CPU when that has room.
-        ``probe.forecast`` is set to the router's forecast where it runs (a throughput-tolerant turn)."""
+        ``probe.rank`` is set to the rank the turn will run at there (its placement's priority, which is
+        what the engine orders by - not always its class's: the baselines keep one priority for all, a
+        session raised to the top priority when no GPU has room), and ``probe.forecast`` to the router's
+        forecast there (a throughput-tolerant turn)."""
         new = None
         state = self.system_state()
         if s.committed and sla == s.sla:  # a first turn or a changed SLA is placed by the router itself
             new = place_turn(s.placement, sla, len(probe.pending), len(s.committed), answer_tokens, state,
                              self.routing)
-        pool = new.decode_pool if new is not None else self._placed_pool(s, sla, len(probe.pending), state)
+        placed = new or self._placed(s, sla, len(probe.pending), state)
+        pool = placed.decode_pool if placed.decode_pool in self.pools else s.pool
+        probe.rank = rank_of(placed)
         refusal = self.pools[pool].engine.refusal(probe)
         if refusal is not None and self._may_spill(s, sla, pool):
             need = len(s.committed) + len(probe.pending) + answer_tokens
@@ -186,8 +191,7 @@ class SessionMoves:
                 if self.pools[g.name].engine.refusal(probe) is None:
                     why = (f"CPU pool {pool!r} cannot take the turn ({refusal.reason}): spills to GPU pool "
                            f"{g.describe()}, one host-to-device KV copy")
-                    priority = (new or s.placement).priority
-                    new, pool, refusal = Placement("standard", "standard", g.name, g.name, priority, (why,)), \
+                    new, pool, refusal = Placement("standard", "standard", g.name, g.name, placed.priority, (why,)), \
                         g.name, None
                     break
         here = next((p for p in state.pools if p.name == pool), None)
@@ -196,23 +200,22 @@ class SessionMoves:
             probe.forecast = (f.ttft_s, f.step_s)
         return new, pool, refusal
 
-    def _placed_pool(self, s: Session, sla: SLA, n_new: int, state) -> str:
-        """The pool this turn will run in once ``start_turn`` has placed the session again - its first
-        turn (``place_first_turn``), a change of class or a misplaced session (``replace``) - computed the
-        same way before anything changes, so that admission judges the pool the turn goes to, not the
-        one it leaves; the session's own pool when it stays."""
+    def _placed(self, s: Session, sla: SLA, n_new: int, state) -> Placement:
+        """The placement this turn will run under once ``start_turn`` has placed the session again - its
+        first turn (``place_first_turn``), a change of class or a misplaced session (``replace``) - computed
+        the same way before anything changes, so that admission judges the pool the turn goes to (and the
+        rank it runs at there), not the one it leaves; the session's own placement when it stays."""
         try:
             if not s.committed:
                 new = place(SessionRequest(sla, n_new, s.max_context), state, self.routing)
                 if new.decode_strategy != s.placement.decode_strategy:  # (it stays: its KV is laid out there)
-                    return s.pool
-            elif sla.cls != s.sla.cls or self.misplaced(s):
-                new = self._promoted(s, sla, state, n_new)
-            else:
-                return s.pool
+                    return s.placement
+                return new
+            if sla.cls != s.sla.cls or self.misplaced(s):
+                return self._promoted(s, sla, state, n_new)
         except RoutingError:  # (it stays, as the placing itself would keep it)
-            return s.pool
-        return new.decode_pool if new.decode_pool in self.pools else s.pool
+            pass
+        return s.placement
 
     def _may_spill(self, s: Session, sla: SLA, pool: str) -> bool:
         return (self.routing.policy == "sla" and sla.cls is not SLAClass.INTERACTIVE
@@ -226,11 +229,13 @@ class SessionMoves:
             self.journal.set_placement(s.id, new.to_dict())
         self._move_to(s, new.decode_pool, reason)
 
-    def replace(self, s: Session, reason: str, turn_tokens: int = 0) -> Placement:
+    def replace(self, s: Session, reason: str, turn_tokens: int = 0, new: Placement | None = None) -> Placement:
         """Let the router place the session again for its (new) SLA, record it and send the session
         where it says (caller holds ``self.lock``).  ``turn_tokens``: the prompt of the turn it runs
-        next, when a turn brings the change (what a first-token target is predicted for)."""
-        new = self._promoted(s, s.sla, self.system_state(), turn_tokens)
+        next, when a turn brings the change (what a first-token target is predicted for).  ``new``: the
+        placement admission already chose for that turn (``route_turn``: a spill to a GPU pool when the
+        pool the router picks cannot take it), applied instead of placing again."""
+        new = new or self._promoted(s, s.sla, self.system_state(), turn_tokens)
         s.placement = new
         if not s.ephemeral:
             self.journal.set_sla(s.id, s.sla.to_dict())

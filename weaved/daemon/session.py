@@ -47,7 +47,7 @@ class Session:
 
     @property
     def rank(self) -> SLARank:
-        return SLARank(TOP_PRIORITY - self.placement.priority)
+        return rank_of(self.placement)
 
     @property
     def context_tokens(self) -> int:
@@ -56,6 +56,11 @@ class Session:
     @property
     def busy(self) -> bool:
         return self.turn is not None and not self.turn.status.done
+
+
+def rank_of(placement: Placement) -> SLARank:
+    """The rank the engine runs a turn at under ``placement``: its priority, highest first."""
+    return SLARank(TOP_PRIORITY - placement.priority)
 
 
 def transcript_entry(role: str, content: str, finish_reason: str | None = None, answer: dict | None = None) -> dict:

@@ -29,13 +29,11 @@ from weaved.daemon.turns import (
     turn_sequence,
 )
 from weaved.engine.sampling import SamplingParams
-from weaved.engine.sequence import Sequence, SLARank
+from weaved.engine.sequence import Sequence
 from weaved.errors import Conflict, InvalidRequest, Overloaded, WeaveError
 from weaved.kv.cache import KVCache
 from weaved.routing.types import SLA, Placement, SLAClass
 
-SLA_RANK = {SLAClass.INTERACTIVE: SLARank.INTERACTIVE, SLAClass.BACKGROUND: SLARank.BACKGROUND,
-            SLAClass.BATCH: SLARank.BATCH}
 CANCEL_WAIT_S = 30.0  # how long a new turn waits for its session's cancelled turn to end (one engine step)
 
 
@@ -141,7 +139,7 @@ class TurnStarts:
                 s.sla = sla
             if resla or self.moves.misplaced(s):  # a check-in: the router re-places the session first
                 new_pl = self.moves.replace(s, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion",
-                                            len(new))
+                                            len(new), moved)
                 self.publish("placement", {"session": s.id, "placement": new_pl.to_dict()})
             elif moved is not None:  # a throughput-tolerant turn spills to a GPU pool, or returns to the CPU
                 self.moves.send(s, moved, "spill" if self.pools[moved.decode_pool].device_kind == "gpu" else "return")
@@ -190,9 +188,9 @@ class TurnStarts:
         """Where the turn runs (``SessionMoves.route_turn``: a placement to move the session to, or None to
         stay) and the router's forecast for it there, or Overloaded (503 with Retry-After) for a turn no
         pool can take without missing an SLA it has accepted (``weaved.engine.admission``); nothing has
-        changed yet when it refuses."""
+        changed yet when it refuses.  The probe runs at the rank the placement gives (set by route_turn)."""
         probe = Sequence(session_id=s.id, kv=s.kv, pending=list(new), params=params,
-                         rank=SLA_RANK[sla.cls], ttft_s=sla.ttft_ms / 1000 if sla.ttft_ms else None,
+                         rank=s.rank, ttft_s=sla.ttft_ms / 1000 if sla.ttft_ms else None,
                          ttlt_s=self.moves.turn_budget(sla), expected_tokens=answer, arrival=arrival)
         moved, pool, refusal = self.moves.route_turn(s, probe, sla, answer)
         if refusal is not None:
