@@ -325,3 +325,31 @@ def test_deleted_and_ephemeral_sessions_free_their_device_copy(daemon_factory):
     while d.sessions and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not d.sessions and gpu.device_kv_bytes() == 0
+
+
+def test_a_promotion_while_a_prefilled_prompt_moves_to_its_decode_pool_is_carried_out(daemon_factory):
+    """A background turn's long prompt prefilled on the GPU pool is on its way to the CPU pool (no engine
+    holds it) when the session is promoted: once it has arrived, it moves again - to the GPU pool its
+    placement now names, at the interactive rank - with the same tokens as a turn that never moved."""
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompt = prompt_ids(64, 5)
+    d = daemon_factory(long_prompt=48)
+    sid = d.create_session(BG)["id"]
+    bring, promoted = d.moves._bring_kv, []
+
+    def bring_kv(s, to, reason):
+        if reason == "prefill handoff" and not promoted:
+            promoted.append(d.promote(sid))  # (the daemon's lock is free: the hand-off copies without it)
+        bring(s, to, reason)
+
+    d.moves._bring_kv = bring_kv
+    t = start(d, sid, prompt, params)
+    t.finish()
+    assert promoted and promoted[0]["placement"]["decode_pool"] == "gpu"
+    want = start(d, d.create_session(BG)["id"], prompt, params)  # (its prompt's blocks shared: same rows)
+    want.finish()
+    s = d.sessions[sid]
+    assert s.pool == s.kv_at == "gpu" and s.turn.rank.name == "INTERACTIVE"
+    assert t.tokens == want.tokens
+    gpu, _ = backends(d)
+    assert gpu.stats.decode_tokens > 0  # the rest of the answer was decoded where the promotion sent it

@@ -122,12 +122,18 @@ class SessionMoves:
 
     def _handoff(self, s: Session, seq: Sequence) -> None:
         """A long prompt was prefilled on a GPU pool: continue decoding in the session's decode pool
-        (engine thread of the prefill pool)."""
+        (engine thread of the prefill pool).  The turn belongs to no engine while its KV moves: a change
+        of placement meanwhile (its move found no turn to detach) is carried out once it has arrived."""
         with self.lock:
             to = s.placement.decode_pool
         self._bring_kv(s, to, "prefill handoff")
-        s.where = to
-        self.pools[to].engine.submit(seq)
+        with self.lock:
+            s.where = to
+            seq.rank, seq.ttlt_s = s.rank, self.turn_budget(s.sla)
+            self.pools[to].engine.submit(seq)
+            now = s.placement.decode_pool
+            if now != to and now in self.pools and not seq.cancel_requested:
+                self._move_to(s, now, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion")
 
     def place_first_turn(self, s: Session, n_prompt: int) -> Placement | None:
         """A session placed before it had a prompt (created empty, so the router saw 0 tokens) is placed
@@ -264,7 +270,8 @@ class SessionMoves:
             if s.pool == to:
                 self.pools[to].engine.set_rank(s.id, s.rank, self.turn_budget(s.sla))
                 return
-            self.pools[s.pool].engine.detach(s.id, lambda seq, s=s, to=to: self._detached(s, seq, to, reason))
+            self.pools[s.pool].engine.detach(s.id, lambda seq, s=s, to=to, at=s.pool:
+                                             self._detached(s, seq, to, reason, at))
             return
         s.where = to
         s.move_reason = reason
@@ -274,11 +281,17 @@ class SessionMoves:
             self.mover.move_kv(s.id, s.kv, held, None, reason)  # frees device memory now; copies nothing
             s.kv_at = None
 
-    def _detached(self, s: Session, seq: Sequence | None, to: str, reason: str) -> None:
-        """The source engine let go of the running turn (its engine thread).  The session goes where its
-        placement says *now*: an SLA change that came while the move was pending wins over ``to``."""
+    def _detached(self, s: Session, seq: Sequence | None, to: str, reason: str, at: str) -> None:
+        """Pool ``at``'s engine let go of the running turn (its engine thread), or found none.  The session
+        goes where its placement says *now*: an SLA change that came while the move was pending wins over
+        ``to``.  A turn that had already left ``at`` (a prefill hand-off) is moved from where it went: its
+        KV is brought over once that engine lets go, never while it still writes rows there."""
         with self.lock:
             to = s.placement.decode_pool if s.placement.decode_pool in self.pools else to
+            if seq is None and s.busy and s.pool != at:
+                if not s.turn.cancel_requested:
+                    self._move_to(s, to, reason)
+                return
         self._bring_kv(s, to, reason)
         s.where = to
         if seq is not None:
