@@ -14,8 +14,9 @@ import pytest
 
 from tests.kv.test_prefixes import tokens
 from tests.kv.test_store import CFG, fill
+from weaved.kv.errors import DiskFull
 from weaved.kv.prefixes import BLOCK, PrefixStore
-from weaved.kv.store import DiskFull, KVStore
+from weaved.kv.store import KVStore
 
 
 def _full(fd, offset, length):

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from tests.kv.test_store import CFG, fill
+from weaved.kv.errors import KVCapExceeded
 from weaved.kv.prefixes import BLOCK, chain_keys
-from weaved.kv.store import KVCapExceeded, KVStore
+from weaved.kv.store import KVStore
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:

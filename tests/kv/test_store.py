@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from weaved.kv.cache import KVCache
-from weaved.kv.store import DiskFull, KVCapExceeded, KVStore, KVStoreError
+from weaved.kv.errors import DiskFull, KVCapExceeded, KVStoreError
+from weaved.kv.store import KVStore
 from weaved.model.config import ModelConfig, RopeSpec, RopeStyle
 
 # Small shapes: 2 layers x k|v x 2 kv heads = 8 runs of 128-byte rows, 1 KiB per position.

@@ -18,7 +18,7 @@ from weaved.daemon.turns import TurnHandle
 from weaved.engine.sampling import SamplingParams
 from weaved.errors import InvalidRequest, WeaveError
 from weaved.kv.cache import KVCache
-from weaved.kv.store import KVStoreError
+from weaved.kv.errors import KVStoreError
 from weaved.routing.types import SLA, SLAClass
 
 MAX_CHOICES = 16

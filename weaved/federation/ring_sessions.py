@@ -26,7 +26,7 @@ from weaved.federation.pipeline import split_layers
 from weaved.federation.qring import RingChunk, ShardRefused
 from weaved.federation.ring_kv import RingKV
 from weaved.federation.shards import shard_length
-from weaved.kv.store import KVStoreError
+from weaved.kv.errors import KVStoreError
 
 REPLAY_CHUNK = 512  # tokens per ring step when a transcript is prefilled through the ring
 
