@@ -129,7 +129,7 @@ def _run(be, specs: list[tuple[str, SamplingParams]]) -> dict[str, list[int]]:
 
 
 def test_an_engine_step_samples_plain_rows_together_with_the_tokens_each_gets_alone(backend, monkeypatch):
-    import weaved.engine.engine as engine_module
+    import weaved.engine.engine_step as engine_module
 
     batches = []
 
