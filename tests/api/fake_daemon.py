@@ -185,10 +185,11 @@ class FakeDaemon:
 
     # ---- turns -----------------------------------------------------------------------------------
     def start_turn(self, *, session_id, messages=None, prompt=None, params, sla=None, echo=False, emit,
-                   answer=None, continues=None, detached=None):
+                   answer=None, continues=None, detached=None, system=None, replaces_system=False):
         self.calls.append(("start_turn", {"session_id": session_id, "messages": messages, "prompt": prompt,
                                           "params": params, "sla": sla, "echo": echo, "answer": answer,
-                                          "detached": detached}))
+                                          "detached": detached, "system": system,
+                                          "replaces_system": replaces_system}))
         if self.stopping:
             raise Overloaded("shutting down")
         if (messages is None) == (prompt is None):
@@ -223,6 +224,8 @@ class FakeDaemon:
             s.messages += [dict(m) for m in messages or []]
             if sla is not None:
                 s.sla = sla
+            if replaces_system:
+                s.system = system
             s.busy = True
             s.cancel.clear()
         t = threading.Thread(target=self._generate, args=(s, new, params, echo, emit), daemon=True)

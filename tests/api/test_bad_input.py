@@ -383,6 +383,24 @@ def test_a_busy_chain_is_a_conflict_on_previous_response_id(client, fake: FakeDa
     assert rid in err["message"] and "session" not in err["message"]
 
 
+@pytest.mark.parametrize("busy", [False, True])
+def test_a_refused_continuation_leaves_the_chains_instructions(client, fake: FakeDaemon, busy):
+    """Other instructions come with the continuing turn: a continuation refused (its answer cannot fit,
+    or the chain is busy) leaves the chain's system prompt as it was; one that runs changes it."""
+    first = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4, "instructions": "A"})
+    rid, sid = first.json()["id"], first.json()["weave"]["session"]
+    fake.sessions[sid].busy = busy
+    more = {"input": "more", "previous_response_id": rid, "instructions": "B"}
+    if busy:
+        assert_error(client.post("/v1/responses", json={**more, "max_output_tokens": 4}), 409, "previous_response_id")
+    else:
+        assert_error(client.post("/v1/responses", json={**more, "max_output_tokens": 10**8}), 400, "max_output_tokens")
+    assert fake.sessions[sid].system == "A"
+    fake.sessions[sid].busy = False
+    assert client.post("/v1/responses", json={**more, "max_output_tokens": 4}).status_code == 200
+    assert fake.sessions[sid].system == "B"
+
+
 def test_a_chat_shaped_tool_choice_sent_to_responses_says_the_responses_shape(client):
     body = {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
             "tool_choice": {"type": "function", "function": {"name": "f"}}}

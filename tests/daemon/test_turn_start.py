@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from tests.daemon.support import GREEDY, run_to_end, run_turn
+from weaved.engine.sampling import SamplingParams
+from weaved.errors import ContextTooLong
 from weaved.routing.types import SLA, SLAClass
 
 
@@ -74,3 +78,26 @@ def test_a_sessions_system_prompt_stays_first_beside_a_turns_own_system_message(
     events, handle = run_to_end(daemon, session_id=later, params=GREEDY, messages=[
         {"role": "system", "content": "From now on answer briefly."}, {"role": "user", "content": "And your ship?"}])
     assert events[-1]["type"] == "done" and handle.reprefilled == 0 and handle.cached_tokens > 0
+
+
+def test_a_turn_that_brings_a_new_system_prompt_changes_it_only_if_it_starts(daemon, monkeypatch):
+    """A Responses chain continued with other instructions: the session's system prompt changes with the
+    turn, which is rendered with it - and a refused turn (its answer cannot fit) leaves the session, its
+    journal and its next turn's prompt as they were."""
+    sid = daemon.create_session(SLA(SLAClass.BACKGROUND), None, "You are a pirate.")["id"]
+    run_turn(daemon, sid, "Hello")
+    with pytest.raises(ContextTooLong):
+        run_to_end(daemon, session_id=sid, messages=[{"role": "user", "content": "More"}],
+                   params=SamplingParams(max_tokens=10**9, temperature=0), system="You are a robot.",
+                   replaces_system=True)
+    assert daemon.get_session(sid)["system"] == "You are a pirate."
+    assert daemon.journal.get(sid).system == "You are a pirate."
+
+    real = daemon.tokenizer.encode_chat
+    texts: list[str] = []
+    monkeypatch.setattr(daemon.tokenizer, "encode_chat", lambda text: texts.append(text) or real(text))
+    events, _ = run_to_end(daemon, session_id=sid, messages=[{"role": "user", "content": "More"}], params=GREEDY,
+                           system="You are a robot.", replaces_system=True)
+    assert events[-1]["type"] == "done"
+    assert "You are a robot." in texts[-1] and "pirate" not in texts[-1]
+    assert daemon.get_session(sid)["system"] == daemon.journal.get(sid).system == "You are a robot."

@@ -96,9 +96,11 @@ async def create_response(request: Request) -> Response:
             created_session = True
         continues = await run_in_threadpool(daemon.response_end, req.previous_response_id)
         info = await run_in_threadpool(daemon.get_session, sid)
-        if (info.get("system") or None) != (req.instructions or None):
-            await run_in_threadpool(daemon.set_system, sid, req.instructions)
+        # other instructions than the chain's so far: the session's system prompt changes with the turn
+        # (and only if it starts: a refused continuation leaves the chain as it was)
+        new_system = (info.get("system") or None) != (req.instructions or None)
     else:
+        new_system = False
         check_tool_results(messages, set(), RESPONSES_WORDS)  # (a fresh chain: no call before its input)
         if req.store:
             info = await run_in_threadpool(partial(daemon.create_session, sla or SLA(SLAClass.INTERACTIVE), None,
@@ -111,7 +113,8 @@ async def create_response(request: Request) -> Response:
     try:
         turn = await start_turn(state, TurnSpec(sid, params, sla, messages=messages, answer=answer,
                                                    continues=continues, limit_field="max_output_tokens",
-                                                   input_field="input"), info)
+                                                   input_field="input", system=req.instructions,
+                                                   replaces_system=new_system), info)
     except BaseException as e:
         if created_session:
             with contextlib.suppress(NotFound):

@@ -45,6 +45,8 @@ class TurnSpec:
     detached: dict | None = None  # a detached turn's request, journaled until the turn ends
     limit_field: str = "max_tokens"  # the request's name for params.max_tokens (errors name it)
     input_field: str = "messages"  # the request's name for what the turn feeds: prompt, input (errors name it)
+    system: str | None = None  # with replaces_system: the session's system prompt from this turn on
+    replaces_system: bool = False
 
 
 class TurnFailed(WeaveError):
@@ -251,7 +253,8 @@ async def start_turn(state: ApiState, spec: TurnSpec, session_info: dict | None 
     queue: asyncio.Queue = asyncio.Queue()
     start = partial(daemon.start_turn, session_id=session_id, messages=spec.messages, prompt=spec.prompt,
                     params=spec.params, sla=spec.sla, echo=spec.echo, answer=spec.answer, continues=spec.continues,
-                    detached=spec.detached, emit=emitter(asyncio.get_running_loop(), queue))
+                    detached=spec.detached, emit=emitter(asyncio.get_running_loop(), queue),
+                    **({"system": spec.system, "replaces_system": True} if spec.replaces_system else {}))
     try:
         handle = await run_in_threadpool(start)
     except BaseException as e:

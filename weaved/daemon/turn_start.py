@@ -8,6 +8,7 @@ A mixin of ``weaved.daemon.core.Daemon``: what a method changes, it changes unde
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Callable
 
@@ -44,13 +45,16 @@ class TurnStarts:
                    prompt: str | list[int] | None = None, params: SamplingParams, sla: SLA | None = None,
                    echo: bool = False, emit: Callable[[dict], None], answer: AnswerSpec | None = None,
                    answer_plan: AnswerPlan | None = None, continues: int | None = None,
-                   detached: dict | None = None) -> TurnHandle:
+                   detached: dict | None = None, system: str | None = None, replaces_system: bool = False
+                   ) -> TurnHandle:
         """Start a turn: ``messages`` (a chat turn; ``answer`` says what its answer may hold - tools,
         response format - see ``weaved.agent``) or a raw ``prompt`` (``answer_plan``: a prompt that ends
         where a chat answer starts - a forked choice - and is constrained as that answer).  ``continues``:
         the transcript length the turn follows (a stored response's end, ``chains``): entries past it are
         dropped first.  ``detached``: the request of a turn nobody listens to, journaled until the turn
         ends, so that a stop or a crash before then leaves it to be run again (``resume_detached``).
+        ``replaces_system``: the session's system prompt becomes ``system`` with this turn (a Responses
+        chain continued with other instructions), only if the turn starts.
         WeaveError for a turn it refuses; nothing else has changed then."""
         arrival = self.clock()  # its deadlines count from here: waits for a previous turn, tokenizing, the lock
         if (messages is None) == (prompt is None):
@@ -76,6 +80,8 @@ class TurnStarts:
         with self._lock:  # (a continuation that drops turns first is computed under the lock, after that)
             s = self._get(session_id)
             view = Context.of(s) if continues is None or continues >= len(s.messages) else None
+            if view is not None and replaces_system:
+                view = dataclasses.replace(view, system=system)
         ahead = TokensAhead.compute(view, tokens) if view is not None else None
         if (ahead is not None and ahead.tokens is not None and not view.committed and not echo and self.store.share
                 and isinstance(s.kv, KVCache)):
@@ -89,6 +95,9 @@ class TurnStarts:
             if continues is not None:
                 self._rewind(s, continues, "its detached turn, cut by the last stop or crash, runs again" if detached
                              else "past the continued response (a turn no stored response holds)")
+            kept_system = s.system
+            if replaces_system:  # (what the turn's tokens are rendered with; put back if it is refused)
+                s.system = system
             try:
                 if messages is not None:
                     check_tool_results(messages, answered_calls(s.messages))
@@ -104,6 +113,7 @@ class TurnStarts:
                     not s.committed and isinstance(s.kv, KVCache) and self.store.share and not echo) else 0
                 moved, predicted = self._admit(s, new[cached:], params, sla or s.sla, answer, arrival)
             except WeaveError:
+                s.system = kept_system
                 if s.ephemeral:
                     self._drop_ephemeral(s)
                 raise
@@ -156,11 +166,14 @@ class TurnStarts:
                 else:
                     rows = [("prompt", prompt if isinstance(prompt, str) else "", list(new), None)]
                 try:
+                    if s.system != kept_system:
+                        self.journal.set_system(s.id, s.system)
                     self.journal.add_turn_input(s.id, rows, (detached, len(s.messages)) if detached is not None
                                                 else None)
                 except BaseException:
                     if not reprefilled:  # the last answer's unfed token still follows the context
                         s.tail = tail
+                    s.system = kept_system
                     raise
             s.detached = detached is not None and not s.ephemeral
             s.turn_from = len(s.messages) if messages is not None else None
