@@ -3,6 +3,8 @@ next turn waits for the cancel instead of a conflict."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from pathlib import Path
 
@@ -130,3 +132,46 @@ def test_a_turn_promoted_while_it_runs_reports_the_placement_it_ends_under(daemo
     daemon.cancel_turn(sid)
     stream.go.set()
     assert stream.done.wait(60)
+
+
+def test_a_cancel_that_lands_as_its_turn_ends_does_not_cancel_the_next(daemon):
+    """The client hangs up during the step that ends its turn, and its session's next turn reaches the
+    engine before that step is over: the cancel was for the turn that ended, so the next one runs."""
+    sid = daemon.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    engine = daemon.engines[daemon.sessions[sid].pool]
+    step, submitted, armed = engine.step, threading.Event(), []
+
+    def slow_step():
+        step()
+        if armed:  # the rest of a busy step: the next turn arrives meanwhile
+            armed.clear()
+            submitted.wait(30)
+
+    engine.step = slow_step
+    first = Stream(hold=True)
+    daemon.start_turn(session_id=sid, messages=[{"role": "user", "content": "hi"}], emit=first,
+                      params=dataclasses.replace(GREEDY, max_tokens=1))
+    assert first.first.wait(60)
+    armed.append(True)
+    daemon.cancel_turn(sid)
+    first.go.set()
+    assert first.done.wait(60)
+    second = Stream()
+    daemon.start_turn(session_id=sid, messages=[{"role": "user", "content": "again"}], params=GREEDY, emit=second)
+    submitted.set()
+    assert second.done.wait(60)
+    assert second.events[-1]["finish_reason"] == "length" and second.events[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_a_turns_own_cancel_never_reaches_the_sessions_next_turn(daemon):
+    """A handle's cancel is for its turn: once that turn has ended and the session runs another, it
+    does nothing (a client that hung up late must not cancel the turn of the one that came back)."""
+    sid = daemon.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    _, old = run_turn(daemon, sid, "hi")
+    stream = Stream(hold=True)
+    daemon.start_turn(session_id=sid, messages=[{"role": "user", "content": "again"}], params=GREEDY, emit=stream)
+    assert stream.first.wait(60)
+    old.cancel()
+    stream.go.set()
+    assert stream.done.wait(60)
+    assert stream.events[-1]["finish_reason"] == "length"

@@ -189,7 +189,7 @@ class TurnStarts:
             s.answer_plan, s.call_seed = plan, secrets.token_hex(8)
             s.last_active = self.wall()
             run_in = self.moves.prepare_turn(s, seq, len(new))
-        handle = TurnHandle(s.id, n_prompt, keep, cancel=lambda sid=s.id: self.cancel_turn(sid),
+        handle = TurnHandle(s.id, n_prompt, keep, cancel=lambda sid=s.id, seq=seq: self.cancel_turn(sid, seq),
                             placement=s.placement.to_dict(), answer=plan,
                             reprefilled=reprefilled, call_seed=s.call_seed,
                             placement_now=lambda sess=s: sess.placement.to_dict())
@@ -225,10 +225,12 @@ class TurnStarts:
         if s is not None and s.publishing is not None:  # its prefix is being copied: its rows must hold still
             s.publishing.wait(CANCEL_WAIT_S)
 
-    def cancel_turn(self, sid: str) -> None:
+    def cancel_turn(self, sid: str, turn: Sequence | None = None) -> None:
+        """Cancel the session's running turn - only if it is still ``turn`` when one is named (a client
+        that hung up on its turn never cancels the next one its session started meanwhile)."""
         with self._lock:
             s = self.sessions.get(sid)
-            if s is None or not s.busy:
+            if s is None or not s.busy or (turn is not None and s.turn is not turn):
                 return
             s.turn.cancel_requested = True
         self.engines[s.pool].cancel(sid)

@@ -162,8 +162,15 @@ class BatchEngine(EngineStep):
         return cfg if cost is cfg.step_cost else dataclasses.replace(cfg, step_cost=cost)
 
     def cancel(self, session_id: str) -> None:
+        """Cancel the session's turn this engine holds now (it ends at the next step boundary with
+        finish_reason 'cancelled').  A turn of the session submitted later is not touched: the cancel
+        marks the sequences here now (``cancel_requested``, which a caller may also set itself for a
+        turn on its way between engines)."""
         with self._cond:
-            self._cancel.add(session_id)
+            for s in self._active + self._incoming:
+                if s.session_id == session_id and not s.status.done:
+                    s.cancel_requested = True
+            self._cancel.add(session_id)  # (wakes the engine thread)
             self._cond.notify_all()
 
     def detach(self, session_id: str, on_detached: Callable[[Sequence | None], None]) -> None:
@@ -230,12 +237,12 @@ class BatchEngine(EngineStep):
         with self._cond:
             self._active.extend(self._incoming)
             self._incoming.clear()
-            cancelled, self._cancel = self._cancel, set()
+            self._cancel.clear()
             detach, self._detach = self._detach, []
         # cancels first: a turn cancelled while it queued brings no KV to this pool's device, and is
-        # not prefilled elsewhere (the flag too: a cancel sent before the sequence reached this engine)
+        # not prefilled elsewhere (the flag: set by ``cancel``, or before the sequence reached this engine)
         for s in self._active:
-            if (s.session_id in cancelled or s.cancel_requested) and not s.status.done:
+            if s.cancel_requested and not s.status.done:
                 self.out.finish(s, SeqStatus.CANCELLED, "cancelled")
         admitted = [s for s in self._active if s.on_admit is not None and not s.status.done]
         outside = [s for s in self._active if s.prefill_outside is not None and not s.status.done]
