@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from tests.daemon.support import LONG, make_daemon, run_to_end, run_turn
 from weaved.engine.sampling import SamplingParams
+from weaved.errors import Overloaded
 from weaved.routing.types import SLA, SLAClass
 
 TASK = [{"role": "user", "content": "Count to a thousand"}]
@@ -105,5 +108,37 @@ def test_a_cut_detached_turn_runs_again_on_a_session_whose_kv_file_was_lost(tiny
         info = d2.get_session(sid)
         assert [m["role"] for m in info["messages"]] == ["user", "assistant"] * 2
         assert info["messages"][-1]["finish_reason"] == "length"
+    finally:
+        d2.shutdown()
+
+
+def test_a_cut_detached_turn_refused_when_it_runs_again_keeps_its_partial_answer(tiny_llama, tmp_path):
+    """Running a cut turn again takes its session back to before it - only once the turn is accepted: a
+    refusal (a full pool) leaves the transcript, its journal and the cut answer as they were."""
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    run_turn(d, sid, "Hello")
+    first_token = threading.Event()
+    _detached_turn(d, sid, LONG, lambda ev: ev["type"] == "token" and first_token.set())
+    assert first_token.wait(120)
+    d.shutdown()
+    d2 = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        ((_, body, n),) = d2.cut_detached_turns()
+        before, tokens = d2.get_session(sid)["messages"], list(d2.sessions[sid].committed)
+
+        def full(*args, **kw):
+            raise Overloaded("the pool is full", retry_after_s=5.0)
+
+        d2._admit = full
+        with pytest.raises(Overloaded):
+            d2.start_turn(session_id=sid, messages=TASK, params=LONG, emit=lambda ev: None, continues=n, detached=body)
+        assert d2.get_session(sid)["messages"] == before and before[-1]["finish_reason"] == "shutdown"
+        assert d2.sessions[sid].committed == tokens and d2.sessions[sid].kv.length == len(tokens)
+        assert len(d2.journal.get(sid).messages) == len(before)
+        del d2._admit  # room again: it runs from before the cut turn
+        events, _ = run_to_end(d2, session_id=sid, messages=TASK, params=SamplingParams(max_tokens=4, temperature=0),
+                               continues=n, detached=body)
+        assert events[-1]["type"] == "done" and len(d2.get_session(sid)["messages"]) == n + len(TASK) + 1
     finally:
         d2.shutdown()

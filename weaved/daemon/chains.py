@@ -138,19 +138,41 @@ class ResponseChains:
         """Take idle session ``s`` back to its first ``messages`` transcript entries (an answer's end):
         the later entries, their committed tokens and KV rows go (``why``: for the log).  Under the
         daemon's lock."""
+        r = self._rewound(s, messages)
+        if r is not None:
+            self._apply_rewind(s, r, why)
+
+    def _rewound(self, s: Session, messages: int) -> Rewound | None:
+        """What ``_rewind`` would take ``s`` back to (None: nothing to drop); changes nothing."""
         if len(s.messages) <= messages:
-            return
-        rec = self.journal.get(s.id)
-        kv_at = rec.messages[messages]["kv_at"]  # committed when the first dropped entry was recorded
-        dropped = len(s.messages) - messages
+            return None
+        # the tokens committed when the first dropped entry was recorded
+        kv_at = self.journal.get(s.id).messages[messages]["kv_at"]
+        return Rewound(messages, kv_at, *_context_at(s, messages, kv_at))
+
+    def _apply_rewind(self, s: Session, r: Rewound, why: str) -> None:
+        """Carry out ``r``: the journal first (a write that fails leaves the session as it was), then the KV
+        rows and the transcript in memory."""
+        dropped = len(s.messages) - r.end
+        self.journal.rewind(s.id, r.end, r.kv_at)
         if not s.rebuild:
             if isinstance(s.kv, KVCache):
-                self.store.unshare(s.kv, kv_at)
-            s.kv.truncate(kv_at)
-        s.messages[:], s.committed[:], s.tail = _context_at(s, messages, kv_at)
-        self.journal.rewind(s.id, messages, kv_at)
-        self.publish("rewind", {"session": s.id, "messages": dropped, "from": kv_at})
-        self.log(f"session {s.id}: {dropped} transcript entries dropped, {why}; context back to {kv_at} tokens")
+                self.store.unshare(s.kv, r.kv_at)
+            s.kv.truncate(r.kv_at)
+        s.messages[:], s.committed[:], s.tail = r.messages, r.committed, r.tail
+        self.publish("rewind", {"session": s.id, "messages": dropped, "from": r.kv_at})
+        self.log(f"session {s.id}: {dropped} transcript entries dropped, {why}; context back to {r.kv_at} tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewound:
+    """A session's context after its first ``end`` transcript entries (``_context_at``)."""
+
+    end: int
+    kv_at: int
+    messages: list
+    committed: list
+    tail: list
 
 
 def _context_at(s: Session, end: int, kv_at: int) -> tuple[list, list, list]:

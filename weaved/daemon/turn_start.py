@@ -92,11 +92,14 @@ class TurnStarts:
             s = self._get(session_id)
             if s.turn is not None and not s.turn.ended.is_set():
                 raise Conflict(f"session {session_id} is already generating a turn", param="session")
-            if continues is not None:
-                self._rewind(s, continues, "its detached turn, cut by the last stop or crash, runs again" if detached
-                             else "past the continued response (a turn no stored response holds)")
-            kept_system = s.system
-            if replaces_system:  # (what the turn's tokens are rendered with; put back if it is refused)
+            # the turn is judged on the session as it will be - its transcript taken back to ``continues``,
+            # its new system prompt - in memory only: a refused turn leaves the session as it was
+            rewound = self._rewound(s, continues) if continues is not None else None
+            kept_system, kept = s.system, (list(s.messages), list(s.committed), list(s.tail))
+            if rewound is not None:
+                s.messages[:], s.committed[:], s.tail = list(rewound.messages), list(rewound.committed), \
+                    list(rewound.tail)
+            if replaces_system:
                 s.system = system
             try:
                 if messages is not None:
@@ -114,9 +117,18 @@ class TurnStarts:
                 moved, predicted = self._admit(s, new[cached:], params, sla or s.sla, answer, arrival)
             except WeaveError:
                 s.system = kept_system
+                s.messages[:], s.committed[:], s.tail = kept
                 if s.ephemeral:
                     self._drop_ephemeral(s)
                 raise
+            if rewound is not None:  # accepted: the later entries, their tokens and rows go now
+                s.messages[:], s.committed[:], s.tail = kept
+                try:
+                    self._apply_rewind(s, rewound, "its detached turn, cut by the last stop or crash, runs again"
+                                       if detached else "past the continued response (a turn no stored response holds)")
+                except BaseException:
+                    s.system = kept_system
+                    raise
             if s.rebuild:  # this turn feeds its lost context again: the journal records it anew as it commits
                 self.journal.truncate(s.id, 0)
                 if isinstance(s.kv, KVCache):
