@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.daemon.support import wait_for_commits
+from tests.daemon.support import Stream, wait_for_commits
 from weaved.backends.cpu import CPUBackend
 from weaved.config.load import load_profile
 from weaved.config.profile import PoolConfig, Profile
@@ -353,3 +353,32 @@ def test_a_promotion_while_a_prefilled_prompt_moves_to_its_decode_pool_is_carrie
     assert t.tokens == want.tokens
     gpu, _ = backends(d)
     assert gpu.stats.decode_tokens > 0  # the rest of the answer was decoded where the promotion sent it
+
+
+def test_a_session_deleted_while_its_move_to_the_gpu_waits_leaves_nothing_on_the_device(daemon_factory):
+    """A promotion queues the running turn's move to the GPU pool; the session is deleted before the
+    engine gets to it: nothing of it is copied onto the device (with the garbage collector off, a copy
+    would stay until the session's arrays were collected)."""
+    import gc
+
+    d = daemon_factory()
+    sid = d.create_session(BG)["id"]
+    stream = Stream(hold=True)
+    d.start_turn(session_id=sid, prompt=prompt_ids(24, 3), emit=stream,
+                 params=SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    assert stream.first.wait(60) and d.sessions[sid].pool == "cpu"
+    gpu, _ = backends(d)
+    gc.disable()
+    try:
+        d.promote(sid)  # the move waits for the CPU engine's next step boundary
+        d.delete_session(sid)
+        stream.go.set()
+        assert stream.done.wait(60) and stream.events[-1]["finish_reason"] == "cancelled"
+        cpu = d.pools["cpu"].engine
+        deadline = time.monotonic() + 30
+        while cpu.has_work() and time.monotonic() < deadline:  # the move's hand-over has been carried out
+            time.sleep(0.02)
+        time.sleep(0.2)  # (and whatever it started on the way)
+        assert not cpu.has_work() and gpu.device_kv_bytes() == 0
+    finally:
+        gc.enable()

@@ -139,7 +139,8 @@ class DaemonLifecycle:
         self.mover = Mover(self.publish, self.clock)
         self.moves = SessionMoves(pools=self.pools, routing=self.profile.routing, journal=self.journal,
                                   store=self.store, peers=self.peers, mover=self.mover, publish=self.publish,
-                                  system_state=self._system_state, lock=self._lock, make_room=self.make_device_room)
+                                  system_state=self._system_state, lock=self._lock, make_room=self.make_device_room,
+                                  alive=lambda s: self.sessions.get(s.id) is s)
         say("recovering sessions")
         self._recover()
         reserved, cap = self.store.reserved_bytes(), self.profile.host.kv_cap_bytes

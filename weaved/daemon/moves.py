@@ -47,11 +47,13 @@ class SessionMoves:
 
     def __init__(self, *, pools: dict[str, Pool], routing: RoutingThresholds, journal, store, peers, mover: Mover,
                  publish: Callable[[str, dict], None], system_state: Callable[[], SystemState],
-                 lock: threading.RLock, make_room: Callable[[Backend, int], bool] | None = None):
+                 lock: threading.RLock, make_room: Callable[[Backend, int], bool] | None = None,
+                 alive: Callable[[Session], bool] = lambda s: True):
         self.pools, self.routing, self.journal, self.store = pools, routing, journal, store
         self.peers, self.mover, self.publish = peers, mover, publish
         self.system_state, self.lock = system_state, lock
         self.make_room = make_room  # frees a GPU's KV memory for a promotion that lacks it
+        self.alive = alive  # whether a session is still the daemon's (not deleted); under ``lock``
 
     # ---- bringing KV where the turn runs ---------------------------------------------------------
     def _bring_kv(self, s: Session, to: str, reason: str) -> None:
@@ -126,6 +128,9 @@ class SessionMoves:
         of placement meanwhile (its move found no turn to detach) is carried out once it has arrived."""
         with self.lock:
             to = s.placement.decode_pool
+            if not self.alive(s):  # deleted meanwhile: its turn ends there (cancelled), nothing is copied
+                self.pools[to].engine.submit(seq)
+                return
         self._bring_kv(s, to, "prefill handoff")
         with self.lock:
             s.where = to
@@ -288,9 +293,15 @@ class SessionMoves:
         KV is brought over once that engine lets go, never while it still writes rows there."""
         with self.lock:
             to = s.placement.decode_pool if s.placement.decode_pool in self.pools else to
-            if seq is None and s.busy and s.pool != at:
-                if not s.turn.cancel_requested:
+            if seq is None:
+                if s.busy and s.pool != at:
+                    if not s.turn.cancel_requested:
+                        self._move_to(s, to, reason)
+                elif self.alive(s):  # its turn ended first: idle now, its KV follows at its next turn
                     self._move_to(s, to, reason)
+                return
+            if not self.alive(s):  # deleted meanwhile: the turn ends where it was (its cancel is set)
+                self.pools[at].engine.submit(seq)
                 return
         self._bring_kv(s, to, reason)
         s.where = to

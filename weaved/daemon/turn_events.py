@@ -85,6 +85,8 @@ class TurnEvents:
             publishing = kind == "done" and s.ephemeral and self._publish_later(s, drop=True)
         except Exception:  # the stream must end whatever recording did
             log.exception("session %s: recording the end of its turn failed", s.id)
+        if not s.ephemeral and self.sessions.get(s.id) is not s:
+            self._drop_device_copies(s)
         try:
             emit({**ev, "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(seq.generated),
                                   "cached_tokens": n_prompt - seq.prefilled}})
@@ -92,6 +94,21 @@ class TurnEvents:
             if s.ephemeral and not publishing:  # else the publisher drops it once its rows are copied
                 self._drop_ephemeral(s)
             seq.ended.set()
+
+    def _drop_device_copies(self, s: Session) -> None:
+        """The turn of a session deleted while it ran has ended: a device copy of its KV made after the
+        deletion freed the last one (a move, or a step, already under way) goes now, not whenever its
+        arrays are garbage-collected (engine thread, outside any step)."""
+        if not isinstance(s.kv, KVCache):
+            return
+        for pool in self.pools.values():
+            if pool.device_kind == "gpu":
+                try:
+                    with pool.lock:
+                        pool.backend.drop(s.kv)
+                except Exception:
+                    log.exception("session %s: freeing its device copy on pool %s failed", s.id, pool.name)
+        s.kv_at = None
 
     def _take_back_turn(self, s: Session) -> bool:
         """Take ``s`` back to before its turn's input (its messages, the tokens and KV rows the turn
