@@ -382,3 +382,29 @@ def test_a_session_deleted_while_its_move_to_the_gpu_waits_leaves_nothing_on_the
         assert not cpu.has_work() and gpu.device_kv_bytes() == 0
     finally:
         gc.enable()
+
+
+def test_a_promotion_racing_a_turns_start_moves_that_turn(daemon_factory):
+    """A promotion decided while a turn is being started (on another thread) waits for the turn to be in
+    its engine, so the move finds it: the turn decodes on the GPU pool it was promoted to."""
+    d = daemon_factory()
+    sid = d.create_session(BG)["id"]
+    cpu = d.pools["cpu"].engine
+    submit = cpu.submit
+
+    def promote_meanwhile(seq):
+        racer = threading.Thread(target=d.promote, args=(sid,))
+        racer.start()
+        racer.join(1.0)  # (it waits for the daemon's lock, held while the turn is started)
+        submit(seq)
+
+    cpu.submit = promote_meanwhile
+    t = Turn()
+    d.start_turn(session_id=sid, prompt=prompt_ids(24, 3), emit=t.emit,
+                 params=SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    cpu.submit = submit
+    t.finish()
+    s = d.sessions[sid]
+    gpu, _ = backends(d)
+    assert s.placement.decode_pool == s.pool == s.kv_at == "gpu"
+    assert gpu.stats.decode_tokens > 0

@@ -294,10 +294,10 @@ class SessionMoves:
         with self.lock:
             to = s.placement.decode_pool if s.placement.decode_pool in self.pools else to
             if seq is None:
-                if s.busy and s.pool != at:
-                    if not s.turn.cancel_requested:
+                if not s.busy:  # its turn ended first: idle now, its KV follows at its next turn
+                    if self.alive(s):
                         self._move_to(s, to, reason)
-                elif self.alive(s):  # its turn ended first: idle now, its KV follows at its next turn
+                elif s.pool != at and not s.turn.cancel_requested:  # it left ``at`` first: follow it there
                     self._move_to(s, to, reason)
                 return
             if not self.alive(s):  # deleted meanwhile: the turn ends where it was (its cancel is set)

@@ -201,11 +201,12 @@ class TurnStarts:
             s.answer_plan, s.call_seed = plan, secrets.token_hex(8)
             s.last_active = self.wall()
             run_in = self.moves.prepare_turn(s, seq, len(new))
-        handle = TurnHandle(s.id, n_prompt, keep, cancel=lambda sid=s.id, seq=seq: self.cancel_turn(sid, seq),
-                            placement=s.placement.to_dict(), answer=plan,
-                            reprefilled=reprefilled, call_seed=s.call_seed,
-                            placement_now=lambda sess=s: sess.placement.to_dict())
-        self.engines[run_in].submit(seq)
+            handle = TurnHandle(s.id, n_prompt, keep, cancel=lambda sid=s.id, seq=seq: self.cancel_turn(sid, seq),
+                                placement=s.placement.to_dict(), answer=plan,
+                                reprefilled=reprefilled, call_seed=s.call_seed,
+                                placement_now=lambda sess=s: sess.placement.to_dict())
+            # submitted under the lock: a move decided meanwhile (a promotion) finds the turn in its engine
+            self.engines[run_in].submit(seq)
         return handle
 
     def _admit(self, s: Session, new: list[int], params: SamplingParams, sla: SLA, answer: int, arrival: float
