@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -427,3 +428,24 @@ def test_a_turn_demoted_while_it_runs_takes_its_new_class_budget(daemon):
         daemon.cancel_turn(sid)
         stream.go.set()
         assert stream.done.wait(60)
+
+
+def test_listing_sessions_beside_a_delete_lists_the_others(daemon, monkeypatch):
+    """A session deleted while the list is read is left out; the listing does not fail."""
+    ids = [daemon.create_session(SLA(SLAClass.BACKGROUND))["id"] for _ in range(3)]
+    real, deleted = daemon.get_session, []
+
+    def get_session(sid: str) -> dict:
+        info = real(sid)
+        if not deleted:  # another request deletes a session while the first one is read
+            t = threading.Thread(target=daemon.delete_session, args=(ids[2],))
+            t.start()
+            t.join(0.5)
+            deleted.append(t)
+        return info
+
+    monkeypatch.setattr(daemon, "get_session", get_session)
+    listed = [s["id"] for s in daemon.list_sessions()]
+    deleted[0].join(30)
+    assert listed == ids or listed == ids[:2]
+    assert [s["id"] for s in daemon.list_sessions()] == ids[:2]

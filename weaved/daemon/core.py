@@ -170,9 +170,10 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
             }
 
     def list_sessions(self) -> list[dict]:
+        """Every stored session as ``get_session`` gives it, read in one hold of the lock (a session
+        deleted meanwhile is simply not listed)."""
         with self._lock:
-            ids = [sid for sid, s in self.sessions.items() if not s.ephemeral]
-        return [self.get_session(sid) for sid in ids]
+            return [self.get_session(sid) for sid, s in self.sessions.items() if not s.ephemeral]
 
     def delete_session(self, sid: str) -> None:
         with self._lock:
@@ -257,9 +258,10 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
                 ttft_ms = s.sla.ttft_ms
             sla = s.sla = SLA(cls, ttft_ms, s.sla.ttlt_s)
             new = self.moves.replace(s, kind)
+            info = self.get_session(sid)  # (as changed: a delete right after must not make it a 404)
         event = "promotion" if sla.cls is SLAClass.INTERACTIVE else "demotion"
         self.publish(event, {"session": sid, "placement": new.to_dict(), "reason": kind})
-        return self.get_session(sid)
+        return info
 
     # ---- idle demotion -------------------------------------------------------------------------------
     def demote_idle(self, now: float) -> list[str]:
