@@ -161,3 +161,37 @@ def test_a_journal_that_fills_mid_turn_fails_that_turn_only(daemon, monkeypatch)
     assert s.kv.length == len(s.committed) == daemon.journal.get(a).kv_length
     events, _ = run_turn(daemon, a, "Again.")
     assert events[-1]["type"] == "done"
+
+
+def test_an_answer_the_journal_cannot_record_is_not_in_the_transcript_either(daemon, monkeypatch):
+    """The journal's disk fills as a turn ends: the transcript in memory stays what the journal holds (a
+    restart shows the same), and the next turn runs from there."""
+    sid = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    run_turn(daemon, sid, "Hello")
+
+    def full(*args, **kw):
+        raise DiskFull("the journal: No space left on device")
+
+    monkeypatch.setattr(daemon.journal, "finish_message", full)
+    events, _ = run_turn(daemon, sid, "And then?")
+    assert events[-1]["type"] == "done"  # (the client had its answer streamed)
+    monkeypatch.undo()
+    assert [m["content"] for m in daemon.get_session(sid)["messages"]] == \
+        [m["content"] for m in daemon.journal.get(sid).messages]
+    events, _ = run_turn(daemon, sid, "And the sky?")
+    assert events[-1]["type"] == "done"
+    assert [m["role"] for m in daemon.journal.get(sid).messages][-2:] == ["user", "assistant"]
+
+
+def test_a_promotion_the_journal_cannot_record_changes_nothing(daemon, monkeypatch):
+    sid = daemon.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    before = daemon.get_session(sid)
+
+    def full(*args, **kw):
+        raise DiskFull("the journal: No space left on device")
+
+    monkeypatch.setattr(daemon.journal, "set_sla", full)
+    with pytest.raises(DiskFull):
+        daemon.promote(sid)
+    monkeypatch.undo()
+    assert daemon.get_session(sid) == before

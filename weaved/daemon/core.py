@@ -256,8 +256,13 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
                 cls = SLAClass.BATCH
             if s.sla.cls is cls:
                 ttft_ms = s.sla.ttft_ms
-            sla = s.sla = SLA(cls, ttft_ms, s.sla.ttlt_s)
-            new = self.moves.replace(s, kind)
+            kept, sla = s.sla, SLA(cls, ttft_ms, s.sla.ttlt_s)
+            s.sla = sla
+            try:
+                new = self.moves.replace(s, kind)
+            except BaseException:  # (its journal write failed: the session stays as it was)
+                s.sla = kept
+                raise
             info = self.get_session(sid)  # (as changed: a delete right after must not make it a 404)
         event = "promotion" if sla.cls is SLAClass.INTERACTIVE else "demotion"
         self.publish(event, {"session": sid, "placement": new.to_dict(), "reason": kind})

@@ -164,17 +164,18 @@ class SessionMoves:
         new = Placement(new.prefill_strategy, new.decode_strategy, new.prefill_pool, new.decode_pool, new.priority,
                         (f"placed with its prompt ({n_prompt} tokens to compute)" if s.ephemeral else
                          f"placed again at its first turn ({n_prompt} prompt tokens to compute)", *new.reasons))
-        s.placement = new
         if not s.ephemeral:
             self.journal.set_placement(s.id, new.to_dict())
+        s.placement = new
         self._move_to(s, new.decode_pool, "first turn")
         return new
 
     def _keep_placement(self, s: Session, reasons: tuple[str, ...]) -> None:
         """``s`` stays where it is, for ``reasons`` (caller holds ``self.lock``)."""
-        s.placement = dataclasses.replace(s.placement, reasons=reasons)
+        kept = dataclasses.replace(s.placement, reasons=reasons)
         if not s.ephemeral:
-            self.journal.set_placement(s.id, s.placement.to_dict())
+            self.journal.set_placement(s.id, kept.to_dict())
+        s.placement = kept
 
     def route_turn(self, s: Session, probe: Sequence, sla: SLA, answer_tokens: int
                    ) -> tuple[Placement | None, str, Refusal | None]:
@@ -235,9 +236,9 @@ class SessionMoves:
     def send(self, s: Session, new: Placement, reason: str) -> None:
         """Run the session's turns where ``new`` says from this turn on: record it and move the session
         (caller holds ``self.lock``; the session has no turn running)."""
-        s.placement = new
         if not s.ephemeral:
             self.journal.set_placement(s.id, new.to_dict())
+        s.placement = new
         self._move_to(s, new.decode_pool, reason)
 
     def replace(self, s: Session, reason: str, turn_tokens: int = 0, new: Placement | None = None) -> Placement:
@@ -247,10 +248,10 @@ class SessionMoves:
         placement admission already chose for that turn (``route_turn``: a spill to a GPU pool when the
         pool the router picks cannot take it), applied instead of placing again."""
         new = new or self._promoted(s, s.sla, self.system_state(), turn_tokens)
-        s.placement = new
-        if not s.ephemeral:
+        if not s.ephemeral:  # the journal first: a write that fails leaves the placement as it was
             self.journal.set_sla(s.id, s.sla.to_dict())
             self.journal.set_placement(s.id, new.to_dict())
+        s.placement = new
         self._move_to(s, new.decode_pool, reason)
         return new
 

@@ -183,14 +183,15 @@ class TurnEvents:
             taken_back = kind == "error" and not seq.generated and self._take_back_turn(s)
             # else an answer - empty when the turn ended before its first token (cancelled or stopped in
             # its prefill) - so the transcript's roles keep alternating
+            s.last_active = self.wall()
             if not taken_back and (seq.generated or kind == "error" or seq.finish_reason in ("cancelled",
                                                                                               "shutdown")):
                 reason = seq.finish_reason or ("error" if kind == "error" else "stop")
-                s.messages.append(transcript_entry("assistant", text, reason, answer))
-                if not s.ephemeral:
+                if not s.ephemeral:  # the journal first: a write that fails (a full disk) leaves the
+                    # transcript as the journal has it, and the next turn renders from there
                     self.journal.finish_message(s.id, "assistant", text, list(seq.generated), reason,
                                                 extra=None if answer is None else {"answer": answer})
+                s.messages.append(transcript_entry("assistant", text, reason, answer))
             if s.detached and seq.finish_reason != "shutdown":  # over: a stop's cut turn stays to run again
-                s.detached = False
                 self.journal.drop_detached(s.id)
-            s.last_active = self.wall()
+                s.detached = False
