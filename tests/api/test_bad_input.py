@@ -488,3 +488,28 @@ def test_responses_refusals_speak_of_the_responses_fields(client, fake):
 def test_an_sla_given_as_a_word_is_shown_the_object_it_takes(client):
     err = assert_error(client.post(CHAT, json={"messages": USER, "sla": "batch"}), 400, param="sla")
     assert '{"class": "batch"}' in err["message"] and "SLABody" not in err["message"]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "p", "description": "the age", "schema": {"type": "object"}}}},
+     "response_format.json_schema.description"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "text": {"format": {
+        "type": "json_schema", "name": "p", "description": "the age", "schema": {"type": "object"}}}}, "text.format"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "text": {"format": {"type": "text", "strict": True}}},
+     "text.format"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "text": {"format": {"type": "json_object",
+                                                                                  "name": "x"}}}, "text.format"),
+], ids=["chat-description", "responses-description", "text-strict", "json-object-name"])
+def test_a_format_field_the_model_would_never_see_is_refused(client, path, body, param):
+    """The schema is enforced by a grammar, not written into the prompt: a description for the model, or
+    a field a plain format ignores, is refused by name rather than dropped."""
+    assert_error(client.post(path, json=body), 400, param)
+
+
+@pytest.mark.parametrize(("path", "limit"), [("/v1/chat/completions", "max_completion_tokens"),
+                                             ("/v1/chat/completions", "max_tokens")])
+def test_min_tokens_past_the_limit_names_both_as_the_request_did(client, path, limit):
+    err = assert_error(client.post(path, json={"messages": [{"role": "user", "content": "hi"}], limit: 2,
+                                               "min_tokens": 3}), 400, "min_tokens")
+    assert f"must not exceed {limit} (2)" in err["message"]

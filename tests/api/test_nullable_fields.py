@@ -43,3 +43,22 @@ def test_a_responses_reasoning_echoed_back_is_taken(client, reasoning):
                                                  "reasoning": {"effort": "high"}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning", refused.text
     assert "reasoning.effort" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("path", "extra"), [
+    ("/v1/chat/completions", {"audio": None, "prediction": None, "reasoning_effort": None,
+                              "web_search_options": None, "functions": None, "best_of": None, "modalities": None}),
+    ("/v1/completions", {"suffix": None, "best_of": None}),
+    ("/v1/responses", {"background": None, "top_logprobs": None, "max_tool_calls": None}),
+    ("/v1/responses", {"background": False}),
+], ids=["chat", "completions", "responses", "responses-background-false"])
+def test_a_null_for_a_field_not_offered_is_its_default(client, path: str, extra: dict):
+    """A field Weave does not offer, sent as null (its default: an SDK that writes every field does),
+    is no request for it: answered as without it.  A value is still refused by name."""
+    base = {"messages": USER, "max_tokens": 2} if path == "/v1/chat/completions" else (
+        {"prompt": "hi", "max_tokens": 2} if path == "/v1/completions" else {"input": "hi", "max_output_tokens": 2})
+    r = client.post(path, json={**base, **extra})
+    assert r.status_code == 200, r.text
+    name = sorted(extra)[0]
+    refused = client.post(path, json={**base, name: True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == name, refused.text

@@ -97,13 +97,25 @@ class ToolCallIn(BaseModel):
     function: CallFunction
 
 
+NO_FORMAT_DESCRIPTION = ("a format's description is not offered: the schema is enforced on the answer by a grammar, "
+                         "not written into the prompt, so the model would never read it; say what the answer "
+                         "should hold in a message")
+
+
 class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: bool | None = None  # (the schema is always enforced: strict or not, the answer is valid)
+
+    @field_validator("description")
+    @classmethod
+    def _no_description(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError(NO_FORMAT_DESCRIPTION)
+        return v
 
 
 class ResponseFormat(BaseModel):

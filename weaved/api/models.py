@@ -251,6 +251,8 @@ class Sampling(NullIsDefault):
             return "stream_options", "stream_options is only allowed with stream: true (as OpenAI)"
         extra = self.model_extra or {}
         for name in sorted(extra):
+            if extra[name] is None:  # OpenAI's types are ``X | null``: null is the default, whatever X is
+                continue
             if name in INERT_FIELDS:
                 problem = inert_field_problem(name, extra[name], stored=False)
                 if problem is not None:
@@ -258,9 +260,9 @@ class Sampling(NullIsDefault):
                 continue
             if name in ("functions", "function_call"):
                 return name, f"{name} is deprecated and not supported; send tools and tool_choice"
-            if name == "best_of" and extra[name] == 1:
+            if name == "best_of" and type(extra[name]) is int and extra[name] == 1:
                 continue
-            if name == "modalities" and extra[name] in (["text"], None):  # what every answer here is
+            if name == "modalities" and extra[name] == ["text"]:  # what every answer here is
                 continue
             if name == "modalities":
                 return name, 'modalities: this model answers in text only (["text"])'

@@ -8,6 +8,7 @@ wins over the header of the same meaning.
 from __future__ import annotations
 
 import math
+import re
 
 from starlette.datastructures import Headers
 
@@ -53,7 +54,19 @@ def check_supported(req: Sampling) -> None:
         raise InvalidRequest(bad[1], param=bad[0])
 
 
-def _sampling(req: Sampling, max_tokens: int, logprobs: int | None, *, fit_context: bool = False) -> SamplingParams:
+def sampling_refusal(e: ValueError, limit_field: str) -> InvalidRequest:
+    """A ``SamplingParams`` refusal in the request's own words: the field it names as ``param``, and the
+    answer's limit by the name the request gave it (``max_completion_tokens``, ``max_output_tokens``)."""
+    msg = str(e)
+    m = re.match(r"[a-z_]+", msg)
+    param = m.group(0) if m else None
+    if param == "max_tokens":
+        param = limit_field
+    return InvalidRequest(msg.replace("max_tokens", limit_field), param=param)
+
+
+def _sampling(req: Sampling, max_tokens: int, logprobs: int | None, *, fit_context: bool = False,
+              limit_field: str = "max_tokens") -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     kw = dict(SAMPLING_DEFAULTS)
     kw.update({k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
@@ -71,7 +84,7 @@ def _sampling(req: Sampling, max_tokens: int, logprobs: int | None, *, fit_conte
         return SamplingParams(max_tokens=max_tokens, stop=tuple(stop), logprobs=logprobs, fit_context=fit_context,
                               **kw)
     except ValueError as e:
-        raise InvalidRequest(str(e)) from None
+        raise sampling_refusal(e, limit_field) from None
 
 
 def chat_params(req: ChatRequest) -> SamplingParams:
@@ -84,7 +97,8 @@ def chat_params(req: ChatRequest) -> SamplingParams:
     limit = req.max_completion_tokens or req.max_tokens
     # without a limit a chat turn may write up to the session's context (the daemon cuts it to what fits)
     return _sampling(req, limit or FIT_CONTEXT_MAX_TOKENS, (req.top_logprobs or 0) if req.logprobs else None,
-                     fit_context=limit is None)
+                     fit_context=limit is None,
+                     limit_field="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
 
 
 def completion_params(req: CompletionRequest) -> SamplingParams:

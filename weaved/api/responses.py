@@ -25,7 +25,7 @@ from weaved.agent.plan import DEFAULT_PARALLEL
 from weaved.agent.stream import AnswerParser
 from weaved.agent.tool_results import RESPONSES_WORDS, check_tool_results
 from weaved.api import body
-from weaved.api.params import FIT_CONTEXT_MAX_TOKENS, SAMPLING_DEFAULTS, check_model, sla_from
+from weaved.api.params import FIT_CONTEXT_MAX_TOKENS, SAMPLING_DEFAULTS, check_model, sampling_refusal, sla_from
 from weaved.api.response_items import OutputItems, new_id
 from weaved.api.responses_models import ResponsesRequest
 from weaved.api.sse import frame, progress_comment, sse_response
@@ -49,7 +49,7 @@ def _params(req: ResponsesRequest) -> SamplingParams:
         return SamplingParams(max_tokens=req.max_output_tokens or FIT_CONTEXT_MAX_TOKENS,
                               fit_context=req.max_output_tokens is None, **kw)
     except ValueError as e:
-        raise InvalidRequest(str(e)) from None
+        raise sampling_refusal(e, "max_output_tokens") from None
 
 
 async def continued_chain(state, rid: str, messages: list[dict]) -> str:

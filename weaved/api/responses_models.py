@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from weaved.agent.plan import AnswerSpec
 from weaved.api.agent_models import (
+    NO_FORMAT_DESCRIPTION,
     Fields,
     FunctionDef,
     JsonSchemaFormat,
@@ -151,9 +152,14 @@ class TextFormat(BaseModel):
     def _named(self) -> TextFormat:
         if self.type == "json_schema" and not self.name:
             raise ValueError("a json_schema format needs its name")
-        if self.schema_ is not None and self.type != "json_schema":
-            raise ValueError(f'schema is used only with type "json_schema" (this format is {self.type!r}, which '
-                             f'would ignore it)')
+        if self.type != "json_schema":
+            for field, value in (("schema", self.schema_), ("name", self.name), ("description", self.description),
+                                 ("strict", self.strict)):
+                if value is not None:
+                    raise ValueError(f'{field} is used only with type "json_schema" (this format is {self.type!r}, '
+                                     f'which would ignore it)')
+        if self.description:
+            raise ValueError(NO_FORMAT_DESCRIPTION)
         return self
 
 
@@ -265,6 +271,11 @@ class ResponsesRequest(NullIsDefault):
         if other:
             return "include", f"include values are not supported: {other} (only {sorted(INCLUDABLE)})"
         for name, value in sorted((self.model_extra or {}).items()):
+            if value is None or (name == "background" and value is False):  # (the defaults: null, and no
+                continue  # background run)
+            if name == "background":
+                return name, ("background: true is not offered: a response runs while its request waits or "
+                              'streams (a session turn with "detach": true runs with nobody waiting)')
             if name not in INERT_FIELDS:
                 return name, f"unknown or unsupported field {name!r}"
             problem = inert_field_problem(name, value, stored=True)
