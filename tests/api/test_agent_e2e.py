@@ -371,3 +371,21 @@ def test_a_stop_string_ends_the_text_of_an_auto_answer_never_its_call(hermes):
                                        tools=TOOLS, tool_choice="auto", max_tokens=40, temperature=0, stop=["l"])
     t = text.choices[0]  # (greedy: this model answers in text here) it stops at the string
     assert not t.message.tool_calls and t.finish_reason == "stop" and t.message.content == "He"
+
+
+def test_stop_strings_and_log_probabilities_are_the_answers_not_its_reasoning(thinking):
+    """A thinking template: a stop string written in the reasoning does not end the answer (it ends the
+    visible answer after the reasoning), and ``logprobs.content`` holds the content's tokens alone."""
+    sdk = _sdk(thinking.socket)
+    ask = [{"role": "user", "content": "Is 7 a prime number?"}]
+    whole = sdk.chat.completions.create(model="default", messages=ask, max_tokens=24, temperature=0, logprobs=True)
+    msg = whole.choices[0].message
+    reasoning = msg.model_extra["reasoning_content"]
+    assert "e" in reasoning
+    content = msg.content or ""
+    assert "".join(e.token for e in whole.choices[0].logprobs.content) == content
+    stopped = sdk.chat.completions.create(model="default", messages=ask, max_tokens=24, temperature=0, stop=["e"])
+    got = stopped.choices[0].message
+    assert got.model_extra["reasoning_content"] == reasoning  # (greedy: the same reasoning, whole)
+    assert stopped.choices[0].finish_reason == whole.choices[0].finish_reason
+    assert "e" not in (got.content or "") and (got.content or "") == content.split("e")[0].strip()

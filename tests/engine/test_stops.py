@@ -103,3 +103,28 @@ def test_stop_strings_end_the_text_before_a_call_never_the_call():
     assert _run(StopChecker(["check"], until="<tool_call>"), [call]) == ("Let me ", True, "check")
     # and stop ids (the end of turn) apply throughout
     assert _run(StopChecker(["Observation:"], {7}, until="<tool_call>"), [call, ("", 7)]) == (call, True, 7)
+
+
+THINK = ("<think>", "</think>")
+
+
+@pytest.mark.parametrize(("source", "in_reasoning", "want"), [
+    # the reasoning block's text never stops the answer; the visible answer after it does
+    ("<think>\nhere we are\n</think>\n\nThe answer.\nhere", False, ("<think>\nhere we are\n</think>\n\nT", True, "he")),
+    # the prompt opened the block: the answer starts inside it
+    ("the rest here</think>Then here", True, ("the rest here</think>T", True, "he")),
+    # no block at the answer's start: stop strings apply from the first character
+    ("  The <think> here", False, ("  T", True, "he")),
+    # a block that never ends: nothing stops it
+    ("<think>here and there", False, ("<think>here and there", False, None)),
+    # blank text only, then the end
+    ("  ", False, ("  ", False, None)),
+], ids=["block-then-answer", "prompt-opened", "no-block", "unended", "blank"])
+def test_stop_strings_leave_the_reasoning_block_alone(source, in_reasoning, want):
+    """A thinking template's answer may open with a reasoning block, which the client gets apart from the
+    answer: stop strings end the visible answer only, however the text is split into pieces."""
+    for cut1 in range(len(source) + 1):
+        for cut2 in range(cut1, len(source) + 1, 3):
+            pieces = [source[:cut1], source[cut1:cut2], source[cut2:]]
+            got = _run(StopChecker(["he"], reasoning=THINK, in_reasoning=in_reasoning), pieces)
+            assert got == want, (cut1, cut2)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from weaved.agent.formats import GENERIC, CallFormat, detect, generic_system_text
 from weaved.agent.grammar import GrammarEngine
 from weaved.agent.grammar_text import AnswerShape, LarkWriter, answer_grammar
-from weaved.agent.stream import THINK_OPEN, AnswerParser
+from weaved.agent.stream import THINK_CLOSE, THINK_OPEN, AnswerParser
 from weaved.agent.tools import ChoiceMode, Tool, ToolChoice, arguments_object
 from weaved.engine.constraint import TokenConstraint
 from weaved.errors import InvalidRequest
@@ -142,6 +142,12 @@ class AnswerPlan:
         if s.tools and s.choice.mode is ChoiceMode.AUTO and s.schema is None and self.fmt.trigger:
             return self.fmt.trigger
         return None
+
+    @property
+    def reasoning(self) -> tuple[str, str] | None:
+        """The markers of the reasoning block the answer may start with (stop strings apply after it, to
+        the visible answer alone), or None when the template does not think."""
+        return (THINK_OPEN, THINK_CLOSE) if self.thinking else None
 
     def parser(self, call_seed: str | None = None) -> AnswerParser:
         """The answer's parser.  With ``tool_choice`` "none" no call is parsed (text that spells a call's

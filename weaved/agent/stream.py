@@ -50,6 +50,7 @@ class AnswerParser:
         self._in_str = self._esc = False
         self._resp = _JsonString()
         self.reasoning_tokens = 0  # tokens given by push_token inside the reasoning block (its markers too)
+        self.last_token_reasoning = False  # whether the last token push_token took was one of them
 
     # ---- public ----------------------------------------------------------------------------------
     def push_token(self, text: str) -> list[dict]:
@@ -57,7 +58,8 @@ class AnswerParser:
         the reasoning block (OpenAI's ``reasoning_tokens``)."""
         before = self._state == "reasoning"
         out = self.push(text)
-        if before or self._state == "reasoning":
+        self.last_token_reasoning = before or self._state == "reasoning"
+        if self.last_token_reasoning:
             self.reasoning_tokens += 1
         return out
 

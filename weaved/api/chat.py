@@ -118,19 +118,16 @@ def finish_reason(turn: Turn, ans: Answer) -> str | None:
 
 def _choice(turn: Turn, index: int, meta: _Meta, events: list[dict], tokenizer) -> dict:
     parser = _parser(turn)
+    gate, content = TextGate(), []
     for ev in events:
         if ev["type"] == "token":
             parser.push_token(ev["text"])
+            if meta.logprobs:  # the content's tokens: not the reasoning's (returned apart, without them)
+                content += gate.push(ev, None if parser.last_token_reasoning else _entry(tokenizer, ev))
     parser.finish()
     turn.reasoning_tokens = parser.reasoning_tokens
     ans = parser.answer
-    logprobs = None
-    if meta.logprobs:
-        gate, content = TextGate(), []
-        for ev in events:
-            if ev["type"] == "token":
-                content += gate.push(ev, _entry(tokenizer, ev))
-        logprobs = {"content": content}
+    logprobs = {"content": content} if meta.logprobs else None
     return {"index": index, "message": assistant_message(ans), "logprobs": logprobs,
             "finish_reason": finish_reason(turn, ans)}
 
@@ -189,10 +186,11 @@ async def _stream(request: Request, turns: list[Turn], meta: _Meta, usage: bool)
             if ev["type"] == "progress":
                 yield progress_comment(ev)
             elif ev["type"] == "token":
-                released = gates[i].push(ev, _entry(tokenizer, ev)) if meta.logprobs else []
-                lp = {"content": released} if released else None
                 deltas = parser.push_token(ev["text"])
                 t.reasoning_tokens = parser.reasoning_tokens
+                released = gates[i].push(ev, None if parser.last_token_reasoning else _entry(tokenizer, ev)) \
+                    if meta.logprobs else []
+                lp = {"content": released} if released else None
                 if not deltas and lp is not None:
                     deltas = [{}]
                 for j, delta in enumerate(deltas):

@@ -193,7 +193,8 @@ class TurnStarts:
                 s.messages.extend(dict(m) for m in messages)
             seq = turn_sequence(s, new, params, self.tokenizer, echo=echo, arrival=arrival,
                                 default_ttlt_s=self.moves.turn_budget(s.sla), constraint=constraint,
-                                stops_until=plan.stops_until if plan is not None else None, expected_tokens=answer)
+                                stops_until=plan.stops_until if plan is not None else None, expected_tokens=answer,
+                                plan=plan)
             seq.forecast = predicted
             n_prompt = len(s.committed) + len(new)
             seq.emit = lambda ev, s=s, seq=seq: self._on_turn_event(s, seq, ev, emit, n_prompt, first)

@@ -238,16 +238,20 @@ def check_fits(s: Session, keep: int, new: list[int], max_tokens: int) -> None:
 
 def turn_sequence(s: Session, new: list[int], params: SamplingParams, tok: Tokenizer, *, echo: bool, arrival: float,
                   default_ttlt_s: float | None = None, constraint: TokenConstraint | None = None,
-                  stops_until: str | None = None, expected_tokens: int | None = None) -> Sequence:
+                  stops_until: str | None = None, expected_tokens: int | None = None,
+                  plan: AnswerPlan | None = None) -> Sequence:
     """The engine's sequence for a turn of ``s`` feeding ``new``: its sampler, stops and SLA deadlines
     (``default_ttlt_s``: the TTLT budget when the session's SLA names none; ``arrival``: now, on the
     engines' clock; ``stops_until``: the text after which stop strings no longer apply, a call's start;
-    ``expected_tokens``: the answer its pacing plans for, ``Sequence.expected_tokens``)."""
+    ``expected_tokens``: the answer its pacing plans for, ``Sequence.expected_tokens``; ``plan``: a chat
+    answer's, whose reasoning block stop strings leave alone)."""
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tok.eog_ids))
     return Sequence(
         session_id=s.id, kv=s.kv, pending=list(new), params=params, rank=s.rank,
         ttft_s=s.sla.ttft_ms / 1000 if s.sla.ttft_ms else None, ttlt_s=s.sla.ttlt_s or default_ttlt_s,
         history=list(s.committed), decoder=tok.stream_decoder(),
-        stops=StopChecker(params.stop, stop_ids, until=stops_until), prompt_logprobs=echo, constraint=constraint,
+        stops=StopChecker(params.stop, stop_ids, until=stops_until, reasoning=plan.reasoning if plan else None,
+                          in_reasoning=plan.in_reasoning if plan else False),
+        prompt_logprobs=echo, constraint=constraint,
         arrival=arrival, expected_tokens=expected_tokens,
     )

@@ -33,7 +33,8 @@ class StopChecker:
     ``RuntimeError``.
     """
 
-    def __init__(self, stop_strings: Iterable[str] = (), stop_ids: Iterable[int] = (), until: str | None = None):
+    def __init__(self, stop_strings: Iterable[str] = (), stop_ids: Iterable[int] = (), until: str | None = None,
+                 reasoning: tuple[str, str] | None = None, in_reasoning: bool = False):
         self.stop_strings = tuple(s for s in stop_strings)
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty")
@@ -46,6 +47,12 @@ class StopChecker:
         # rest is the grammar's to end; stop ids still do
         self._until = until if until and self.stop_strings else None
         self._tail = ""  # the output's last len(until) - 1 characters, for an ``until`` split over pieces
+        # ``reasoning`` (open, close): the answer may start with a reasoning block (``in_reasoning``: the
+        # prompt opened it), where stop strings do not apply - they end the visible answer after it, as
+        # the client sees it apart from the reasoning; stop ids still apply everywhere
+        self._gate: _ReasoningGate | None = None
+        if reasoning is not None and self.stop_strings:
+            self._gate = _ReasoningGate(*reasoning, inside=in_reasoning)
 
     def feed(self, piece: str, token_id: int | None = None) -> StopStep:
         """Take the decoded text of the next token (and its id, to check stop ids)."""
@@ -55,6 +62,17 @@ class StopChecker:
             # The stop token's own text is not part of the output; what was held back is.
             text, self._held = self._held, ""
             return self._stop(text, token_id)
+        if self._gate is not None:
+            passed, piece = self._gate.feed(piece)
+            if not self._gate.open:  # its end is written: the rest is the visible answer
+                self._gate = None
+            if self._gate is not None or not piece:
+                return StopStep(passed)
+            step = self._visible(piece)
+            return StopStep(passed + step.text, step.stopped, step.matched)
+        return self._visible(piece)
+
+    def _visible(self, piece: str) -> StopStep:
         buf = self._held + piece
         if self._until is not None:
             buf_at = self._until_in(piece, len(self._held))
@@ -84,6 +102,8 @@ class StopChecker:
     def flush(self) -> str:
         """End of output for another reason (length, end of sequence): release the held text."""
         text, self._held = self._held, ""
+        if self._gate is not None:
+            text, self._gate = self._gate.flush() + text, None
         return text
 
     def _stop(self, text: str, matched: str | int) -> StopStep:
@@ -107,3 +127,50 @@ class StopChecker:
             if any(s.startswith(tail) for s in self.stop_strings):
                 return n
         return 0
+
+
+class _ReasoningGate:
+    """Where an answer's reasoning block is, in its streamed text: ``feed`` returns (text to pass on as
+    it is, text after the block's end, "" while it lasts).  The block opens only at the answer's start
+    (after blank space), as the answer's parser reads it; until the text there can no longer become
+    ``open_``, it is held."""
+
+    def __init__(self, open_: str, close: str, inside: bool):
+        self.open_, self.close = open_, close
+        self.state = "in" if inside else "maybe"
+        self._buf = ""  # "maybe": the text so far; "in": the last len(close) - 1 characters seen
+
+    @property
+    def open(self) -> bool:
+        return self.state != "out"
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        if self.state == "maybe":
+            buf, self._buf = self._buf + piece, ""
+            s = buf.lstrip()
+            if s.startswith(self.open_):
+                self.state = "in"
+                head = len(buf) - len(s) + len(self.open_)
+                passed, rest = self.feed(buf[head:])
+                return buf[:head] + passed, rest
+            if self.open_.startswith(s):  # blank, or the start of the marker: not decided yet
+                self._buf = buf
+                return "", ""
+            self.state = "out"  # no reasoning block: all of it is the visible answer
+            return "", buf
+        if self.state == "in":
+            window = self._buf + piece
+            at = window.find(self.close)
+            if at < 0:
+                keep = len(self.close) - 1
+                self._buf = window[-keep:] if keep else ""
+                return piece, ""
+            end = at + len(self.close) - len(self._buf)  # where the block ends in ``piece``
+            self.state, self._buf = "out", ""
+            return piece[:end], piece[end:]
+        return "", piece
+
+    def flush(self) -> str:
+        text = self._buf if self.state == "maybe" else ""
+        self._buf = ""
+        return text
