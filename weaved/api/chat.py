@@ -26,7 +26,7 @@ from weaved.api.models import ChatRequest
 from weaved.api.params import chat_params, check_model, check_vocab
 from weaved.api.sse import DONE, frame, progress_comment, sse_response, stream_chunk
 from weaved.api.state import ApiState, state_of
-from weaved.api.turn import Turn, TurnSpec, resolve, start_turn
+from weaved.api.turn import Turn, TurnSpec, abandon_all, resolve, start_turn
 from weaved.errors import InvalidRequest
 from weaved.routing.types import SLA
 
@@ -73,7 +73,7 @@ async def answer_chat(request: Request, req: ChatRequest, session_id: str | None
     if req.n > 1:
         turns = await start_choices(state, spec, req.n)
         if req.stream:
-            return sse_response(_stream(request, turns, meta, usage))
+            return sse_response(_stream(request, turns, meta, usage), on_close=lambda: abandon_all(turns))
         return JSONResponse(_body(turns, meta, await collect_all(request, turns), state.daemon.tokenizer))
     turn = await start_turn(state, spec, info)
     if req.detach:
@@ -81,7 +81,7 @@ async def answer_chat(request: Request, req: ChatRequest, session_id: str | None
         return JSONResponse({"id": session_id, "object": "session.turn", "status": "running",
                              "placement": turn.placement, "weave": turn.weave()}, status_code=202)
     if req.stream:
-        return sse_response(_stream(request, [turn], meta, usage))
+        return sse_response(_stream(request, [turn], meta, usage), on_close=turn.abandon)
     events = await turn.collect(request)
     return JSONResponse(_body([turn], meta, [events], state.daemon.tokenizer))
 

@@ -22,7 +22,7 @@ from weaved.api.models import CompletionRequest
 from weaved.api.params import check_model, check_vocab, completion_params, session_from
 from weaved.api.sse import DONE, frame, progress_comment, sse_response, stream_chunk
 from weaved.api.state import state_of
-from weaved.api.turn import Turn, TurnSpec, resolve, start_turn
+from weaved.api.turn import Turn, TurnSpec, abandon_all, resolve, start_turn
 from weaved.errors import InvalidRequest
 
 
@@ -50,7 +50,8 @@ async def answer_completion(request: Request, req: CompletionRequest) -> Respons
     if req.n > 1:
         turns = await start_choices(state, spec, req.n)
         if req.stream:
-            return sse_response(_stream_choices(request, turns, meta, usage, tokenizer))
+            return sse_response(_stream_choices(request, turns, meta, usage, tokenizer),
+                                on_close=lambda: abandon_all(turns))
         events = await collect_all(request, turns)
         body = _body(turns[0], meta, events[0], tokenizer)
         body["choices"] = [{**_body(t, meta, ev, tokenizer)["choices"][0], "index": i}
@@ -59,7 +60,7 @@ async def answer_completion(request: Request, req: CompletionRequest) -> Respons
         return JSONResponse(body)
     turn = await start_turn(state, spec, info)
     if req.stream:
-        return sse_response(_stream(request, turn, meta, usage, tokenizer))
+        return sse_response(_stream(request, turn, meta, usage, tokenizer), on_close=turn.abandon)
     events = await turn.collect(request)
     return JSONResponse(_body(turn, meta, events, tokenizer))
 

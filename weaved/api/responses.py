@@ -125,7 +125,7 @@ async def create_response(request: Request) -> Response:
         raise
     reply = _Reply(req, turn, daemon.model_name, sid)
     if req.stream:
-        return sse_response(_stream(request, reply))
+        return sse_response(_stream(request, reply), on_close=turn.abandon)
     reply.register()
     try:
         events = await turn.collect(request)

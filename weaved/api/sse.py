@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import StreamingResponse
 
@@ -34,7 +34,25 @@ def stream_chunk(meta, obj: str, choice: dict, *, usage: bool = False, weave: di
     return out
 
 
-def sse_response(frames: AsyncIterator[bytes]) -> StreamingResponse:
-    # no-cache and X-Accel-Buffering keep proxies from holding frames back
-    return StreamingResponse(frames, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class _EventStream(StreamingResponse):
+    """A streamed response whose ``on_close`` runs however it ends - also when the client is gone before
+    its first frame, when the frames' generator never starts (so its own ``finally`` never runs)."""
+
+    def __init__(self, frames: AsyncIterator[bytes], on_close: Callable[[], None] | None):
+        # no-cache and X-Accel-Buffering keep proxies from holding frames back
+        super().__init__(frames, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self._on_close is not None:
+                self._on_close()
+
+
+def sse_response(frames: AsyncIterator[bytes], on_close: Callable[[], None] | None = None) -> StreamingResponse:
+    """``frames`` as ``text/event-stream``; ``on_close``: what must happen when the response is over, sent
+    or not (the turns it streams let go of: cancelled if still running)."""
+    return _EventStream(frames, on_close)

@@ -61,6 +61,7 @@ class Turn:
         self.sla_class = sla_class
         self.placement = placement
         self.arrived = arrived  # time.monotonic() when the request came in
+        self._drained = False  # its events are read in the background (``detach``)
         self.session = spec.session_id  # the client's session (None for an ephemeral one)
         self.finish_reason: str | None = None
         self.error: dict | None = None
@@ -111,9 +112,11 @@ class Turn:
 
     def detach(self) -> None:
         """Let the turn run to its end with nobody listening; its events are read in the background
-        (its answer lands in the session's transcript, its timing in the metrics)."""
-        if self.done:
+        (its answer lands in the session's transcript, its timing in the metrics).  Once only: a turn
+        let go of by its stream and by its response's end is read by one reader."""
+        if self.done or self._drained:
             return
+        self._drained = True
 
         async def drain() -> None:
             async for _ in self.events():
@@ -234,6 +237,12 @@ def named_limit(e: ContextTooLong, field: str) -> ContextTooLong:
     if e.param != "max_tokens" or field == "max_tokens":
         return e
     return ContextTooLong(e.message.replace("max_tokens", field, 1), param=field)
+
+
+def abandon_all(turns: list[Turn]) -> None:
+    """``Turn.abandon`` each: a response over, whatever became of its streaming."""
+    for t in turns:
+        t.abandon()
 
 
 async def start_turn(state: ApiState, spec: TurnSpec, session_info: dict | None = None) -> Turn:
