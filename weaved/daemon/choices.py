@@ -10,6 +10,7 @@ start, compiled from choice 0's answer plan.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -20,6 +21,8 @@ from weaved.errors import InvalidRequest, WeaveError
 from weaved.kv.cache import KVCache
 from weaved.kv.errors import KVStoreError
 from weaved.routing.types import SLA, SLAClass
+
+log = logging.getLogger("weave.daemon")
 
 MAX_CHOICES = 16
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -47,6 +50,11 @@ class LateHandle:
         self._ready.set()
         if late_cancel:
             handle.cancel()
+
+    @property
+    def ready(self) -> bool:
+        """Whether ``set`` has been called (a handle, or None for a choice that did not start)."""
+        return self._ready.is_set()
 
     def wait(self, timeout: float | None = None) -> TurnHandle | None:
         self._ready.wait(timeout)
@@ -77,7 +85,14 @@ class TurnChoices:
             if not started.is_set() and ev["type"] in ("token", "done", "error"):
                 started.set()
                 if ev["type"] == "token":
-                    self._start_forks(first_handle.wait(), late, params, sla, emits)
+                    try:
+                        self._start_forks(first_handle.wait(), late, params, sla, emits)
+                    except Exception:  # a bug: the choices not started yet fail, none is left waiting
+                        log.exception("starting the other choices failed")
+                        for k, lh in enumerate(late, start=1):
+                            if not lh.ready:
+                                lh.set(None)
+                                emits[k]({"type": "error", "message": "this choice could not start", "status": 500})
                 else:  # choice 0 ended without a token: the others cannot share its prompt
                     for k, lh in enumerate(late, start=1):
                         lh.set(None)
