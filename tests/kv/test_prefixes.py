@@ -280,3 +280,46 @@ def test_the_cap_counts_a_sessions_own_rows_not_the_prefix_it_maps(tmp_path):
     store.reserve(b, 5 * BLOCK)  # the prefix's 4 blocks + 1 of b's own: within the 6-block cap
     with pytest.raises(KVCapExceeded):
         store.reserve(b, 7 * BLOCK)  # 3 of its own: 7 blocks in all
+
+
+def test_a_stop_right_after_a_rewrite_took_the_prefix_back_finds_every_row(tmp_path):
+    """``unshare`` is called before the session's journal forgets the positions past ``keep``: a stop in
+    between reopens the session at its old length, from a file that no longer names the prefix - so every
+    row of the prefix must be in the session's own file, not only the kept ones."""
+    store = KVStore(tmp_path, CFG)
+    prompt = tokens(2 * BLOCK + 10)
+    a = store.create("a", capacity=1024)
+    store.reserve(a, len(prompt))
+    rows = fill(a, 0, len(prompt), seed=1)
+    store.publish_prefix(a, prompt)
+    b = store.create("b", capacity=1024)
+    assert store.share_prefix(b, prompt) == 2 * BLOCK
+    store.reserve(b, len(prompt))
+    own = fill(b, 2 * BLOCK, len(prompt), seed=2)
+    store.unshare(b, 10)  # a rewrite from position 10 on; the daemon stops before its journal is cut
+    del store
+    b2 = KVStore(tmp_path, CFG).open("b", len(prompt))
+    assert np.array_equal(b2.data[:, :, :, : 2 * BLOCK], rows[:, :, :, : 2 * BLOCK])
+    assert np.array_equal(b2.data[:, :, :, 2 * BLOCK: len(prompt)], own)
+
+
+def test_a_prefix_found_for_a_session_cannot_be_evicted_before_it_is_mapped(tmp_path, monkeypatch):
+    """Another thread's publication evicts unused prefixes: one just found for a new session is its
+    session's already, so the session maps it (before, it could be gone between the lookup and the map)."""
+    store = KVStore(tmp_path, CFG)
+    prompt = tokens(BLOCK + 10)
+    a = store.create("a", capacity=512)
+    store.reserve(a, len(prompt))
+    rows = fill(a, 0, len(prompt), seed=1)
+    store.publish_prefix(a, prompt, adopt=False)
+    get = store.prefixes.get
+
+    def evicting_get(key):  # the race, made certain: an eviction of everything unused lands here
+        store.prefixes.evict(free=1 << 40)
+        return get(key)
+
+    monkeypatch.setattr(store.prefixes, "get", evicting_get)
+    b = store.create("b", capacity=512)
+    assert store.share_prefix(b, prompt) == BLOCK
+    assert np.array_equal(b.data[:, :, :, :BLOCK], rows[:, :, :, :BLOCK])
+    assert store.prefixes.status()["in_use"] == 1

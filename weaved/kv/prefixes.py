@@ -145,10 +145,12 @@ class PrefixStore:
             if pending is None or not pending.wait(PENDING_WAIT_S) or self._index.get(k) is None:
                 return
 
-    def longest(self, tokens: Sequence[int], limit: int) -> tuple[Prefix, int] | None:
+    def longest(self, tokens: Sequence[int], limit: int, user: str | None = None) -> tuple[Prefix, int] | None:
         """The prefix file holding the most leading blocks of ``tokens`` (at most ``limit`` positions),
         and how many positions of it apply (blocks announced but not yet published are not waited for:
-        ``await_announced``); counts a hit or a miss."""
+        ``await_announced``); counts a hit or a miss.  ``user``: the session is made one of the file's
+        users in the same step, so no eviction can take it before the session maps (or copies) it - the
+        caller calls ``drop_user`` if it then does not keep it."""
         best = None
         for k in chain_keys(self.fingerprint, tokens[:limit]):
             found = self._index.get(k)
@@ -161,6 +163,8 @@ class PrefixStore:
                 return None
             p = self._by_key[best[0]]
             p.last_used = time.time()
+            if user is not None:
+                p.users.add(user)
             self.hits += 1
             self.reused_tokens += best[1] * BLOCK
             return p, best[1] * BLOCK
@@ -229,6 +233,10 @@ class PrefixStore:
     # ---- the cap ---------------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Bytes of the prefix files on disk: this model's, and other models' kept for them."""
+        with self._lock:
+            return self._nbytes()
+
+    def _nbytes(self) -> int:
         bpt = self.config.kv_bytes_per_token
         return sum(p.positions for p in self._by_key.values()) * bpt + sum(f[2] for f in self._foreign)
 
@@ -240,7 +248,7 @@ class PrefixStore:
             return 0
         with self._lock:
             bpt = self.config.kv_bytes_per_token
-            total = start = self.nbytes()
+            total = start = self._nbytes()
             target = max(0, min(self.cap_bytes if self.cap_bytes is not None else total, total - free))
             while self._foreign and total > target:  # other models' files first, oldest first
                 _, path, size = self._foreign.pop(0)
@@ -271,7 +279,7 @@ class PrefixStore:
 
     def status(self) -> dict:
         with self._lock:
-            return {"files": len(self._by_key), "bytes": self.nbytes(), "cap_bytes": self.cap_bytes,
+            return {"files": len(self._by_key), "bytes": self._nbytes(), "cap_bytes": self.cap_bytes,
                     "in_use": sum(1 for p in self._by_key.values() if p.users), "hits": self.hits,
                     "misses": self.misses, "reused_tokens": self.reused_tokens, "published": self.published,
                     "copied": self.copied,

@@ -41,20 +41,28 @@ class PrefixSharing:
             s = self._open[session_id]
             if not self.share or kv.length or s.shared or not s.mm.can_alias or len(tokens) < 2:
                 return 0
-            found = self.prefixes.longest(tokens, len(tokens) - 1)
+            # the session is the file's user from the lookup on: nothing evicts it before it is mapped
+            found = self.prefixes.longest(tokens, len(tokens) - 1, user=session_id)
             if found is None:
                 return 0
             prefix, n = found
             try:
                 if not self._alias(kv, session_id, s, prefix.key, n):
+                    self.prefixes.drop_user(prefix.key, session_id)
                     return 0
             except NoMapsLeft:
                 pass  # its own copy of the rows instead, outside the lock (reserve takes it)
+            except BaseException:
+                self.prefixes.drop_user(prefix.key, session_id)
+                raise
             else:
                 kv.length = n
                 self._write_meta(session_id, s, {"key": prefix.key, "positions": n})
                 return n
-        return self._copy_from_prefix(kv, prefix, n)
+        try:
+            return self._copy_from_prefix(kv, prefix, n)
+        finally:  # (copied: the session's rows are its own)
+            self.prefixes.drop_user(prefix.key, session_id)
 
     def _alias(self, kv: KVCache, session_id: str, s: OpenSession, key: str, n: int) -> bool:
         """Map the prefix file ``key``'s positions [0, n) over the session's; False when the layout's
@@ -182,13 +190,16 @@ class PrefixSharing:
 
     def unshare(self, kv: KVCache, keep: int) -> None:
         """Before positions from ``keep`` on are rewritten: if a shared prefix covers them, the session
-        takes its own copy of rows [0, keep) back into its file (the prefix stays as it is)."""
+        takes its own copy of the prefix's rows back into its file (the prefix stays as it is) - all of
+        them, not only [0, keep): until the caller's journal forgets the positions past ``keep``, a stop
+        must find every row it names in the file, which no longer names the prefix."""
         session_id = self._session_of(kv)
         with self._lock:
             s = self._open[session_id]
             if not s.shared or keep >= s.shared:
                 return
-            rows = np.array(s.data[:, :, :, :keep])  # [L, 2, H, keep, D] the prefix's rows, copied
+            n = s.shared
+            rows = np.array(s.data[:, :, :, :n])  # [L, 2, H, n, D] the prefix's rows, copied
             row = self.config.head_dim * 2
             if s.memory_only:
                 for r in range(self.prefixes.runs()):
@@ -202,7 +213,7 @@ class PrefixSharing:
                         s.mm.alias(off, fd, off, s.shared * row, writable=True)
                 finally:
                     os.close(fd)
-            s.data[:, :, :, :keep] = rows
+            s.data[:, :, :, :n] = rows
             if s.memory_only:  # anonymous pages again: the kernel merges the pieces back (measured)
                 s.mm.unclaim_maps(2 * self.prefixes.runs())
             # (a file's pieces stay apart - each remap opened the file anew - and stay claimed until the
