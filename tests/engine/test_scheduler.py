@@ -112,7 +112,9 @@ def test_a_throughput_prefill_without_a_ttft_target_is_due_after_a_share_of_its_
     cfg = SchedulerConfig(token_budget=4, max_batch=8, prefill_chunk=64)
     assert [w.seq.session_id for w in schedule([*inter, bg], cfg, now=1.0)] == ["i0", "i1", "i2", "i3"]
     work = schedule([*inter, bg], cfg, now=PREFILL_SHARE * 40.0 + 0.1)
-    assert work[0].seq is bg and work[0].n_tokens == 4  # due: first, with the whole budget
+    # due: first, with what the interactive rows leave - at least a token, and never one of their rows
+    assert work[0].seq is bg and work[0].n_tokens == 1
+    assert [w.seq.session_id for w in work[1:]] == ["i0", "i1", "i2", "i3"]
 
 
 def test_with_a_step_model_an_interactive_decode_keeps_the_step_within_its_target():
@@ -216,3 +218,47 @@ def test_a_due_background_prompt_takes_what_the_interactive_decodes_leave():
     assert work[0].seq is bg and work[0].n_tokens == 97
     assert {w.seq.session_id for w in work[1:]} == {"i0", "i1", "i2"}
     assert all(s.status == SeqStatus.RUNNING for s in inter)
+
+
+def test_due_prompts_one_after_another_never_take_the_interactive_rows():
+    """Three throughput-tolerant prompts behind their pace go first: together they take what the
+    interactive decodes leave, and every interactive decode still runs."""
+    inter = [_seq(f"i{k}", SLARank.INTERACTIVE, decoding=True) for k in range(10)]
+    due = [_seq(f"b{k}", SLARank.BACKGROUND, pending=600, ttlt=1.0) for k in range(3)]
+    work = schedule([*inter, *due], SchedulerConfig(token_budget=528, max_batch=64, prefill_chunk=512), now=5.0)
+    got = {w.seq.session_id: w.n_tokens for w in work}
+    assert all(got.get(f"i{k}") == 1 for k in range(10))
+    assert got["b0"] == 512 and sum(got.get(f"b{k}", 0) for k in range(3)) <= 528 - 10 + 2
+
+
+def test_an_interactive_prompt_leaves_the_other_interactive_turns_their_rows():
+    """A long interactive prompt under a small interactive budget: its chunk is what the decodes leave,
+    so their streams go on while it is fed."""
+    prompt = _seq("p", SLARank.INTERACTIVE, pending=2000, ttft=2.0)
+    inter = [_seq(f"i{k}", SLARank.INTERACTIVE, decoding=True) for k in range(3)]
+    cfg = SchedulerConfig(token_budget=512, max_batch=8, prefill_chunk=512, interactive_budget=64)
+    work = schedule([prompt, *inter], cfg, now=0.0)
+    assert {w.seq.session_id: w.n_tokens for w in work} == {"p": 61, "i0": 1, "i1": 1, "i2": 1}
+
+
+def test_more_interactive_decodes_than_the_interactive_budget_all_run():
+    """An interactive budget below the number of interactive decodes never leaves the newest of them
+    waiting step after step: the budget is never below the rows themselves."""
+    inter = [_seq(f"i{k}", SLARank.INTERACTIVE, decoding=True, arrival=float(k)) for k in range(10)]
+    cfg = SchedulerConfig(token_budget=512, max_batch=16, prefill_chunk=64, interactive_budget=8)
+    for _ in range(3):
+        assert len(schedule(inter, cfg, now=20.0)) == 10
+
+
+def test_a_due_prompt_leaves_an_interactive_prompt_its_chunk():
+    """The step model sized the step for the interactive prompt's chunk: a due throughput-tolerant
+    prompt sorted ahead of it takes only what is left, so the interactive turn's first token is not
+    pushed back step after step."""
+    from weaved.calibration.cost import Linear, StepCost
+
+    cost = StepCost(prefill=Linear(0.01, 0.001, 0.0), decode=Linear(0.02, 0.002, 0.0))
+    due = _seq("b", SLARank.BATCH, pending=5000, ttlt=1.0)
+    first = _seq("a", SLARank.INTERACTIVE, pending=300, ttft=5.0)
+    cfg = SchedulerConfig(token_budget=512, max_batch=8, prefill_chunk=256, step_cost=cost, step_target_s=0.05)
+    got = {w.seq.session_id: w.n_tokens for w in schedule([due, first], cfg, now=10.0)}
+    assert got["a"] == 256 and got["b"] >= 1

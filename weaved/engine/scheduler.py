@@ -63,36 +63,49 @@ def priority_key(seq: Sequence, now: float) -> tuple:
 def schedule(active: list[Sequence], cfg: SchedulerConfig, now: float) -> list[Work]:
     """Pick the step's work; marks picked sequences RUNNING/WAITING and the rest PAUSED.
 
-    Decodes cost one token.  A prefill takes what is left of the budget (at most
-    ``prefill_chunk``); a prefill that gets no tokens waits for a later step.
+    Decodes cost one token.  Under the SLA order the interactive turns hold their part of the budget
+    first - every decode's row, then each prompt's chunk in deadline order from what the rows leave (at
+    least a token) - whatever is sorted before them; the other turns take what is left: a prefill at
+    most ``prefill_chunk`` (one that gets nothing waits for a later step, except a due one, which feeds
+    a token past the budget: it must go on), a decode a token (a due one always).  ``max_batch`` bounds
+    the sequences of a step.
     """
     budget = cfg.token_budget
     key = (lambda s: s.arrival) if cfg.order == "fifo" else (lambda s: priority_key(s, now))
     ordered = sorted(active, key=key)
-    interactive = [s for s in active if s.rank == SLARank.INTERACTIVE and not s.status.done and s.pending]
-    if cfg.order == "sla" and interactive:
-        if cfg.interactive_budget is not None and any(not s.prefilling for s in interactive):
-            budget = min(budget, cfg.interactive_budget)
+    live = [s for s in ordered if not s.status.done and s.pending]
+    sla = cfg.order == "sla"
+    interactive = [s for s in live if s.rank == SLARank.INTERACTIVE] if sla else []
+    rows = sum(1 for s in interactive if not s.prefilling)  # the interactive rows every step runs
+    if interactive:
+        if cfg.interactive_budget is not None and rows:  # (never below the rows themselves)
+            budget = min(budget, max(cfg.interactive_budget, rows))
         if cfg.step_cost is not None and cfg.step_target_s is not None:
             budget = min(budget, _interactive_budget(ordered, interactive, cfg, now))
-    # the interactive decodes' rows are kept from a due throughput-tolerant prompt sorted ahead of them:
-    # its chunk takes what they leave - all of the budget only when they would leave it nothing (a due
-    # turn must go on: a budget no larger than the interactive rows would otherwise starve it)
-    held = sum(1 for s in interactive if not s.prefilling) if cfg.order == "sla" else 0
+    free = budget - rows
+    grants: dict[int, int] = {}  # the interactive prompts' chunks (a step holding one is its turn's TTFT)
+    for s in interactive:
+        if s.prefilling:
+            grants[id(s)] = max(1, min(len(s.pending), cfg.prefill_chunk, free))
+            free -= grants[id(s)]
     picked: list[Work] = []
     for seq in ordered:
         if seq.status.done or not seq.pending:
             continue
-        if len(picked) >= cfg.max_batch or budget <= 0:
+        ours = sla and seq.rank == SLARank.INTERACTIVE
+        due = sla and not ours and priority_key(seq, now)[0] == 0
+        if ours:
+            n = grants[id(seq)] if seq.prefilling else 1
+        elif seq.prefilling:
+            n = min(len(seq.pending), cfg.prefill_chunk, free) if free > 0 else int(due)
+        else:
+            n = 1 if free > 0 or due else 0
+        if n <= 0 or len(picked) >= cfg.max_batch:
             _pause(seq)
             continue
-        ours = seq.rank == SLARank.INTERACTIVE
-        room = budget if ours or budget <= held else budget - held
-        n = min(len(seq.pending), cfg.prefill_chunk, room) if seq.prefilling else 1
+        if not ours:
+            free -= n
         picked.append(Work(seq, n))
-        budget -= n
-        if ours and not seq.prefilling:
-            held -= 1
         seq.status = SeqStatus.WAITING if seq.prefilling else SeqStatus.RUNNING
     return picked
 
