@@ -113,3 +113,21 @@ def test_a_pool_without_a_measured_rate_still_bounds_its_interactive_turns_by_it
     assert refusal is not None and "batch slots" in refusal.reason
     assert judge(live, turn(SLARank.BACKGROUND, ttlt=1.0), unknown, now=0.0) is None
     assert judge(live[:1], turn(SLARank.INTERACTIVE), unknown, now=0.0) is None
+
+
+def test_an_empty_pool_takes_a_turn_it_could_not_pace():
+    """A pool with one slot, nothing running, and a turn needing more than the headroom allows: it is
+    taken (a pool always takes one) - refused, it would be refused however often the client retried."""
+    one = Capacity(max_batch=1, prior_tps=20.0, prefill_cost=1.0)
+    assert judge([], turn(SLARank.BACKGROUND, max_tokens=190, ttlt=10.0), one, now=0.0) is None
+    assert judge([turn(SLARank.BACKGROUND, max_tokens=190, ttlt=10.0)],
+                 turn(SLARank.BACKGROUND, max_tokens=190, ttlt=10.0), one, now=0.0) is not None
+
+
+def test_retry_after_counts_the_work_a_late_turn_still_holds():
+    """A turn far past its budget still holds a slot until it has decoded what it has left: the refusal
+    says to come back then, not in a second."""
+    late = turn(SLARank.BATCH, max_tokens=5000, ttlt=10.0, arrival=-90.0)
+    busy = [turn(SLARank.INTERACTIVE) for _ in range(15)] + [late]
+    r = judge(busy, turn(SLARank.BACKGROUND, max_tokens=100, ttlt=20.0), CAP, now=0.0)
+    assert r is not None and r.retry_after_s >= 10.0  # 100 tokens left per interactive turn at 10 tokens/s
