@@ -15,8 +15,7 @@ batch slot already holds one (it would wait for a slot with no bound on its time
 the pool's step model predicts that a step of the interactive turns with it would take longer than the
 inter-token target (every interactive turn decodes in every step, so their number sets the gap each of
 them sees; a pool always takes one - an empty pool takes any turn).  Refusing early is the point: work
-accepted and then timed out costs the client
-more than a clear "not now".
+accepted and then timed out costs the client more than a clear "not now".
 """
 
 from __future__ import annotations
