@@ -42,6 +42,14 @@ def test_a_fit_keeps_every_number_non_negative():
     assert all(v >= 0 for v in got.to_list()) and got.s(8, 8 * 64) == pytest.approx(0.08, rel=0.05)
 
 
+def test_a_step_model_of_no_time_is_refused():
+    """A stored or written model whose prefill or decode part is all zeros would make every rate infinite
+    (a division by zero in admission's prior): it is refused as unreadable."""
+    with pytest.raises(ValueError, match="decode part needs a positive number"):
+        StepCost.from_dict({"prefill": [0.01, 0.001, 0.0], "decode": [0.0, 0.0, 0.0]})
+    assert StepCost.from_dict({"prefill": [0.01, 0.0, 0.0], "decode": [0.0, 0.002, 0.0]}).decode_tokens_per_s(4) > 0
+
+
 def test_the_store_keeps_calibrations_per_host_and_reads_through_the_machine_cache(tmp_path):
     cal = Calibration(KNOWN, "fp", "cpu", "cpu", 2, "vnni", seconds=3.0, fit_error=0.05)
     cache = tmp_path / "cache"

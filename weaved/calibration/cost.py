@@ -105,4 +105,8 @@ class StepCost:
 
     @classmethod
     def from_dict(cls, d: dict) -> StepCost:
-        return cls(Linear.from_list(d["prefill"]), Linear.from_list(d["decode"]))
+        cost = cls(Linear.from_list(d["prefill"]), Linear.from_list(d["decode"]))
+        for name, part in (("prefill", cost.prefill), ("decode", cost.decode)):
+            if not any(x > 0 for x in part.to_list()):  # (a step of no time: every rate would be infinite)
+                raise ValueError(f"a step-time model's {name} part needs a positive number, got {d[name]}")
+        return cost
