@@ -57,6 +57,8 @@ def test_a_first_daemon_calibrates_and_later_ones_read_the_result(tiny_llama, tm
         pool.engine.step_drift.factor = 2.0  # steps running at twice the model: the router sees it too
         seen = pool.state(free_kv_tokens=1000).step_cost
         assert seen.to_dict() == cost.scaled(2.0).to_dict() and pool.engine.step_cost_now().to_dict() == seen.to_dict()
+        pool.use_step_model(cost.scaled(2.0), 0.08)  # measured again: the drift against the old one is gone
+        assert pool.engine.step_drift.factor == 1.0 and pool.engine.step_cost_now().to_dict() == seen.to_dict()
     finally:
         d.shutdown()
     again = _daemon(tiny_llama, tmp_path / "b")  # another data directory on this host: nothing measured

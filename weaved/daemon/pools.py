@@ -72,6 +72,7 @@ class Pool:
         scaled by how the engine's steps run against it: ``BatchEngine.step_drift``)."""
         self.step_cost = cost
         self.engine.config = dataclasses.replace(self.engine.config, step_cost=cost, step_target_s=itl_target_s)
+        self.engine.step_drift.reset()  # (measured against the model this one replaces)
 
     def turns(self) -> tuple[list[Sequence], list[Sequence]]:
         """(decoding, waiting or preempted) turns of the pool now."""

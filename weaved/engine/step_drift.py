@@ -28,6 +28,10 @@ class StepDrift:
         self.factor = 1.0
         self.samples = 0
 
+    def reset(self) -> None:
+        """Measure anew (the model it was measured against has been replaced)."""
+        self.factor, self.samples = 1.0, 0
+
     def record(self, predicted_s: float, took_s: float) -> None:
         if not predicted_s >= MIN_PREDICTED_S or not took_s > 0:
             return
