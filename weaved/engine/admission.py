@@ -28,7 +28,7 @@ from weaved.calibration.cost import StepCost
 from weaved.engine.sequence import Sequence, SLARank
 
 HEADROOM = 0.9  # paced demand may reach this share of what the slots leave: the rates and the steps vary
-MIN_SAMPLES = 8  # steps at half a batch or more before the measured rate replaces the profile's
+MIN_SAMPLES = 8  # steps at three quarters of a batch or more before the measured rate replaces the profile's
 RETRY_MIN_S, RETRY_MAX_S = 1.0, 300.0
 
 
