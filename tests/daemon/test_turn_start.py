@@ -7,9 +7,10 @@ import threading
 
 import pytest
 
+import weaved.daemon.turn_start as turn_start
 from tests.daemon.support import GREEDY, run_to_end, run_turn
 from weaved.engine.sampling import SamplingParams
-from weaved.errors import ContextTooLong
+from weaved.errors import ContextTooLong, Overloaded
 from weaved.routing.types import SLA, SLAClass
 
 
@@ -101,3 +102,20 @@ def test_a_turn_that_brings_a_new_system_prompt_changes_it_only_if_it_starts(dae
     assert events[-1]["type"] == "done"
     assert "You are a robot." in texts[-1] and "pirate" not in texts[-1]
     assert daemon.get_session(sid)["system"] == daemon.journal.get(sid).system == "You are a robot."
+
+
+def test_a_turn_waits_for_its_sessions_prefix_copy_and_is_refused_if_it_outlasts_the_wait(daemon, monkeypatch):
+    """The session's context is being stored as a shared prefix (its rows must hold still): the next
+    turn waits for the copy, and is refused with a 503 rather than run beside a copy that outlasts the
+    wait (it could rewrite rows the copy then stores under tokens they no longer hold)."""
+    sid = daemon.create_session(SLA(SLAClass.BACKGROUND), None, None)["id"]
+    run_turn(daemon, sid, "Hello")
+    before = daemon.get_session(sid)
+    monkeypatch.setattr(turn_start, "CANCEL_WAIT_S", 0.05)
+    daemon.sessions[sid].publishing = threading.Event()  # a copy still queued behind others
+    with pytest.raises(Overloaded):
+        run_turn(daemon, sid, "And then?")
+    assert daemon.get_session(sid) == before
+    daemon.sessions[sid].publishing.set()
+    events, _ = run_turn(daemon, sid, "And then?")
+    assert events[-1]["type"] == "done"

@@ -145,17 +145,18 @@ class TurnEvents:
             return False
         done = threading.Event()
         s.publishing = done
-        self.store.prefixes.announce(tokens[: s.kv.length])
+        tokens = tokens[: s.kv.length]  # (the rows written now: what the job copies, whenever it runs)
+        self.store.prefixes.announce(tokens)
 
         def job() -> None:
             try:
-                self.store.publish_prefix(s.kv, tokens[: s.kv.length])
+                self.store.publish_prefix(s.kv, tokens)
             except DiskFull as e:  # a prefix not stored is a later prefill, nothing worse
                 log.warning("session %s: its prefix is not stored: %s", s.id, e)
             except Exception:
                 log.exception("session %s: storing its prefix failed", s.id)
             finally:
-                self.store.prefixes.settle(tokens[: s.kv.length])
+                self.store.prefixes.settle(tokens)
                 done.set()
                 if drop:
                     self._drop_ephemeral(s)
@@ -163,7 +164,7 @@ class TurnEvents:
         try:
             self._publisher.submit(job)
         except RuntimeError:  # shutting down: the publisher takes no more work (a later prefill, nothing worse)
-            self.store.prefixes.settle(tokens[: s.kv.length])
+            self.store.prefixes.settle(tokens)
             s.publishing = None
             done.set()
             return False

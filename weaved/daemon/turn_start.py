@@ -236,8 +236,11 @@ class TurnStarts:
             turn = s.turn if s is not None else None
         if turn is not None and (turn.cancel_requested or turn.status.done):
             turn.ended.wait(CANCEL_WAIT_S)
-        if s is not None and s.publishing is not None:  # its prefix is being copied: its rows must hold still
-            s.publishing.wait(CANCEL_WAIT_S)
+        if s is not None and s.publishing is not None and not s.publishing.wait(CANCEL_WAIT_S):
+            # its prefix is being copied, and its rows must hold still until then: a turn now could rewrite
+            # rows the copy then stores under the tokens they no longer hold
+            raise Overloaded("the session's context is still being stored as a shared prefix (the host is busy); "
+                             "retry shortly", retry_after_s=5.0)
 
     def cancel_turn(self, sid: str, turn: Sequence | None = None) -> None:
         """Cancel the session's running turn - only if it is still ``turn`` when one is named (a client
