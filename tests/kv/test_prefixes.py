@@ -323,3 +323,25 @@ def test_a_prefix_found_for_a_session_cannot_be_evicted_before_it_is_mapped(tmp_
     assert store.share_prefix(b, prompt) == BLOCK
     assert np.array_equal(b.data[:, :, :, :BLOCK], rows[:, :, :, :BLOCK])
     assert store.prefixes.status()["in_use"] == 1
+
+
+def test_a_durable_store_syncs_the_rows_then_the_sidecar_that_names_them(tmp_path, monkeypatch):
+    """Under ``durability = "fsync"`` a session's sidecar (which names its shared prefix) reaches the disk
+    after the rows and before the call returns - the journal, written next, may name those rows."""
+    import os
+
+    import weaved.kv.store_prefixes as store_prefixes
+
+    store = KVStore(tmp_path, CFG, durable=True)
+    prompt = tokens(BLOCK + 10)
+    a = store.create("a", capacity=512)
+    store.reserve(a, len(prompt))
+    fill(a, 0, len(prompt), seed=1)
+    store.publish_prefix(a, prompt, adopt=False)
+    b = store.create("b", capacity=512)
+    synced: list[str] = []
+    fdatasync, fsync = os.fdatasync, os.fsync
+    monkeypatch.setattr(store_prefixes.os, "fdatasync", lambda fd: synced.append("rows") or fdatasync(fd))
+    monkeypatch.setattr(store_prefixes.os, "fsync", lambda fd: synced.append("meta") or fsync(fd))
+    assert store.share_prefix(b, prompt) == BLOCK
+    assert synced == ["rows", "meta", "meta"]  # the rows, the sidecar, the directory's entry for it

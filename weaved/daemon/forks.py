@@ -61,6 +61,8 @@ class SessionForks:
             if self.sessions.get(sid) is not parent or parent.busy or child is None:
                 raise Conflict(f"session {sid} changed while it was being forked; try again", param="session")
             shared = self.store.fork_prefix(parent.kv, child.kv, tokens)
+            if self.fsync and not child.ephemeral:
+                self.store.flush(child.kv)  # the rows copied reach the disk before the journal names them
             child.committed.extend(tokens)
             child.tail = tail
             child.messages.extend(dict(m) for m in messages)

@@ -99,10 +99,10 @@ class DaemonLifecycle:
         from weaved.federation.shard_files import delete_group_files
 
         self._check_kv_cap()
-        self.store = KVStore(self.data_dir / "kv", self.config, cap_bytes=self.profile.host.kv_cap_bytes,
-                             share=self.profile.host.prefix_cache)
-        delete_group_files(self.store)  # ring shards never outlive their group: rebuilt from transcripts
         self.fsync = self.profile.host.durability == "fsync"
+        self.store = KVStore(self.data_dir / "kv", self.config, cap_bytes=self.profile.host.kv_cap_bytes,
+                             share=self.profile.host.prefix_cache, durable=self.fsync)
+        delete_group_files(self.store)  # ring shards never outlive their group: rebuilt from transcripts
         self.journal = Journal(self.data_dir / "journal.sqlite", fsync=self.fsync)
         self.peers = fed.peer_registry(self)  # profile and run-time peers, health-checked in the background
         if make_backend is None and any(p.backend == "cpu" for p in self.profile.pools):

@@ -63,7 +63,7 @@ class KVStore(PrefixSharing, RoomAccounting):
     the cap, durability and where the bytes live: ``store_room``)."""
 
     def __init__(self, data_dir: Path, config: ModelConfig, cap_bytes: int | None = None, chunk: int = 256,
-                 share: bool = True, maps: MapBudget | None = None):
+                 share: bool = True, maps: MapBudget | None = None, durable: bool = False):
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1 position, got {chunk}")
         self.dir = Path(data_dir)
@@ -76,6 +76,9 @@ class KVStore(PrefixSharing, RoomAccounting):
         self.prefixes = PrefixStore(self.dir / "prefixes", config, self.fingerprint,
                                     cap_bytes=None if cap_bytes is None else cap_bytes // 4)
         self.share = share  # False: no prefix is published or mapped (what reuse saves can be measured)
+        # True: what the store writes of a session's description (its sidecar) reaches the disk before
+        # the call returns, after the rows it names - the daemon's ``[host] durability = "fsync"``
+        self.durable = durable
         self.maps = maps if maps is not None else process_budget()  # the process's mappings (map_budget)
         # short prefixes (hot_prefixes): blocks of 16 positions copied, beside the mapped 128-position
         # files; HOT_CAP_BYTES of memory, or a sixteenth of a smaller KV cap

@@ -296,5 +296,21 @@ class PrefixSharing:
         if prefix is not None:
             meta["prefix"] = prefix
         tmp = self._meta_path(session_id).with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(meta))
+        if self.durable:  # the rows it names first, then the description, then its name in the directory
+            fd = os.open(self._kv_path(session_id), os.O_RDWR)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        with open(tmp, "w") as f:
+            f.write(json.dumps(meta))
+            if self.durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, self._meta_path(session_id))
+        if self.durable:
+            fd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
