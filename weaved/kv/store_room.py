@@ -119,8 +119,11 @@ class RoomAccounting:
         run's I/O in turn and costs about 100x more.  It is not free either (about 4 ms here even with
         nothing dirty: the device-cache flush), so the engine calls it per commit batch, not per token.
         """
-        session_id = self._session_of(kv)  # no lock held while waiting for the disk
-        if self._open[session_id].memory_only:
+        with self._lock:  # (no lock held while waiting for the disk)
+            session_id, s = self._still_open(kv)
+        if s is None:
+            raise KVStoreError("this KVCache is not an open session of this store (deleted?)")
+        if s.memory_only:
             return
         try:
             fd = os.open(self._kv_path(session_id), os.O_RDWR)
@@ -137,8 +140,8 @@ class RoomAccounting:
         memory of memory-only sessions (``ram_measured`` False when mincore is unavailable) -,
         reservation and cap, session count.  Measured off the store's lock (a step's reservation never
         waits for a status): the sessions' arrays stay valid whatever happens to them meanwhile."""
+        ids = self.session_ids()  # (the directory's listing, off the lock)
         with self._lock:
-            ids = self.session_ids()
             opened = dict(self._open)
             prefix_paths = self.prefixes.paths()
             reserved = self._reserved_bytes()
