@@ -44,6 +44,13 @@ CASES = [
      [("f", '{"a": 1}'), ("g", "{}")]),
     (GENERIC, '{"tool_calls": [{"name": "f", "arguments": {"a": "]"}}]}', "", [("f", '{"a": "]"}')]),
     (GENERIC, '{"response": "caf\\u00e9 \\"q\\"\\n\\ud83d\\ude00"}', 'café "q"\n😀', []),
+    # a lone surrogate half (JSON allows the escape; no text holds it): the replacement character
+    (GENERIC, '{"response": "a\\ud83dabcd"}', "a\ufffdabcd", []),
+    (GENERIC, '{"response": "a\\ud83d ab"}', "a\ufffd ab", []),
+    (GENERIC, '{"response": "\\udc00x\\ud83d\\u0041"}', "\ufffdx\ufffdA", []),
+    # llama3: a call only when the answer starts with "{" itself (" {" is free text, as its grammar says)
+    (LLAMA3, ' {"name": "get", "parameters": {"x": 1}}', ' {"name": "get", "parameters": {"x": 1}}', []),
+    (LLAMA3, "<", "<", []),
 ]
 
 
@@ -166,3 +173,17 @@ def test_reasoning_tokens_are_the_tokens_of_the_reasoning_block(opened):
     for t in ("Yes", "."):
         plain.push_token(t)
     assert plain.reasoning_tokens == 0
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_the_first_lines_indentation_after_the_reasoning_is_the_answers(step):
+    """The blank lines after ``</think>`` belong to neither part; the spaces that start the answer's
+    first line (code) are the answer's."""
+    ans, deltas = parse(HERMES, "<think>\nr\n</think>\n\n    indented code\nmore", step, thinking=True)
+    assert ans.content == "    indented code\nmore" and ans.reasoning.strip() == "r"
+    assert assembled(deltas)[0] == ans.content
+
+
+def test_an_answer_cut_right_after_llamas_call_tag_says_nothing():
+    ans, deltas = parse(LLAMA3, "<|python_tag|>", 1000)
+    assert ans.content == "" and not ans.calls and assembled(deltas) == ("", "", [])

@@ -93,12 +93,15 @@ class AnswerParser:
         return _merge(out)
 
     def _lead_prefix(self, s: str) -> bool:
-        """Whether ``s`` is a proper start of the text that opens calls or a response in this format."""
+        """Whether ``s``, all an answer cut short said, is call syntax and no content: a proper start of
+        the text that opens calls or a response in the generic format, or Llama 3's ``<|python_tag|>``
+        itself (a proper start of that one is text: the tag is one token, never written in pieces)."""
         fmt = self.fmt
         if fmt is None or fmt.trigger or not s:
             return False
-        leads = self._generic_leads() if fmt.name == "generic" else ("<|python_tag|>",)
-        return any(lead.startswith(s) and s != lead for lead in leads)
+        if fmt.name != "generic":
+            return s.rstrip() == "<|python_tag|>"
+        return any(lead.startswith(s) and s != lead for lead in self._generic_leads())
 
     def _generic_leads(self) -> tuple[str, ...]:
         return ('{"tool_calls": [', '{"response": "') if self._envelope else ('{"tool_calls": [',)
@@ -115,10 +118,13 @@ class AnswerParser:
 
     def _step(self, out: list[dict]) -> bool:
         """Consume what can be decided of the buffer; False when more text is needed."""
-        if self._skip_ws:  # the blank lines after <think> and </think> belong to neither part
-            self._buf = self._buf.lstrip()
-            if not self._buf:
+        if self._skip_ws:  # the blank lines after <think> and </think> belong to neither part - up to the
+            # last line break before the text: the first line's own indentation is the text's
+            s = self._buf.lstrip()
+            if not s:
                 return False
+            gap = self._buf[: len(self._buf) - len(s)]
+            self._buf = self._buf[gap.rfind("\n") + 1:] if "\n" in gap else s
             self._skip_ws = False
         st, buf = self._state, self._buf
         if st == "think?":
@@ -165,7 +171,8 @@ class AnswerParser:
         if fmt is None or fmt.trigger:
             self._state = "main"
             return True
-        s = self._buf.lstrip()
+        # (llama3: a call only when the answer starts with "{" itself, as its grammar says: " {" is text)
+        s = self._buf.lstrip() if fmt.name == "generic" else self._buf
         if not s:
             return False
         if fmt.name == "generic":
@@ -184,7 +191,7 @@ class AnswerParser:
         tag = "<|python_tag|>"
         if tag.startswith(s) and s != tag:
             return False
-        body = s[len(tag):].lstrip() if s.startswith(tag) else s
+        body = s[len(tag):] if s.startswith(tag) else s
         if not body and s.startswith(tag):
             return False
         if body.startswith("{"):  # llama3: an answer that starts with a JSON object is a call
@@ -364,15 +371,33 @@ class _JsonString:
             if len(esc) < 2 or (esc[1] == "u" and len(esc) < 6):
                 self._pending = s[i:]
                 return "".join(out), "", False
-            if esc[1] == "u" and 0xD800 <= int(esc[2:], 16) < 0xDC00:  # a surrogate pair's first half
-                pair = s[i:i + 12]
-                if len(pair) < 12:
-                    self._pending = s[i:]
+            code = _hex(esc[2:]) if esc[1] == "u" else None
+            if code is not None and 0xD800 <= code < 0xE000:  # a surrogate: valid only as a high-low pair
+                nxt = s[i + 6:i + 12]
+                if nxt in ("", "\\") or (nxt.startswith("\\u") and len(nxt) < 6):
+                    self._pending = s[i:]  # (what follows decides)
                     return "".join(out), "", False
-                esc = pair
-            out.append(json.loads('"' + esc + '"'))
+                low = _hex(nxt[2:]) if nxt.startswith("\\u") else None
+                if code < 0xDC00 and low is not None and 0xDC00 <= low < 0xE000:
+                    esc = s[i:i + 12]
+                else:  # a lone half (JSON allows it; no text holds it): the replacement character
+                    out.append("\ufffd")
+                    i += 6
+                    continue
+            try:
+                out.append(json.loads('"' + esc + '"'))
+            except ValueError:  # (not an escape JSON knows: the text as written)
+                out.append(esc)
             i += len(esc)
         return "".join(out), "", False
+
+
+def _hex(digits: str) -> int | None:
+    """The value of four hex digits, or None."""
+    try:
+        return int(digits, 16) if len(digits) == 4 else None
+    except ValueError:
+        return None
 
 
 def _partial(buf: str, marker: str) -> int:
