@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from weaved.agent.tool_results import answered_calls, check_tool_results
+from weaved.agent.tool_results import answered_calls, check_tool_results, cut_calls
 from weaved.daemon.session import transcript_entry, transcript_view
 from weaved.errors import InvalidRequest
 
@@ -73,3 +73,24 @@ def test_a_transcripts_view_shows_an_answer_parsed_and_keeps_its_raw_text_for_th
     assert transcript_view(cut)["finish_reason"] == "length"
     plain = transcript_entry("assistant", "hello", "length", {})
     assert transcript_view(plain) == {"role": "assistant", "content": "hello", "finish_reason": "length"}
+
+
+def test_a_call_the_token_limit_cut_may_be_answered_and_need_not_be():
+    """A session's last answer ended at max_tokens inside its second call: the conversation may go on
+    with a user message (no result owed for the cut call, whose arguments never closed), or answer it;
+    the complete call before it still needs its result."""
+    cut_answer = {"role": "assistant", "content": "", "finish_reason": "length", "answer": {"content": None,
+                  "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                                 {"id": "call_b", "type": "function", "function": {"name": "g",
+                                                                                   "arguments": '{"q": "par'}}]}}
+    transcript = [{"role": "user", "content": "hi"}, cut_answer]
+    assert cut_calls(transcript) == {"call_b"}
+    earlier = answered_calls(transcript)
+    result = {"role": "tool", "tool_call_id": "call_a", "content": "ok"}
+    check_tool_results([result, {"role": "user", "content": "go on"}], earlier, cut=cut_calls(transcript))
+    check_tool_results([result, {"role": "tool", "tool_call_id": "call_b", "content": "cut"}], earlier,
+                       cut=cut_calls(transcript))
+    with pytest.raises(InvalidRequest, match="call_a"):
+        check_tool_results([{"role": "user", "content": "go on"}], earlier, cut=cut_calls(transcript))
+    done = {**cut_answer, "finish_reason": "tool_calls"}  # not cut: every call is owed its result
+    assert cut_calls([done]) == set()

@@ -10,6 +10,7 @@ Every call must have its result before the next message that is not one (or the 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from weaved.errors import InvalidRequest
@@ -61,10 +62,34 @@ def answered_calls(transcript: list[dict]) -> set[str] | None:
     return set()
 
 
-def check_tool_results(messages: list[dict], earlier: set[str] | None, words: Words = CHAT_WORDS) -> None:
+def cut_calls(transcript: list[dict]) -> set[str]:
+    """The calls of ``answered_calls`` that the token limit cut (their arguments never closed): a result
+    may answer one (an agent saying it could not run it), none is required - the conversation may go on
+    past an answer that was cut."""
+    for m in reversed(transcript):
+        if m.get("role") == "tool":
+            continue
+        if m.get("role") != "assistant" or m.get("finish_reason") != "length":
+            return set()
+        calls = ((m.get("answer") or {}).get("tool_calls") or m.get("tool_calls") or [])[-1:]
+        return {c.get("id") for c in calls if not _closed(c.get("function", {}).get("arguments"))}
+    return set()
+
+
+def _closed(arguments: object) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except (TypeError, ValueError):
+        return False
+
+
+def check_tool_results(messages: list[dict], earlier: set[str] | None, words: Words = CHAT_WORDS,
+                       cut: set[str] = frozenset()) -> None:
     """Raise InvalidRequest (400) for a tool result that answers no call, and for calls left without
-    their results when the conversation goes on (see the module's doc)."""
+    their results when the conversation goes on (see the module's doc).  ``cut``: calls of ``earlier``
+    the token limit cut, which may be answered and need not be."""
     calls: set[str] | None = earlier  # the ids the next tool message may answer; None: unknown
+    optional: set[str] = set(cut)
     answered: set[str] = set()
     leading = True  # no message but tool results so far
     for m in messages:
@@ -80,11 +105,11 @@ def check_tool_results(messages: list[dict], earlier: set[str] | None, words: Wo
                                      param=words.param)
             answered.add(cid)
             continue
-        _all_answered(calls, answered, words)
+        _all_answered(calls, answered | optional, words)
         leading = False
         calls = {c.get("id") for c in m.get("tool_calls") or ()} if role == "assistant" else set()
-        answered = set()
-    _all_answered(calls, answered, words)
+        answered, optional = set(), set()
+    _all_answered(calls, answered | optional, words)
 
 
 def _all_answered(calls: set[str] | None, answered: set[str], words: Words) -> None:

@@ -63,8 +63,9 @@ async def continued_chain(state, rid: str, messages: list[dict]) -> str:
         sid, previous = await run_in_threadpool(state.daemon.get_response, rid)
     except NotFound as e:
         raise NotFound(e.message, param="previous_response_id") from None
-    check_tool_results(messages, {i.get("call_id") for i in previous.get("output") or ()
-                                  if i.get("type") == "function_call"}, RESPONSES_WORDS)
+    calls = [i for i in previous.get("output") or () if i.get("type") == "function_call"]
+    check_tool_results(messages, {i.get("call_id") for i in calls}, RESPONSES_WORDS,
+                       cut={i.get("call_id") for i in calls if i.get("status") == "incomplete"})
     return sid
 
 

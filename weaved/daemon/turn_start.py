@@ -13,7 +13,7 @@ import secrets
 from collections.abc import Callable
 
 from weaved.agent.plan import AnswerPlan, AnswerSpec
-from weaved.agent.tool_results import answered_calls, check_tool_results
+from weaved.agent.tool_results import answered_calls, check_tool_results, cut_calls
 from weaved.daemon.session import Session
 from weaved.daemon.turns import (
     Context,
@@ -103,7 +103,7 @@ class TurnStarts:
                 s.system = system
             try:
                 if messages is not None:
-                    check_tool_results(messages, answered_calls(s.messages))
+                    check_tool_results(messages, answered_calls(s.messages), cut=cut_calls(s.messages))
                 new, keep = ahead.get(s, tokens) if ahead is not None else tokens(s)
                 # the answer the router budgets for: what max_tokens allows, or a typical one when unset
                 answer = min(params.max_tokens, self.profile.routing.answer_tokens) if params.fit_context \
