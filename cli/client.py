@@ -189,9 +189,10 @@ class Client:
     def _transport_errors(self) -> _TransportErrors:
         return _TransportErrors(self.address)
 
-    def request(self, method: str, path: str, body: dict | None = None) -> Any:
-        """One request; its JSON answer, or ApiError for an error status."""
-        conn, r = self._open(method, path, body, self.timeout_s)
+    def request(self, method: str, path: str, body: dict | None = None, *, generates: bool = False) -> Any:
+        """One request; its JSON answer, or ApiError for an error status.  ``generates``: the answer is a
+        generation (a whole turn, minutes on a CPU pool), read with no time limit, as a stream is."""
+        conn, r = self._open(method, path, body, None if generates else self.timeout_s)
         with closing(conn):
             with self._transport_errors():
                 raw = r.read()
@@ -281,7 +282,7 @@ class Client:
     def turn(self, session_id: str, messages: list[dict], **sampling: Any) -> dict:
         """A turn of a session, answered as one chat completion."""
         return self.request("POST", f"/v1/sessions/{_quote(session_id)}/turns",
-                            {"messages": messages, **_given(sampling)})
+                            {"messages": messages, **_given(sampling)}, generates=True)
 
     def stream_turn(self, session_id: str, messages: list[dict], **sampling: Any) -> Iterator[Delta]:
         body = {"messages": messages, **_given(sampling), "stream": True}
@@ -297,11 +298,12 @@ class Client:
     def chat(self, messages: list[dict], *, sla: dict | None = None, **sampling: Any) -> dict:
         """A one-off chat completion (no session is kept)."""
         body = {"messages": messages, **_given({"sla": sla, **sampling})}
-        return self.request("POST", "/v1/chat/completions", body)
+        return self.request("POST", "/v1/chat/completions", body, generates=True)
 
     def complete(self, prompt: str, *, sla: dict | None = None, **sampling: Any) -> dict:
         """A one-off text completion: the model continues ``prompt`` as it stands (no chat template)."""
-        return self.request("POST", "/v1/completions", {"prompt": prompt, **_given({"sla": sla, **sampling})})
+        return self.request("POST", "/v1/completions", {"prompt": prompt, **_given({"sla": sla, **sampling})},
+                            generates=True)
 
     def stream_completion(self, prompt: str, *, sla: dict | None = None, **sampling: Any) -> Iterator[Delta]:
         body = {"prompt": prompt, **_given({"sla": sla, **sampling}), "stream": True}

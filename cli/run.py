@@ -225,12 +225,21 @@ def submit(
                 echo(f"session   {info['id']}\nplacement {fmt.placement_summary(placement)}")
             return
         if json:
-            result = _turn_result(client, info["id"], msgs, sampling)
+            try:
+                result = _turn_result(client, info["id"], msgs, sampling)
+            except ApiError:  # refused: no empty session left
+                client.delete_session(info["id"])
+                raise
             print_json({"id": info["id"], **result, "placement": result["placement"] or info.get("placement")})
             return
         echo(f"session   {info['id']}", err=True)
+        started: list[bool] = []
         try:
-            last = write_stream(_with_placement(client.stream_turn(info["id"], msgs, **sampling), info))
+            last = write_stream(_with_placement(client.stream_turn(info["id"], msgs, **sampling), info, started))
+        except ApiError:
+            if not started:  # refused before its first chunk: no empty session left
+                client.delete_session(info["id"])
+            raise
         except KeyboardInterrupt:  # the stream closes, and with it the turn: say so, not just exit
             echo(f"\nweave: interrupted: the task was cancelled; its answer so far is kept "
                  f"(weave show {info['id']})", err=True)
@@ -238,13 +247,15 @@ def submit(
     _note_length(last, max_tokens)
 
 
-def _with_placement(deltas: Iterable[Delta], info: dict) -> Iterator[Delta]:
+def _with_placement(deltas: Iterable[Delta], info: dict, started: list[bool] | None = None) -> Iterator[Delta]:
     """``deltas``, after printing (to stderr) the placement the first chunk brings - or the session's
-    own when none does."""
+    own when none does (``started`` gets an entry then)."""
     said = False
     for d in deltas:
         if not said:
             said = True
+            if started is not None:
+                started.append(True)
             echo(f"placement {fmt.placement_summary((d.weave or {}).get('placement') or info.get('placement'))}",
                  err=True)
         yield d

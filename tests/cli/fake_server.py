@@ -102,6 +102,8 @@ class FakeDaemon:
         self.events: list[dict] = []  # what was published (the backlog a subscriber may ask for)
         self.disconnects = 0  # streams the client closed before the end
         self.cut_by: str | None = None  # when set, answers end with this finish reason (e.g. "shutdown")
+        self.answer_delay_s = 0.0  # a whole (non-streamed) answer takes this long to come (a long generation)
+        self.status_delay_s = 0.0  # /v1/status takes this long to answer
         self.refuse_turns: str | None = None  # when set, every turn is refused (400) with this message
         self.refuse_code: str | None = None  # ... and this code
         self.unrecovered: list[dict] = []  # /v1/status "unrecovered": {"id", "reason"}
@@ -284,6 +286,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, {"status": "ok", "model": MODEL})
 
     def status(self, body: dict) -> None:
+        time.sleep(self.fake.status_delay_s)
         self._json(200, self.fake.status())
 
     def models(self, body: dict) -> None:
@@ -400,6 +403,7 @@ class _Handler(BaseHTTPRequestHandler):
                              "placement": s.placement})
             return
         if not body.get("stream"):
+            time.sleep(self.fake.answer_delay_s)
             text = "".join(pieces)
             s.messages.append({"role": "assistant", "content": text})
             self._json(200, {**meta, "object": "chat.completion", "usage": usage, "weave": weave,

@@ -469,3 +469,29 @@ def test_ctrl_c_during_submit_wait_says_the_task_was_cancelled(fake, monkeypatch
     assert res.exit_code != 0
     sid = res.stderr.splitlines()[0].split()[1]
     assert f"interrupted: the task was cancelled; its answer so far is kept (weave show {sid})" in res.stderr
+
+
+def test_a_whole_answer_is_waited_for_however_long_it_takes(fake):
+    """``weave run --json`` and ``submit --wait --json`` read a whole generation in one answer, which on a
+    CPU pool takes minutes: it has no read time limit (other requests keep theirs)."""
+    from weaved.cli.client import Client
+    from weaved.cli.errors import ClientError
+
+    fake.answer_delay_s = 0.6
+    client = Client(fake.socket_path, timeout_s=0.2)
+    answer = client.chat([{"role": "user", "content": "hello there"}], max_tokens=4)
+    assert answer["choices"][0]["message"]["content"]
+    sid = client.create_session({"class": "background"}, None, None)["id"]
+    assert client.turn(sid, [{"role": "user", "content": "hi"}])["choices"][0]["finish_reason"]
+    fake.status_delay_s = 0.6  # (a request that is not a generation keeps its limit)
+    with pytest.raises(ClientError):
+        client.status()
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_a_task_refused_while_it_is_waited_for_leaves_no_empty_session(fake, json_out):
+    before = set(fake.sessions)
+    fake.refuse_turns = "this model has no chat template"
+    res = weave(fake, "submit", "--wait", *(["--json"] if json_out else []), "Summarize the report")
+    assert res.exit_code == 1 and "no chat template" in res.stderr
+    assert set(fake.sessions) == before
