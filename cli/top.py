@@ -19,7 +19,8 @@ def top(socket: SocketOpt = None, api_key: ApiKeyOpt = None,
         = 1.0) -> None:
     """Watch the daemon: host and GPU load, pools, sessions, peers, throughput and events.
 
-    Keys: p promote, d demote, x delete, / filter, s sort, q or Ctrl-C quit.  Needs a terminal.
+    Keys: p promote, d demote, x delete, / filter (words, or key:value such as state:running), s sort,
+    arrows move (left/right scroll a wide table), q or Ctrl-C quit.  Needs a terminal.
     """
     if not on_a_terminal():
         raise fail("weave top needs a terminal; 'weave status' (or --json) prints the daemon's state once", 2)

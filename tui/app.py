@@ -19,6 +19,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Footer, Header, Input
 from weaved.cli.errors import ClientError, DaemonNotRunning
+from weaved.cli.fmt import printable
 from weaved.tui.confirm_delete import ConfirmDelete
 from weaved.tui.connection_bar import ConnectionBar
 from weaved.tui.event_log import EventLog
@@ -197,7 +198,7 @@ class WeaveTop(App):
         try:
             await call(sid)
         except ClientError as e:
-            self.notify(f"{kind} {sid}: {e}", severity="error")
+            self.notify(printable(f"{kind} {sid}: {e}"), severity="error", markup=False)
             return
         self.notify(f"{DONE_WORDS[kind]} {sid}")
         await self.refresh_status()

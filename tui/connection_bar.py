@@ -1,9 +1,11 @@
-"""One line saying whether the daemon answers, and what it serves."""
+"""One line saying whether the daemon answers, and what it serves (the daemon's words as text: a model
+name or an error holding ``[`` is not markup, nor a control character a terminal's command)."""
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.widgets import Static
-from weaved.cli.fmt import seconds
+from weaved.cli.fmt import printable, seconds
 
 
 class ConnectionBar(Static):
@@ -20,10 +22,10 @@ class ConnectionBar(Static):
                      f"up {seconds(status.get('uptime_s'))} · {len(sessions)} session(s)")
         self.up = True
         self.set_class(False, "-down")
-        self.update(self.text)
+        self.update(Text(printable(self.text)))
 
     def down(self, text: str) -> None:
         self.text = text
         self.up = False
         self.set_class(True, "-down")
-        self.update(self.text)
+        self.update(Text(printable(self.text)))

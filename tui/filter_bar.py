@@ -10,7 +10,8 @@ class FilterBar(Input):
     BINDINGS = [Binding("escape", "clear_and_close", "Clear filter", show=False)]
 
     def __init__(self, **kw) -> None:
-        hint = "filter sessions (id, class, pool, state, reason); Enter keeps, Esc clears"
+        hint = ("filter sessions: words in id, class, pool, backend, state, or key:value (state:running); "
+                "Enter keeps, Esc clears")
         super().__init__(placeholder=hint, **kw)
 
     def open(self) -> None:

@@ -304,6 +304,8 @@ def test_the_daemons_text_is_shown_as_it_is_never_as_markup_or_terminal_codes(fa
     hostile = fake.add_session("s-00000000000000bb", "batch")
     hostile.placement = {**hostile.placement, "reasons": ["[bold red]loud[/]", "[/unclosed", "\x1b[2Jcleared"]}
     fake.publish("placement", session="s-00000000000000bb", placement=hostile.placement)
+    status = fake.status
+    fake.status = lambda: {**status(), "model": {**status()["model"], "name": "m [/x] \x1b[2J"}}
 
     async def scenario():
         app = top(fake)
@@ -313,6 +315,10 @@ def test_the_daemons_text_is_shown_as_it_is_never_as_markup_or_terminal_codes(fa
             assert reason == "[bold red]loud[/]; [/unclosed; \\x1b[2Jcleared"
             await until(pilot, lambda: any("s-00000000000000bb" in e for e in app.events.entries), what="event")
             assert not any("\x1b" in e for e in app.events.entries)
+            bar = app.query_one("#connection")  # (as markup, "[/x]" froze the view: its poll died)
+            assert bar.up and "m [/x] \\x1b[2J" in str(bar.render())
+            polled = fake.status_calls
+            await until(pilot, lambda: fake.status_calls > polled + 1, what="the polls going on")
 
     run(scenario())
 
