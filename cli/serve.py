@@ -123,6 +123,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("serve", help=HELP)
     def serve(
+        ctx: typer.Context,
         model: ModelOpt = None,
         profile: ProfileOpt = None,
         socket: Annotated[Path | None, typer.Option("--socket", help="Unix socket path.",
@@ -155,6 +156,11 @@ def register(app: typer.Typer) -> None:
 
         path = (socket or default_socket_path()).expanduser().absolute()
         try:  # everything that can be refused is refused before the model loads
+            source = ctx.get_parameter_source("api_key")
+            if listen is None and source is not None and source.name == "COMMANDLINE":
+                # (the Unix socket's access is its file mode: a key would be ignored; one exported in
+                # WEAVE_API_KEY for the clients is fine)
+                raise _fail("--api-key is for the TCP listener: give --listen HOST:PORT with it", 2)
             if listen is not None:  # (the address first: a key would not make a bad one usable)
                 try:
                     parse_listen(listen)

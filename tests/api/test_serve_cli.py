@@ -36,6 +36,16 @@ def test_listen_without_a_key_is_refused(tmp_path: Path):
     assert r.exit_code == 2 and "API key" in r.output  # bad usage
 
 
+def test_an_api_key_without_a_listener_is_refused_unless_it_comes_from_the_environment(tmp_path: Path):
+    """``--api-key`` guards the TCP listener only (the socket's file mode guards the socket): given
+    without ``--listen`` it would be ignored, so it is refused; exported for the clients, it is fine."""
+    r = _serve("--socket", str(tmp_path / "w.sock"), "--api-key", "k")
+    assert r.exit_code == 2 and "--listen" in r.output
+    r = _serve("--socket", str(tmp_path / "w.sock"), "--profile", str(tmp_path / "none.toml"),
+               env={"WEAVE_API_KEY": "k"})
+    assert r.exit_code == 2 and "--listen" not in r.output  # (refused for its profile, past the key)
+
+
 def test_bad_listen_address_is_refused(tmp_path: Path):
     r = _serve("--socket", str(tmp_path / "w.sock"), "--listen", "nowhere", "--api-key", "k")
     assert r.exit_code == 2 and "HOST:PORT" in r.output
