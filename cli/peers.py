@@ -70,7 +70,7 @@ def ls(socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = Fals
 
 
 @peers_app.command("add")
-def add(name: NameArg,
+def add(ctx: typer.Context, name: NameArg,
         url: Annotated[str, typer.Argument(metavar="URL", help="The peer's control plane, http(s)://host:port.",
                                            show_default=False)],
         token_env: Annotated[str, typer.Option("--token-env", metavar="VAR",
@@ -81,6 +81,9 @@ def add(name: NameArg,
                                                        "prefer --token-env).")] = None,
         socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
     """Federate with another daemon; it is health-checked at once and kept across restarts."""
+    source = ctx.get_parameter_source("token_env")
+    if token is not None and source is not None and source.name == "COMMANDLINE":
+        raise fail("give the token once: --token or --token-env, not both", 2)
     if token is None:
         token = os.environ.get(token_env, "")
         if not token:

@@ -80,6 +80,8 @@ def test_refusals_are_one_line_errors(daemon):
     assert res.exit_code == 1 and "named in the profile" in res.stderr
     res = weave(daemon, "peers", "rm", "ghost")
     assert res.exit_code == 1 and "no peer 'ghost'" in res.stderr
+    res = weave(daemon, "peers", "add", "b", "http://127.0.0.1:1", "--token", "t", "--token-env", "MY_TOKEN")
+    assert res.exit_code == 2 and "not both" in res.stderr  # one of them would be ignored
 
 
 def test_no_peers(tmp_path):
