@@ -56,13 +56,24 @@ _register()
 
 
 def main() -> None:
-    """Console entry point: one-line errors unless WEAVE_DEBUG=1."""
+    """Console entry point: one-line errors unless WEAVE_DEBUG=1 - bad usage the parser finds too (exit
+    2, ``weave: error: ...`` as the commands' own refusals say it, not a usage box)."""
     try:
-        app()
+        code = app(standalone_mode=False)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence
         if os.environ.get("WEAVE_DEBUG") == "1":
             raise
+        kind = type(exc).__name__
+        if kind == "Abort":  # (Ctrl-C or Ctrl-D at a prompt)
+            sys.exit(130)
+        if kind == "NoArgsIsHelpError":  # ``weave`` alone: its help
+            exc.show()
+            sys.exit(0)
+        if hasattr(exc, "format_message") and isinstance(getattr(exc, "exit_code", None), int):  # the parser's
+            typer.echo(printable(f"weave: error: {exc.format_message()}"), err=True)
+            sys.exit(exc.exit_code)
         typer.echo(printable(f"weave: error: {exc}"), err=True)
         sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)

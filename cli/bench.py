@@ -139,10 +139,15 @@ def register(app: typer.Typer, run: Runner | None = None,
         if scenario not in ("llama", "agents", "ring", "load", "grammar", "prefix"):
             raise typer.BadParameter(f"unknown scenario {scenario!r}; choose llama, agents, ring, load, grammar or "
                                      "prefix", param_hint="--scenario")
+        if clients is not None and scenario != "load":  # (before the scenarios that would drop it)
+            raise typer.BadParameter("--clients needs --scenario load")
         if validate:
             if scenario != "agents" or simulate is not None or shape is not None:
                 raise typer.BadParameter("--validate runs --scenario agents on this host's model (--model), "
                                          "without --simulate or --shape", param_hint="--validate")
+            if quick or only is not None:
+                raise typer.BadParameter("--validate replays the whole workload: without --quick or --only",
+                                         param_hint="--validate")
             _agents_validated(model, threads, json_out, (agents, duration, seed, configs, capacity))
             return
         if simulate is not None:
@@ -167,11 +172,10 @@ def register(app: typer.Typer, run: Runner | None = None,
             return
         if scenario == "load":
             if any(v is not None for v in (agents, seed, configs, capacity, only)):
-                raise typer.BadParameter("the load scenario takes --clients, --duration, --quick and --json")
+                raise typer.BadParameter("the load scenario takes --model/--shape, --threads, --clients, --duration, "
+                                         "--quick and --json")
             _load(model, threads, quick, json_out, clients, duration, run_load)
             return
-        if clients is not None:
-            raise typer.BadParameter("--clients needs --scenario load")
         agent_opts = (agents, duration, seed, configs, capacity)
         if scenario == "agents":
             _agents(model, threads, quick, json_out, only, agent_opts, run_agents)

@@ -388,3 +388,22 @@ def test_a_busy_machine_is_said_in_the_report_and_the_table_explains_its_columns
     monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None: 0.0)
     assert "warnings" not in runner.run_bench(BenchConfig(tmp_path / "m.gguf", threads=1, rounds=1),
                                               tokens=[1] * 9000, progress=said.append)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--scenario", "agents", "--validate", "--quick"], "without --quick or --only"),
+    (["--scenario", "agents", "--validate", "--only", "weave"], "without --quick or --only"),
+    (["--scenario", "agents", "--validate", "--clients", "8"], "--clients needs --scenario load"),
+    (["--scenario", "agents", "--simulate", "this-host", "--shape", "qwen3-1.7b", "--clients", "8"],
+     "--clients needs --scenario load"),
+])
+def test_options_a_scenario_would_drop_are_refused(args, says, monkeypatch, capsys):
+    """--validate and --simulate run before the other scenarios' checks: an option they would not use is
+    still refused by name (one line, bad usage), never dropped."""
+    from weaved.cli.app import main
+
+    monkeypatch.setattr(sys, "argv", ["weave", "bench", *args])
+    with pytest.raises(SystemExit) as ended:
+        main()
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and err.startswith("weave: error: ") and says in err and err.count("\n") == 1

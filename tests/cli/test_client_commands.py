@@ -495,3 +495,20 @@ def test_a_task_refused_while_it_is_waited_for_leaves_no_empty_session(fake, jso
     res = weave(fake, "submit", "--wait", *(["--json"] if json_out else []), "Summarize the report")
     assert res.exit_code == 1 and "no chat template" in res.stderr
     assert set(fake.sessions) == before
+
+
+@pytest.mark.parametrize("args", [["run", "--temperature", "5", "hi"], ["nosuch"], ["show", " "],
+                                  ["run", "--max-tokens", "x", "hi"]])
+def test_bad_usage_is_one_line_and_exit_2_however_it_is_found(args, monkeypatch, capsys):
+    """The parser's refusals (a value out of range, an unknown command) say it as the commands' own do:
+    ``weave: error: ...`` on one line, exit 2 - no usage box."""
+    import sys
+
+    from weaved.cli.app import main
+
+    monkeypatch.setattr(sys, "argv", ["weave", *args])
+    monkeypatch.setenv("WEAVE_SOCKET", "/nonexistent/w.sock")
+    with pytest.raises(SystemExit) as ended:
+        main()
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and err.startswith("weave: error: ") and err.count("\n") == 1, err
