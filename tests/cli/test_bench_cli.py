@@ -353,7 +353,7 @@ def test_grammar_scenario_reports_mask_costs(smollm2_q4_0):
     assert set(m["grammars"]) == {"json_schema", "tools_required", "tools_auto"}
     for g in m["grammars"].values():
         assert g["tokens"] == 300 and 0 < g["p50_us"] <= g["p99_us"] <= g["max_us"]
-    bad = CliRunner().invoke(app, ["bench", "--scenario", "grammar", "--clients", "3"])
+    bad = CliRunner().invoke(app, ["bench", "--scenario", "grammar", "--agents", "3"])
     assert bad.exit_code == 2 and "grammar scenario takes" in bad.output
 
 
