@@ -31,6 +31,7 @@ from weaved.cli.common import (
 )
 from weaved.cli.errors import ApiError
 from weaved.cli.run import CUT, MaxTokensOpt, SeedOpt, SystemOpt, TemperatureOpt, length_note
+from weaved.cli.sessions import message_lines
 from weaved.cli.stream_out import write_stream
 
 PROMPT = ">>> "
@@ -40,7 +41,9 @@ COMMANDS = """\
 /session   show the session: id, SLA, placement, context
 /reset     forget the conversation: start a new session with the same options (the old one is
            deleted if this chat made it, else kept)
-/exit      leave (also Ctrl-D); the session stays in the daemon
+/exit      leave (also /quit, /bye, Ctrl-D); the session stays in the daemon
+/help      this list (also /?)
+//text     send "/text" as a message (a line that starts with / is a command)
 Ctrl-C stops an answer while it is being written."""
 BUSY_RETRY_S = 5.0  # after Ctrl-C the daemon needs a moment (its next step) to cancel the turn
 
@@ -69,7 +72,8 @@ class ChatRepl:
             self.say(f"resumed session {s['id']} ({fmt.sla_summary(s.get('sla'))}, "
                      f"{len(messages)} message(s), {s.get('context_tokens', 0)} tokens of context)")
             for m in messages[-2:]:
-                self.say(f"{m.get('role')}: {m.get('content')}")
+                for line in message_lines(m):
+                    self.say(line)
             return
         self._new_session()
         self.say("/help lists the commands; Ctrl-D or /exit leaves")
@@ -102,6 +106,8 @@ class ChatRepl:
             try:
                 if not self.handle(line):
                     break
+            except KeyboardInterrupt:  # Ctrl-C during a command (or a retry's wait): that command stops
+                self.say("\n[stopped]")
             except ApiError as e:  # a refused turn or command ends nothing but itself
                 if e.code == "no_chat_template":  # no turn of this chat can be taken: leave, failing
                     self.finish()
@@ -117,13 +123,19 @@ class ChatRepl:
         text = line.strip()
         if not text:
             return True
-        if not text.startswith("/"):
+        if not text.startswith("/") or text.startswith("//"):
+            if text.startswith("//"):  # a message that starts with "/": written with it doubled
+                line = line.replace("//", "/", 1)
             if (problem := utf8_problem(line, "that line")) is not None:  # the chat goes on
                 self.say(f"error: {problem}; nothing was sent")
                 return True
             self.ask(line)
             return True
-        cmd = text.split()[0].lower()
+        cmd, *args = text.split()
+        cmd = cmd.lower()
+        if args and cmd in ("/exit", "/quit", "/bye", "/promote", "/demote", "/session", "/reset", "/help", "/?"):
+            self.say(f"{cmd} takes no argument (it acts on this chat's session); nothing was done")
+            return True
         if cmd in ("/exit", "/quit", "/bye"):
             return False
         if cmd in ("/promote", "/demote"):

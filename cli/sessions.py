@@ -80,20 +80,28 @@ def show_text(s: dict) -> str:
     if not messages:
         lines.append("(no messages yet)")
     for m in messages:
-        if m.get("reasoning_content"):
-            lines.append(f"{m.get('role', '?')} (thinking): {m['reasoning_content']}")
-        if m.get("content") or not m.get("tool_calls"):
-            lines.append(f"{m.get('role', '?')}: {m.get('content') or ''}")
-        for c in m.get("tool_calls") or ():
-            fn = c.get("function") or {}
-            call = f"{fn.get('name', '?')}({fn.get('arguments', '')})"
-            lines.append(f"{m.get('role', '?')}: -> {call}  [{c.get('id', '')}]")
-        if m.get("role") == "tool" and m.get("tool_call_id"):
-            lines[-1] += f"  [answers {m['tool_call_id']}]"
-        why = m.get("finish_reason")
-        if why in ENDED_EARLY:
-            lines.append(f"  [{ENDED_EARLY[why]}]")
+        lines += message_lines(m)
     return "\n".join(lines)
+
+
+def message_lines(m: dict) -> list[str]:
+    """A transcript entry as ``show`` (and a resumed chat) prints it: its thinking, text, calls, the call
+    a tool result answers, and why an answer ended early."""
+    lines = []
+    if m.get("reasoning_content"):
+        lines.append(f"{m.get('role', '?')} (thinking): {m['reasoning_content']}")
+    if m.get("content") or not m.get("tool_calls"):
+        lines.append(f"{m.get('role', '?')}: {m.get('content') or ''}")
+    for c in m.get("tool_calls") or ():
+        fn = c.get("function") or {}
+        call = f"{fn.get('name', '?')}({fn.get('arguments', '')})"
+        lines.append(f"{m.get('role', '?')}: -> {call}  [{c.get('id', '')}]")
+    if m.get("role") == "tool" and m.get("tool_call_id"):
+        lines[-1] += f"  [answers {m['tool_call_id']}]"
+    why = m.get("finish_reason")
+    if why in ENDED_EARLY:
+        lines.append(f"  [{ENDED_EARLY[why]}]")
+    return lines
 
 
 # answers that did not end by themselves, as ``show`` marks them

@@ -221,3 +221,46 @@ def test_a_model_without_a_chat_template_ends_the_chat_failing_and_leaves_no_ses
     fake.refuse_code = None  # another refusal ends nothing but that turn
     res = runner.invoke(app, ["chat"], input="hello\n", env={"WEAVE_SOCKET": str(fake.socket_path)})
     assert res.exit_code == 0 and "error:" in res.stdout + res.stderr
+
+
+def test_a_command_with_an_argument_does_nothing_and_says_why(fake):
+    """``/promote s-other`` would act on this chat's own session, not the one named: refused, not done."""
+    out = chat(fake, input=f"/promote {IDLE}\n/exit\n")
+    assert "/promote takes no argument (it acts on this chat's session); nothing was done" in out
+    assert not [p for p in fake.paths("POST") if p.endswith("mote")]
+
+
+def test_a_message_that_starts_with_a_slash_is_sent_doubled(fake):
+    before = set(fake.sessions)
+    chat(fake, input="//etc/hosts is a file\n/exit\n")
+    [sid] = new_ids(fake, before)
+    turns = [r for r in fake.requests if r.path == f"/v1/sessions/{sid}/turns"]
+    assert turns[0].body["messages"] == [{"role": "user", "content": "/etc/hosts is a file"}]
+
+
+def test_ctrl_c_during_a_command_stops_it_not_the_chat(fake, monkeypatch):
+    said: list[str] = []
+    lines = iter(["/session", "/exit"])
+    repl = ChatRepl(Client(fake.socket_path), session_id=IDLE, sla=None, system=None, sampling={},
+                    read=lambda prompt: next(lines), say=said.append)
+
+    real, calls = repl.client.session, []
+
+    def session(sid):  # the resume reads the session; then /session is interrupted while it waits
+        calls.append(sid)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(sid)
+
+    monkeypatch.setattr(repl.client, "session", session)
+    repl.run()
+    assert "\n[stopped]" in said and any("kept; resume with" in s for s in said)
+
+
+def test_resuming_after_a_call_shows_the_call_not_none(fake):
+    fake.add_session("s-00000000000000c1", "background", messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}])
+    out = chat(fake, "--session", "s-00000000000000c1", input="/exit\n")
+    assert 'assistant: -> get_weather({"city": "Oslo"})  [call_1]' in out and "None" not in out
