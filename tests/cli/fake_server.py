@@ -74,7 +74,7 @@ class FakeSession:
 
     @property
     def context_tokens(self) -> int:
-        return sum(len(m["content"].split()) + 4 for m in self.messages)
+        return sum(len((m["content"] or "").split()) + 4 for m in self.messages)
 
     def record(self) -> dict:  # GET /v1/sessions/{id}, as Daemon.get_session
         return {"id": self.id, "sla": dict(self.sla), "max_context": self.max_context, "system": self.system,

@@ -260,7 +260,7 @@ def test_ctrl_c_during_a_command_stops_it_not_the_chat(fake, monkeypatch):
 def test_resuming_after_a_call_shows_the_call_not_none(fake):
     fake.add_session("s-00000000000000c1", "background", messages=[
         {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}])
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}])
     out = chat(fake, "--session", "s-00000000000000c1", input="/exit\n")
     assert 'assistant: -> get_weather({"city": "Oslo"})  [call_1]' in out and "None" not in out
