@@ -88,6 +88,8 @@ class WeaveTop(App):
 
     def on_mount(self) -> None:
         self.sub_title = self.address
+        if "://" in self.address:  # a daemon over TCP: the gauges sample this machine, not the daemon's
+            self.host.border_title, self.gpu.border_title = "this machine (not the daemon's)", "this machine's gpu"
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGHUP):  # leave the terminal as it was found, whoever stops us
             loop.add_signal_handler(sig, self.exit)

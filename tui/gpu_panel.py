@@ -11,7 +11,7 @@ from weaved.tui.host_probe import HostSample
 
 class GpuPanel(Static):
     def on_mount(self) -> None:
-        self.border_title = "gpu"
+        self.border_title = self.border_title or "gpu"
 
     def show(self, s: HostSample) -> None:
         if not s.gpus:

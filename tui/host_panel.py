@@ -18,7 +18,7 @@ class HostPanel(Static):
     last: HostSample | None = None
 
     def on_mount(self) -> None:
-        self.border_title = "host"
+        self.border_title = self.border_title or "host"
 
     def on_resize(self) -> None:
         if self.last is not None:

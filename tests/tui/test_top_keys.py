@@ -387,3 +387,15 @@ def test_a_short_terminal_keeps_every_session_the_filter_and_the_newest_events_o
             assert not pilot.app.screen.has_class("-compact")
 
     run(scenario())
+
+
+def test_a_daemon_over_tcp_gets_gauges_labelled_as_this_machines():
+    """Over TCP the host and GPU gauges still sample the machine ``weave top`` runs on: they say so."""
+    async def scenario():
+        app = WeaveTop("http://127.0.0.1:9", api_key="k", poll_interval_s=0.05, probe=FixedProbe())
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            assert app.host.border_title == "this machine (not the daemon's)"
+            assert app.gpu.border_title == "this machine's gpu"
+
+    run(scenario())
