@@ -34,9 +34,10 @@ def register(app: typer.Typer) -> None:
     def calibrate(
         model: ModelOpt = None,
         profile: ProfileOpt = None,
-        data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Where the calibration is stored "
-                                                      "(default: the profile's data directory).",
-                                                      show_default=False)] = None,
+        data_dir: Annotated[str | None, typer.Option("--data-dir", metavar="<path>",
+                                                     help="Where the calibration is stored (default: the "
+                                                          "profile's data directory).",
+                                                     show_default=False)] = None,
     ) -> None:
         import dataclasses
 
@@ -57,7 +58,11 @@ def register(app: typer.Typer) -> None:
         except ProfileError as e:  # the --profile given: bad usage
             typer.echo(printable(f"weave: error: {e}"), err=True)
             raise typer.Exit(2) from None
-        where = data_dir or prof.host.data_dir
+        if data_dir is not None and not data_dir.strip():  # (an empty $VAR: not the current directory)
+            typer.echo("weave: error: --data-dir is empty: name a directory, or leave the option out for the "
+                       "profile's", err=True)
+            raise typer.Exit(2)
+        where = Path(data_dir).expanduser() if data_dir is not None else prof.host.data_dir
         try:  # (before minutes of measuring: a result that cannot be stored is refused now)
             where.mkdir(parents=True, exist_ok=True)
         except OSError as e:

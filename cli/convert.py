@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from weaved.cli.fmt import printable
 
 HELP = (
     "Convert a GGUF model into Weave's shared weight format.\n\n"
@@ -27,7 +28,7 @@ HELP = (
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
     """``weave: error: ...``; exit 2 for bad usage (the arguments), 1 when the conversion fails."""
-    typer.echo(f"weave: error: {message}", err=True)
+    typer.echo(printable(f"weave: error: {message}"), err=True)  # (it may quote a file's metadata)
     return typer.Exit(code)
 
 

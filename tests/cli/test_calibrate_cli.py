@@ -64,3 +64,9 @@ def test_calibrate_says_when_a_daemon_serves_from_the_data_directory(tiny_llama,
     finally:
         os.close(fd)
     assert data_dir_owner(tmp_path / "data") is None
+
+
+def test_calibrate_refuses_an_empty_data_directory_as_serve_does():
+    """An empty ``--data-dir "$UNSET"`` is not the current directory."""
+    out = CliRunner().invoke(app, ["calibrate", "--profile", "cpu-only", "--data-dir", " "])
+    assert out.exit_code == 2 and "--data-dir is empty" in out.output
