@@ -29,6 +29,18 @@ def _detached_turn(d, sid: str, params, on_event=None) -> threading.Event:
     return done
 
 
+def _cut_by_a_stop(model, data) -> str:
+    """A session with one turn, then a detached one that a stop cuts after its first token: its id."""
+    d = make_daemon(model, data)
+    sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    run_turn(d, sid, "Hello")
+    first_token = threading.Event()
+    _detached_turn(d, sid, LONG, lambda ev: ev["type"] == "token" and first_token.set())
+    assert first_token.wait(120)
+    d.shutdown()
+    return sid
+
+
 def test_a_detached_turn_that_ends_leaves_no_record(tiny_llama, tmp_path):
     d = make_daemon(tiny_llama, tmp_path / "data")
     try:
@@ -90,13 +102,7 @@ def test_a_session_taken_back_before_its_turn_ran_again_still_runs_it(tiny_llama
 def test_a_cut_detached_turn_runs_again_on_a_session_whose_kv_file_was_lost(tiny_llama, tmp_path):
     """Its session is rebuilt from the journal; the turn's cut answer is taken back (from the tokens
     only: nothing is in its new KV yet) and the turn runs again over the rebuilt context."""
-    d = make_daemon(tiny_llama, tmp_path / "data")
-    sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]
-    run_turn(d, sid, "Hello")
-    first_token = threading.Event()
-    _detached_turn(d, sid, LONG, lambda ev: ev["type"] == "token" and first_token.set())
-    assert first_token.wait(120)
-    d.shutdown()
+    sid = _cut_by_a_stop(tiny_llama, tmp_path / "data")
     (tmp_path / "data" / "kv" / f"{sid}.kv").unlink()
     d2 = make_daemon(tiny_llama, tmp_path / "data")
     try:
@@ -115,13 +121,7 @@ def test_a_cut_detached_turn_runs_again_on_a_session_whose_kv_file_was_lost(tiny
 def test_a_cut_detached_turn_refused_when_it_runs_again_keeps_its_partial_answer(tiny_llama, tmp_path):
     """Running a cut turn again takes its session back to before it - only once the turn is accepted: a
     refusal (a full pool) leaves the transcript, its journal and the cut answer as they were."""
-    d = make_daemon(tiny_llama, tmp_path / "data")
-    sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]
-    run_turn(d, sid, "Hello")
-    first_token = threading.Event()
-    _detached_turn(d, sid, LONG, lambda ev: ev["type"] == "token" and first_token.set())
-    assert first_token.wait(120)
-    d.shutdown()
+    sid = _cut_by_a_stop(tiny_llama, tmp_path / "data")
     d2 = make_daemon(tiny_llama, tmp_path / "data")
     try:
         ((_, body, n),) = d2.cut_detached_turns()
