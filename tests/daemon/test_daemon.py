@@ -354,6 +354,38 @@ def test_events_keep_a_backlog_for_new_subscribers():
     assert fresh == [-1] and late == [BACKLOG + 2, BACKLOG + 3, BACKLOG + 4, -1]
 
 
+def test_a_subscriber_joining_while_an_event_goes_out_gets_it_once():
+    """A subscriber asking for the backlog as an event is being sent gets that event once: from the
+    backlog or live, never both (its queue joins in the same step as the backlog is read)."""
+    import asyncio
+
+    from weaved.daemon.events import EventBus
+
+    bus = EventBus()
+    joined: list = []
+
+    class JoinsAsItIsRead(set):  # another thread subscribes while the event is being sent out
+        def __iter__(self):
+            if not joined:
+                t = threading.Thread(target=lambda: joined.append(bus.subscribe(backlog=5)))
+                t.start()
+                t.join(0.3)  # (it waits for the bus's lock while the event goes out)
+                joined.append(t)
+            return super().__iter__()
+
+    async def main() -> list:
+        bus.attach_loop(asyncio.get_running_loop())
+        bus._subscribers = JoinsAsItIsRead()
+        bus.publish("placement", {"n": 1})
+        thread = next(x for x in joined if isinstance(x, threading.Thread))
+        thread.join(10)
+        await asyncio.sleep(0.05)
+        q = next(x for x in joined if isinstance(x, asyncio.Queue))
+        return [q.get_nowait()["n"] for _ in range(q.qsize())]
+
+    assert asyncio.run(main()) == [1]
+
+
 def test_stateless_requests_copy_the_short_prompt_blocks_they_share(daemon, tiny_llama, tmp_path):
     """A request without a session whose prompt starts like an earlier one's gets those 16-token blocks'
     KV rows copied, not computed - and the same answer as a daemon that computes them."""

@@ -46,7 +46,7 @@ async def events(request: Request, backlog: int = 0) -> Response:
         raise InvalidRequest(f"backlog must be between 0 and {BACKLOG}", param="backlog")
     state = state_of(request)
     queue = state.daemon.subscribe(backlog)
-    return sse_response(_event_frames(request, state, queue))
+    return sse_response(_event_frames(request, state, queue), on_close=lambda: state.daemon.unsubscribe(queue))
 
 
 async def _event_frames(request: Request, state: ApiState, queue: asyncio.Queue) -> AsyncIterator[bytes]:

@@ -30,13 +30,13 @@ class EventBus:
     def publish(self, kind: str, data: dict) -> None:
         """Send ``{"type": kind, "time": now, **data}`` to every subscriber (any thread)."""
         ev = {"type": kind, "time": time.time(), **data}
-        with self._lock:
-            self._recent.append(ev)
         loop = self._loop
-        if loop is None:
-            return
-        for q in list(self._subscribers):
-            loop.call_soon_threadsafe(q.put_nowait, ev)
+        with self._lock:  # (the backlog and the live queues in one step: a subscriber joining now gets the
+            # event once, from one or the other, and every queue gets the events in the backlog's order)
+            self._recent.append(ev)
+            if loop is not None:
+                for q in self._subscribers:
+                    loop.call_soon_threadsafe(q.put_nowait, ev)
 
     def subscribe(self, backlog: int = 0) -> asyncio.Queue:
         """A queue of the events from now on, after the last ``backlog`` (at most ``BACKLOG``) before it
@@ -49,4 +49,5 @@ class EventBus:
         return q
 
     def unsubscribe(self, q: asyncio.Queue) -> None:
-        self._subscribers.discard(q)
+        with self._lock:
+            self._subscribers.discard(q)
