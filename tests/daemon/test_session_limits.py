@@ -172,3 +172,39 @@ def test_a_fork_of_a_fork_at_an_earlier_turn_starts_where_the_original_did(tiny_
         assert answers[0] == answers[1]
     finally:
         d.shutdown()
+
+
+def test_forking_a_chain_at_the_cap_never_evicts_the_chain_being_forked(daemon):
+    """At the cap, a fork of the least recently used chain makes room by evicting another chain - or
+    is refused - but never evicts its own parent (which the fork then could not copy)."""
+    parent = _chain(daemon, "resp_parent")
+    run_turn(daemon, parent, "Hello")
+    other = _chain(daemon, "resp_other")
+    run_turn(daemon, other, "Hi")  # the parent is now the least recently used chain
+    daemon.create_session(BG)
+    fork = daemon.fork_session(parent)["id"]
+    ids = {s["id"] for s in daemon.list_sessions()}
+    assert parent in ids and fork in ids and other not in ids
+    assert daemon.get_response("resp_parent")[0] == parent
+
+
+def test_a_parent_that_changed_while_it_was_forked_is_a_conflict(daemon, monkeypatch):
+    """A turn that started and ended on the parent between the fork point and the copy (here: taken
+    back to an earlier turn) would give the fork rows its tokens do not name: a 409, nothing made."""
+    from weaved.errors import Conflict
+
+    sid = daemon.create_session(BG)["id"]
+    run_turn(daemon, sid, "Hello")
+    run_turn(daemon, sid, "And then?")
+    create = daemon.create_session
+
+    def meanwhile(*args, **kw):  # the parent is taken back to its first answer before the copy
+        info = create(*args, **kw)
+        with daemon._lock:
+            daemon._rewind(daemon.sessions[sid], 2, "a test")
+        return info
+
+    monkeypatch.setattr(daemon, "create_session", meanwhile)
+    with pytest.raises(Conflict, match="changed while it was being forked"):
+        daemon.fork_session(sid)
+    assert [s["id"] for s in daemon.list_sessions()] == [sid]

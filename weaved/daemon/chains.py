@@ -114,17 +114,19 @@ class ResponseChains:
                 with contextlib.suppress(NotFound):
                     self.delete_session(sid)
 
-    def _make_session_room(self) -> None:
+    def _make_session_room(self, keep: str | None = None) -> None:
         """Below the cap on kept sessions, or at it with the least recently active idle Responses chain
         evicted (a stored chain is kept as room allows, as a cache is; sessions made by
-        ``/v1/sessions`` are never evicted): otherwise Overloaded, which deleting sessions clears."""
+        ``/v1/sessions`` are never evicted; nor ``keep``, the session being forked): otherwise
+        Overloaded, which deleting sessions clears."""
         cap = self.profile.host.max_sessions
         kept = [s for s in self.sessions.values() if not s.ephemeral]
         if len(kept) < cap:
             return
         chains = self.journal.chain_sessions()
         # idle, and not storing its context as a prefix: deleting it then waits for nothing (under the lock)
-        idle = [s for s in kept if s.id in chains and not s.busy and (s.publishing is None or s.publishing.is_set())]
+        idle = [s for s in kept if s.id in chains and s.id != keep and not s.busy
+                and (s.publishing is None or s.publishing.is_set())]
         if not idle:
             raise Overloaded(f"too many sessions ({cap} kept, none of them an idle Responses chain to evict): "
                              f"delete some (weave rm, DELETE /v1/sessions/ID)", retry_after_s=5.0)

@@ -114,7 +114,7 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
                                  param="max_context")
         with self._lock:
             if not ephemeral:  # a request's throwaway session is bounded by admission, not by this cap
-                self._make_session_room()
+                self._make_session_room(keep=forked_from)
             placement = self._place(sla, prompt_tokens, max_context)
             sid = ("tmp-" if ephemeral else "s-") + secrets.token_hex(8)
             context = max_context or min(self.profile.host.default_context, limit)

@@ -58,7 +58,11 @@ class SessionForks:
         context stood when it was recorded, so a fork of this fork at an earlier turn finds its tokens)."""
         with self._lock:
             child = self.sessions.get(cid)
-            if self.sessions.get(sid) is not parent or parent.busy or child is None:
+            # the parent still holds the fork point: a turn that started and ended meanwhile (a rewrite of
+            # its history, a rewind, a turn taken back) would give the fork rows its tokens do not name -
+            # and, published, a shared prefix others would map
+            if (self.sessions.get(sid) is not parent or parent.busy or child is None or parent.rebuild
+                    or parent.committed[:len(tokens)] != tokens or parent.kv.length < len(tokens)):
                 raise Conflict(f"session {sid} changed while it was being forked; try again", param="session")
             shared = self.store.fork_prefix(parent.kv, child.kv, tokens)
             if self.fsync and not child.ephemeral:
