@@ -212,3 +212,11 @@ def test_admission_judges_a_turn_at_the_rank_the_engine_runs_it(daemon_factory, 
     assert d.get_session(sid)["sla"]["class"] == "interactive"
     assert ranks and ranks[-1] == ran_at == d.sessions[sid].rank
     assert ran_at.name == "BATCH"  # fifo's one priority, and isolation's kept one, both rank last
+
+
+def test_a_turn_an_empty_pool_cannot_pace_runs_there_when_no_pool_takes_it(daemon):
+    """A CPU-only host whose pool could not pace the turn even alone: refusing it would refuse it however
+    often the client retried, so it runs (late rather than never)."""
+    daemon.pools["cpu"].engine.capacity = Capacity(1, 1e-3, 1.0)
+    sid = daemon.create_session(MINUTE)["id"]
+    assert len(_run(daemon, sid, PROMPTS[0])) == TURN.max_tokens

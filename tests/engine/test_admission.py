@@ -115,13 +115,16 @@ def test_a_pool_without_a_measured_rate_still_bounds_its_interactive_turns_by_it
     assert judge(live[:1], turn(SLARank.INTERACTIVE), unknown, now=0.0) is None
 
 
-def test_an_empty_pool_takes_a_turn_it_could_not_pace():
-    """A pool with one slot, nothing running, and a turn needing more than the headroom allows: it is
-    taken (a pool always takes one) - refused, it would be refused however often the client retried."""
+def test_an_empty_pools_refusal_says_it_is_alone():
+    """A pool with one slot, nothing running, and a turn needing more than the headroom allows: refused
+    (another pool may take it), saying that waiting would not help - the daemon then runs it there rather
+    than refuse it forever (tests/daemon/test_spill.py)."""
     one = Capacity(max_batch=1, prior_tps=20.0, prefill_cost=1.0)
-    assert judge([], turn(SLARank.BACKGROUND, max_tokens=190, ttlt=10.0), one, now=0.0) is None
-    assert judge([turn(SLARank.BACKGROUND, max_tokens=190, ttlt=10.0)],
-                 turn(SLARank.BACKGROUND, max_tokens=190, ttlt=10.0), one, now=0.0) is not None
+    refusal = judge([], turn(SLARank.BACKGROUND, max_tokens=190, ttlt=10.0), one, now=0.0)
+    assert refusal is not None and refusal.alone
+    busy = judge([turn(SLARank.BACKGROUND, max_tokens=190, ttlt=10.0)],
+                 turn(SLARank.BACKGROUND, max_tokens=190, ttlt=10.0), one, now=0.0)
+    assert busy is not None and not busy.alone
 
 
 def test_retry_after_counts_the_work_a_late_turn_still_holds():

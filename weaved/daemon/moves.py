@@ -206,6 +206,8 @@ class SessionMoves:
                     new, pool, refusal = Placement("standard", "standard", g.name, g.name, placed.priority, (why,)), \
                         g.name, None
                     break
+        if refusal is not None and refusal.alone:  # refused by an empty pool no other pool relieves: it would
+            refusal = None  # be refused however often the client retried - it runs here, late rather than never
         here = next((p for p in state.pools if p.name == pool), None)
         if sla.cls is not SLAClass.INTERACTIVE and here is not None and here.strategy == "standard":
             f = forecast(here, len(probe.pending), answer_tokens, self.routing, len(s.committed))

@@ -14,8 +14,9 @@ with ``Retry-After`` - when the demand with it would pass the capacity, the pace
 batch slot already holds one (it would wait for a slot with no bound on its time to first token) or when
 the pool's step model predicts that a step of the interactive turns with it would take longer than the
 inter-token target (every interactive turn decodes in every step, so their number sets the gap each of
-them sees; a pool always takes one - an empty pool takes any turn).  Refusing early is the point: work
-accepted and then timed out costs the client more than a clear "not now".
+them sees; a pool always takes one).  An empty pool's refusal is marked ``Refusal.alone``: waiting would
+not help.  Refusing early is the point: work accepted and then timed out costs the client more than a
+clear "not now".
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ RETRY_MIN_S, RETRY_MAX_S = 1.0, 300.0
 class Refusal:
     reason: str
     retry_after_s: float  # when the demand is expected to have room again
+    # the pool holds nothing: it would refuse the turn however long the client waited (another pool may
+    # take it; where none can, the daemon runs it here anyway rather than refuse it forever)
+    alone: bool = False
 
 
 class Capacity:
@@ -93,8 +97,8 @@ def judge(live: list[Sequence], new: Sequence, capacity: Capacity, now: float,
             return Refusal(f"a step of the pool's {len(interactive)} interactive turns and this one would take "
                            f"{step_s * 1e3:.0f} ms, past the {target_s * 1e3:.0f} ms an interactive token may take",
                            _clamp(wait))
-    if cap is None or not live:  # the paced demand needs the rate: unknown, every other turn is admitted;
-        return None  # and a pool always takes one (refused alone, it would be refused whenever retried)
+    if cap is None:  # the paced demand needs the rate: unknown, every other turn is admitted
+        return None
     slots = (len(interactive) + (new.rank == SLARank.INTERACTIVE)) * slot
     paced = sum(_rate(s, now, slot, capacity.prefill_cost) for s in tolerant)
     need = slot if new.rank == SLARank.INTERACTIVE else _rate(new, now, slot, capacity.prefill_cost)
@@ -106,7 +110,8 @@ def judge(live: list[Sequence], new: Sequence, capacity: Capacity, now: float,
     ends = [max(s.arrival + s.ttlt_s - now, s.remaining_tokens / slot) for s in tolerant if s.ttlt_s is not None]
     ends += [s.remaining_tokens / slot for s in interactive]
     return Refusal(f"the pool's accepted turns need {demand:.0f} of its {cap:.0f} tokens/s "
-                   f"(this turn would need {need:.0f} more)", _clamp(min(ends, default=RETRY_MIN_S)))
+                   f"(this turn would need {need:.0f} more)", _clamp(min(ends, default=RETRY_MIN_S)),
+                   alone=not live)
 
 
 def _rate(s: Sequence, now: float, slot: float, prefill_cost: float) -> float:
