@@ -124,16 +124,23 @@ def test_a_fork_continues_as_its_parent_then_goes_its_own_way(tmp_path, smollm2_
         assert http.get("/v1/status").json()["kv"]["prefixes"]["in_use"] == 0  # the last user went
 
 
+def _prompt_metric(http) -> float:
+    line = next((x for x in http.get("/metrics").text.splitlines()
+                 if x.startswith('weave_tokens_total{kind="prompt",sla_class="interactive"}')), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
 def test_n_choices_come_from_one_prefill(tmp_path, smollm2_q4_0):
     with weave_serve(tmp_path, "--model", str(smollm2_q4_0)) as proc, uds_client(proc.socket, timeout=300.0) as http:
         h = httpx.Client(transport=httpx.HTTPTransport(uds=str(proc.socket)), timeout=300.0)
         sdk = openai.OpenAI(base_url="http://weave/v1", api_key="x", http_client=h, max_retries=0)
         msgs = [{"role": "user", "content": "Write a short poem about the sea."}]
-        before = _prefilled(http)
+        before, counted = _prefilled(http), _prompt_metric(http)
         a = sdk.chat.completions.create(model="default", messages=msgs, n=4, max_tokens=12, temperature=0.9, seed=7)
         prompt = a.usage.prompt_tokens
         # one prefill of the prompt; each other choice feeds only the prompt's last token again
         assert _prefilled(http) - before == prompt + 3
+        assert _prompt_metric(http) - counted == prompt  # the request's prompt, counted once as its usage does
         assert [c.index for c in a.choices] == [0, 1, 2, 3]
         assert len({c.message.content for c in a.choices}) > 1 and a.usage.completion_tokens <= 48
         b = sdk.chat.completions.create(model="default", messages=msgs, n=4, max_tokens=12, temperature=0.9, seed=7)

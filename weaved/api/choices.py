@@ -69,6 +69,8 @@ async def start_choices(state: ApiState, spec: TurnSpec, n: int) -> list[Turn]:
     plan = getattr(handle0, "answer", None)
     turns += [Turn(state, ChoiceHandle(lh, plan), q, spec, cls, placement, arrived)
               for lh, q in zip(late, queues[1:], strict=True)]
+    for t in turns[1:]:  # one prompt for the request, fed once: the metrics count it with choice 0
+        t.shares_prompt = True
     return turns
 
 

@@ -62,6 +62,7 @@ class Turn:
         self.placement = placement
         self.arrived = arrived  # time.monotonic() when the request came in
         self._drained = False  # its events are read in the background (``detach``)
+        self.shares_prompt = False  # a later choice of an n > 1 request: its prompt is choice 0's
         self.session = spec.session_id  # the client's session (None for an ephemeral one)
         self.finish_reason: str | None = None
         self.error: dict | None = None
@@ -198,8 +199,9 @@ class Turn:
             else:
                 self.error = ev
             u = self.usage
-            m.observe_turn(self.sla_class, self._metric_reason(), u["prompt_tokens"],
-                           u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"],
+            prompt, cached = (0, 0) if self.shares_prompt else (u["prompt_tokens"],
+                                                                 u["prompt_tokens_details"]["cached_tokens"])
+            m.observe_turn(self.sla_class, self._metric_reason(), prompt, cached, u["completion_tokens"],
                            int(getattr(self.handle, "reprefilled", 0)))
 
     def _metric_reason(self) -> str:
