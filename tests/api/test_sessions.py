@@ -151,3 +151,19 @@ def test_a_full_kv_cap_is_a_503_with_retry_after(client, fake: FakeDaemon, monke
     r = client.post("/v1/sessions", json={})
     assert r.status_code == 503 and r.headers["Retry-After"] == "5"
     assert r.json()["error"]["type"] == "overloaded_error" and "KV cap" in r.json()["error"]["message"]
+
+
+def test_what_the_session_routes_would_ignore_is_refused(client, fake: FakeDaemon):
+    """An SLA given to promote/demote, a session header naming another session than the path, a list
+    parameter the list does not page by: each would be ignored, so each is a 400 naming it."""
+    sid = client.post("/v1/sessions", json={}).json()["id"]
+    other = client.post("/v1/sessions", json={}).json()["id"]
+    for body, headers in (({"sla": {"class": "batch"}}, {}), (None, {"X-Weave-TTFT-Ms": "200"})):
+        r = client.post(f"/v1/sessions/{sid}/promote", json=body, headers=headers)
+        assert r.status_code == 400 and "takes no body and no SLA header" in r.json()["error"]["message"], r.text
+    assert client.post(f"/v1/sessions/{sid}/demote", json={}).status_code == 200  # ({} is no body)
+    r = client.post(f"/v1/sessions/{sid}/turns", json={"messages": [{"role": "user", "content": "hi"}]},
+                    headers={"X-Weave-Session": other})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "session"
+    r = client.get("/v1/sessions", params={"before": other})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "before"

@@ -15,7 +15,7 @@ from weaved.api import body
 from weaved.api.chat import answer_chat
 from weaved.api.models import ChatRequest, SessionCreate, SessionFork
 from weaved.api.paging import page
-from weaved.api.params import sla_from
+from weaved.api.params import SESSION_HEADER, SLA_HEADERS, sla_from
 from weaved.api.state import state_of
 from weaved.errors import InvalidRequest, Overloaded
 from weaved.routing.types import SLA, SLAClass
@@ -38,6 +38,10 @@ async def list_sessions(request: Request, order: Literal["asc", "desc"] = "asc",
                         limit: int | None = Query(None, ge=1, le=1000), after: str | None = None) -> dict:
     """Every session, oldest first (``order=desc``: newest first); ``limit`` makes it a page, ``after`` a
     session id starts the page after it (OpenAI's list shape: ``first_id``, ``last_id``, ``has_more``)."""
+    other = sorted(set(request.query_params) - {"order", "limit", "after"})
+    if other:  # (e.g. OpenAI's ``before``, which this list does not page by: it would be ignored)
+        raise InvalidRequest(f"unknown query parameter {other[0]!r}: this list takes order, limit and after",
+                             param=other[0])
     sessions = await run_in_threadpool(state_of(request).daemon.list_sessions)
     if order == "desc":  # (the daemon lists them in creation order)
         sessions.reverse()
@@ -61,6 +65,10 @@ async def take_turn(request: Request, session_id: str) -> Response:
     if req.session is not None and req.session != session_id:
         raise InvalidRequest(f"the body names session {req.session!r} but the path {session_id!r}",
                              param="session")
+    header = request.headers.get(SESSION_HEADER)
+    if header is not None and header != session_id:
+        raise InvalidRequest(f"the X-Weave-Session header names session {header!r} but the path {session_id!r}",
+                             param="session")
     return await answer_chat(request, req, session_id)
 
 
@@ -79,9 +87,22 @@ async def fork(request: Request, session_id: str) -> dict:
 
 @router.post("/{session_id}/promote")
 async def promote(request: Request, session_id: str) -> dict:
+    await _no_sla_given(request, "promote")
     return await run_in_threadpool(state_of(request).daemon.promote, session_id)
 
 
 @router.post("/{session_id}/demote")
 async def demote(request: Request, session_id: str) -> dict:
+    await _no_sla_given(request, "demote")
     return await run_in_threadpool(state_of(request).daemon.demote, session_id)
+
+
+async def _no_sla_given(request: Request, what: str) -> None:
+    """A promotion or demotion sets the class (interactive, background) and nothing else: a body or an SLA
+    header would be ignored, so it is refused - an SLA of one's own goes with the session's next turn."""
+    raw = (await request.body()).strip()
+    given = [h for h in SLA_HEADERS.values() if h in request.headers]
+    if (raw and raw != b"{}") or given:
+        raise InvalidRequest(f"{what} takes no body and no SLA header: it sets the session's class; send an SLA "
+                             f"of your own with the session's next turn (its sla field)",
+                             param=given[0] if given and not raw else None)
