@@ -408,3 +408,102 @@ def test_a_promotion_racing_a_turns_start_moves_that_turn(daemon_factory):
     gpu, _ = backends(d)
     assert s.placement.decode_pool == s.pool == s.kv_at == "gpu"
     assert gpu.stats.decode_tokens > 0
+
+
+def test_a_demotion_during_a_promotions_copy_brings_the_turn_back(daemon_factory):
+    """The promoted turn's KV is being copied to the GPU (no engine holds the turn) when the session is
+    demoted: once it has arrived, it goes back where the last change says - not left decoding on the GPU
+    under a placement that says CPU."""
+    d = daemon_factory()
+    sid = d.create_session(BG)["id"]
+    bring, demoted = d.moves._bring_kv, []
+
+    def bring_kv(s, to, reason):
+        if reason == "promotion" and not demoted:
+            demoted.append(d.demote(sid))  # (the daemon's lock is free: the copy runs without it)
+        bring(s, to, reason)
+
+    t = start(d, sid, prompt_ids(16, 10), SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    t.wait_tokens(3)
+    d.moves._bring_kv = bring_kv
+    d.promote(sid)
+    t.finish()
+    s = d.sessions[sid]
+    assert demoted and s.pool == s.placement.decode_pool == "cpu" and len(t.tokens) == 60
+    assert d.pools["gpu"].backend.device_kv_bytes() == 0
+
+
+def test_a_promotion_without_device_room_leaves_the_running_turn_where_it_was(daemon_factory):
+    """The GPU has no room for the promoted turn's KV and nothing to free: the turn goes on decoding on
+    the CPU to its end, rather than failing half-way."""
+    from weaved.backends.torch_paged import DeviceKVFull
+
+    d = daemon_factory()
+    gpu, _ = backends(d)
+
+    def full(kv):
+        raise DeviceKVFull("no device KV left", need_bytes=1)
+
+    d.moves.make_room = lambda backend, n: False
+    sid = d.create_session(BG)["id"]
+    t = start(d, sid, prompt_ids(16, 10), SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    t.wait_tokens(3)
+    gpu.adopt = full
+    d.promote(sid)
+    t.finish()
+    assert t.events[-1]["type"] == "done" and len(t.tokens) == 60
+    assert d.sessions[sid].pool == "cpu"
+
+
+def test_a_session_whose_turn_is_being_recorded_is_not_idle(daemon_factory, monkeypatch):
+    """Between a long turn's last token and its record, the session's last activity is still the turn's
+    start: it is not idle then, and idle demotion leaves it (and its device copy) alone."""
+    import weaved.daemon.turn_events as turn_events
+
+    d = daemon_factory(idle=1000.0)
+    if d.housekeeper is not None:
+        d.housekeeper.stop()
+    entered, go = threading.Event(), threading.Event()
+    real = turn_events.parsed_answer
+
+    def recording_slowly(*args):
+        entered.set()
+        go.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(turn_events, "parsed_answer", recording_slowly)
+    sid = d.create_session(IA)["id"]
+    t = start(d, sid, prompt_ids(12, 13))
+    try:
+        assert entered.wait(60)
+        assert d.demote_idle(d.wall() + 2000.0) == []
+    finally:
+        go.set()
+    t.finish()
+    assert d.get_session(sid)["sla"]["class"] == "interactive"
+
+
+def test_a_queued_turn_demoted_off_the_gpu_is_not_copied_onto_it_first(daemon_factory):
+    """A turn waiting in the GPU pool's queue is demoted before its first step there: it leaves for the
+    CPU pool without its KV being brought onto the device first (here the device has no room, so that
+    copy would have failed the turn)."""
+    from weaved.backends.torch_paged import DeviceKVFull
+
+    d = daemon_factory()
+    gpu, _ = backends(d)
+    first = Stream(hold=True)  # the GPU engine thread waits in this turn's first token
+    a = d.create_session(IA)["id"]
+    d.start_turn(session_id=a, prompt=prompt_ids(12, 14), params=GREEDY, emit=first)
+    assert first.first.wait(60)
+    b = d.create_session(IA)["id"]
+    t = start(d, b, prompt_ids(12, 15))  # queued behind the held step
+
+    def full(kv):
+        raise DeviceKVFull("no device KV left", need_bytes=1)
+
+    gpu.adopt = full
+    d.moves.make_room = lambda backend, n: False
+    d.demote(b)
+    first.go.set()
+    t.finish()
+    assert t.events[-1]["type"] == "done" and d.sessions[b].pool == "cpu"

@@ -250,7 +250,7 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
         raises a batch session."""
         with self._lock:
             s = self._get(sid)
-            if idle_since is not None and (s.busy or s.last_active != idle_since):
+            if idle_since is not None and (not s.settled or s.last_active != idle_since):
                 return None
             if cls is SLAClass.BACKGROUND and s.sla.cls is SLAClass.BATCH:
                 cls = SLAClass.BATCH

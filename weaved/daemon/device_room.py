@@ -35,7 +35,7 @@ class DeviceRoom:
         has ``need_bytes`` free; whether it has them now."""
         with self._lock:
             idle = [(s, s.last_active) for s in self.sessions.values()
-                    if s.kv_at in self.pools and self.pools[s.kv_at].backend is backend and not s.busy]
+                    if s.kv_at in self.pools and self.pools[s.kv_at].backend is backend and s.settled]
         idle.sort(key=lambda e: (-_RANK[e[0].sla.cls], e[1]))
         for s, since in idle:
             free = backend.device_kv_free_bytes()

@@ -15,6 +15,7 @@ device copy at once, since that frees device memory and copies nothing (rows wer
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Iterable
 
@@ -37,6 +38,8 @@ from weaved.routing.types import (
     pools_of,
     with_room,
 )
+
+log = logging.getLogger("weave.daemon")
 
 
 class SessionMoves:
@@ -306,11 +309,24 @@ class SessionMoves:
             if not self.alive(s):  # deleted meanwhile: the turn ends where it was (its cancel is set)
                 self.pools[at].engine.submit(seq)
                 return
-        self._bring_kv(s, to, reason)
-        s.where = to
-        if seq is not None:
+        seq.on_admit = None  # (it brought the KV to ``at``; this move brings it to ``to``)
+        try:
+            self._bring_kv(s, to, reason)
+        except Exception as exc:  # no room on the device: the turn goes on where it was, unharmed
+            log.warning("session %s: its turn could not move to pool %s (%s): it goes on in pool %s",
+                        s.id, to, exc, at)
+            with self.lock:
+                s.where = at
+                seq.on_admit = lambda s=s, at=at: self._bring_kv(s, at, "move failed")
+                self.pools[at].engine.submit(seq)
+            return
+        with self.lock:  # (a change of placement during the copy found no turn to detach: carried out now)
+            s.where = to
             seq.rank, seq.ttlt_s = s.rank, self.turn_budget(s.sla)
             self.pools[to].engine.submit(seq)
+            now = s.placement.decode_pool
+            if now != to and now in self.pools and not seq.cancel_requested:
+                self._move_to(s, now, reason)
 
     def turn_budget(self, sla: SLA) -> float | None:
         """A turn's whole-turn budget under ``sla``: the client's own, else its class's default (the
@@ -327,6 +343,6 @@ class SessionMoves:
         for s in sessions:
             held = self.pools.get(s.kv_at) if s.kv_at else None
             limit = held.config.idle_demote_s if held is not None and held.device_kind == "gpu" else None
-            if limit is not None and not s.busy and now - s.last_active >= limit:
+            if limit is not None and s.settled and now - s.last_active >= limit:
                 due.append(s.id)
         return due

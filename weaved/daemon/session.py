@@ -57,6 +57,12 @@ class Session:
     def busy(self) -> bool:
         return self.turn is not None and not self.turn.status.done
 
+    @property
+    def settled(self) -> bool:
+        """No turn, or its end recorded (``busy`` turns false a moment before: between a turn's last token
+        and its record, ``last_active`` is still its start, so a session is not idle until then)."""
+        return self.turn is None or self.turn.ended.is_set()
+
 
 def rank_of(placement: Placement) -> SLARank:
     """The rank the engine runs a turn at under ``placement``: its priority, highest first."""

@@ -244,6 +244,10 @@ class BatchEngine(EngineStep):
         for s in self._active:
             if s.cancel_requested and not s.status.done:
                 self.out.finish(s, SeqStatus.CANCELLED, "cancelled")
+        # hand-overs next: a turn leaving before its first step here brings nothing to this pool's device
+        # (a queued turn demoted off a GPU pool is not copied in first, making room it does not need)
+        for sid, callback in detach:
+            self._hand_over(sid, callback)
         admitted = [s for s in self._active if s.on_admit is not None and not s.status.done]
         outside = [s for s in self._active if s.prefill_outside is not None and not s.status.done]
         for s in admitted:
@@ -254,8 +258,6 @@ class BatchEngine(EngineStep):
                 self._fail_turn(s, exc, "admitting", f"could not bring the session's KV to pool {self.name!r}")
         for s in outside:
             self._prefill_outside(s)
-        for sid, callback in detach:
-            self._hand_over(sid, callback)
         self._active = [s for s in self._active if not s.status.done]
         if self._active:
             try:
