@@ -150,20 +150,20 @@ class ResponseChains:
             return None
         # the tokens committed when the first dropped entry was recorded
         kv_at = self.journal.get(s.id).messages[messages]["kv_at"]
-        return Rewound(messages, kv_at, *_context_at(s, messages, kv_at))
+        return Rewound(messages, len(s.messages) - messages, kv_at, *_context_at(s, messages, kv_at))
 
     def _apply_rewind(self, s: Session, r: Rewound, why: str) -> None:
         """Carry out ``r``: the journal first (a write that fails leaves the session as it was), then the KV
-        rows and the transcript in memory."""
-        dropped = len(s.messages) - r.end
+        rows and the transcript in memory (which may hold ``r``'s already: a turn judged on it)."""
         self.journal.rewind(s.id, r.end, r.kv_at)
         if not s.rebuild:
             if isinstance(s.kv, KVCache):
                 self.store.unshare(s.kv, r.kv_at)
             s.kv.truncate(r.kv_at)
         s.messages[:], s.committed[:], s.tail = r.messages, r.committed, r.tail
-        self.publish("rewind", {"session": s.id, "messages": dropped, "from": r.kv_at})
-        self.log(f"session {s.id}: {dropped} transcript entries dropped, {why}; context back to {r.kv_at} tokens")
+        self.publish("rewind", {"session": s.id, "messages": r.dropped, "from": r.kv_at})
+        self.log(f"session {s.id}: {r.dropped} transcript entries dropped, {why}; context back to {r.kv_at} "
+                 f"tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +171,7 @@ class Rewound:
     """A session's context after its first ``end`` transcript entries (``_context_at``)."""
 
     end: int
+    dropped: int  # the entries past ``end``
     kv_at: int
     messages: list
     committed: list

@@ -136,12 +136,18 @@ class SessionMoves:
                 return
         self._bring_kv(s, to, "prefill handoff")
         with self.lock:
-            s.where = to
-            seq.rank, seq.ttlt_s = s.rank, self.turn_budget(s.sla)
-            self.pools[to].engine.submit(seq)
-            now = s.placement.decode_pool
-            if now != to and now in self.pools and not seq.cancel_requested:
-                self._move_to(s, now, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion")
+            self._arrived(s, seq, to, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion")
+
+    def _arrived(self, s: Session, seq: Sequence, to: str, reason: str) -> None:
+        """The turn whose KV was brought to pool ``to`` (no engine held it meanwhile) runs there, at its
+        session's rank now; a change of placement made while it travelled - whose move found no turn to
+        detach - is carried out at once (caller holds ``self.lock``)."""
+        s.where = to
+        seq.rank, seq.ttlt_s = s.rank, self.turn_budget(s.sla)
+        self.pools[to].engine.submit(seq)
+        now = s.placement.decode_pool
+        if now != to and now in self.pools and not seq.cancel_requested:
+            self._move_to(s, now, reason)
 
     def place_first_turn(self, s: Session, n_prompt: int) -> Placement | None:
         """A session placed before it had a prompt (created empty, so the router saw 0 tokens) is placed
@@ -320,13 +326,8 @@ class SessionMoves:
                 seq.on_admit = lambda s=s, at=at: self._bring_kv(s, at, "move failed")
                 self.pools[at].engine.submit(seq)
             return
-        with self.lock:  # (a change of placement during the copy found no turn to detach: carried out now)
-            s.where = to
-            seq.rank, seq.ttlt_s = s.rank, self.turn_budget(s.sla)
-            self.pools[to].engine.submit(seq)
-            now = s.placement.decode_pool
-            if now != to and now in self.pools and not seq.cancel_requested:
-                self._move_to(s, now, reason)
+        with self.lock:
+            self._arrived(s, seq, to, reason)
 
     def turn_budget(self, sla: SLA) -> float | None:
         """A turn's whole-turn budget under ``sla``: the client's own, else its class's default (the

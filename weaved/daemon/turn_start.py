@@ -101,6 +101,11 @@ class TurnStarts:
                     list(rewound.tail)
             if replaces_system:
                 s.system = system
+
+            def undo() -> None:  # the session as it was before this turn was judged
+                s.system = kept_system
+                s.messages[:], s.committed[:], s.tail = kept
+
             try:
                 if messages is not None:
                     check_tool_results(messages, answered_calls(s.messages), cut=cut_calls(s.messages))
@@ -116,18 +121,16 @@ class TurnStarts:
                     not s.committed and isinstance(s.kv, KVCache) and self.store.share and not echo) else 0
                 moved, predicted = self._admit(s, new[cached:], params, sla or s.sla, answer, arrival)
             except WeaveError:
-                s.system = kept_system
-                s.messages[:], s.committed[:], s.tail = kept
+                undo()
                 if s.ephemeral:
                     self._drop_ephemeral(s)
                 raise
-            if rewound is not None:  # accepted: the later entries, their tokens and rows go now
-                s.messages[:], s.committed[:], s.tail = kept
+            if rewound is not None:  # accepted: the journal and the rows are taken back now
                 try:
                     self._apply_rewind(s, rewound, "its detached turn, cut by the last stop or crash, runs again"
                                        if detached else "past the continued response (a turn no stored response holds)")
                 except BaseException:
-                    s.system = kept_system
+                    undo()
                     raise
             if s.rebuild:  # this turn feeds its lost context again: the journal records it anew as it commits
                 self.journal.truncate(s.id, 0)
