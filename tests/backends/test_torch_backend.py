@@ -5,6 +5,7 @@ errors, and the accuracy bars (slow)."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -272,6 +273,28 @@ def test_adopt_release_and_migration(backend, cpu):
     del kv, row_t
     gc.collect()
     assert backend.device_kv_bytes() < held  # a dropped cache drops its mirror
+
+
+def test_a_release_from_another_thread_waits_for_a_prepare_under_way(backend, cpu, monkeypatch):
+    """A delete frees a session's device copy from an API thread while the engine thread prepares its
+    next step: the release waits for the prepare, which neither fails nor leaves blocks behind."""
+    kv, _ = _prefill(cpu, PROMPTS[2])
+    pk = backend._kv
+    real_adopt = pk.adopt
+    released = threading.Event()
+
+    def adopt_then_race(c):
+        n = real_adopt(c)
+        t = threading.Thread(target=lambda: (backend.release(c), released.set()))
+        t.start()
+        t.join(0.2)  # the release runs now, or waits for the prepare's lock
+        return n
+
+    monkeypatch.setattr(pk, "adopt", adopt_then_race)
+    held = backend.device_kv_bytes()
+    backend.prepare(kv, kv.length + 1)  # adopts (a session with history moving here), then takes a block
+    assert released.wait(5)
+    assert kv not in pk and backend.device_kv_bytes() == held
 
 
 def test_host_progress_and_truncation_are_followed(backend, cpu):

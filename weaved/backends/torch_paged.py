@@ -85,8 +85,10 @@ class _Shared:
 
 class PagedKV:
     """The paged KV of one device.  ``h2d_bytes`` / ``d2h_bytes`` count KV bytes copied each way.
-    Thread safety: the backend's one engine thread calls everything but ``drop`` callbacks, which a
-    garbage collection may run anywhere; the block lists are guarded by a lock."""
+    Thread safety: the engine thread prepares and steps sessions while a delete or a demotion may
+    release one from another thread, and a garbage collection may run a table's drop anywhere: adopting,
+    preparing, releasing and writing through hold the pool's lock, so a release waits for a prepare
+    under way instead of pulling its table from under it."""
 
     def __init__(self, config: ModelConfig, device: torch.device, budget_bytes: int, block: int = BLOCK):
         self.config, self.device, self.block = config, device, block
@@ -236,39 +238,42 @@ class PagedKV:
     def adopt(self, kv: KVCache) -> int:
         """Hold ``kv``'s rows 0..length-1 here (shared prefix blocks already held are not copied again);
         the bytes copied, 0 if already held."""
-        if kv in self._tables:
-            return 0
-        t = Table()
-        self._tables[kv] = t
-        weakref.finalize(kv, self._drop_table, t)
-        before = self.h2d_bytes
-        try:
-            self.prepare(kv, 0)
-        except BaseException:
-            self.release(kv)
-            raise
-        return self.h2d_bytes - before
+        with self._lock:
+            if kv in self._tables:
+                return 0
+            t = Table()
+            self._tables[kv] = t
+            weakref.finalize(kv, self._drop_table, t)
+            before = self.h2d_bytes
+            try:
+                self.prepare(kv, 0)
+            except BaseException:
+                self.release(kv)
+                raise
+            return self.h2d_bytes - before
 
     def release(self, kv: KVCache) -> int:
         """Free ``kv``'s blocks here.  Nothing to write back (every step wrote through): returns 0."""
-        t = self._tables.pop(kv, None)
-        if t is not None:
-            self._drop_table(t)
+        with self._lock:
+            t = self._tables.pop(kv, None)
+            if t is not None:
+                self._drop_table(t)
         return 0
 
     def prepare(self, kv: KVCache, n_new: int) -> Table:
         """The table of ``kv`` (adopted if new) holding rows 0..length-1, with blocks for ``n_new`` more.
         Raises ``DeviceKVFull`` (having written nothing the host lacks) when the pool cannot hold them."""
-        if kv not in self._tables:
-            self.adopt(kv)
-        t = self._tables[kv]
-        t.valid = min(t.valid, kv.length)  # truncated (e.g. rejected draft tokens): later rows are stale
-        self._sync_shared(kv, t)
-        self._grow(t, kv.length + n_new)
-        if kv.length > t.valid:  # the host went on without us: catch up
-            self._upload(kv, t, t.valid, kv.length)
-            t.valid = kv.length
-        return t
+        with self._lock:
+            if kv not in self._tables:
+                self.adopt(kv)
+            t = self._tables[kv]
+            t.valid = min(t.valid, kv.length)  # truncated (e.g. rejected draft tokens): later rows are stale
+            self._sync_shared(kv, t)
+            self._grow(t, kv.length + n_new)
+            if kv.length > t.valid:  # the host went on without us: catch up
+                self._upload(kv, t, t.valid, kv.length)
+                t.valid = kv.length
+            return t
 
     def _sync_shared(self, kv: KVCache, t: Table) -> None:
         """Point the table's leading blocks at the device's copy of each prefix block the host maps (and
@@ -325,4 +330,7 @@ class PagedKV:
         n = rows.shape[3]
         kv.data[:, :, :, pos0:pos0 + n] = rows
         self.d2h_bytes += rows.nbytes
-        self._tables[kv].valid = pos0 + n
+        with self._lock:
+            t = self._tables.get(kv)
+            if t is not None:  # (released during the step: its rows are on the host, nothing to count)
+                t.valid = pos0 + n
