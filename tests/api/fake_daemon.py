@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
+from weaved.daemon.events import EventBus, Subscription
 from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound, Overloaded
 from weaved.routing.types import SLA, SLAClass
 
@@ -91,8 +92,7 @@ class FakeDaemon:
         if not hold:
             self._go.set()
         self._threads: list[threading.Thread] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._subscribers: set[asyncio.Queue] = set()
+        self.events = EventBus()  # the daemon's own (its ids, backlog, lagged notices)
         self.shut_down = False
         self.stopping = False  # (stop_turns ran: turns end as "shutdown", none starts)
         self.cut_detached: list[tuple[str, dict, int]] = []  # (session, request, transcript length) to run again
@@ -103,7 +103,7 @@ class FakeDaemon:
         pass
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self.events.attach_loop(loop)
 
     def release(self) -> None:
         self._go.set()
@@ -312,15 +312,10 @@ class FakeDaemon:
                 "kv": {"file_bytes": 8192, "ram_bytes": 4096, "reserved_bytes": 16384, "cap_bytes": 1 << 20}}
 
     def publish(self, kind: str, data: dict) -> None:
-        ev = {"type": kind, "time": time.time(), **data}
-        if self._loop is not None:
-            for q in list(self._subscribers):
-                self._loop.call_soon_threadsafe(q.put_nowait, ev)
+        self.events.publish(kind, data)
 
-    def subscribe(self, backlog: int = 0) -> asyncio.Queue:
-        q: asyncio.Queue = asyncio.Queue()
-        self._subscribers.add(q)
-        return q
+    def subscribe(self, backlog: int = 0, after: str | None = None) -> Subscription:
+        return self.events.subscribe(backlog, after)
 
-    def unsubscribe(self, q: asyncio.Queue) -> None:
-        self._subscribers.discard(q)
+    def unsubscribe(self, sub: Subscription) -> None:
+        self.events.unsubscribe(sub)

@@ -175,7 +175,34 @@ def test_event_stream(fake: FakeDaemon, sock_path):
                     break
         assert [(e["type"], e["session"]) for e in seen] == [("placement", sid), ("promotion", sid)]
         assert seen[1]["placement"]["priority"] == 2
-        wait_for(lambda: not fake._subscribers, "the subscriber to leave")
+        wait_for(lambda: not fake.events._subscribers, "the subscriber to leave")
+
+
+def test_a_client_reconnecting_with_the_last_event_id_gets_what_it_missed(fake: FakeDaemon, sock_path):
+    with serving(fake, sock_path), uds_client(sock_path) as c:
+        sids = [c.post("/v1/sessions", json={"sla": {"class": "batch"}}).json()["id"] for _ in range(3)]
+        with c.stream("GET", "/v1/events", params={"backlog": 3}) as r:
+            ids, seen = [], []
+            for line in r.iter_lines():
+                if line.startswith("id: "):
+                    ids.append(line[4:])
+                elif line.startswith("data: "):
+                    seen.append(json.loads(line[6:])["session"])
+                if len(seen) == 1:
+                    break
+        assert seen == sids[:1] and len(ids) == 1
+        c.post(f"/v1/sessions/{sids[0]}/promote")  # while the client was away
+        with c.stream("GET", "/v1/events", params={"backlog": 3}, headers={"Last-Event-ID": ids[0]}) as r:
+            got = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    got.append(json.loads(line[6:]))
+                if len(got) == 3:
+                    break
+        assert [(e["type"], e["session"]) for e in got] == [("placement", sids[1]), ("placement", sids[2]),
+                                                           ("promotion", sids[0])]
+        r = c.get("/v1/events", headers={"Last-Event-ID": "not-an-id"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "Last-Event-ID"
 
 
 def test_shutdown_ends_streams_and_turns(sock_path):

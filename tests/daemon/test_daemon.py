@@ -333,6 +333,17 @@ def test_a_turn_the_pool_cannot_take_is_refused_with_when_to_retry_and_changes_n
     assert len(refusals) == 2 and refusals[0]["session"] == third and refusals[0]["class"] == "interactive"
 
 
+def _drain(sub) -> list[dict]:
+    out = []
+    while not sub.queue.empty() or sub.dropped:
+        coro = sub.get()
+        try:
+            coro.send(None)
+        except StopIteration as e:  # (nothing to wait for: each get returns at once)
+            out.append(e.value)
+    return out
+
+
 def test_events_keep_a_backlog_for_new_subscribers():
     import asyncio
 
@@ -347,11 +358,67 @@ def test_events_keep_a_backlog_for_new_subscribers():
         fresh, late = bus.subscribe(), bus.subscribe(backlog=3)
         bus.publish("placement", {"n": -1})
         await asyncio.sleep(0)
-        drain = lambda q: [q.get_nowait()["n"] for _ in range(q.qsize())]  # noqa: E731
-        return drain(fresh), drain(late)
+        return [ev["n"] for _, ev in _drain(fresh)], [ev["n"] for _, ev in _drain(late)]
 
     fresh, late = asyncio.run(main())
     assert fresh == [-1] and late == [BACKLOG + 2, BACKLOG + 3, BACKLOG + 4, -1]
+
+
+def test_a_subscriber_that_falls_behind_is_told_how_many_events_it_lost_where_it_lost_them(monkeypatch):
+    import asyncio
+
+    from weaved.daemon import events
+
+    monkeypatch.setattr(events, "QUEUE_SIZE", 3)
+    bus = events.EventBus()
+
+    async def main() -> list[tuple]:
+        bus.attach_loop(asyncio.get_running_loop())
+        sub = bus.subscribe()
+        for i in range(10):
+            bus.publish("placement", {"n": i})
+        await asyncio.sleep(0)
+        got = [(ev["type"], ev.get("n", ev.get("dropped"))) for _, ev in _drain(sub)]
+        bus.publish("placement", {"n": 10})  # read up: events reach it again
+        await asyncio.sleep(0)
+        return got + [(ev["type"], ev["n"]) for _, ev in _drain(sub)]
+
+    assert asyncio.run(main()) == [("placement", 0), ("placement", 1), ("placement", 2), ("lagged", 7),
+                                   ("placement", 10)]
+
+
+def test_a_reconnecting_subscriber_resumes_after_the_last_event_it_saw():
+    import asyncio
+
+    from weaved.daemon.events import BACKLOG, EventBus
+    from weaved.errors import InvalidRequest
+
+    bus = EventBus()
+    ids = []
+
+    async def main() -> None:
+        bus.attach_loop(asyncio.get_running_loop())
+        first = bus.subscribe()
+        for i in range(5):
+            bus.publish("placement", {"n": i})
+        await asyncio.sleep(0)
+        ids.extend(i for i, _ in _drain(first))
+
+    asyncio.run(main())
+    assert len(set(ids)) == 5
+    again = bus.subscribe(backlog=BACKLOG, after=ids[1])  # the id wins over the backlog: nothing twice
+    assert [ev["n"] for _, ev in _drain(again)] == [2, 3, 4]
+    assert _drain(bus.subscribe(after=ids[-1])) == []
+    for i in range(5, BACKLOG + 10):  # the backlog moves past what the client saw
+        bus.publish("placement", {"n": i})
+    got = _drain(bus.subscribe(after=ids[-1]))
+    assert got[0][0] is None and got[0][1]["type"] == "lagged" and got[0][1]["dropped"] == 5
+    assert [ev["n"] for _, ev in got[1:]] == list(range(10, BACKLOG + 10))
+    restarted = _drain(EventBus().subscribe(after=ids[-1]))  # another run of the daemon: not known what was lost
+    assert restarted == [(None, restarted[0][1])] and restarted[0][1]["dropped"] is None
+    for bad in ("junk", f"{bus.run}-x", f"{bus.run}-{10 ** 6}"):
+        with pytest.raises(InvalidRequest, match="Last-Event-ID"):
+            bus.subscribe(after=bad)
 
 
 def test_a_subscriber_joining_while_an_event_goes_out_gets_it_once():
@@ -359,7 +426,7 @@ def test_a_subscriber_joining_while_an_event_goes_out_gets_it_once():
     backlog or live, never both (its queue joins in the same step as the backlog is read)."""
     import asyncio
 
-    from weaved.daemon.events import EventBus
+    from weaved.daemon.events import EventBus, Subscription
 
     bus = EventBus()
     joined: list = []
@@ -380,8 +447,8 @@ def test_a_subscriber_joining_while_an_event_goes_out_gets_it_once():
         thread = next(x for x in joined if isinstance(x, threading.Thread))
         thread.join(10)
         await asyncio.sleep(0.05)
-        q = next(x for x in joined if isinstance(x, asyncio.Queue))
-        return [q.get_nowait()["n"] for _ in range(q.qsize())]
+        sub = next(x for x in joined if isinstance(x, Subscription))
+        return [ev["n"] for _, ev in _drain(sub)]
 
     assert asyncio.run(main()) == [1]
 

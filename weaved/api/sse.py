@@ -17,9 +17,10 @@ def progress_comment(ev: dict) -> bytes:
     return f": prefill {int(ev['prefilled'])}/{int(ev['prompt'])}\n\n".encode()
 
 
-def frame(data: dict, event: str | None = None) -> bytes:
-    """One server-sent event: ``data`` as JSON, named ``event`` when given (the Responses API names each)."""
-    head = b"event: " + event.encode() + b"\n" if event else b""
+def frame(data: dict, event: str | None = None, id: str | None = None) -> bytes:
+    """One server-sent event: ``data`` as JSON, named ``event`` when given (the Responses API names each),
+    with its ``id`` when given (what a reconnecting client sends back as ``Last-Event-ID``)."""
+    head = (b"id: " + id.encode() + b"\n" if id else b"") + (b"event: " + event.encode() + b"\n" if event else b"")
     return head + b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 

@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from weaved.api.sse import KEEPALIVE, frame, sse_response
 from weaved.api.state import ApiState, state_of
-from weaved.daemon.events import BACKLOG
+from weaved.daemon.events import BACKLOG, Subscription
 from weaved.errors import InvalidRequest
 from weaved.metrics import CONTENT_TYPE
 
@@ -40,16 +40,17 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/events")
 async def events(request: Request, backlog: int = 0) -> Response:
-    """Placements, preemptions, promotions and demotions as they happen, one JSON object per event;
-    ``?backlog=N`` first sends the last N (at most 200) that happened before."""
+    """Placements, preemptions, promotions and demotions as they happen, one JSON object per event, each
+    with its id; ``?backlog=N`` first sends the last N (at most 200) that happened before, and a client
+    reconnecting with ``Last-Event-ID`` gets the kept events after that one instead."""
     if not 0 <= backlog <= BACKLOG:
         raise InvalidRequest(f"backlog must be between 0 and {BACKLOG}", param="backlog")
     state = state_of(request)
-    queue = state.daemon.subscribe(backlog)
-    return sse_response(_event_frames(request, state, queue), on_close=lambda: state.daemon.unsubscribe(queue))
+    sub = state.daemon.subscribe(backlog, request.headers.get("last-event-id"))
+    return sse_response(_event_frames(request, state, sub), on_close=lambda: state.daemon.unsubscribe(sub))
 
 
-async def _event_frames(request: Request, state: ApiState, queue: asyncio.Queue) -> AsyncIterator[bytes]:
+async def _event_frames(request: Request, state: ApiState, sub: Subscription) -> AsyncIterator[bytes]:
     async def hung_up() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -59,10 +60,11 @@ async def _event_frames(request: Request, state: ApiState, queue: asyncio.Queue)
     try:
         yield KEEPALIVE  # sends the headers now, so a client knows it is subscribed
         while True:
-            get = asyncio.create_task(queue.get())
+            get = asyncio.create_task(sub.get())
             done, _ = await asyncio.wait({get, *stop}, timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED)
             if get in done:
-                yield frame(get.result())
+                event_id, ev = get.result()
+                yield frame(ev, id=event_id)
                 continue
             get.cancel()
             if done:  # the client left or the daemon is closing
@@ -71,4 +73,4 @@ async def _event_frames(request: Request, state: ApiState, queue: asyncio.Queue)
     finally:  # (the wait may be cancelled mid-way, its queue read still pending)
         for t in (*stop, *([get] if get is not None else [])):
             t.cancel()
-        state.daemon.unsubscribe(queue)
+        state.daemon.unsubscribe(sub)

@@ -17,7 +17,6 @@ Collaborators: ``SessionMoves`` (where a turn runs and how a session moves betwe
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import threading
@@ -30,7 +29,7 @@ from weaved.config.profile import Profile, operator_profile_file
 from weaved.daemon.chains import ResponseChains
 from weaved.daemon.choices import TurnChoices
 from weaved.daemon.device_room import DeviceRoom
-from weaved.daemon.events import EventBus
+from weaved.daemon.events import EventBus, Subscription
 from weaved.daemon.forks import SessionForks
 from weaved.daemon.housekeeping import Housekeeper
 from weaved.daemon.lifecycle import DaemonLifecycle, aligned
@@ -288,11 +287,11 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
         """Send an event to every ``/v1/events`` subscriber (any thread)."""
         self.events.publish(kind, data)
 
-    def subscribe(self, backlog: int = 0) -> asyncio.Queue:
-        return self.events.subscribe(backlog)
+    def subscribe(self, backlog: int = 0, after: str | None = None) -> Subscription:
+        return self.events.subscribe(backlog, after)
 
-    def unsubscribe(self, q: asyncio.Queue) -> None:
-        self.events.unsubscribe(q)
+    def unsubscribe(self, sub: Subscription) -> None:
+        self.events.unsubscribe(sub)
 
     def status(self) -> dict:
         """``/v1/status``: everything ``weave top`` shows."""
