@@ -135,3 +135,40 @@ def test_taking_a_prefix_back_gives_back_only_the_mappings_that_went(tmp_path, m
     store.share_prefix(b, prompt)
     store.unshare(b, 5)
     assert store.maps.status()["used"] - counted >= held() - before
+
+
+@pytest.mark.parametrize("memory_only", [False, True])
+def test_a_prefix_the_kernel_refuses_to_map_part_way_leaves_the_session_its_own_writable_pages(
+        tmp_path, memory_only, monkeypatch):
+    """A kernel that refuses one run's alias after others were mapped read-only: those runs are the
+    session's own again (a write there would otherwise fault and take the process down), and the
+    session, refused the prefix, computes its rows itself."""
+    from weaved.kv.mapping import FileMapping
+
+    store = KVStore(tmp_path, CFG)
+    prompt = tokens(BLOCK + 10)
+    a = store.create("a", capacity=512)
+    store.reserve(a, len(prompt))
+    fill(a, 0, len(prompt), seed=1)
+    store.publish_prefix(a, prompt, adopt=False)
+    prefix_file = str(store.prefixes.get(store.prefixes.longest(prompt, len(prompt) - 1)[0].key).path)
+    b = store.create("b", capacity=512, memory_only=memory_only)
+    real, calls = FileMapping.alias, []
+
+    def refuses_the_third(self, *args, **kw):
+        calls.append(args)
+        if len(calls) == 3:
+            raise OSError(12, "Cannot allocate memory")
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(FileMapping, "alias", refuses_the_third)
+    with pytest.raises(OSError):
+        store.share_prefix(b, prompt)
+    monkeypatch.setattr(FileMapping, "alias", real)
+    with open("/proc/self/maps") as f:
+        lines = [ln for ln in f if ln.rstrip().endswith(prefix_file)]
+    assert lines == [], "the session still maps the prefix file"
+    assert b.length == 0 and store.prefixes.status()["in_use"] == 0
+    store.reserve(b, len(prompt))
+    rows = fill(b, 0, len(prompt), seed=2)  # written where the prefix was mapped read-only
+    assert np.array_equal(b.data[:, :, :, :len(prompt)], rows)

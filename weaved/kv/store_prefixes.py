@@ -79,9 +79,15 @@ class PrefixSharing:
             self._note_no_maps()
             raise NoMapsLeft(f"session {session_id}: no room under vm.max_map_count to map a shared prefix")
         fd = os.open(prefix.path, os.O_RDONLY)
+        done = 0
         try:
             for r in range(self.prefixes.runs()):
                 s.mm.alias(r * s.capacity * row, fd, r * prefix.positions * row, n * row)
+                done += 1
+        except BaseException:  # the kernel refused part-way: the runs mapped read-only are the session's again
+            if done:  # (else its next write there would fault)
+                self._own_pages(session_id, s, done, n)
+            raise
         finally:
             os.close(fd)
         s.prefix, s.shared = key, n
@@ -200,28 +206,32 @@ class PrefixSharing:
                 return
             n = s.shared
             rows = np.array(s.data[:, :, :, :n])  # [L, 2, H, n, D] the prefix's rows, copied
-            row = self.config.head_dim * 2
-            if s.memory_only:
-                for r in range(self.prefixes.runs()):
-                    s.mm.renew(r * s.capacity * row, s.shared * row)
-            else:
-                self._allocate(session_id, s, 0, s.shared)
-                fd = os.open(self._kv_path(session_id), os.O_RDWR)
-                try:
-                    for r in range(self.prefixes.runs()):
-                        off = r * s.capacity * row
-                        s.mm.alias(off, fd, off, s.shared * row, writable=True)
-                finally:
-                    os.close(fd)
+            self._own_pages(session_id, s, self.prefixes.runs(), n)
             s.data[:, :, :, :n] = rows
-            if s.memory_only:  # anonymous pages again: the kernel merges the pieces back (measured)
-                s.mm.unclaim_maps(2 * self.prefixes.runs())
-            # (a file's pieces stay apart - each remap opened the file anew - and stay claimed until the
-            # session's mapping goes: a later prefix's aliases reuse them)
             self.prefixes.drop_user(s.prefix, session_id)
             s.prefix, s.shared = None, 0
             kv.shared = None
             self._write_meta(session_id, s, None)
+
+    def _own_pages(self, session_id: str, s: OpenSession, runs: int, n: int) -> None:
+        """The session's own writable pages again over positions [0, n) of its first ``runs`` (layer, k|v,
+        head) runs, where a prefix file was mapped (their contents are not kept)."""
+        row = self.config.head_dim * 2
+        if s.memory_only:
+            for r in range(runs):
+                s.mm.renew(r * s.capacity * row, n * row)
+            s.mm.unclaim_maps(2 * self.prefixes.runs())  # anonymous again: the kernel merges the pieces back
+            return
+        # (a file's pieces stay apart - each remap opened the file anew - and stay claimed until the
+        # session's mapping goes: a later prefix's aliases reuse them)
+        self._allocate(session_id, s, 0, n)
+        fd = os.open(self._kv_path(session_id), os.O_RDWR)
+        try:
+            for r in range(runs):
+                off = r * s.capacity * row
+                s.mm.alias(off, fd, off, n * row, writable=True)
+        finally:
+            os.close(fd)
 
     def publish_prefix(self, kv: KVCache, tokens: list[int], *, adopt: bool = True) -> int:
         """Store the full blocks of ``tokens`` (the session's committed tokens: their rows are written)
