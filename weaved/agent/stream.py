@@ -12,10 +12,10 @@ or not, a client sees the same.  Text that breaks the syntax (an unconstrained a
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from weaved.agent.formats import CallFormat
+from weaved.agent.json_string import JsonString
 from weaved.agent.tools import ToolCall, call_id
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -48,7 +48,7 @@ class AnswerParser:
         self._expect: list[str] = []  # literal text the call syntax requires next
         self._depth = 0
         self._in_str = self._esc = False
-        self._resp = _JsonString()
+        self._resp = JsonString()
         self.reasoning_tokens = 0  # tokens given by push_token inside the reasoning block (its markers too)
         self.last_token_reasoning = False  # whether the last token push_token took was one of them
 
@@ -346,58 +346,6 @@ class AnswerParser:
     _raw_since_calls = ""  # the text since the calls began, not yet part of a complete call
     _next_after_lit = "call:name"
     _skip_ws = False
-
-
-class _JsonString:
-    """Decodes a JSON string's body as it arrives (the opening quote already consumed)."""
-
-    def __init__(self):
-        self._pending = ""
-
-    def feed(self, text: str) -> tuple[str, str, bool]:
-        """(decoded text, unconsumed rest, whether the closing quote was reached)."""
-        s = self._pending + text
-        self._pending = ""
-        out, i = [], 0
-        while i < len(s):
-            ch = s[i]
-            if ch == '"':
-                return "".join(out), s[i + 1:], True
-            if ch != "\\":
-                out.append(ch)
-                i += 1
-                continue
-            esc = s[i:i + 2] if s[i + 1:i + 2] != "u" else s[i:i + 6]
-            if len(esc) < 2 or (esc[1] == "u" and len(esc) < 6):
-                self._pending = s[i:]
-                return "".join(out), "", False
-            code = _hex(esc[2:]) if esc[1] == "u" else None
-            if code is not None and 0xD800 <= code < 0xE000:  # a surrogate: valid only as a high-low pair
-                nxt = s[i + 6:i + 12]
-                if nxt in ("", "\\") or (nxt.startswith("\\u") and len(nxt) < 6):
-                    self._pending = s[i:]  # (what follows decides)
-                    return "".join(out), "", False
-                low = _hex(nxt[2:]) if nxt.startswith("\\u") else None
-                if code < 0xDC00 and low is not None and 0xDC00 <= low < 0xE000:
-                    esc = s[i:i + 12]
-                else:  # a lone half (JSON allows it; no text holds it): the replacement character
-                    out.append("\ufffd")
-                    i += 6
-                    continue
-            try:
-                out.append(json.loads('"' + esc + '"'))
-            except ValueError:  # (not an escape JSON knows: the text as written)
-                out.append(esc)
-            i += len(esc)
-        return "".join(out), "", False
-
-
-def _hex(digits: str) -> int | None:
-    """The value of four hex digits, or None."""
-    try:
-        return int(digits, 16) if len(digits) == 4 else None
-    except ValueError:
-        return None
 
 
 def _partial(buf: str, marker: str) -> int:
