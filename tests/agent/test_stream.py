@@ -187,3 +187,13 @@ def test_the_first_lines_indentation_after_the_reasoning_is_the_answers(step):
 def test_an_answer_cut_right_after_llamas_call_tag_says_nothing():
     ans, deltas = parse(LLAMA3, "<|python_tag|>", 1000)
     assert ans.content == "" and not ans.calls and assembled(deltas) == ("", "", [])
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_text_that_breaks_the_envelope_after_its_response_string_is_content_once(step):
+    """The generic envelope's response string closed, then the text leaves the syntax (an answer the
+    grammar did not hold): the string's text is said once, then what broke it - never the envelope's
+    raw text a second time."""
+    ans, deltas = parse(GENERIC, '{"response": "hi \\"there\\""x and more', step)
+    assert ans.content == 'hi "there"x and more' and ans.calls == []
+    assert assembled(deltas) == ('hi "there"x and more', "", [])

@@ -1,6 +1,7 @@
-"""A JSON string's body decoded as it arrives, piece by piece: the text answer of the generic tool-call
-envelope (``{"response": "..."}``) streamed as content while the model writes it.  An escape cut between two pieces waits for the rest; a lone surrogate
-half (JSON allows it, no text holds it) becomes the replacement character."""
+"""A JSON string's body decoded as it arrives, piece by piece: the text answer of the generic
+tool-call envelope (``{"response": "..."}``) streamed as content while the model writes it.  An escape
+cut between two pieces waits for the rest; a lone surrogate half (JSON allows it, no text holds it)
+becomes the replacement character."""
 
 from __future__ import annotations
 

@@ -155,7 +155,8 @@ class AnswerParser:
             self._emit(out, "content", text)
             self._raw_since_calls += buf[: len(buf) - len(rest)]
             self._buf = rest
-            if closed:
+            if closed:  # the string's text is content already: a tail breaking the syntax is said alone
+                self._raw_since_calls = ""
                 self._state = "tail"
                 self._expect = ["}"]
             return closed
