@@ -342,6 +342,32 @@ def test_an_answer_from_the_sdks_parse_helpers_sent_back_is_accepted(client, fak
     assert "parsed" not in turn  # (nothing of the SDK's readings is kept in the transcript)
 
 
+def test_a_streamed_answer_assembled_by_the_sdks_stream_helper_sent_back_is_accepted(client, fake):
+    """``client.chat.completions.stream(...).get_final_completion()``'s message: its calls keep the stream's
+    ``index``; accepted, and not kept in the transcript."""
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+    r = client.post(CHAT, json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert fake.calls[-1][1]["messages"][1]["tool_calls"][0] == {"id": "call_1", "type": "function",
+                                                                  "function": {"name": "f", "arguments": "{}"}}
+    bad = {**call, "index": -1}
+    assert_error(client.post(CHAT, json={"messages": [*USER, {**messages[1], "tool_calls": [bad]}, messages[2]]}),
+                 400)
+
+
+def test_query_parameters_a_route_does_not_take_are_refused(client, fake):
+    """FastAPI drops them: a stored response asked for as a stream, or a list paged by ``before``, would
+    answer something else than asked."""
+    for path, params in (("/v1/responses/resp_x", {"stream": "true"}), ("/v1/responses/resp_x", {"include[]": "x"}),
+                         ("/v1/responses/resp_x/input_items", {"before": "x"}), ("/v1/models", {"x": "1"}),
+                         ("/v1/sessions", {"before": "x"})):
+        err = assert_error(client.get(path, params=params), 400, param=next(iter(params)))
+        assert "unknown query parameter" in err["message"]
+    assert client.get("/v1/sessions", params={"order": "desc", "limit": 2}).status_code == 200
+
+
 @pytest.mark.parametrize(("tool", "words"), [
     ({"type": "function", "name": "my tool", "parameters": {"type": "object"}}, "function names"),
     ({"type": "function", "name": "f", "parameters": {"type": "string"}}, "type object"),
@@ -513,3 +539,15 @@ def test_min_tokens_past_the_limit_names_both_as_the_request_did(client, path, l
     err = assert_error(client.post(path, json={"messages": [{"role": "user", "content": "hi"}], limit: 2,
                                                "min_tokens": 3}), 400, "min_tokens")
     assert f"must not exceed {limit} (2)" in err["message"]
+
+
+def test_a_response_validates_against_the_sdks_own_types(client, fake):
+    """Strictly, as code that re-validates a stored or proxied response does (required fields included)."""
+    from openai.types.responses import Response
+
+    for store in (True, False):
+        r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "store": store})
+        assert r.status_code == 200, r.text
+        usage = Response.model_validate(r.json()).usage
+        cached = usage.input_tokens_details.cached_tokens
+        assert usage.input_tokens_details.cache_write_tokens == (usage.input_tokens - cached if store else 0)

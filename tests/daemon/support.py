@@ -1,5 +1,5 @@
 """What the daemon's in-process tests share: a loaded daemon on a test model, a turn run to its end, a
-turn's events as a client reads them, and a wait on what another process commits."""
+turn's events as a client reads them, the events published, and a wait on what another process commits."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ from weaved.daemon.journal import Journal, SessionRecord
 from weaved.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+def recent_events(d: Daemon, n: int = 200) -> list[dict]:
+    """The last ``n`` events the daemon published (its backlog; no loop attached: nothing live)."""
+    sub = d.subscribe(backlog=n)
+    return [sub.queue.get_nowait()[1] for _ in range(sub.queue.qsize())]
 
 
 def make_daemon(model: Path, data_dir: Path, log_fn=lambda m: None) -> Daemon:

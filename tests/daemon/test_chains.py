@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tests.daemon.support import GREEDY, make_daemon, run_turn
+from tests.daemon.support import GREEDY, make_daemon, recent_events, run_turn
 from weaved.daemon.core import Daemon
 from weaved.errors import Conflict, NotFound
 from weaved.routing.types import SLA, SLAClass
@@ -52,8 +52,7 @@ def test_a_continuation_drops_the_turns_past_its_response(tiny_llama, tmp_path):
                                                                 d.get_session(plain)["messages"][1]["content"],
                                                                 "And another?"]
         assert got["context_tokens"] == d.get_session(plain)["context_tokens"]
-        q = d.subscribe(backlog=50)  # (no loop attached: the events published so far)
-        seen = [q.get_nowait() for _ in range(q.qsize())]
+        seen = recent_events(d, 50)
         assert [ev["messages"] for ev in seen if ev.get("type") == "rewind"] == [2]
         # a continuation at the session's end drops nothing
         before = d.get_session(chain)["messages"]

@@ -10,7 +10,16 @@ import threading
 
 import pytest
 
-from tests.daemon.support import GREEDY, LONG, Stream, make_daemon, prefilled, run_to_end, run_turn
+from tests.daemon.support import (
+    GREEDY,
+    LONG,
+    Stream,
+    make_daemon,
+    prefilled,
+    recent_events,
+    run_to_end,
+    run_turn,
+)
 from weaved.config.load import load_profile
 from weaved.daemon.core import Daemon
 from weaved.daemon.journal import Journal
@@ -231,11 +240,9 @@ def test_a_session_created_empty_is_placed_again_by_its_first_turn(daemon):
     run_turn(daemon, sid, "And the stars?")
     assert daemon.get_session(sid)["placement"] == after  # later turns keep it
     # a stateless request's session is placed once, with its prompt: one event, not a first guess too
-    q0 = daemon.subscribe(backlog=200)
-    seen = q0.qsize()
+    seen = len(recent_events(daemon))
     _, h = run_turn(daemon, None, "Tell me about the sea and the sky")
-    q = daemon.subscribe(backlog=200)
-    new = [q.get_nowait() for _ in range(q.qsize())][seen:]
+    new = recent_events(daemon)[seen:]
     placed = [e for e in new if e["type"] == "placement"]
     assert len(placed) == 1 and placed[0]["session"] == h.session_id
     assert not any("short prompt (0 <" in r for r in placed[0]["placement"]["reasons"])  # it saw the prompt

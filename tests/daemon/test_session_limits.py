@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.daemon.support import run_turn
+from tests.daemon.support import recent_events, run_turn
 from weaved.config.load import load_profile
 from weaved.daemon.core import Daemon
 from weaved.errors import NotFound, Overloaded
@@ -54,8 +54,7 @@ def test_at_the_cap_the_least_recently_used_idle_chain_is_evicted(daemon):
     with pytest.raises(NotFound):
         daemon.get_response("resp_new")
     assert daemon.get_response("resp_old")[0] == old
-    q = daemon.subscribe(backlog=50)  # (no loop attached: the events published so far)
-    recent = [q.get_nowait() for _ in range(q.qsize())]
+    recent = recent_events(daemon, 50)
     assert any(ev.get("type") == "eviction" and ev.get("session") == new for ev in recent)
 
 

@@ -95,6 +95,9 @@ class ToolCallIn(BaseModel):
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"
     function: CallFunction
+    # a streamed call's delta index, which the openai SDK's stream helpers (and most stream accumulators)
+    # leave on the call they assemble: its place in the list says the same, so it is not kept
+    index: int | None = Field(None, ge=0)
 
 
 NO_FORMAT_DESCRIPTION = ("a format's description is not offered: the schema is enforced on the answer by a grammar, "

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import secrets
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from weaved import http_errors
 from weaved.api import input_items, openai, peers, response_counts, responses, sessions, system
+from weaved.api.query import known_query
 from weaved.api.state import ApiState
 from weaved.metrics import Metrics
 
@@ -49,7 +50,8 @@ def create_app(daemon, *, metrics: Metrics | None = None) -> FastAPI:
     """The app serving ``daemon`` (a loaded ``weaved.daemon.core.Daemon`` or anything with its interface)."""
     # no redirect from "/v1/sessions/" to "/v1/sessions": a path with an empty id is not an endpoint,
     # and a bare 307 with no body is not the OpenAI-shaped error every other unknown path gets
-    app = FastAPI(title="Weave", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+    app = FastAPI(title="Weave", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False,
+                  dependencies=[Depends(known_query)])
     state = ApiState(daemon, metrics or Metrics())
     app.state.weave = state
     http_errors.install(app)

@@ -146,8 +146,9 @@ class Message(BaseModel):
         if self.reasoning_content is not None:
             out["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
-            # (the SDK's parsed_arguments is its reading of arguments: not part of the call kept)
-            out["tool_calls"] = [c.model_dump(exclude={"function": {"parsed_arguments"}}) for c in self.tool_calls]
+            # (the SDK's parsed_arguments is its reading of arguments, index a stream's: not part of the call kept)
+            out["tool_calls"] = [c.model_dump(exclude={"index": True, "function": {"parsed_arguments"}})
+                                 for c in self.tool_calls]
         return out
 
 

@@ -214,9 +214,13 @@ class _Reply:
         elif reason not in ("stop", "cancelled"):
             obj["incomplete_details"] = {"reason": reason}
         u = t.usage
+        cached = u["prompt_tokens_details"]["cached_tokens"]
+        # written to a cache: the prompt rows computed into a stored response's session, which a continuation
+        # reads instead of computing them again
+        written = u["prompt_tokens"] - cached if self.kept else 0
         obj["usage"] = {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                         "total_tokens": u["total_tokens"],
-                        "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+                        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
                         "output_tokens_details": {"reasoning_tokens": self.parser.reasoning_tokens}}
         return obj
 
