@@ -285,3 +285,29 @@ def test_only_a_few_blanks_may_follow_the_reasoning(tok, engine, opened):
     allowed = [tok.token_bytes(int(t)) for t in np.flatnonzero(c.allowed())]
     assert allowed and not [b for b in allowed if b and not b.strip()]  # no more whitespace
     assert all(b.startswith(b"{") for b in allowed if b)  # the answer itself
+
+
+def test_a_turn_without_tools_after_calls_cannot_write_the_envelopes_calls(tok, engine):
+    """A conversation whose past calls are written as the generic envelope, in a turn that offers no
+    tools: the model may copy the shape, and with no tools nothing would parse it - it would be content.
+    The answer is free text (JSON too) that does not open the envelope's calls; without past calls it is
+    not constrained at all."""
+    from weaved.agent.plan import AnswerPlan, AnswerSpec
+
+    enc = lambda s: tok.encode(s, add_bos=False)  # noqa: E731
+    call = {"id": "call_1", "type": "function", "function": {"name": "count", "arguments": '{"n": 3}'}}
+    history = [{"role": "user", "content": "Count to three."},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "1 2 3"},
+               {"role": "user", "content": "Thanks. And now?"}]
+    plan = AnswerPlan(AnswerSpec(), tok, engine)
+    plan.render(history)
+    c = plan.constraint()
+    assert c is not None
+    for text in ('{"tool_calls": [', ' \n{ "tool_calls"'):
+        assert c.valid_prefix(enc(text)) < len(enc(text))
+    for text in ("It counted to three.", '{"n": 4}', "The tool_calls were fine."):
+        assert plan.constraint().valid_prefix(enc(text)) == len(enc(text))
+    plain = AnswerPlan(AnswerSpec(), tok, engine)
+    plain.render(history[:1])
+    assert plain.constraint() is None and AnswerPlan(AnswerSpec(), tok, None).constraint() is None

@@ -25,6 +25,11 @@ from weaved.errors import InvalidRequest
 # ends the answer
 DEFAULT_PARALLEL = False
 
+# free text that does not start (blanks aside) with the generic envelope's calls
+PAST_CALLS_NO_CALL = r"""start: NOCALL
+NOCALL: /(.|\n)*/ & ~/[ \t\r\n]*\{[ \t\r\n]*"tool_calls"(.|\n)*/
+"""
+
 
 @dataclass(frozen=True)
 class AnswerSpec:
@@ -67,6 +72,7 @@ class AnswerPlan:
         thinking_off = spec.template_kwargs.get("enable_thinking") is False
         self.thinking = THINK_OPEN in source and not thinking_off
         self.in_reasoning = False  # set by render: the prompt itself opened <think>
+        self.past_calls = False  # set by render: past calls written as the generic envelope, no tools now
 
     # ---- the prompt --------------------------------------------------------------------------------
     def render(self, messages: list[dict]) -> str:
@@ -80,6 +86,7 @@ class AnswerPlan:
                 msgs = generic_messages(msgs, self.spec.tools, json_answer=self.spec.schema is not None)
         elif self._generic_history and any(m.get("tool_calls") or m["role"] == "tool" for m in msgs):
             msgs = generic_messages(msgs, ())
+            self.past_calls = True
         text = self._tok.render_chat(msgs, add_generation_prompt=True, tools=tools,
                                      kwargs=self.spec.template_kwargs)
         self.in_reasoning = self.thinking and text.rstrip().endswith(THINK_OPEN)
@@ -95,6 +102,11 @@ class AnswerPlan:
     def grammar_text(self) -> str | None:
         shape = self.shape
         if not shape.constrained:
+            # a turn that offers no tools after turns that called some, written as the envelope: the model
+            # may copy that shape, and with no tools there is no call to parse it into - it would be
+            # content.  Its answer is free text that does not open the envelope's calls.
+            if self.past_calls and not self.thinking and self._grammar is not None:
+                return PAST_CALLS_NO_CALL
             return None
         return answer_grammar(shape, LarkWriter(self._special_id))
 

@@ -150,7 +150,7 @@ def turn_constraint(plan: AnswerPlan | None, params: SamplingParams) -> TokenCon
     if plan is None:
         return None
     constraint = plan.constraint()
-    if constraint is not None and params.ignore_eos:
+    if constraint is not None and params.ignore_eos and plan.spec.constrained:  # (not a turn after past calls)
         raise InvalidRequest("ignore_eos cannot be combined with tools or response_format: the grammar "
                              "decides where the answer ends", param="ignore_eos")
     check_grammar_ends(plan, params)
