@@ -57,6 +57,7 @@ def register(app: typer.Typer) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         from weaved.model.convert import ConversionStats, convert_gguf
+        from weaved.model.default import check_model_layout
 
         columns = (TextColumn("converting"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.description}"))
@@ -68,6 +69,7 @@ def register(app: typer.Typer) -> None:
 
             stats = ConversionStats()
             try:
+                check_model_layout(src)  # (a file the engine would refuse once converted is refused now)
                 out = convert_gguf(src, dst, force=force, progress=progress, stats=stats)
             except FileExistsError:
                 raise _fail(f"{dst} already exists; pass --force to overwrite it") from None

@@ -149,11 +149,21 @@ def register(app: typer.Typer) -> None:
 
         from weaved.cli.socket_path import default_socket_path
 
-        from weaved.api.server import Server, ServerError, check_socket_free, hold_socket_lock, parse_listen
+        from weaved.api.server import (
+            Server,
+            ServerError,
+            bind_tcp,
+            check_socket_free,
+            hold_socket_lock,
+            parse_listen,
+        )
         from weaved.config.load import load_profile
         from weaved.config.tables import ProfileError
         from weaved.federation.service import FederationError, federation_listen
 
+        if socket is None and "://" in os.environ.get("WEAVE_SOCKET", ""):  # (the clients' URL form)
+            raise _fail(f"WEAVE_SOCKET is {os.environ['WEAVE_SOCKET']!r}, a URL: the daemon serves a Unix socket "
+                        f"(give its path, or --socket; for TCP use --listen HOST:PORT)", 2)
         path = (socket or default_socket_path()).expanduser().absolute()
         try:  # everything that can be refused is refused before the model loads
             source = ctx.get_parameter_source("api_key")
@@ -163,11 +173,15 @@ def register(app: typer.Typer) -> None:
                 raise _fail("--api-key is for the TCP listener: give --listen HOST:PORT with it", 2)
             if listen is not None:  # (the address first: a key would not make a bad one usable)
                 try:
-                    parse_listen(listen)
+                    address = parse_listen(listen)
                 except ServerError as e:
                     raise _fail(str(e), 2) from None
                 if not api_key:
                     raise _fail("--listen needs an API key (--api-key or WEAVE_API_KEY)", 2)
+                try:  # an address in use, or a host that does not resolve, is found now, not after the load
+                    bind_tcp(*address).close()
+                except ServerError as e:
+                    raise _fail(str(e)) from None
             check_socket_free(path)
             try:
                 prof = load_profile(profile)
@@ -187,6 +201,8 @@ def register(app: typer.Typer) -> None:
 
             try:
                 template = chat_template.read_text()
+                if not template.strip():  # (else the model's own, or none, would be used without a word)
+                    raise ValueError("the file is empty")
                 ChatTemplate(template).check()
             except OSError as e:
                 raise _fail(f"cannot read the chat template {chat_template}: {e.strerror or e}", 2) from None
@@ -207,8 +223,9 @@ def register(app: typer.Typer) -> None:
 
             logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
             started = time.monotonic()
-            daemon = Daemon(prof, model_path, data_dir=None if data_dir is None else Path(data_dir), log_fn=_log_line,
-                            federation=federation, chat_template=template)
+            data = None if data_dir is None else Path(data_dir).expanduser()  # (as --socket and the profile's)
+            daemon = Daemon(prof, model_path, data_dir=data, log_fn=_log_line, federation=federation,
+                            chat_template=template)
             restarted = os.environ.pop(RESTARTED_ENV, None) is not None
             try:
                 daemon.load(progress=_say)

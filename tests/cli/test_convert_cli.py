@@ -75,7 +75,7 @@ def test_an_out_that_cannot_be_written_is_said_in_words(q4_1_model, tmp_path):
         (lambda d: d / "missing.gguf", "input file not found", 2),  # bad usage
         (lambda d: d, "is a directory", 2),
         (lambda d: (d / "notes.txt", (d / "notes.txt").write_text("hello"))[0], "not a readable GGUF", 2),
-        (lambda d: write_tiny_gguf(d / "gpt2.gguf", "gpt2", n_layers=1), "unsupported architecture 'gpt2'", 2),
+        (lambda d: write_tiny_gguf(d / "gpt2.gguf", "gpt2", n_layers=1), "architecture 'gpt2' is not supported", 2),
     ],
     ids=["missing", "directory", "not-gguf", "unsupported-arch"],
 )

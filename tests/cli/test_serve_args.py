@@ -14,3 +14,26 @@ def test_a_bad_listen_address_is_named_before_the_missing_key(tmp_path):
     assert bad.exit_code == 2 and "HOST:PORT" in bad.stderr and "API key" not in bad.stderr, bad.stderr
     keyless = runner.invoke(app, ["serve", "--socket", str(tmp_path / "w.sock"), "--listen", "127.0.0.1:0"], env=env)
     assert keyless.exit_code == 2 and "--listen needs an API key" in keyless.stderr, keyless.stderr
+
+
+def test_a_listen_address_in_use_a_url_socket_and_an_empty_template_are_refused_before_the_load(tmp_path):
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    try:
+        port = held.getsockname()[1]
+        env = {"WEAVE_API_KEY": "k", "WEAVE_DEBUG": None, "WEAVE_SOCKET": None}
+        busy = runner.invoke(app, ["serve", "--socket", str(tmp_path / "w.sock"), "--listen", f"127.0.0.1:{port}"],
+                             env=env)
+        assert busy.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in busy.stderr, busy.stderr
+    finally:
+        held.close()
+    url = runner.invoke(app, ["serve"], env={"WEAVE_SOCKET": "http://127.0.0.1:8080", "WEAVE_DEBUG": None})
+    assert url.exit_code == 2 and "a URL" in url.stderr and not (tmp_path / "http:").exists(), url.stderr
+    empty = tmp_path / "empty.jinja"
+    empty.write_text("\n")
+    refused = runner.invoke(app, ["serve", "--socket", str(tmp_path / "w.sock"), "--chat-template", str(empty)],
+                            env={"WEAVE_DEBUG": None})
+    assert refused.exit_code == 2 and "the file is empty" in refused.stderr, refused.stderr

@@ -111,7 +111,9 @@ def test_a_failed_conversion_leaves_nothing_in_the_cache(cache, tmp_path, monkey
     monkeypatch.setattr(convert, "convert_gguf", broken)
     with pytest.raises(OSError, match="No space"):
         ensure_native(src, log=lambda m: None)
-    assert list((cache / "models").iterdir()) == []
+    # no copy, no temporary file: only the lock (removing it would let a waiting process and a newcomer
+    # lock two files and convert at once)
+    assert [p.name for p in (cache / "models").iterdir()] == [converted_name(src) + ".lock"]
 
 
 def _convert_in_child(src: str, cache: str, log_file: str, barrier, results) -> None:

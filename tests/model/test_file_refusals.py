@@ -126,3 +126,55 @@ def test_an_arm_repacked_q4_0_file_is_named_as_such(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"is Q4_0_4_4, an ARM repacking.*plain Q4_0"):
         scan(path)
+
+
+def test_a_tensor_whose_shape_contradicts_the_metadata_is_refused_by_name(tmp_path):
+    """The kernels trust the shapes the metadata implies: a matrix of another shape would be read past
+    its end, or computed as something else.  llama.cpp refuses it; so does Weave (before converting)."""
+    def short_heads(w, add):
+        w.add_key_length(32)  # the file's heads are 16 wide
+        w.add_value_length(32)
+
+    path = write_tiny_gguf(tmp_path / "shape.gguf", n_layers=1, extra=short_heads)
+    f = GGUFFile(path)
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight has shape \(64, 64\), the metadata says \(128, 64\)"):
+        check_tensors(f, read_config(f))
+    kquant = write_tiny_gguf(tmp_path / "shape-q4_1.gguf", n_layers=1, wtype=Q.Q4_1, extra=short_heads)
+    with pytest.raises(ValueError, match=r"attn_q\.weight has shape"):
+        ensure_native(kquant, log=lambda m: None)
+
+
+@pytest.mark.parametrize(("kw", "words"), [({"context_length": 0}, "context_length must be at least 1"),
+                                           ({"n_kv_heads": 3}, "heads do not share 3 key/value heads evenly")])
+def test_hyper_parameters_that_cannot_run_are_refused_in_words(tmp_path, kw, words):
+    path = write_tiny_gguf(tmp_path / "bad.gguf", n_layers=1, **kw)
+    with pytest.raises(ValueError, match=words):
+        read_config(GGUFFile(path))
+
+
+def test_a_vocabulary_larger_than_the_embedding_is_refused(tmp_path, monkeypatch):
+    from tests import tiny_models
+    from weaved.model.tokenizer import Tokenizer
+
+    monkeypatch.setattr(tiny_models, "smollm2_vocab_size", lambda: 1024)  # 1,024 rows for 49,152 tokens
+    path = write_tiny_gguf(tmp_path / "rows.gguf", n_layers=1)
+    with pytest.raises(ValueError, match=r"49152 tokens, its token embedding 1024 rows"):
+        Tokenizer(path)
+
+
+def test_special_token_ids_past_the_vocabulary_are_llama_cpps_reading_not_the_raw_ids(tmp_path, monkeypatch):
+    """An eos id past the vocabulary crashed the process (llama.cpp's detokenizer threw): the ids are
+    llama.cpp's own reading of the metadata, which never names a token the vocabulary lacks."""
+    from tests import tiny_models
+    from weaved.model.gguf_scan import MetaValue
+    from weaved.model.tokenizer import Tokenizer
+
+    real = tiny_models.smollm2_tokenizer_metadata()
+    bad = dict(real)
+    old = real["tokenizer.ggml.eos_token_id"]
+    bad["tokenizer.ggml.eos_token_id"] = MetaValue(999_999, old.vtype, old.sub_type)
+    monkeypatch.setattr(tiny_models, "smollm2_tokenizer_metadata", lambda: bad)
+    tok = Tokenizer(write_tiny_gguf(tmp_path / "eos.gguf", n_layers=1),
+                    chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert tok.eos_id is None or tok.eos_id < tok.vocab_size
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == "hi"

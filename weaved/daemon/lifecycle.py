@@ -94,6 +94,12 @@ class DaemonLifecycle:
             say(f"{self.model_path.name} has no chat template: chat and Responses requests will be refused; "
                 f"serve it with --chat-template FILE for them, or send prompts to /v1/completions "
                 f"(`weave run --raw`)")
+        else:
+            try:
+                self.tokenizer.template.check()
+            except ValueError as e:
+                say(f"{self.model_path.name}: {e}: chat and Responses requests will be refused (400); serve it "
+                    f"with --chat-template FILE for them, or send prompts to /v1/completions")
         self.grammar = GrammarEngine(self.tokenizer)  # builds its tokenizer on the first constrained turn
         from weaved.federation import service as fed
         from weaved.federation.shard_files import delete_group_files

@@ -126,13 +126,25 @@ def read_config(f: GGUFFile) -> ModelConfig:
     def require(key: str):
         return _one_value(f, key, f.require(key))
 
-    n_heads = int(require(f"{arch}.attention.head_count"))
-    d_model = int(f.require(f"{arch}.embedding_length"))
-    head_dim = int(f.get(f"{arch}.attention.key_length", d_model // n_heads))
-    vocab = f.get("tokenizer.ggml.tokens")
-    vocab_size = len(vocab) if vocab is not None else f.tensors["token_embd.weight"].shape[0]
-    context_length = int(f.get(f"{arch}.context_length", 2048))
-    n_layers = int(f.require(f"{arch}.block_count"))
+    def number(key: str, kind=int, default=None, required: bool = False):
+        v = require(key) if required else get(key, default)
+        try:
+            return kind(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{f.path.name}: {key} is {v!r}, not a {'whole ' if kind is int else ''}number") from None
+
+    n_heads = number(f"{arch}.attention.head_count", required=True)
+    d_model = number(f"{arch}.embedding_length", required=True)
+    if n_heads < 1 or d_model < 1:
+        raise ValueError(f"{f.path.name}: {arch}.attention.head_count ({n_heads}) and {arch}.embedding_length "
+                         f"({d_model}) must be at least 1")
+    head_dim = number(f"{arch}.attention.key_length", default=d_model // n_heads)
+    embd = f.tensors.get("token_embd.weight")
+    if embd is None or len(embd.shape) != 2:
+        raise ValueError(f"{f.path.name}: no token embedding matrix (token_embd.weight)")
+    vocab_size = embd.shape[0]  # the rows the model has (a tokenizer's vocabulary may not exceed them)
+    context_length = number(f"{arch}.context_length", default=2048)
+    n_layers = number(f"{arch}.block_count", required=True)
     gemma: dict = {}
     if spec.gemma:
         window = int(f.get(f"{arch}.attention.sliding_window", 0) or 0)
@@ -162,22 +174,33 @@ def read_config(f: GGUFFile) -> ModelConfig:
         d_ff_expert = n_ff if arch == "llama" else int(f.get(f"{arch}.expert_feed_forward_length", 0) or 0) or (
             n_ff // used)
         moe = dict(n_experts=n_experts, n_experts_used=used, d_ff_expert=d_ff_expert)
+    try:
+        return _config(f, arch, spec, number, n_layers, d_model, n_heads, head_dim, vocab_size, context_length,
+                       gemma, moe)
+    except ValueError as e:
+        if str(e).startswith(f.path.name):
+            raise
+        raise ValueError(f"{f.path.name}: {e}") from None
+
+
+def _config(f: GGUFFile, arch: str, spec: ArchSpec, number, n_layers, d_model, n_heads, head_dim, vocab_size,
+            context_length, gemma: dict, moe: dict) -> ModelConfig:
     return ModelConfig(
         arch=arch,
         name=str(f.get("general.name", f.path.stem)),
         n_layers=n_layers,
         d_model=d_model,
         n_heads=n_heads,
-        n_kv_heads=int(get(f"{arch}.attention.head_count_kv", n_heads)),
+        n_kv_heads=number(f"{arch}.attention.head_count_kv", default=n_heads),
         head_dim=head_dim,
-        d_ff=int(get(f"{arch}.feed_forward_length", 0) or 0) if n_experts else int(
-            require(f"{arch}.feed_forward_length")),
+        d_ff=number(f"{arch}.feed_forward_length", default=0) if moe else number(
+            f"{arch}.feed_forward_length", required=True),
         vocab_size=vocab_size,
         context_length=context_length,
-        rms_eps=float(f.require(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rms_eps=number(f"{arch}.attention.layer_norm_rms_epsilon", float, required=True),
         rope_style=spec.rope_style,
         rope=_rope(f, arch, context_length),
-        rope_dims=int(f.get(f"{arch}.rope.dimension_count", 0)),
+        rope_dims=number(f"{arch}.rope.dimension_count", default=0),
         attn_bias=spec.attn_bias,
         qk_norm=spec.qk_norm,
         tied_output="output.weight" not in f.tensors,
@@ -207,9 +230,22 @@ def required_tensors(cfg: ModelConfig) -> list[str]:
 
 
 def check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
-    """Every tensor the architecture needs is present, of a type the engine runs natively, and none
-    it would leave unread: llama.cpp refuses tensors an architecture has no place for, and adds some
-    optional ones (a llama file's biases) that Weave does not implement - refused rather than ignored."""
+    """Every tensor the architecture needs is present, in its shape, of a type the engine runs natively,
+    and none it would leave unread (``check_layout``)."""
+    check_layout(f, cfg)
+    bad = sorted({t.type_name for n in required_tensors(cfg) if (t := f.tensors[n]).type_id not in NATIVE_TYPE_IDS})
+    if bad:
+        raise ValueError(
+            f"{f.path.name}: tensor types {', '.join(bad)} are not run natively "
+            f"(native: {', '.join(NATIVE_TYPE_IDS.values())}); convert the file with `weave convert`"
+        )
+
+
+def check_layout(f: GGUFFile, cfg: ModelConfig) -> None:
+    """Every tensor the architecture needs is present, in the shape the metadata implies, and none it
+    would leave unread: llama.cpp refuses tensors an architecture has no place for, and adds some
+    optional ones (a llama file's biases) that Weave does not implement - refused rather than ignored.
+    Whatever the tensors' types (checked before a conversion too)."""
     required = required_tensors(cfg)
     missing = [n for n in required if n not in f.tensors]
     if missing:
@@ -224,31 +260,39 @@ def check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
     if cfg.rope.freq_factors is not None and len(cfg.rope.freq_factors) < cfg.n_rot // 2:
         raise ValueError(f"{f.path.name}: rope_freqs.weight has {len(cfg.rope.freq_factors)} values, "
                          f"the model rotates {cfg.n_rot // 2} pairs")
+    _check_shapes(f, cfg)
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every required tensor's shape (numpy order: rows of a matrix first) as the metadata implies it."""
+    d, q, kv, hd = cfg.d_model, cfg.q_dim, cfg.kv_dim, cfg.head_dim
+    want = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
+    if not cfg.tied_output:
+        want["output.weight"] = (cfg.vocab_size, d)
+    layer = {"attn_norm.weight": (d,), "ffn_norm.weight": (d,), "attn_q.weight": (q, d), "attn_k.weight": (kv, d),
+             "attn_v.weight": (kv, d), "attn_output.weight": (d, q)}
     if cfg.moe:
-        _check_experts(f, cfg)
-    bad = sorted({t.type_name for n in required_tensors(cfg) if (t := f.tensors[n]).type_id not in NATIVE_TYPE_IDS})
-    if bad:
-        raise ValueError(
-            f"{f.path.name}: tensor types {', '.join(bad)} are not run natively "
-            f"(native: {', '.join(NATIVE_TYPE_IDS.values())}); convert the file with `weave convert`"
-        )
-
-
-def _check_experts(f: GGUFFile, cfg: ModelConfig) -> None:
-    """The expert tensors' shapes (numpy order) agree with the metadata."""
-    E, d, ff = cfg.n_experts, cfg.d_model, cfg.d_ff_expert
-    want = {"ffn_gate_inp": (E, d), "ffn_gate_exps": (E, ff, d), "ffn_up_exps": (E, ff, d),
-            "ffn_down_exps": (E, d, ff)}
+        E, ff = cfg.n_experts, cfg.d_ff_expert
+        layer |= {"ffn_gate_inp.weight": (E, d), "ffn_gate_exps.weight": (E, ff, d),
+                  "ffn_up_exps.weight": (E, ff, d), "ffn_down_exps.weight": (E, d, ff)}
+    else:
+        layer |= {"ffn_gate.weight": (cfg.d_ff, d), "ffn_up.weight": (cfg.d_ff, d), "ffn_down.weight": (d, cfg.d_ff)}
+    if cfg.attn_bias:
+        layer |= {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)}
+    if cfg.qk_norm:
+        layer |= {"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)}
+    if cfg.post_norms:
+        layer |= {"post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)}
     for i in range(cfg.n_layers):
-        for m, shape in want.items():
-            t = f.tensors[f"blk.{i}.{m}.weight"]
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{f.path.name}: blk.{i}.{m}.weight has shape {tuple(t.shape)}, the metadata "
-                                 f"says {shape} ({E} experts of {ff})")
+        want |= {f"blk.{i}.{name}": shape for name, shape in layer.items()}
+    return want
 
 
-def check_supported(f: GGUFFile) -> None:
-    """Raise ValueError when the file's architecture or rope cannot be run at all, whatever its tensor
-    types (checked before a conversion is started)."""
-    read_config(f)
-
+def _check_shapes(f: GGUFFile, cfg: ModelConfig) -> None:
+    """Every tensor's shape agrees with the metadata (as llama.cpp checks: a kernel would read past a
+    matrix, or compute something else, where they disagree)."""
+    for name, shape in expected_shapes(cfg).items():
+        got = tuple(f.tensors[name].shape)
+        if got != shape:
+            moe = f" ({cfg.n_experts} experts of {cfg.d_ff_expert})" if "_exps" in name or "gate_inp" in name else ""
+            raise ValueError(f"{f.path.name}: {name} has shape {got}, the metadata says {shape}{moe}")

@@ -84,5 +84,5 @@ class ChatTemplate:
             raise
         except JinjaError as e:
             raise TemplateError(f"the chat template failed: {e}") from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
-            raise TemplateError(f"the chat template failed on this conversation: {e}") from None
+        except Exception as e:  # (a template is data: whatever it raises - 1/0, a recursion - is its failure)
+            raise TemplateError(f"the chat template failed on this conversation: {type(e).__name__}: {e}") from None

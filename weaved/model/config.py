@@ -41,7 +41,8 @@ class RopeSpec:
 
     def __post_init__(self) -> None:
         if not (self.base > 0 and self.freq_scale > 0 and self.attn_factor > 0):
-            raise ValueError(f"rope base, freq_scale and attn_factor must be positive, got {self}")
+            raise ValueError(f"rope base ({self.base}), frequency scale ({self.freq_scale}) and attention factor "
+                             f"({self.attn_factor}) must be positive")
         if self.ext_factor and self.orig_ctx < 1:
             raise ValueError("YaRN rope needs the original context length")
         if self.freq_factors is not None and not all(f > 0 for f in self.freq_factors):
@@ -83,6 +84,18 @@ class ModelConfig:
     d_ff_expert: int = 0
 
     def __post_init__(self) -> None:
+        for key in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "context_length"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be at least 1, got {getattr(self, key)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"{self.n_heads} attention heads do not share {self.n_kv_heads} key/value heads evenly")
+        if self.n_rot % 2 or self.n_rot > self.head_dim:
+            raise ValueError(f"{self.n_rot} rotated dimensions of a {self.head_dim}-dimensional head: rope "
+                             f"rotates pairs within the head")
+        if not (self.d_ff > 0 or self.n_experts):
+            raise ValueError(f"feed-forward length must be at least 1, got {self.d_ff}")
+        if not self.rms_eps > 0:
+            raise ValueError(f"the RMSNorm epsilon must be positive, got {self.rms_eps}")
         if self.n_experts and not (0 < self.n_experts_used <= self.n_experts and self.d_ff_expert > 0):
             raise ValueError(f"a mixture of experts needs 0 < experts used ({self.n_experts_used}) <= experts "
                              f"({self.n_experts}) and an expert feed-forward length, got {self.d_ff_expert}")

@@ -174,6 +174,7 @@ def convert_gguf(
     plans = plan_conversion(header, views)
 
     dst_path.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_stale(dst_path)
     # A fresh hidden name beside dst (same file system, so the final rename is atomic); created by the
     # writer with the usual permissions, unlike mkstemp's 0600.
     tmp = dst_path.with_name(f".{dst_path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
@@ -183,6 +184,25 @@ def convert_gguf(
     finally:
         tmp.unlink(missing_ok=True)
     return dst_path
+
+
+def _sweep_stale(dst_path: Path) -> None:
+    """Remove the temporary files of conversions to ``dst_path`` whose process is gone (killed part-way:
+    a signal skips the cleanup; a 30B model's would be ~17 GB)."""
+    for tmp in dst_path.parent.glob(f".{dst_path.name}.*.tmp"):
+        pid = tmp.name[len(dst_path.name) + 2:].split(".")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's process)
+        return True
+    return True
 
 
 def _arch(header: GGUFHeader) -> str:

@@ -99,19 +99,27 @@ def ensure_native(
     (read from the header, before anything is converted or loaded) when ``path`` is not a GGUF file, or
     one whose architecture, settings or tensor types Weave cannot run.
     """
-    from weaved.model.architectures import read_config
     from weaved.model.convert import needs_conversion
     from weaved.model.footprint import too_large
-    from weaved.model.gguf_file import GGUFFile
 
     src = Path(path)
-    read_config(GGUFFile(src))
+    check_model_layout(src)  # (a file that would be refused once converted is refused now)
     if not needs_conversion(src):
         return src
     why = too_large(src)  # before hours of converting a model this host cannot hold anyway
     if why is not None:
         raise ValueError(why)
     return _converted_copy(src, progress, log)
+
+
+def check_model_layout(path: str | Path) -> None:
+    """ValueError when ``path``'s architecture, settings, tensor set or tensor shapes cannot be run,
+    whatever its tensor types (before a conversion is started)."""
+    from weaved.model.architectures import check_layout, read_config
+    from weaved.model.gguf_file import GGUFFile
+
+    f = GGUFFile(path)
+    check_layout(f, read_config(f))
 
 
 # A source file is known by its content, not its path: its size, its first bytes (the header: metadata
@@ -172,32 +180,35 @@ def _converted_copy(src: Path, progress: ProgressFn | None, log: Callable[[str],
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     lock = target.with_name(target.name + ".lock")
-    try:
-        with exclusive(lock):
-            if target.is_file():  # another process converted it while we waited for the lock
-                return target
-            from weaved.model.convert import ConversionStats, convert_gguf
+    # (a failed conversion leaves nothing in the cache, and the lock file where it is - removing it would
+    # let a process waiting on it and a newcomer lock two files and convert at once: a process that waited
+    # finds no copy and converts itself)
+    with exclusive(lock, waiting=lambda: log and log(f"waiting for another process's conversion of {src.name}")):
+        if target.is_file():  # another process converted it while we waited for the lock
+            return target
+        from weaved.model.convert import ConversionStats, convert_gguf
 
-            if log is not None:
-                log(f"converting {src} to the shared Q4_0 format (once) -> {target}")
-            stats = ConversionStats()
-            convert_gguf(src, target, progress=progress, stats=stats)
-            if log is not None:
-                log(stats.describe())
-    except BaseException:
-        # a failed conversion leaves nothing in the cache (a process that waited on this lock finds no
-        # copy and converts, and fails, itself)
-        lock.unlink(missing_ok=True)
-        raise
+        if log is not None:
+            log(f"converting {src} to the shared Q4_0 format (once) -> {target}")
+        stats = ConversionStats()
+        convert_gguf(src, target, progress=progress, stats=stats)
+        if log is not None:
+            log(stats.describe())
     return target
 
 
 @contextmanager
-def exclusive(lock_path: Path) -> Iterator[None]:
+def exclusive(lock_path: Path, waiting: Callable[[], object] | None = None) -> Iterator[None]:
     """Hold an exclusive advisory lock on ``lock_path`` (the file is left in place: removing it would
-    let a waiting process and a newcomer lock two different files)."""
+    let a waiting process and a newcomer lock two different files); ``waiting`` is called once when
+    another process holds it."""
     with open(lock_path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield
         finally:

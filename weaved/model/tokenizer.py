@@ -1,4 +1,4 @@
-"""Tokenizer and chat template, from llama.cpp (llama-cpp-python with ``vocab_only=True``).
+"""Tokenizer and chat template, from llama.cpp (its vocabulary alone: ``weaved.model.llama_vocab``).
 
 Using llama.cpp's own tokenizer makes our token ids exactly llama.cpp's for the same GGUF, which
 is what lets it serve as the reference for everything downstream.
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from weaved.model.chat_template import ChatTemplate
 from weaved.model.gguf_file import GGUFFile
+from weaved.model.llama_vocab import LlamaVocab
 
 
 class Tokenizer:
@@ -33,28 +34,33 @@ class Tokenizer:
                              f"model's vocabulary in the file, as llama.cpp does")
         _RECENT_LOG.clear()
         try:
-            self._llama = llama_cpp.Llama(str(self.path), vocab_only=True, verbose=False)
+            self._vocab = LlamaVocab(self.path)
         except ValueError as e:  # llama.cpp says why only in its log ("unknown pre-tokenizer type", ...)
             said = [t for level, t in _RECENT_LOG if level in (_WARN, _ERROR) and t]
             raise ValueError(f"{self.path.name}: llama.cpp cannot read its vocabulary"
                              + (f": {' / '.join(said[-3:])}" if said else f" ({e})")) from None
-        self.vocab_size = int(self._llama.n_vocab())
-        self.bos_id = _opt_int(meta.get("tokenizer.ggml.bos_token_id"))
-        self.eos_id = _opt_int(meta.get("tokenizer.ggml.eos_token_id"))
-        vocab = llama_cpp.llama_model_get_vocab(self._llama.model)
-        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(vocab))  # llama.cpp's own decision
+        self.vocab_size = self._vocab.n_vocab
+        embd = meta.tensors.get("token_embd.weight")
+        if embd is not None and len(embd.shape) == 2 and self.vocab_size > embd.shape[0]:
+            raise ValueError(f"{self.path.name}: its vocabulary has {self.vocab_size} tokens, its token embedding "
+                             f"{embd.shape[0]} rows: tokens past them have no embedding (a tokenizer from another "
+                             f"model?)")
+        # llama.cpp's reading of the special tokens: an id the metadata gives past the vocabulary is
+        # refused there (it warns and uses its default), never taken as is
+        self.bos_id = self._vocab.special("bos")
+        self.eos_id = self._vocab.special("eos")
+        self.add_bos = self._vocab.add_bos()  # llama.cpp's own decision
         self.chat_template: str | None = chat_template or meta.get("tokenizer.chat_template")
         # end-of-generation tokens as llama.cpp decides them: eos, eot, eom, and the tokens it recognizes
         # by their text (Gemma's <end_of_turn>, ChatML's <|im_end|>, ...); a set lookup per id
-        self.eog_ids: frozenset[int] = frozenset(i for i in range(self.vocab_size)
-                                                 if llama_cpp.llama_vocab_is_eog(vocab, i))
+        self.eog_ids: frozenset[int] = frozenset(i for i in range(self.vocab_size) if self._vocab.is_eog(i))
         self._formatter = None
         self.bos_text = self.token_bytes(self.bos_id).decode("utf-8", "replace") if self.bos_id is not None else ""
 
     def encode(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
         """Token ids of ``text``; BOS is added when the model asks for it (``add_bos=None``)."""
         bos = self.add_bos if add_bos is None else add_bos
-        return self._llama.tokenize(text.encode("utf-8"), add_bos=bos, special=special)
+        return self._vocab.tokenize(text.encode("utf-8"), add_bos=bos, special=special)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a raw prompt that starts a context: BOS added when the model asks for it,
@@ -71,10 +77,10 @@ class Tokenizer:
         return self.encode(text)
 
     def token_bytes(self, token: int) -> bytes:
-        return self._llama.detokenize([token], special=True)
+        return self._vocab.piece(token)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._llama.detokenize(list(ids), special=True).decode("utf-8", errors="replace")
+        return self._vocab.detokenize(ids).decode("utf-8", errors="replace")
 
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)
@@ -98,9 +104,7 @@ class Tokenizer:
 
     def llama_vocab(self):
         """llama.cpp's vocabulary object (for a grammar engine's tokenizer)."""
-        import llama_cpp
-
-        return llama_cpp.llama_model_get_vocab(self._llama.model)
+        return self._vocab.vocab
 
 
 class StreamDecoder:
@@ -139,7 +143,3 @@ def quiet_llama_logs(llama_cpp) -> None:
 
         _LOG_CALLBACK = llama_cpp.llama_log_callback(keep)
     llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
-
-
-def _opt_int(v) -> int | None:
-    return None if v is None else int(v)
