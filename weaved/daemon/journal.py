@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -438,12 +438,22 @@ class Journal:
             row = db.execute(f"SELECT {self._COLUMNS} FROM sessions WHERE id=?", (id,)).fetchone()
             return None if row is None else self._record(db, row, with_tokens=True)
 
-    def list(self, with_tokens: bool = True) -> list[SessionRecord]:
+    def list(self, with_tokens: bool = True,
+             damaged: Callable[[str, Exception], None] | None = None) -> list[SessionRecord]:
         """Every session, oldest first.  ``with_tokens=False`` leaves ``tokens`` empty (cheap listing;
-        ``kv_length`` still says how many are committed)."""
+        ``kv_length`` still says how many are committed).  ``damaged(id, error)``: a session whose record
+        cannot be read (a field that is not its JSON) is left out and reported, not the whole list."""
         with self._snapshot() as db:
             rows = db.execute(f"SELECT {self._COLUMNS} FROM sessions ORDER BY created, id").fetchall()
-            return [self._record(db, row, with_tokens) for row in rows]
+            out = []
+            for row in rows:
+                try:
+                    out.append(self._record(db, row, with_tokens))
+                except (ValueError, TypeError) as e:
+                    if damaged is None:
+                        raise
+                    damaged(row[0], e)
+            return out
 
     def close(self) -> None:
         with self._lock:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-from collections.abc import Callable
+import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from weaved.agent.grammar import GrammarEngine
 from weaved.backends.base import Backend
@@ -109,7 +111,8 @@ class DaemonLifecycle:
         self.store = KVStore(self.data_dir / "kv", self.config, cap_bytes=self.profile.host.kv_cap_bytes,
                              share=self.profile.host.prefix_cache, durable=self.fsync)
         delete_group_files(self.store)  # ring shards never outlive their group: rebuilt from transcripts
-        self.journal = Journal(self.data_dir / "journal.sqlite", fsync=self.fsync)
+        with _journal_damage(self.data_dir / "journal.sqlite"):
+            self.journal = Journal(self.data_dir / "journal.sqlite", fsync=self.fsync)
         self.peers = fed.peer_registry(self)  # profile and run-time peers, health-checked in the background
         if make_backend is None and any(p.backend == "cpu" for p in self.profile.pools):
             self._check_memory()
@@ -148,7 +151,8 @@ class DaemonLifecycle:
                                   system_state=self._system_state, lock=self._lock, make_room=self.make_device_room,
                                   alive=lambda s: self.sessions.get(s.id) is s)
         say("recovering sessions")
-        self._recover()
+        with _journal_damage(self.data_dir / "journal.sqlite"):
+            self._recover()
         reserved, cap = self.store.reserved_bytes(), self.profile.host.kv_cap_bytes
         if reserved > cap:  # (a cap lowered since they were made: they run, new sessions find no room)
             self.pool_notes.append(f"the recovered sessions reserve {reserved / 2**20:.1f} MiB of KV, more than the "
@@ -191,18 +195,26 @@ class DaemonLifecycle:
 
     def _recover(self) -> None:
         rebuilt = 0
-        records = self.journal.list()
-        recorded = {rec.id for rec in records}
+        damaged: dict[str, str] = {}
+
+        def bad_record(sid: str, e: Exception) -> None:
+            damaged[sid] = f"its journal record cannot be read ({type(e).__name__}: {e})"
+
+        records = self.journal.list(damaged=bad_record)
+        for sid, why in damaged.items():  # its KV file stays: a repaired journal would find it again
+            self.log(f"session {sid} not recovered: {why}")
+            self.unrecovered[sid] = why
+        recorded = {rec.id for rec in records} | set(damaged)
         for sid in self.store.session_ids():  # a session deleted just before a stop: its record went first
             if sid not in recorded:
                 self.store.delete(sid)
                 self.log(f"KV file of session {sid} removed: no session of the journal holds it (deleted, or "
                          f"never recorded, before the last stop)")
         for rec in records:
-            sla = SLA.from_dict(rec.sla)
-            placement = Placement.from_dict(rec.placement) if rec.placement else None
             rebuild = False
             try:
+                sla = SLA.from_dict(rec.sla)  # (a field the journal holds that is not one: this session alone)
+                placement = Placement.from_dict(rec.placement) if rec.placement else None
                 if placement is None or placement.decode_pool not in self.engines:
                     placement = self._place(sla, rec.kv_length, rec.max_context)
                 cap = aligned(rec.max_context)
@@ -218,7 +230,8 @@ class DaemonLifecycle:
                              f"are computed again at its next turn)")
                     self.store.delete(rec.id)
                     kv, rebuild = self._new_kv(rec.id, placement, cap, unfilled=True), True
-            except Exception as exc:  # a KV file made for another model; no ring: keep the rest serving
+            except Exception as exc:  # a KV file made for another model, no ring, a damaged record: keep the rest
+                # serving
                 why = str(exc).removeprefix(f"session {rec.id}: ")  # (the store's message names it too)
                 self.log(f"session {rec.id} not recovered: {why}")
                 self.unrecovered[rec.id] = why
@@ -281,3 +294,14 @@ class DaemonLifecycle:
         if hasattr(self, "store"):
             self.store.settle(timeout=10.0)
         self._release_data_dir()
+
+
+@contextmanager
+def _journal_damage(path) -> Iterator[None]:
+    """SQLite's word for a damaged journal file, said as what it is and what to do."""
+    try:
+        yield
+    except sqlite3.DatabaseError as e:
+        raise WeaveError(f"the journal {path} is damaged ({e}): the daemon cannot read its sessions. Restore it "
+                         f"from a backup, or move it aside (with its -wal file) to start with no sessions - their "
+                         f"KV files are then removed as belonging to no session") from None

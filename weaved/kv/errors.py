@@ -13,6 +13,13 @@ class KVStoreError(Exception):
     """A KV file operation failed; the message says which session and why."""
 
 
+class KVFileLost(KVStoreError):
+    """A running session's KV file is gone (removed behind the daemon's back): its turns are refused (409)
+    until it is deleted, or the daemon restarts and rebuilds it from the journal."""
+
+    http_status = 409
+
+
 class KVFileMismatch(KVStoreError):
     """A session's KV file was made for another model (or format): it is kept for the daemon that serves
     that model, never rebuilt over."""

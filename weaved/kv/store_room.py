@@ -20,7 +20,7 @@ import os
 import shutil
 
 from weaved.kv.cache import KVCache
-from weaved.kv.errors import DISK_FULL, DiskFull, KVCapExceeded, KVStoreError
+from weaved.kv.errors import DISK_FULL, DiskFull, KVCapExceeded, KVFileLost, KVStoreError
 from weaved.kv.open_session import OpenSession
 from weaved.kv.tiers import allocated_bytes, file_resident_bytes, punch_hole, runs_resident_bytes
 
@@ -89,7 +89,14 @@ class RoomAccounting:
         return [(r * capacity * row + start * row, (stop - start) * row) for r in range(n_runs)]
 
     def _allocate(self, session_id: str, s: OpenSession, start: int, stop: int) -> None:
-        fd = os.open(self._kv_path(session_id), os.O_RDWR)
+        try:
+            fd = os.open(self._kv_path(session_id), os.O_RDWR)
+        except FileNotFoundError:
+            raise KVFileLost(f"session {session_id}: its KV file {self._kv_path(session_id)} is gone (removed while "
+                             f"the daemon ran): delete the session, or restart the daemon to rebuild it from its "
+                             f"journal") from None
+        except OSError as e:
+            raise self._os_error(session_id, "opening its KV file", e) from e
         try:
             done: list[tuple[int, int]] = []
             try:
