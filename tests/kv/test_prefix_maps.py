@@ -115,6 +115,14 @@ def test_a_restart_without_room_to_map_a_prefix_copies_it_into_the_session(tmp_p
     assert np.array_equal(a.data[:, :, :, 0], rows[:, :, :, 0])
 
 
+def _publish_unadopted(store: KVStore, prompt: list[int]) -> None:
+    """Session "a" computes ``prompt``'s rows and publishes them as a prefix it does not map itself."""
+    a = store.create("a", capacity=512)
+    store.reserve(a, len(prompt))
+    fill(a, 0, len(prompt), seed=1)
+    store.publish_prefix(a, prompt, adopt=False)
+
+
 @pytest.mark.parametrize("memory_only", [False, True])
 def test_taking_a_prefix_back_gives_back_only_the_mappings_that_went(tmp_path, memory_only):
     """The budget counts what the process's map holds: a file-backed session's pieces stay apart after
@@ -124,12 +132,8 @@ def test_taking_a_prefix_back_gives_back_only_the_mappings_that_went(tmp_path, m
         with open("/proc/self/maps") as f:
             return sum(1 for _ in f)
 
-    store = KVStore(tmp_path, CFG)
-    prompt = tokens(BLOCK + 10)
-    a = store.create("a", capacity=512)
-    store.reserve(a, len(prompt))
-    fill(a, 0, len(prompt), seed=1)
-    store.publish_prefix(a, prompt, adopt=False)
+    store, prompt = KVStore(tmp_path, CFG), tokens(BLOCK + 10)
+    _publish_unadopted(store, prompt)
     before, counted = held(), store.maps.status()["used"]
     b = store.create("b", capacity=512, memory_only=memory_only)
     store.share_prefix(b, prompt)
@@ -145,12 +149,8 @@ def test_a_prefix_the_kernel_refuses_to_map_part_way_leaves_the_session_its_own_
     session, refused the prefix, computes its rows itself."""
     from weaved.kv.mapping import FileMapping
 
-    store = KVStore(tmp_path, CFG)
-    prompt = tokens(BLOCK + 10)
-    a = store.create("a", capacity=512)
-    store.reserve(a, len(prompt))
-    fill(a, 0, len(prompt), seed=1)
-    store.publish_prefix(a, prompt, adopt=False)
+    store, prompt = KVStore(tmp_path, CFG), tokens(BLOCK + 10)
+    _publish_unadopted(store, prompt)
     prefix_file = str(store.prefixes.get(store.prefixes.longest(prompt, len(prompt) - 1)[0].key).path)
     b = store.create("b", capacity=512, memory_only=memory_only)
     real, calls = FileMapping.alias, []
