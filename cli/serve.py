@@ -80,12 +80,18 @@ def _restart_fresh(daemon, lock_fd: int) -> NoReturn:
     resident = psutil.Process().memory_info().rss
     _say(f"compiled the kernels in {daemon.compiled.seconds:.0f} s; starting again to serve them from the "
          f"cache without the compiler's memory ({resident / 1e6:.0f} MB resident now)")
+    from weaved.daemon.data_lock import INHERITED_ENV as DATA_LOCK_ENV
+
+    data_fd = daemon.hand_over_data_dir()
     daemon.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os.environ[RESTARTED_ENV] = "1"
     os.set_inheritable(lock_fd, True)  # the socket's lock stays held across the exec: clients keep waiting
     os.environ[LOCK_FD_ENV] = str(lock_fd)
+    if data_fd is not None:  # and the data directory's: no other daemon takes it in between
+        os.set_inheritable(data_fd, True)
+        os.environ[DATA_LOCK_ENV] = str(data_fd)
     os.execv(sys.executable, [sys.executable, "-m", "weaved.cli", *sys.argv[1:]])
 
 

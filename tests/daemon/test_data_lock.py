@@ -50,3 +50,27 @@ def test_a_data_directory_that_cannot_be_made_or_written_is_said_in_words(tiny_l
     (ro / "daemon.lock").mkdir()  # (root may write anywhere: a lock path that cannot be opened stands in)
     with pytest.raises(WeaveError, match="cannot write in the data directory .*; pass another --data-dir"):
         make_daemon(tiny_llama, ro)
+
+
+def test_a_daemon_that_execs_itself_again_keeps_its_data_directory_in_between(tiny_llama, tmp_path, monkeypatch):
+    """The first start's restart (an exec in the same process, after compiling) hands the directory's
+    lock over: nobody can take the directory in between, and the new image adopts it."""
+    import subprocess
+    import sys
+
+    from weaved.daemon import data_lock
+
+    first = make_daemon(tiny_llama, tmp_path / "data")
+    fd = first.hand_over_data_dir()
+    first.shutdown()  # the old image's end: the directory stays locked
+    probe = [sys.executable, "-c", "import sys; from weaved.daemon.data_lock import lock_data_dir; "
+             "from weaved.errors import Conflict\ntry: lock_data_dir(sys.argv[1])\nexcept Conflict: sys.exit(3)",
+             str(tmp_path / "data")]
+    assert subprocess.run(probe).returncode == 3  # another process is refused meanwhile
+    monkeypatch.setenv(data_lock.INHERITED_ENV, str(fd))  # the new image finds the descriptor
+    again = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        assert again._data_lock == fd and data_lock.INHERITED_ENV not in os.environ
+    finally:
+        again.shutdown()
+    assert subprocess.run(probe).returncode == 0  # gone with the daemon that held it

@@ -67,6 +67,12 @@ class DaemonLifecycle:
             self._release_data_dir()
             raise
 
+    def hand_over_data_dir(self) -> int | None:
+        """The data directory's lock descriptor, which ``shutdown`` then leaves open: for a process that
+        execs itself again and keeps the directory (``data_lock.INHERITED_ENV``)."""
+        fd, self._data_lock = self._data_lock, None
+        return fd
+
     def _release_data_dir(self) -> None:
         if self._data_lock is not None:
             os.close(self._data_lock)
