@@ -182,3 +182,22 @@ def test_served_name_says_what_the_model_is_not_how_it_is_stored():
     assert served_name(Path("mistral-7b-instruct-v0.2.IQ4_XS.gguf")) == "mistral-7b-instruct-v0.2"
     assert served_name(Path("my-model.gguf")) == "my-model"
     assert served_name(Path("Q4_0.gguf")) == "Q4_0"  # never empty
+
+
+def test_a_damaged_cached_conversion_is_converted_again(cache, tmp_path):
+    src = write_tiny_gguf(tmp_path / "tiny-q4_1.gguf", n_layers=1, wtype=Q.Q4_1)
+    said: list[str] = []
+    first = ensure_native(src, log=said.append)
+    whole = first.read_bytes()
+    first.write_bytes(whole[: len(whole) // 2])  # cut short (a full disk, a hand)
+    again = ensure_native(src, log=said.append)
+    assert again == first and again.read_bytes() == whole
+    assert any("is damaged: converting" in m for m in said)
+
+
+def test_a_cache_that_cannot_be_written_is_named_with_the_way_out(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("WEAVE_CACHE_DIR", str(tmp_path / "file"))  # a file where the cache should be
+    src = write_tiny_gguf(tmp_path / "tiny-q4_1.gguf", n_layers=1, wtype=Q.Q4_1)
+    with pytest.raises(ValueError, match=r"model cache .* cannot be written .*WEAVE_CACHE_DIR"):
+        ensure_native(src, log=lambda m: None)

@@ -174,18 +174,44 @@ def _link_same_content(target: Path) -> bool:
     return False
 
 
+def _intact(target: Path) -> bool:
+    """Whether the cached conversion ``target`` reads as a GGUF whose tensors all lie within it (a copy
+    cut short - a full disk, a hand's truncation - would be refused at every start)."""
+    from weaved.model.gguf_file import GGUFFile
+
+    try:
+        GGUFFile(target)
+    except (ValueError, OSError):
+        return False
+    return True
+
+
 def _converted_copy(src: Path, progress: ProgressFn | None, log: Callable[[str], None] | None = None) -> Path:
     target = models_dir() / converted_name(src)
-    if target.is_file() or _link_same_content(target):
+    if (target.is_file() or _link_same_content(target)) and _intact(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target.with_name(target.name + ".lock"), "a+b"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{src.name} needs converting, and the model cache {target.parent} cannot be written "
+                         f"({e.strerror or e}): set WEAVE_CACHE_DIR to a writable directory") from None
+    return _convert_once(src, target, progress, log)
+
+
+def _convert_once(src: Path, target: Path, progress: ProgressFn | None, log: Callable[[str], None] | None) -> Path:
     lock = target.with_name(target.name + ".lock")
     # (a failed conversion leaves nothing in the cache, and the lock file where it is - removing it would
     # let a process waiting on it and a newcomer lock two files and convert at once: a process that waited
     # finds no copy and converts itself)
     with exclusive(lock, waiting=lambda: log and log(f"waiting for another process's conversion of {src.name}")):
         if target.is_file():  # another process converted it while we waited for the lock
-            return target
+            if _intact(target):
+                return target
+            if log is not None:
+                log(f"the cached conversion {target} is damaged: converting {src.name} again")
+            target.unlink()
         from weaved.model.convert import ConversionStats, convert_gguf
 
         if log is not None:
