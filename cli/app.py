@@ -60,8 +60,8 @@ def main() -> None:
     2, ``weave: error: ...`` as the commands' own refusals say it, not a usage box)."""
     try:
         code = app(standalone_mode=False)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    except KeyboardInterrupt as exc:  # (``serve``'s SIGTERM during its load is one too: 128 + 15)
+        sys.exit(143 if type(exc).__name__ == "Terminated" else 130)
     except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence
         if os.environ.get("WEAVE_DEBUG") == "1":
             raise

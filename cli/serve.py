@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -68,6 +69,20 @@ class _ConvertProgress:
         if tenth > self._shown:
             self._shown = tenth
             _say(f"converting the model: {tenth * 10}%")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during the load: raised in the main thread so that what is under way stops as Ctrl-C stops
+    it - a conversion's temporary file removed, locks let go - and ``weave`` exits 143."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM raises ``Terminated`` from here on (the server installs its own handlers once it serves)."""
+    signal.signal(signal.SIGTERM, _terminate)
 
 
 def _restart_fresh(daemon, lock_fd: int) -> NoReturn:
@@ -222,6 +237,7 @@ def register(app: typer.Typer) -> None:
                 lock_fd = hold_socket_lock(path)
         except ServerError as e:
             raise _fail(str(e)) from None
+        stop_on_sigterm()  # (until the server's own handlers: a load stopped runs its cleanups, as Ctrl-C does)
         try:  # until the server owns the lock (it lets go of it when it stops), a failure lets go of it here
             model_path = resolve_model(model)
             from weaved.daemon.core import Daemon

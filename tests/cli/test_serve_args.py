@@ -37,3 +37,27 @@ def test_a_listen_address_in_use_a_url_socket_and_an_empty_template_are_refused_
     refused = runner.invoke(app, ["serve", "--socket", str(tmp_path / "w.sock"), "--chat-template", str(empty)],
                             env={"WEAVE_DEBUG": None})
     assert refused.exit_code == 2 and "the file is empty" in refused.stderr, refused.stderr
+
+
+def test_sigterm_during_the_load_stops_it_as_ctrl_c_does(monkeypatch):
+    """What is under way (a conversion) runs its cleanups; the handler is the load's only."""
+    import os
+    import signal
+
+    from weaved.cli import serve
+
+    previous = signal.getsignal(signal.SIGTERM)
+    cleaned = []
+    try:
+        serve.stop_on_sigterm()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # (the handler runs at the next bytecode boundary)
+                pass
+        except serve.Terminated:
+            cleaned.append("raised")
+        finally:
+            cleaned.append("cleaned up")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert cleaned == ["raised", "cleaned up"]
