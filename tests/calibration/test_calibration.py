@@ -129,3 +129,22 @@ def test_predictions_are_of_the_size_of_real_steps_on_a_1b_shape():
 
     path = shape_gguf("llama-3.2-1b", layers=2)  # the real width; fewer layers keep it short
     _check_predictions(CPUBackend.from_file(path, threads=2), chunk=128, batch=4, prompt=300, context=400)
+
+
+def test_a_prefill_chunk_past_the_models_context_is_calibrated_up_to_the_context(tiny_llama, tmp_path, monkeypatch):
+    """A profile's chunk of a million tokens on a 2,048-token model: no prompt is longer than the context,
+    so nothing past it is measured (it allocated KV for a million positions)."""
+    from weaved.daemon import rates
+
+    asked = {}
+
+    def measured(be, *, chunk, max_batch, **kw):
+        asked.update(chunk=chunk, max_batch=max_batch)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(rates, "measure", measured)
+    be = CPUBackend.from_file(tiny_llama, threads=1)
+    with pytest.raises(RuntimeError, match="stop here"):
+        rates.calibration_of(be, "fp", 10**6, 8, CalibrationStore(tmp_path / "a", tmp_path / "cache"),
+                             lambda m: None, force=True)
+    assert asked == {"chunk": be.config.context_length, "max_batch": 8}

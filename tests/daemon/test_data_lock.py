@@ -74,3 +74,22 @@ def test_a_daemon_that_execs_itself_again_keeps_its_data_directory_in_between(ti
     finally:
         again.shutdown()
     assert subprocess.run(probe).returncode == 0  # gone with the daemon that held it
+
+
+@pytest.mark.parametrize(("change", "words"), [({"max_batch": 10**6, "token_budget": 10**6}, "max_batch")])
+def test_a_batch_the_host_cannot_hold_is_refused_before_calibration(tiny_llama, tmp_path, change, words):
+    """One zero too many in a profile: refused with the numbers, not calibrated until the host's memory
+    runs out.  (A prefill chunk past the model's context is calibrated up to the context.)"""
+    import dataclasses
+
+    from weaved.config.load import load_profile
+    from weaved.daemon.core import Daemon
+    from weaved.errors import WeaveError
+
+    prof = load_profile("cpu-only")
+    pools = tuple(dataclasses.replace(p, **change) for p in prof.pools)
+    said: list[str] = []
+    with pytest.raises(WeaveError, match=f"pool .*: {words} .*lower it"):
+        Daemon(dataclasses.replace(prof, pools=pools), tiny_llama, data_dir=tmp_path / "data",
+               log_fn=said.append).load(progress=said.append)
+    assert not any("calibrating" in m for m in said)

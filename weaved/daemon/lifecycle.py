@@ -122,6 +122,7 @@ class DaemonLifecycle:
         self.peers = fed.peer_registry(self)  # profile and run-time peers, health-checked in the background
         if make_backend is None and any(p.backend == "cpu" for p in self.profile.pools):
             self._check_memory()
+            self._check_pool_sizes()  # (the model first: a batch's KV matters only if the model fits)
         if not drive:
             self._publisher.shutdown()
             self._publisher = InlineExecutor()
@@ -189,6 +190,22 @@ class DaemonLifecycle:
             raise WeaveError(f"the profile's host.kv_cap_bytes ({cap:,} bytes) holds {cap // bpt} positions of "
                              f"{self.model_name}'s KV ({bpt:,} bytes each); a session needs at least "
                              f"{MIN_KV_POSITIONS}: raise it (e.g. kv_cap_bytes = \"4GiB\", or \"auto\")")
+
+    def _check_pool_sizes(self) -> None:
+        """Refuse a decode batch whose KV alone (at the positions calibration gives each sequence) outgrows
+        half the host's memory, before calibration tries it: one zero too many in a profile must not take
+        the host down."""
+        import psutil
+
+        from weaved.daemon.rates import CONTEXT
+
+        bpt, ram = self.config.kv_bytes_per_token, psutil.virtual_memory().total
+        for p in self.profile.pools:  # (a prefill chunk past the model's context is calibrated up to the context)
+            need = p.max_batch * (CONTEXT // 2 + 64) * bpt
+            if p.backend == "cpu" and need > ram // 2:
+                raise WeaveError(f"pool {p.name}: max_batch ({p.max_batch}) sequences of {CONTEXT // 2} positions "
+                                 f"hold {human_size(need)} of {self.model_name}'s KV, more than half this host's "
+                                 f"memory ({human_size(ram)}): lower it")
 
     def _check_memory(self) -> None:
         """Refuse a model the CPU pool cannot hold: it repacks every matrix into memory once

@@ -52,6 +52,7 @@ def calibration_of(backend: Backend, fingerprint: str, chunk: int, batch: int, s
     always measured) with prefill chunks up to ``chunk`` and decode batches up to ``batch``."""
     from weaved.kernels.matmul import kernel_path
 
+    chunk = min(chunk, backend.config.context_length)  # (no prompt is longer: nothing past it to measure)
     kernels = kernel_path() if backend.name == "cpu" else getattr(backend, "kernels", backend.name)
     threads = int(getattr(backend, "threads", 0) or 0)
     device = str(getattr(backend, "device", "cpu"))
