@@ -217,6 +217,11 @@ def test_a_responses_input_items_are_what_its_request_added(served):
     rest = sdk.responses.input_items.list(second.id, after=newest.data[0].id)
     assert [i.content[0].text for i in rest.data] == ["Another."] and not rest.has_more
     assert [i.content[0].text for i in sdk.responses.input_items.list(first.id).data] == ["Name a colour."]
+    third = sdk.responses.create(model="default", previous_response_id=second.id, max_output_tokens=4, temperature=0,
+                                 input=[{"role": "developer", "content": "Be brief."},
+                                        {"role": "user", "content": "A fourth?"}])
+    assert [(i.role, i.content[0].text) for i in sdk.responses.input_items.list(third.id, order="asc").data] == [
+        ("developer", "Be brief."), ("user", "A fourth?")]  # as sent (the template reads it as a system turn)
 
 
 def test_an_input_token_count_is_the_usage_its_response_reports(served):

@@ -27,7 +27,8 @@ def as_items(rid: str, messages: list[dict]) -> list[dict]:
             continue
         if m.get("content"):
             kind = "output_text" if m["role"] == "assistant" else "input_text"
-            items.append({"type": "message", "id": f"msg_{key}", "role": m["role"], "status": "completed",
+            items.append({"type": "message", "id": f"msg_{key}", "role": m.get("sent_as") or m["role"],
+                          "status": "completed",
                           "content": [{"type": kind, "text": m["content"]}]})
         for j, call in enumerate(m.get("tool_calls") or ()):
             items.append({"type": "function_call", "id": f"fc_{key}_{j}", "call_id": call["id"],

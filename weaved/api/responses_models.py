@@ -295,8 +295,10 @@ class ResponsesRequest(NullIsDefault):
             if isinstance(item, ReasoningItem):
                 reasoning = item.text()
             elif isinstance(item, MessageItem):
-                role = "system" if item.role == "developer" else item.role
+                role = "system" if item.role == "developer" else item.role  # (chat templates know "system")
                 msg = {"role": role, "content": item.text()}
+                if item.role == "developer":  # (its input items say it as it was sent)
+                    msg["sent_as"] = "developer"
                 if role == "assistant" and reasoning:
                     msg["reasoning_content"], reasoning = reasoning, None
                 out.append(msg)

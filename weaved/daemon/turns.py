@@ -180,7 +180,7 @@ def check_grammar_ends(plan: AnswerPlan, params: SamplingParams) -> None:
 def message_extra(m: dict) -> dict | None:
     """A message's fields beyond role and content (tool calls, the call a tool result answers, a name,
     thinking sent back; a generated answer's parsed form), as the journal keeps them."""
-    extra = {k: m[k] for k in ("name", "tool_calls", "tool_call_id", "reasoning_content", "answer")
+    extra = {k: m[k] for k in ("name", "tool_calls", "tool_call_id", "reasoning_content", "answer", "sent_as")
              if m.get(k) is not None}
     return extra or None
 
