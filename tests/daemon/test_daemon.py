@@ -151,6 +151,7 @@ def test_a_model_larger_than_ram_is_refused_with_the_numbers(tiny_llama, tmp_pat
     d = Daemon(load_profile("cpu-only"), tiny_llama, data_dir=tmp_path, log_fn=lambda m: None)
     with pytest.raises(WeaveError, match=r"needs about .* GiB of memory .* this host has .* GiB of RAM"):
         d.load()
+    assert not (tmp_path / "journal.sqlite").exists() and not (tmp_path / "kv").exists()  # nothing made yet
     d.shutdown()
 
 

@@ -113,6 +113,9 @@ class DaemonLifecycle:
         from weaved.federation.shard_files import delete_group_files
 
         self._check_kv_cap()
+        if make_backend is None and any(p.backend == "cpu" for p in self.profile.pools):
+            self._check_memory()  # (before anything is made in the data directory)
+            self._check_pool_sizes()  # (the model first: a batch's KV matters only if the model fits)
         self.fsync = self.profile.host.durability == "fsync"
         self.store = KVStore(self.data_dir / "kv", self.config, cap_bytes=self.profile.host.kv_cap_bytes,
                              share=self.profile.host.prefix_cache, durable=self.fsync)
@@ -120,9 +123,6 @@ class DaemonLifecycle:
         with _journal_damage(self.data_dir / "journal.sqlite"):
             self.journal = Journal(self.data_dir / "journal.sqlite", fsync=self.fsync)
         self.peers = fed.peer_registry(self)  # profile and run-time peers, health-checked in the background
-        if make_backend is None and any(p.backend == "cpu" for p in self.profile.pools):
-            self._check_memory()
-            self._check_pool_sizes()  # (the model first: a batch's KV matters only if the model fits)
         if not drive:
             self._publisher.shutdown()
             self._publisher = InlineExecutor()
