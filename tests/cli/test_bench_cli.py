@@ -30,10 +30,10 @@ class FakeMeasure:
         base = {"weave": 30.0, "llama_cpp": 60.0}[side]
         out = {k: base * (i + 1) for i, k in enumerate(KEYS) if k in cfg.keys}
         if side == "weave":
-            out.update(load_s=1.5, file_mb=100.0, rss_mb=250.0, rss_end_mb=260.0, weights_mb=90.0, decode_gbs=3.0,
-                       stream_gbs=20.0)
+            out.update(load_s=1.5, file_mb=100.0, rss_mb=250.0, rss_anon_mb=200.0, rss_end_mb=260.0, weights_mb=90.0,
+                       decode_gbs=3.0, stream_gbs=20.0)
         else:
-            out.update(load_s=0.5, rss_mb=400.0, rss_end_mb=420.0)
+            out.update(load_s=0.5, rss_mb=400.0, rss_anon_mb=300.0, rss_end_mb=420.0)
         return out
 
 
@@ -89,6 +89,7 @@ def test_table_output(model):
     assert row.split()[-2:] == ["250", "400"]
     assert next(line for line in text.splitlines() if line.startswith("model file")).split()[-1] == "100"
     assert "resident after load, of the file: weave 2.50x, llama.cpp 4.00x" in text
+    assert "its own part (not file pages), of the file: weave 2.00x, llama.cpp 3.00x" in text
     assert "decode streams (GB/s)" in text and "of what the machine streams: 15%" in text
 
 

@@ -22,12 +22,13 @@ DERIVED_KEYS: tuple[str, ...] = ("prefill_8k_tps",)
 # Informational figures (no ratio), all measured on Weave's side and some on llama.cpp's: load time, the
 # file's size and the resident memory after loading and after the measurements, the bytes a decode
 # token reads (weights), the rate single-stream decode streams them at and what this machine streams.
-INFO_KEYS: tuple[str, ...] = ("load_s", "file_mb", "rss_mb", "rss_end_mb", "weights_mb", "decode_gbs",
-                              "stream_gbs")
+INFO_KEYS: tuple[str, ...] = ("load_s", "file_mb", "rss_mb", "rss_anon_mb", "rss_end_mb", "weights_mb",
+                              "decode_gbs", "stream_gbs")
 
 # The informational figures llama.cpp's side measures too (the same way; no ratio): load time and
-# resident memory, so each side's memory is read against the file and against the other's.
-LLAMA_INFO_KEYS: tuple[str, ...] = ("load_s", "rss_mb", "rss_end_mb")
+# resident memory (all of it, and its own part: ``harness.anonymous_mb``), so each side's memory is read
+# against the file and against the other's.
+LLAMA_INFO_KEYS: tuple[str, ...] = ("load_s", "rss_mb", "rss_anon_mb", "rss_end_mb")
 
 SIDES: tuple[str, ...] = ("weave", "llama_cpp")
 

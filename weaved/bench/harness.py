@@ -183,6 +183,21 @@ def resident_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def anonymous_mb() -> float | None:
+    """This process's resident memory that is its own (``RssAnon``: not the clean pages of mapped files,
+    which the page cache holds and the kernel may drop): a side that keeps the model file mapped beside
+    its repacked weights counts the file's pages in its resident figure, one that let them go does not.
+    None where the kernel does not say (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
 def stderr_progress(side: str) -> Progress:
     def progress(msg: str) -> None:
         print(f"[{side}] {msg}", file=sys.stderr, flush=True)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from weaved.bench import BenchConfig
-from weaved.bench.harness import Progress, measure, resident_mb
+from weaved.bench.harness import Progress, anonymous_mb, measure, resident_mb
 from weaved.model.tokenizer import quiet_llama_logs
 
 
@@ -57,6 +57,9 @@ class LlamaEngine:
         cp.n_threads_batch = self.threads
         cp.flash_attn_type = self.flash_attn
         cp.kv_unified = False
+        if hasattr(cp, "swa_full"):  # llama.cpp's own tools keep a sliding-window layer's cache to its window
+            cp.swa_full = False  # (the bindings' default is the whole context: a Gemma 3 layer would walk
+            # every masked key at long context)
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise RuntimeError("llama.cpp cannot create a context")
@@ -143,7 +146,7 @@ def measure_llama(cfg: BenchConfig, tokens: Sequence[int], progress: Progress) -
         engine.open(1, 256)
         engine.prefill([0], [[int(tokens[0])]], want_logits=True)
         load_s = time.perf_counter() - t0
-        rss_mb = resident_mb()
+        rss_mb, anon_mb = resident_mb(), anonymous_mb()
         progress(f"ready in {load_s:.1f} s, {rss_mb:.0f} MB resident")
         out: dict[str, float] = {}
         for fa in cfg.llama_flash_attn:
@@ -154,6 +157,7 @@ def measure_llama(cfg: BenchConfig, tokens: Sequence[int], progress: Progress) -
                     progress(f"{k}: flash attention {fa} is faster ({v:.1f} against {out[k]:.1f} tok/s)")
                 out[k] = max(out.get(k, 0.0), v)
         engine.free_context()  # the model stays, as Weave's does at its end figure
-        return {**out, "load_s": load_s, "rss_mb": rss_mb, "rss_end_mb": resident_mb()}
+        anon = {} if anon_mb is None else {"rss_anon_mb": anon_mb}
+        return {**out, "load_s": load_s, "rss_mb": rss_mb, **anon, "rss_end_mb": resident_mb()}
     finally:
         engine.close()

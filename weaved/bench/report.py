@@ -25,6 +25,7 @@ _LABELS = {
     "load_s": "load until ready (s)",
     "file_mb": "model file (MB)",
     "rss_mb": "resident after load (MB)",
+    "rss_anon_mb": "  of it its own, not file pages",
     "rss_end_mb": "resident at the end (MB)",
     "weights_mb": "read per decode token (MB)",
     "decode_gbs": "decode streams (GB/s)",
@@ -80,6 +81,10 @@ def format_table(report: dict[str, Any], reps: int | None = None) -> str:
         times = [f"{side} {d['rss_mb'] / file_mb:.2f}x" for side, d in (("weave", w), ("llama.cpp", b))
                  if isinstance(d.get("rss_mb"), int | float)]
         lines.append(f"resident after load, of the file: {', '.join(times)}")
+        own = [f"{side} {d['rss_anon_mb'] / file_mb:.2f}x" for side, d in (("weave", w), ("llama.cpp", b))
+               if isinstance(d.get("rss_anon_mb"), int | float)]
+        if own:  # (without the clean pages of a file kept mapped, which the page cache holds anyway)
+            lines.append(f"  its own part (not file pages), of the file: {', '.join(own)}")
     if isinstance(w.get("decode_gbs"), int | float) and w.get("stream_gbs"):
         share = w["decode_gbs"] / w["stream_gbs"]
         lines.append(f"decode @16 reads its weights at {w['decode_gbs']:.1f} GB/s, "
