@@ -45,7 +45,11 @@ def parse_only(text: str | None) -> tuple[str, ...] | None:
 
 
 def default_threads() -> int:
-    return os.cpu_count() or 2
+    """The CPUs this process may run on (its affinity and cgroup's cpuset, not every CPU of the host)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 2
+    except AttributeError:  # (not Linux)
+        return os.cpu_count() or 2
 
 
 def _default_runner(cfg: BenchConfig) -> dict[str, Any]:
@@ -81,7 +85,8 @@ def register(app: typer.Typer, run: Runner | None = None,
                               "the shape the simulated host serves (nothing is built)."),
         ] = None,
         threads: Annotated[
-            int | None, typer.Option("--threads", min=1, help="Threads for both sides (default: CPU count).")
+            int | None,
+            typer.Option("--threads", min=1, help="Threads for both sides (default: the CPUs this process may use)."),
         ] = None,
         quick: Annotated[bool, typer.Option("--quick", help="One repetition, fewer tokens per run.")] = False,
         json_out: Annotated[
@@ -171,9 +176,10 @@ def register(app: typer.Typer, run: Runner | None = None,
             _grammar(model, threads, quick, json_out)
             return
         if scenario == "load":
-            if any(v is not None for v in (agents, seed, configs, capacity, only)):
-                raise typer.BadParameter("the load scenario takes --model/--shape, --threads, --clients, --duration, "
-                                         "--quick and --json")
+            if any(v is not None for v in (agents, seed, configs, capacity, only, threads)):
+                raise typer.BadParameter("the load scenario takes --model/--shape, --clients, --duration, --quick and "
+                                         "--json (the daemon runs its profile's kernel threads, and the batched rate "
+                                         "it is held to is measured with the same)")
             _load(model, threads, quick, json_out, clients, duration, run_load)
             return
         agent_opts = (agents, duration, seed, configs, capacity)
@@ -368,7 +374,9 @@ def _load(model: Path | None, threads: int | None, quick: bool, json_out: bool, 
         raise typer.BadParameter("the load scenario's clients use the openai package: pip install openai",
                                  param_hint="--scenario")
     model = _model_file(model, say)
-    n = threads or default_threads()
+    from weaved.config.load import load_profile
+
+    n = threads or load_profile().threads.kernels  # (what the daemon it starts runs with)
     if quick:
         opts = LoadOptions.quick(model, n, clients, duration)
     else:

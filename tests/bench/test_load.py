@@ -29,7 +29,8 @@ def test_figures_by_class_after_the_warm_up():
         Outcome("background", "httpx", False, "ok", start=25.0, latency_s=70.0, tokens=64),  # over 60 s
         Outcome("batch", "httpx", True, "error 500", start=26.0, latency_s=0.1),
     ]
-    samples = [(5.0, 300.0, 30), (15.0, 400.0, 40), (95.0, 410.0, 40)]
+    # (the last sample, after the clients drained, is the idle daemon: not the end of the measured span)
+    samples = [(5.0, 300.0, 30), (15.0, 400.0, 40), (95.0, 410.0, 40), (112.0, 250.0, 20)]
     r = build(outcomes, samples, warmup_s=10.0, duration_s=110.0, batched_tps=10.0, clients=8)
     inter = r["classes"]["interactive"]
     assert inter["requests"] == 4 and inter["by_status"] == {"ok": 3, "cancelled": 1}
@@ -125,3 +126,9 @@ def test_the_scenario_on_the_command_line(smollm2_q4_0):
     assert res.exit_code == 0 and (seen[1].clients, seen[1].duration_s) == (16, 60.0)
     assert runner.invoke(app, ["--clients", "8"]).exit_code == 2  # --clients needs the load scenario
     assert runner.invoke(app, ["--scenario", "load", "--agents", "3"]).exit_code == 2
+    # the daemon runs its profile's kernel threads: the yardstick uses those, and --threads is refused
+    from weaved.config.load import load_profile
+
+    assert seen[0].threads == load_profile().threads.kernels
+    refused = runner.invoke(app, ["--scenario", "load", "--threads", "1"])
+    assert refused.exit_code == 2 and "kernel" in refused.output

@@ -63,8 +63,9 @@ def _walk_times(tok, engine: GrammarEngine, lark: str, tokens: int, rng: np.rand
     c = engine.compile(lark)
     while len(times) < tokens:
         t0 = time.perf_counter()
-        allowed = np.flatnonzero(c.allowed())
+        mask = c.allowed()  # what the sampler takes (ids are for the walk, as xgrammar's side has them)
         times.append(time.perf_counter() - t0)
+        allowed = np.flatnonzero(mask)
         eog = [t for t in allowed[:64] if t in tok.eog_ids] or [t for t in allowed if t in tok.eog_ids]
         lean = np.intersect1d(allowed, closers, assume_unique=True)
         r = rng.random()

@@ -60,10 +60,16 @@ def _turn(sock: Path, tools: list[dict], task: str, max_tokens: int, out: dict) 
     t0 = time.monotonic()
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), timeout=1800) as c, \
             c.stream("POST", "http://weave/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:  # (a refusal is no time to first token: the run fails, saying why)
+            out["error"] = f"{r.status_code}: {r.read().decode('utf-8', 'replace')[:300]}"
+            return
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                out["error"] = str(chunk["error"].get("message", chunk["error"]))
+                return
             delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
             if "ttft" not in out and any(delta.get(k) for k in ("content", "tool_calls", "reasoning_content")):
                 out["ttft"] = time.monotonic() - t0
@@ -95,6 +101,9 @@ def _run(opts: PrefixOptions, share: bool, say: Callable[[str], None]) -> dict:
             for t in threads:
                 t.join()
             wall = time.monotonic() - t0
+            failed = [o["error"] for o in (first, *outs) if "error" in o]
+            if failed:
+                raise RuntimeError(f"{len(failed)} of {len(outs) + 1} requests failed (the first: {failed[0]})")
             with httpx.Client(transport=httpx.HTTPTransport(uds=str(served.socket)), timeout=60) as c:
                 status = c.get("http://weave/v1/status").json()
             after = sum(p.get("tokens_prefilled") or 0 for p in status["pools"])

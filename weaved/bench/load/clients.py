@@ -140,8 +140,10 @@ class Client:
             if r.status_code == 200:
                 out.tokens = r.json()["usage"]["completion_tokens"]
             return
-        n = 0
-        async with self.http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        n, usage = 0, None
+        # (the usage chunk counts the tokens: a token whose text is held back, half a character, has no chunk)
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with self.http.stream("POST", "/v1/chat/completions", json=streamed) as r:
             out.status = self._status(r.status_code)
             if r.status_code != 200:
                 await r.aread()
@@ -157,12 +159,14 @@ class Client:
                 if "error" in chunk:
                     out.status = "error in stream"
                     return
+                if chunk.get("usage"):
+                    usage = chunk["usage"]["completion_tokens"]
                 if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                     out.ttft_s = out.ttft_s if out.ttft_s is not None else time.monotonic() - t
                     n += 1
                     if cancel_after is not None and n >= cancel_after:
                         out.status, out.tokens = "cancelled", n
                         return  # leaving the block closes the connection: the daemon cancels the turn
-            out.tokens = n
+            out.tokens = n if usage is None else usage
             if not done:
                 out.status = "error stream ended without [DONE]"

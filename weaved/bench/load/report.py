@@ -43,7 +43,7 @@ def build(outcomes: list[Outcome], samples: list[tuple[float, float, int]], *, w
         }
     span = duration_s - warmup_s
     tokens = sum(o.tokens for o in measured if o.status in ("ok", "cancelled"))
-    after = [s for s in samples if s[0] >= warmup_s]
+    after = [s for s in samples if warmup_s <= s[0] <= duration_s]  # (not the idle daemon after the drain)
     memory = None
     if len(after) >= 2:
         (_, rss0, fd0), (_, rss1, fd1) = after[0], after[-1]
