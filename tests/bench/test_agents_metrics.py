@@ -34,6 +34,13 @@ def test_throughput_classes_are_judged_by_time_to_last_token(kind, budget):
     assert outcome(rec(kind, 10), T, 10 + budget + 1) is Outcome.MISSED
     assert outcome(rec(kind, 10, ttft=1, ended=12, status=TurnStatus.FAILED), T, 100) is Outcome.MISSED
     assert outcome(rec(kind, 10, status=TurnStatus.REJECTED), T, 11) is Outcome.MISSED
+    # running, inside its budget, but at its pace so far it ends past it: missed already
+    behind = rec(kind, 10, ttft=1, n=4, gap=budget / 8)
+    behind.max_tokens = 40
+    assert outcome(behind, T, 10 + 1 + 4 * budget / 8) is Outcome.MISSED
+    on_pace = rec(kind, 10, ttft=1, n=4, gap=budget / 80)
+    on_pace.max_tokens = 40
+    assert outcome(on_pace, T, 10 + 1 + 4 * budget / 80) is Outcome.UNFINISHED
 
 
 def test_interactive_needs_first_token_and_steady_stream():

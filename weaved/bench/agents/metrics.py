@@ -76,7 +76,15 @@ def outcome(rec: TurnRecord, targets: SLATargets, t_end: float) -> Outcome:
         return Outcome.MET if p99 <= targets.interactive_itl_p99_s else Outcome.MISSED
     budget = targets.ttlt_s(rec.sla_class)
     if rec.status is TurnStatus.RUNNING:
-        return Outcome.MISSED if t_end - rec.submitted > budget else Outcome.UNFINISHED
+        if t_end - rec.submitted > budget:
+            return Outcome.MISSED
+        # a turn that at its pace so far cannot end within its budget has missed it already: a run shorter
+        # than the batch budget would otherwise never see one miss, however far behind the batch fell
+        if rec.generated >= 2 and rec.first_token is not None:
+            pace = (t_end - rec.first_token) / rec.generated
+            if t_end + (rec.max_tokens - rec.generated) * pace - rec.submitted > budget:
+                return Outcome.MISSED
+        return Outcome.UNFINISHED
     ttlt = rec.ttlt_s
     return Outcome.MET if ttlt is not None and ttlt <= budget else Outcome.MISSED
 
