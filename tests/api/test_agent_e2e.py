@@ -139,6 +139,11 @@ def test_a_streamed_call_is_assembled_by_the_sdk(request, server):
     assert final.choices[0].message.content is None and whole.choices[0].message.content is None
     first = next(iter(sdk.chat.completions.create(**kw, stream=True))).choices[0].delta
     assert first.role == "assistant" and first.content is None and first.tool_calls[0].function.name
+    # with log-probabilities the call syntax's first token comes alone (no text, its entry): still null
+    with sdk.chat.completions.stream(**kw, logprobs=True) as stream:
+        for _ in stream:
+            pass
+        assert stream.get_final_completion().choices[0].message.content is None
 
 
 @pytest.mark.parametrize("server", ["generic", "hermes"])

@@ -162,17 +162,19 @@ async def _stream(request: Request, turns: list[Turn], meta: _Meta, usage: bool)
     # that a call's says "content": null, as OpenAI's does (an answer of text gets "" as always).
     waiting = [getattr(getattr(t.handle, "answer", None), "offers_tools", False) is True for t in turns]
 
-    def role(i: int, delta: dict | None = None, lp: dict | None = None) -> bytes:
-        """Choice ``i``'s first chunk: the role, with the answer's first call if it opens with one."""
+    def role(i: int, delta: dict | None = None, lp: dict | None = None, *, no_text: bool = False) -> bytes:
+        """Choice ``i``'s first chunk: the role, with the answer's first piece when that is no text (its first
+        call, its reasoning, or a token that only has log-probabilities): "content" is then null, as the
+        answer's is unstreamed when it only calls."""
         waiting[i] = False
-        first = {"role": "assistant", "content": None, **delta} if delta else {"role": "assistant", "content": ""}
+        first = {"role": "assistant", "content": None if (delta or no_text) else "", **(delta or {})}
         return frame(_chunk(meta, first, index=i, logprobs=lp, usage=usage, weave=turns[i].weave()))
 
     def opened(i: int, delta: dict, lp: dict | None = None) -> list[bytes]:
         out = []
         if waiting[i]:
-            if "tool_calls" in delta:
-                return [role(i, delta, lp)]
+            if "content" not in delta:
+                return [role(i, delta, lp, no_text=True)]
             out.append(role(i))
         return [*out, frame(_chunk(meta, delta, index=i, logprobs=lp, usage=usage))]
 
