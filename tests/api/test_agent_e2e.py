@@ -394,3 +394,29 @@ def test_stop_strings_and_log_probabilities_are_the_answers_not_its_reasoning(th
     assert got.model_extra["reasoning_content"] == reasoning  # (greedy: the same reasoning, whole)
     assert stopped.choices[0].finish_reason == whole.choices[0].finish_reason
     assert "e" not in (got.content or "") and (got.content or "") == content.split("e")[0].strip()
+
+
+def test_a_text_answer_in_the_generic_envelope_lists_its_texts_tokens_not_the_envelopes(generic):
+    """Tools offered on a model whose answers are the generic envelope, a text answer: its entries are
+    those of the string's tokens (joined and JSON-decoded, the content), not of ``{"response": "`` and
+    ``"}`` - streamed and not alike."""
+    import json
+
+    sdk = _sdk(generic.socket)
+    kw = dict(model="default", messages=[{"role": "user", "content": "Write two short lines about rain."}],
+              tools=TOOLS, tool_choice="none", max_tokens=40, temperature=0, logprobs=True)
+    whole = sdk.chat.completions.create(**kw)
+    c = whole.choices[0]
+    tokens = [e.token for e in c.logprobs.content]
+    assert not tokens[0].lstrip().startswith("{") and c.message.content
+    text = "".join(tokens)
+    if c.finish_reason == "stop":  # (the whole string, closing quote left out)
+        assert json.loads('"' + text + '"') == c.message.content
+    else:  # cut by max_tokens: as far as it came (an escape may be cut)
+        assert c.message.content.startswith(json.loads('"' + text.rstrip("\\") + '"')[:-2])
+    streamed = []
+    with sdk.chat.completions.stream(**kw) as stream:
+        for ev in stream:
+            if ev.type == "logprobs.content.delta":
+                streamed += [e.token for e in ev.content]
+    assert streamed == tokens

@@ -51,6 +51,10 @@ class AnswerParser:
         self._resp = JsonString()
         self.reasoning_tokens = 0  # tokens given by push_token inside the reasoning block (its markers too)
         self.last_token_reasoning = False  # whether the last token push_token took was one of them
+        self._raw = 0  # characters of the answer's text pushed so far
+        # where the generic envelope's response string lies in that text, [start, end) (end None while it is
+        # open): its text is the content, the rest of the envelope syntax (None: no such envelope)
+        self.text_span: list[int | None] | None = None
 
     # ---- public ----------------------------------------------------------------------------------
     def push_token(self, text: str) -> list[dict]:
@@ -64,6 +68,7 @@ class AnswerParser:
         return out
 
     def push(self, text: str) -> list[dict]:
+        self._raw += len(text)
         self._buf += text
         out: list[dict] = []
         while self._buf and self._step(out):
@@ -91,6 +96,21 @@ class AnswerParser:
         self.answer.calls = [ToolCall(c["id"], c["name"], c["args"], complete=bool(c.get("done")))
                              for c in self._calls]
         return _merge(out)
+
+    @property
+    def envelope_pending(self) -> bool:
+        """Whether the answer may still open the generic envelope (its first text is held to see): what
+        its first tokens are - syntax or text - is not known yet."""
+        return self.fmt is not None and self.fmt.name == "generic" and self._state in ("think?", "main?")
+
+    def in_text(self, at: int, n: int) -> bool:
+        """Whether the ``n`` characters of the answer's text from ``at`` are (partly) its text - not the
+        generic envelope's syntax around a text answer (call syntax counts as the answer's)."""
+        span = self.text_span
+        if span is None:
+            return True
+        a, b = span
+        return at + n > a and (b is None or at < b)
 
     def _lead_prefix(self, s: str) -> bool:
         """Whether ``s``, all an answer cut short said, is call syntax and no content: a proper start of
@@ -151,11 +171,13 @@ class AnswerParser:
         if st == "main":
             return self._main(out)
         if st == "resp":
+            start = self._raw - len(buf)
             text, rest, closed = self._resp.feed(buf)
             self._emit(out, "content", text)
             self._raw_since_calls += buf[: len(buf) - len(rest)]
             self._buf = rest
             if closed:  # the string's text is content already: a tail breaking the syntax is said alone
+                self.text_span[1] = start + len(buf) - len(rest) - 1  # (its closing quote)
                 self._raw_since_calls = ""
                 self._state = "tail"
                 self._expect = ["}"]
@@ -182,6 +204,8 @@ class AnswerParser:
                     self._raw_since_calls = self._buf[: len(self._buf) - len(s) + len(lead)]
                     self._buf = s[len(lead):]
                     self._state = state
+                    if state == "resp":
+                        self.text_span = [self._raw - len(self._buf), None]
                     if state == "calls":
                         self._start_call_syntax(first=True, skip_open=True)
                     return True

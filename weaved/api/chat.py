@@ -21,7 +21,7 @@ from weaved.agent.stream import Answer, AnswerParser
 from weaved.agent.tool_results import check_tool_results
 from weaved.api.agent_models import answer_spec
 from weaved.api.choices import collect_all, merged, start_choices, total_usage, watch
-from weaved.api.logprobs import TextGate, chat_entry
+from weaved.api.logprobs import AnswerEntries, chat_entry
 from weaved.api.models import ChatRequest
 from weaved.api.params import chat_params, check_model, check_vocab
 from weaved.api.sse import DONE, frame, progress_comment, sse_response, stream_chunk
@@ -118,13 +118,14 @@ def finish_reason(turn: Turn, ans: Answer) -> str | None:
 
 def _choice(turn: Turn, index: int, meta: _Meta, events: list[dict], tokenizer) -> dict:
     parser = _parser(turn)
-    gate, content = TextGate(), []
+    entries, content = AnswerEntries(parser), []
     for ev in events:
         if ev["type"] == "token":
             parser.push_token(ev["text"])
-            if meta.logprobs:  # the content's tokens: not the reasoning's (returned apart, without them)
-                content += gate.push(ev, None if parser.last_token_reasoning else _entry(tokenizer, ev))
+            if meta.logprobs:  # the answer's tokens (not the reasoning's, nor an envelope's around its text)
+                content += entries.push(ev, _entry(tokenizer, ev))
     parser.finish()
+    content += entries.finish()
     turn.reasoning_tokens = parser.reasoning_tokens
     ans = parser.answer
     logprobs = {"content": content} if meta.logprobs else None
@@ -157,7 +158,7 @@ async def _stream(request: Request, turns: list[Turn], meta: _Meta, usage: bool)
     finishing chunks."""
     tokenizer = turns[0].state.daemon.tokenizer
     parsers = [_parser(t) for t in turns]
-    gates = [TextGate() for _ in turns]  # each choice's log-probabilities go out with their text
+    gates = [AnswerEntries(p) for p in parsers]  # each choice's log-probabilities go out with their text
     # The role chunk goes first; where the answer may be calls it waits for the answer's first piece, so
     # that a call's says "content": null, as OpenAI's does (an answer of text gets "" as always).
     waiting = [getattr(getattr(t.handle, "answer", None), "offers_tools", False) is True for t in turns]
@@ -190,8 +191,7 @@ async def _stream(request: Request, turns: list[Turn], meta: _Meta, usage: bool)
             elif ev["type"] == "token":
                 deltas = parser.push_token(ev["text"])
                 t.reasoning_tokens = parser.reasoning_tokens
-                released = gates[i].push(ev, None if parser.last_token_reasoning else _entry(tokenizer, ev)) \
-                    if meta.logprobs else []
+                released = gates[i].push(ev, _entry(tokenizer, ev)) if meta.logprobs else []
                 lp = {"content": released} if released else None
                 if not deltas and lp is not None:
                     deltas = [{}]
@@ -199,8 +199,13 @@ async def _stream(request: Request, turns: list[Turn], meta: _Meta, usage: bool)
                     for chunk in opened(i, delta, lp if j == 0 else None):
                         yield chunk
             elif ev["type"] in ("done", "error") and t.error is None:
-                for delta in parser.finish():
-                    for chunk in opened(i, delta):
+                tail = parser.finish()
+                released = gates[i].finish() if meta.logprobs else []
+                lp = {"content": released} if released else None
+                if not tail and lp is not None:
+                    tail = [{}]
+                for j, delta in enumerate(tail):
+                    for chunk in opened(i, delta, lp if j == 0 else None):
                         yield chunk
                 if waiting[i]:  # an answer with nothing in it: its role chunk still comes first
                     yield role(i)

@@ -53,6 +53,52 @@ class TextGate:
         return out
 
 
+class AnswerEntries:
+    """A chat answer's ``logprobs.content``: the entries of the tokens of its text - not its reasoning's
+    (returned apart, without them), nor the generic envelope's syntax around a text answer (a call's
+    syntax is listed, as its tokens are the answer) - each going out with its text (``TextGate``).
+
+    Call ``push`` right after the answer's parser took the token.  The first tokens of an answer that may
+    open the envelope are held until the parser knows whether they were its syntax."""
+
+    def __init__(self, parser) -> None:
+        self.parser = parser
+        self.gate = TextGate()
+        self._held: list[tuple[int, int, object]] = []  # (at, characters, entry) not yet known to be text
+
+    def push(self, ev: dict, entry: object | None) -> list:
+        """A token event (``entry`` its entry, or None): the entries that go out now, in order."""
+        p = self.parser
+        if entry is not None and p.last_token_reasoning:
+            entry = None
+        if p.envelope_pending:
+            if entry is not None:
+                self._held.append((ev["at"], len(ev["text"]), entry))
+            return self.gate.push(ev, None)  # (its text is counted: what it releases is earlier entries')
+        out = self._release() if self._held else []
+        if entry is not None and not p.in_text(ev["at"], len(ev["text"])):
+            entry = None  # the envelope's syntax around a text answer
+        return out + self.gate.push(ev, entry)
+
+    def finish(self) -> list:
+        """The answer ended: held entries go out if their text was the answer's (nothing was, if it ended
+        inside the envelope's opening)."""
+        if not self._held:
+            return []
+        if self.parser.envelope_pending:
+            self._held.clear()  # (the answer said nothing)
+            return []
+        return self._release()
+
+    def _release(self) -> list:
+        kept = [(at, e) for at, n, e in self._held if self.parser.in_text(at, n)]
+        self._held.clear()
+        out = []
+        for at, e in kept:  # (their text is counted already: each goes out once its text went)
+            out += self.gate.push({"at": at, "text": ""}, e)
+        return out
+
+
 class CompletionLogprobs:
     """Builds ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` as tokens arrive.
 
