@@ -25,17 +25,22 @@ class SSEDecoder:
     """Server-sent events, one line at a time (without its line ending).
 
     An event is the ``data:`` lines before a blank line, joined by newlines; comments (``: keep-alive``)
-    and other fields (``event:``, ``id:``) are skipped, but for a prompt's progress (``: prefill N/M``).
+    and other fields (``event:``) are skipped, but for a prompt's progress (``: prefill N/M``) and the
+    events' ids: ``last_id`` is the last id given (what a reconnection sends as ``Last-Event-ID``).
     ``feed`` returns the event's JSON payload when a line completes one, ``DONE`` for ``data: [DONE]``,
     a ``Progress`` for a progress comment, else None.  A payload that is an error body
     raises ApiError: that is how the daemon reports a failure after a stream began.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, last_id: str | None = None) -> None:
         self._data: list[str] = []
+        self.last_id = last_id
+        self._id: str | None = None  # the id of the event being read: ``last_id`` once it is complete
 
     def feed(self, line: str) -> Any:
         if line == "":
+            if self._id is not None:
+                self.last_id, self._id = self._id, None
             if not self._data:
                 return None
             payload, self._data = "\n".join(self._data), []
@@ -51,8 +56,11 @@ class SSEDecoder:
         if line.startswith(":"):
             return _progress(line)
         name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
         if name == "data":
-            self._data.append(value[1:] if value.startswith(" ") else value)
+            self._data.append(value)
+        elif name == "id" and "\0" not in value:  # (as the SSE standard has it: an id with NUL is ignored)
+            self._id = value
         return None
 
 

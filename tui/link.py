@@ -27,6 +27,7 @@ class DaemonLink:
         base = address.rstrip("/") if is_url(address) else "http://weave"
         self._http = httpx.AsyncClient(transport=transport, base_url=base, headers=headers,
                                        timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
+        self.last_event_id: str | None = None  # a reconnection resumes after it (nothing shown twice)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -66,13 +67,19 @@ class DaemonLink:
         """``/v1/events`` until the daemon ends the stream (or the caller is cancelled)."""
         try:
             endless = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
+            # the first time, what happened before; after a lost connection, what happened since the last
+            # event shown (the daemon's backlog, or a "lagged" event saying what it no longer holds)
+            resume = {"Last-Event-ID": self.last_event_id} if self.last_event_id else {}
             async with self._http.stream("GET", "/v1/events", params={"backlog": EVENT_BACKLOG},
-                                         timeout=endless) as r:
+                                         headers=resume, timeout=endless) as r:
                 if r.status_code >= 400:
+                    if resume and r.status_code == 400:  # (an id this daemon does not know: start afresh)
+                        self.last_event_id = None
                     raise error_from_bytes(r.status_code, await r.aread())
-                decoder = SSEDecoder()
+                decoder = SSEDecoder(self.last_event_id)
                 async for line in r.aiter_lines():
                     obj = decoder.feed(line)
+                    self.last_event_id = decoder.last_id
                     if obj is DONE:
                         return
                     if isinstance(obj, dict):

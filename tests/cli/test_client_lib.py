@@ -205,3 +205,18 @@ def test_a_path_that_is_not_a_socket_is_named_as_such(tmp_path):
     assert str(info.value).startswith(f"{plain} is a file, not a socket: point --socket")
     with pytest.raises(DaemonNotRunning, match="is a directory, not a socket"):
         Client(tmp_path).status()
+
+
+def test_the_decoder_keeps_the_last_complete_events_id():
+    """What a reconnection sends as Last-Event-ID: the id of the last event read whole (an event cut
+    before its blank line was not seen)."""
+    d = SSEDecoder("r-1")
+    for line in ("id: r-2", 'data: {"a": 1}', ""):
+        d.feed(line)
+    assert d.last_id == "r-2"
+    d.feed(": keep-alive")
+    d.feed("")
+    assert d.last_id == "r-2"  # (a comment has no id)
+    for line in ("id: r-3", 'data: {"b": 2}'):  # cut here
+        d.feed(line)
+    assert d.last_id == "r-2"
