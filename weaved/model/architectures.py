@@ -45,10 +45,6 @@ ARCHS: dict[str, ArchSpec] = {
     "gemma3": ArchSpec(RopeStyle.NEOX, qk_norm=True, gemma=True),
 }
 
-ATTN_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output")
-FFN_MATRICES = ("ffn_gate", "ffn_up", "ffn_down")
-EXPERT_MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # [n_experts, rows, cols] each
-LAYER_MATRICES = ATTN_MATRICES + FFN_MATRICES
 ROPE_SCALING = ("none", "linear", "yarn")
 GEMMA_SWA_PATTERN = 6  # llama.cpp's default: layers 5, 11, 17, ... attend globally
 GEMMA_SWA_ROPE_BASE = 10000.0
@@ -210,23 +206,8 @@ def _config(f: GGUFFile, arch: str, spec: ArchSpec, number, n_layers, d_model, n
 
 
 def required_tensors(cfg: ModelConfig) -> list[str]:
-    names = ["token_embd.weight", "output_norm.weight"]
-    if not cfg.tied_output:
-        names.append("output.weight")
-    for i in range(cfg.n_layers):
-        names += [f"blk.{i}.attn_norm.weight", f"blk.{i}.ffn_norm.weight"]
-        names += [f"blk.{i}.{m}.weight" for m in ATTN_MATRICES]
-        if cfg.moe:
-            names += [f"blk.{i}.ffn_gate_inp.weight"] + [f"blk.{i}.{m}.weight" for m in EXPERT_MATRICES]
-        else:
-            names += [f"blk.{i}.{m}.weight" for m in FFN_MATRICES]
-        if cfg.attn_bias:
-            names += [f"blk.{i}.attn_{x}.bias" for x in "qkv"]
-        if cfg.qk_norm:
-            names += [f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"]
-        if cfg.post_norms:
-            names += [f"blk.{i}.post_attention_norm.weight", f"blk.{i}.post_ffw_norm.weight"]
-    return names
+    """The tensors the architecture needs, in the file's usual order (those ``expected_shapes`` gives)."""
+    return list(expected_shapes(cfg))
 
 
 def check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
@@ -246,7 +227,7 @@ def check_layout(f: GGUFFile, cfg: ModelConfig) -> None:
     would leave unread: llama.cpp refuses tensors an architecture has no place for, and adds some
     optional ones (a llama file's biases) that Weave does not implement - refused rather than ignored.
     Whatever the tensors' types (checked before a conversion too)."""
-    required = required_tensors(cfg)
+    required = expected_shapes(cfg)
     missing = [n for n in required if n not in f.tensors]
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
@@ -260,7 +241,13 @@ def check_layout(f: GGUFFile, cfg: ModelConfig) -> None:
     if cfg.rope.freq_factors is not None and len(cfg.rope.freq_factors) < cfg.n_rot // 2:
         raise ValueError(f"{f.path.name}: rope_freqs.weight has {len(cfg.rope.freq_factors)} values, "
                          f"the model rotates {cfg.n_rot // 2} pairs")
-    _check_shapes(f, cfg)
+    # shapes as llama.cpp checks them: a kernel would read past a matrix, or compute something else, where the
+    # file and its metadata disagree
+    for name, shape in required.items():
+        got = tuple(f.tensors[name].shape)
+        if got != shape:
+            moe = f" ({cfg.n_experts} experts of {cfg.d_ff_expert})" if "_exps" in name or "gate_inp" in name else ""
+            raise ValueError(f"{f.path.name}: {name} has shape {got}, the metadata says {shape}{moe}")
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -286,13 +273,3 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.n_layers):
         want |= {f"blk.{i}.{name}": shape for name, shape in layer.items()}
     return want
-
-
-def _check_shapes(f: GGUFFile, cfg: ModelConfig) -> None:
-    """Every tensor's shape agrees with the metadata (as llama.cpp checks: a kernel would read past a
-    matrix, or compute something else, where they disagree)."""
-    for name, shape in expected_shapes(cfg).items():
-        got = tuple(f.tensors[name].shape)
-        if got != shape:
-            moe = f" ({cfg.n_experts} experts of {cfg.d_ff_expert})" if "_exps" in name or "gate_inp" in name else ""
-            raise ValueError(f"{f.path.name}: {name} has shape {got}, the metadata says {shape}{moe}")

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf import quants as gguf_quants
 
@@ -191,18 +192,8 @@ def _sweep_stale(dst_path: Path) -> None:
     a signal skips the cleanup; a 30B model's would be ~17 GB)."""
     for tmp in dst_path.parent.glob(f".{dst_path.name}.*.tmp"):
         pid = tmp.name[len(dst_path.name) + 2:].split(".")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not psutil.pid_exists(int(pid)):
             tmp.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # (another user's process)
-        return True
-    return True
 
 
 def _arch(header: GGUFHeader) -> str:
