@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -163,21 +163,30 @@ async def _stream(request: Request, turns: list[Turn], meta: _Meta, usage: bool)
     # that a call's says "content": null, as OpenAI's does (an answer of text gets "" as always).
     waiting = [getattr(getattr(t.handle, "answer", None), "offers_tools", False) is True for t in turns]
 
-    def role(i: int, delta: dict | None = None, lp: dict | None = None, *, no_text: bool = False) -> bytes:
-        """Choice ``i``'s first chunk: the role, with the answer's first piece when that is no text (its first
-        call, its reasoning, or a token that only has log-probabilities): "content" is then null, as the
-        answer's is unstreamed when it only calls."""
+    def role(i: int, delta: dict | None = None, lp: dict | None = None) -> bytes:
+        """Choice ``i``'s first chunk: the role, with the answer's first piece (``delta``) when that is no
+        text (its first call, its reasoning, or ``{}``: a token that only has log-probabilities): "content"
+        is then null, as the answer's is unstreamed when it only calls."""
         waiting[i] = False
-        first = {"role": "assistant", "content": None if (delta or no_text) else "", **(delta or {})}
+        first = {"role": "assistant", "content": "" if delta is None else None, **(delta or {})}
         return frame(_chunk(meta, first, index=i, logprobs=lp, usage=usage, weave=turns[i].weave()))
 
     def opened(i: int, delta: dict, lp: dict | None = None) -> list[bytes]:
         out = []
         if waiting[i]:
             if "content" not in delta:
-                return [role(i, delta, lp, no_text=True)]
+                return [role(i, delta, lp)]
             out.append(role(i))
         return [*out, frame(_chunk(meta, delta, index=i, logprobs=lp, usage=usage))]
+
+    def pieces(i: int, deltas: list[dict], released: list) -> Iterator[bytes]:
+        """The chunks of a choice's deltas, its released log-probabilities on the first (alone in an empty
+        delta when the text that released them is held back)."""
+        lp = {"content": released} if released else None
+        if not deltas and lp is not None:
+            deltas = [{}]
+        for j, delta in enumerate(deltas):
+            yield from opened(i, delta, lp if j == 0 else None)
 
     watcher = asyncio.create_task(watch(request, turns))
     try:
@@ -191,22 +200,12 @@ async def _stream(request: Request, turns: list[Turn], meta: _Meta, usage: bool)
             elif ev["type"] == "token":
                 deltas = parser.push_token(ev["text"])
                 t.reasoning_tokens = parser.reasoning_tokens
-                released = gates[i].push(ev, _entry(tokenizer, ev)) if meta.logprobs else []
-                lp = {"content": released} if released else None
-                if not deltas and lp is not None:
-                    deltas = [{}]
-                for j, delta in enumerate(deltas):
-                    for chunk in opened(i, delta, lp if j == 0 else None):
-                        yield chunk
+                for chunk in pieces(i, deltas, gates[i].push(ev, _entry(tokenizer, ev)) if meta.logprobs else []):
+                    yield chunk
             elif ev["type"] in ("done", "error") and t.error is None:
                 tail = parser.finish()
-                released = gates[i].finish() if meta.logprobs else []
-                lp = {"content": released} if released else None
-                if not tail and lp is not None:
-                    tail = [{}]
-                for j, delta in enumerate(tail):
-                    for chunk in opened(i, delta, lp if j == 0 else None):
-                        yield chunk
+                for chunk in pieces(i, tail, gates[i].finish() if meta.logprobs else []):
+                    yield chunk
                 if waiting[i]:  # an answer with nothing in it: its role chunk still comes first
                     yield role(i)
                 yield frame(_chunk(meta, {}, index=i, finish=finish_reason(t, parser.answer), usage=usage,
