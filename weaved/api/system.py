@@ -70,7 +70,7 @@ async def _event_frames(request: Request, state: ApiState, sub: Subscription) ->
             if done:  # the client left or the daemon is closing
                 return
             yield KEEPALIVE
-    finally:  # (the wait may be cancelled mid-way, its queue read still pending)
+    finally:  # (the wait may be cancelled mid-way, its queue read still pending; the response's close
+        # unsubscribes, also when this generator never started)
         for t in (*stop, *([get] if get is not None else [])):
             t.cancel()
-        state.daemon.unsubscribe(sub)
