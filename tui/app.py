@@ -18,6 +18,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Footer, Header, Input
+from weaved.cli.client import is_url
 from weaved.cli.errors import ClientError, DaemonNotRunning
 from weaved.cli.fmt import printable
 from weaved.tui.confirm_delete import ConfirmDelete
@@ -88,7 +89,7 @@ class WeaveTop(App):
 
     def on_mount(self) -> None:
         self.sub_title = self.address
-        if "://" in self.address:  # a daemon over TCP: the gauges sample this machine, not the daemon's
+        if is_url(self.address):  # a daemon over TCP: the gauges sample this machine, not the daemon's
             self.host.border_title, self.gpu.border_title = "this machine (not the daemon's)", "this machine's gpu"
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGHUP):  # leave the terminal as it was found, whoever stops us
