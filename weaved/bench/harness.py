@@ -183,6 +183,12 @@ def resident_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def memory_after_load() -> dict[str, float]:
+    """What each side reports right after loading: ``rss_mb`` and, where the kernel says, ``rss_anon_mb``."""
+    anon = anonymous_mb()
+    return {"rss_mb": resident_mb(), **({} if anon is None else {"rss_anon_mb": anon})}
+
+
 def anonymous_mb() -> float | None:
     """This process's resident memory that is its own (``RssAnon``: not the clean pages of mapped files,
     which the page cache holds and the kernel may drop): a side that keeps the model file mapped beside

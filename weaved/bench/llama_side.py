@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from weaved.bench import BenchConfig
-from weaved.bench.harness import Progress, anonymous_mb, measure, resident_mb
+from weaved.bench.harness import Progress, measure, memory_after_load, resident_mb
 from weaved.model.tokenizer import quiet_llama_logs
 
 
@@ -146,8 +146,8 @@ def measure_llama(cfg: BenchConfig, tokens: Sequence[int], progress: Progress) -
         engine.open(1, 256)
         engine.prefill([0], [[int(tokens[0])]], want_logits=True)
         load_s = time.perf_counter() - t0
-        rss_mb, anon_mb = resident_mb(), anonymous_mb()
-        progress(f"ready in {load_s:.1f} s, {rss_mb:.0f} MB resident")
+        memory = memory_after_load()
+        progress(f"ready in {load_s:.1f} s, {memory['rss_mb']:.0f} MB resident")
         out: dict[str, float] = {}
         for fa in cfg.llama_flash_attn:
             engine.set_flash_attn(fa)
@@ -157,7 +157,6 @@ def measure_llama(cfg: BenchConfig, tokens: Sequence[int], progress: Progress) -
                     progress(f"{k}: flash attention {fa} is faster ({v:.1f} against {out[k]:.1f} tok/s)")
                 out[k] = max(out.get(k, 0.0), v)
         engine.free_context()  # the model stays, as Weave's does at its end figure
-        anon = {} if anon_mb is None else {"rss_anon_mb": anon_mb}
-        return {**out, "load_s": load_s, "rss_mb": rss_mb, **anon, "rss_end_mb": resident_mb()}
+        return {**out, "load_s": load_s, **memory, "rss_end_mb": resident_mb()}
     finally:
         engine.close()

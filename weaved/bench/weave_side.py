@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from weaved.bench import BenchConfig
-from weaved.bench.harness import Progress, anonymous_mb, measure, resident_mb
+from weaved.bench.harness import Progress, measure, memory_after_load, resident_mb
 
 
 class WeaveEngine:
@@ -72,14 +72,13 @@ def measure_weave(cfg: BenchConfig, tokens: Sequence[int], progress: Progress) -
 
     progress("loading the model (repacking weights, compiling kernels)")
     be, load_s = load_backend(cfg)
-    rss_mb, anon_mb = resident_mb(), anonymous_mb()
-    progress(f"ready in {load_s:.1f} s, {rss_mb:.0f} MB resident")
+    memory = memory_after_load()
+    progress(f"ready in {load_s:.1f} s, {memory['rss_mb']:.0f} MB resident")
     engine = WeaveEngine(be)
     out = measure(engine, cfg, tokens, progress)
     engine.open(0, 1)
     gc.collect()
-    info = {"load_s": load_s, "file_mb": cfg.model.stat().st_size / 2**20, "rss_mb": rss_mb,
-            **({} if anon_mb is None else {"rss_anon_mb": anon_mb}), "rss_end_mb": resident_mb(),
+    info = {"load_s": load_s, "file_mb": cfg.model.stat().st_size / 2**20, **memory, "rss_end_mb": resident_mb(),
             "weights_mb": be.decode_bytes / 2**20}
     if "decode_tps" in out:
         info["decode_gbs"] = be.decode_bytes * out["decode_tps"] / 1e9
