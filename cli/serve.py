@@ -271,3 +271,7 @@ def register(app: typer.Typer) -> None:
         except ServerError as e:
             raise _fail(str(e)) from None
         _say("stopped")
+        if daemon.waiting_groups:  # a thread woken inside the interpreter's teardown would abort the process
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)

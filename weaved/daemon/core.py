@@ -65,6 +65,7 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
         # None: it then neither homes rings nor joins its peers' groups
         self.federation = federation
         self.member_groups = None
+        self.waiting_groups: list[str] = []  # member groups whose thread was still in a network wait at shutdown
         self.model_path = Path(model_path)
         self.chat_template = chat_template  # replaces the model's own when given
         self.data_dir = Path(data_dir or profile.host.data_dir)

@@ -311,7 +311,9 @@ class DaemonLifecycle:
         for p in self.pools.values():  # e.g. release the members of this daemon's rings
             p.backend.close()
         if self.member_groups is not None:
-            self.member_groups.stop()
+            self.waiting_groups = self.member_groups.stop()
+            if self.waiting_groups:
+                self.log(f"groups still waiting on their home after leaving: {', '.join(self.waiting_groups)}")
         if hasattr(self, "journal"):
             self.journal.close()
         if hasattr(self, "store"):

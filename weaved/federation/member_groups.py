@@ -53,6 +53,8 @@ class MemberGroups:
         self._lock = threading.Lock()
         self._groups: dict[str, dict] = {}  # name -> status entry
         self._members: dict[str, PeerGroup] = {}
+        self._threads: dict[str, threading.Thread] = {}  # name -> the thread that joins and serves it
+        self._stopping = False
 
     def join(self, req: JoinRequest) -> dict:
         """Accept a home's request and join in the background; raises ``JoinRefused``."""
@@ -67,11 +69,15 @@ class MemberGroups:
         if req.rank == 0:
             raise JoinRefused("rank 0 is the home's own")
         with self._lock:
+            if self._stopping:
+                raise JoinRefused("this node is stopping")
             if req.group in self._groups:
                 raise JoinRefused(f"already in group {req.group!r}")
             self._groups[req.group] = {"group": req.group, "home": req.home, "rank": req.rank, "world": req.world,
                                        "state": "joining", "since": time.time()}
-        threading.Thread(target=self._run, args=(spec, req), name=f"group-{req.group}", daemon=True).start()
+            thread = self._threads[req.group] = threading.Thread(target=self._run, args=(spec, req),
+                                                                 name=f"group-{req.group}", daemon=True)
+        thread.start()
         return {"group": req.group, "rank": req.rank, "state": "joining"}
 
     def _set(self, name: str, **kw) -> None:
@@ -87,6 +93,8 @@ class MemberGroups:
             group = PeerGroup.form(spec)
             with self._lock:
                 self._members[spec.name] = group
+                if self._stopping:  # formed while the daemon stopped: leave at once
+                    group.close()
             self._set(spec.name, state="serving")
             log.info("joined group %s of home %s as rank %d of %d", spec.name, req.home, spec.rank, spec.world_size)
             serve_member(group, self.backend, make, close)
@@ -102,14 +110,29 @@ class MemberGroups:
         with self._lock:
             self._groups.pop(spec.name, None)
             self._members.pop(spec.name, None)
+            self._threads.pop(spec.name, None)
 
     def status(self) -> list[dict]:
         with self._lock:
             return [dict(g) for g in self._groups.values()]
 
-    def stop(self) -> None:
-        """Leave every group (the homes see the loss and rebuild elsewhere)."""
+    def stop(self, timeout_s: float = 5.0) -> list[str]:
+        """Leave every group (the homes see the loss and rebuild elsewhere) and wait up to ``timeout_s``
+        for their threads to end; returns the groups whose thread is still inside a network wait.
+
+        Closing a group does not wake a wait already under way in this process: the thread ends when the
+        home, seeing its connection closed, closes its own (at once while the home lives) or at the
+        wait's timeout.  A thread that wakes while the interpreter exits aborts the process (its C++
+        frames are unwound by the thread's forced exit), so the daemon waits here first, and a caller
+        that is about to exit with threads still waiting ends the process without the interpreter's
+        teardown."""
         with self._lock:
+            self._stopping = True
             members = list(self._members.values())
+            threads = list(self._threads.values())
         for g in members:
             g.close()
+        deadline = time.monotonic() + timeout_s
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return sorted(t.name.removeprefix("group-") for t in threads if t.is_alive())
