@@ -55,9 +55,13 @@ class Overloaded(WeaveError):
     status = 503
     type = "overloaded_error"
 
-    def __init__(self, message: str, *, param: str | None = None, retry_after_s: float = 1.0):
-        super().__init__(message, param=param)
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, retry_after_s: float = 1.0,
+                 retryable: bool = True):
+        super().__init__(message, param=param, code=code)
         self.retry_after_s = retry_after_s  # the Retry-After header: when the client should try again
+        # False where waiting does not help (only deleting sessions or raising a cap does): the answer then
+        # says ``x-should-retry: false``, which the OpenAI SDKs honour, instead of a Retry-After
+        self.retryable = retryable
 
 
 class InsufficientStorage(WeaveError):

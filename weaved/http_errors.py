@@ -34,10 +34,18 @@ def error_response(status: int, message: str, **kw: str | None) -> JSONResponse:
     return JSONResponse(error_body(status, message, **kw), status_code=status)
 
 
+def retry_headers(exc: WeaveError) -> dict[str, str] | None:
+    """A 503's advice to the client: ``Retry-After`` when waiting helps, ``x-should-retry: false`` when
+    it does not (a cap only deleting sessions clears: the OpenAI SDKs would otherwise retry twice)."""
+    if exc.status != 503:
+        return None
+    if not getattr(exc, "retryable", True):
+        return {"x-should-retry": "false"}
+    return {"Retry-After": str(max(1, round(getattr(exc, "retry_after_s", 1))))}
+
+
 def weave_error_response(exc: WeaveError) -> JSONResponse:
-    retry = max(1, round(getattr(exc, "retry_after_s", 1)))
-    headers = {"Retry-After": str(retry)} if exc.status == 503 else None
-    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
+    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=retry_headers(exc))
 
 
 def validation_error(errors: list) -> InvalidRequest:

@@ -149,8 +149,16 @@ def test_a_full_kv_cap_is_a_503_with_retry_after(client, fake: FakeDaemon, monke
 
     monkeypatch.setattr(fake, "create_session", full)
     r = client.post("/v1/sessions", json={})
-    assert r.status_code == 503 and r.headers["Retry-After"] == "5"
+    assert r.status_code == 503 and r.headers["Retry-After"] == "5" and "x-should-retry" not in r.headers
     assert r.json()["error"]["type"] == "overloaded_error" and "KV cap" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "kv_cap_exceeded"
+
+    def held(*a, **k):  # held by kept sessions: no waiting frees it, so the SDKs are told not to retry
+        raise KVCapExceeded("session s-9: the KV cap is full", retryable=False)
+
+    monkeypatch.setattr(fake, "create_session", held)
+    r = client.post("/v1/sessions", json={})
+    assert r.status_code == 503 and r.headers["x-should-retry"] == "false" and "Retry-After" not in r.headers
 
 
 def test_what_the_session_routes_would_ignore_is_refused(client, fake: FakeDaemon):

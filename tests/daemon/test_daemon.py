@@ -208,6 +208,36 @@ def test_sessions_recovered_past_a_lowered_kv_cap_are_noted(tiny_llama, tmp_path
         d.shutdown()
 
 
+def test_a_turn_that_meets_a_full_kv_cap_says_so_and_whether_to_retry(tiny_llama, tmp_path):
+    """A turn the KV cap cannot hold fails with the cap's own error: overloaded, its code, and - the room
+    being held by a kept session, which waiting does not free - no retry (the SDKs would retry twice)."""
+    import dataclasses
+
+    from weaved.api.turn import Turn
+
+    prof = load_profile("cpu-only")
+    d = make_daemon(tiny_llama, tmp_path / "probe")
+    bpt = d.config.kv_bytes_per_token
+    d.shutdown()
+    low = dataclasses.replace(prof, host=dataclasses.replace(prof.host, kv_cap_bytes=300 * bpt))
+    d = Daemon(low, tiny_llama, data_dir=tmp_path / "data", log_fn=lambda m: None)
+    d.load()
+    try:
+        kept = d.create_session(SLA(SLAClass.BATCH), max_context=300)["id"]
+        run_turn(d, kept, "Hello there " * 40)  # a whole chunk of 256 positions
+        other = d.create_session(SLA(SLAClass.BATCH), max_context=300)["id"]
+        events, _ = run_turn(d, other, "Hello there " * 40)
+        err = events[-1]
+        assert err["type"] == "error" and err["status"] == 503 and err["code"] == "kv_cap_exceeded"
+        assert err["retryable"] is False and "DELETE /v1/sessions/ID" in err["message"]
+        turn = Turn.__new__(Turn)  # the API's reading of the event
+        turn.error = err
+        exc = turn.failure()
+        assert (exc.status, exc.type, exc.code, exc.retryable) == (503, "overloaded_error", "kv_cap_exceeded", False)
+    finally:
+        d.shutdown()
+
+
 def test_a_kv_cap_beyond_the_disk_is_noted(tiny_llama, tmp_path):
     """The KV files live in the data directory: a cap its disk cannot hold is said at start (sessions
     past it would fail on a full disk instead of being refused)."""

@@ -124,14 +124,35 @@ def test_cap_exceeded_names_cap_and_session_and_leaves_others_alone(tmp_path):
     rows = fill(a, 0, 100, seed=3)
     store.reserve(b, CHUNK)
     assert store.reserved_bytes() == cap
-    with pytest.raises(KVCapExceeded, match=rf"session b: KV cap of {cap} bytes"):
+    with pytest.raises(KVCapExceeded, match=r"session b: the KV cap \([\d.]+ [KM]iB\) is full") as e:
         store.reserve(b, CHUNK + 1)
+    # only other kept sessions hold the room: waiting does not help, deleting does
+    assert not e.value.retryable and "DELETE /v1/sessions/ID" in e.value.message
     assert store.reserved_bytes() == cap  # nothing changed
     store.reserve(a, CHUNK)  # inside a's reservation: still fine
     np.testing.assert_array_equal(a.data[:, :, :, :100], rows)
     store.delete("b")  # frees b's reservation
     store.reserve(a, 2 * CHUNK)
     assert store.reserved_bytes() == cap
+
+
+def test_cap_held_by_requests_in_flight_is_worth_a_retry(tmp_path):
+    """Room held by sessions that end with their request (memory only) comes back by itself: the
+    refusal says to retry; room held by kept sessions does not."""
+    store = KVStore(tmp_path, CFG, cap_bytes=2 * CHUNK * BPT, chunk=CHUNK)
+    kept = store.create("kept", capacity=1024)
+    store.reserve(kept, CHUNK)
+    passing = store.create("tmp-1", capacity=1024, memory_only=True)
+    store.reserve(passing, CHUNK)
+    new = store.create("new", capacity=1024)
+    with pytest.raises(KVCapExceeded, match="requests in flight hold") as e:
+        store.reserve(new, 10)
+    assert e.value.retryable
+    with pytest.raises(KVCapExceeded) as e:  # more than the passing request frees
+        store.reserve(new, CHUNK + 10)
+    assert not e.value.retryable
+    store.delete("tmp-1")
+    store.reserve(new, 10)
 
 
 def test_cap_takes_exact_positions_when_a_whole_chunk_does_not_fit(tmp_path):

@@ -176,6 +176,11 @@ class Turn:
         exc.status = int(self.error.get("status", 500))
         if exc.status == 507:  # the disk: the code a client tells it by (InsufficientStorage's)
             exc.code = "insufficient_storage"
+        # the cause's own type, code and retry advice where the engine passed them on (a full KV cap)
+        exc.type = self.error.get("error_type", exc.type)
+        exc.code = self.error.get("code", exc.code)
+        exc.retry_after_s = self.error.get("retry_after_s", 1.0)
+        exc.retryable = self.error.get("retryable", True)
         exc.logged = True  # the engine said it in the log already
         return exc
 

@@ -129,7 +129,8 @@ class ResponseChains:
                 and (s.publishing is None or s.publishing.is_set())]
         if not idle:
             raise Overloaded(f"too many sessions ({cap} kept, none of them an idle Responses chain to evict): "
-                             f"delete some (weave rm, DELETE /v1/sessions/ID)", retry_after_s=5.0)
+                             f"delete some (weave rm, DELETE /v1/sessions/ID), or raise the profile's [host] "
+                             f"max_sessions", code="session_limit_reached", retryable=False)
         victim = min(idle, key=lambda s: s.last_active)
         self.log(f"session {victim.id}: evicted, the least recently used stored Responses chain "
                  f"({cap} sessions kept)")

@@ -307,7 +307,7 @@ class BatchEngine(EngineStep):
         status = getattr(exc, "http_status", None)
         if status is None:
             log.exception("engine %s: %s %s failed", self.name, doing, s.session_id)
-        self.out.fail(s, f"{what}: {exc}", status)
+        self.out.fail(s, f"{what}: {exc}", status, cause=exc)
 
     def _event(self, kind: str, data: dict) -> None:
         if self._on_event is not None:

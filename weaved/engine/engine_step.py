@@ -101,7 +101,7 @@ class EngineStep:
                 return self._reserved(w, room_made=True)
             # out of KV room (the node's cap, a ring's shards, the disk) is the server's capacity, not a bug
             log.warning("engine %s: session %s: its turn fails: %s", self.name, w.seq.session_id, exc)
-            self.out.fail(w.seq, str(exc), getattr(exc, "http_status", None))
+            self.out.fail(w.seq, str(exc), getattr(exc, "http_status", None), cause=exc)
             return False
 
     def _verify(self, w: Work, logits: np.ndarray, draft: list[int]) -> int:

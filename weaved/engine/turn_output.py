@@ -17,6 +17,7 @@ import numpy as np
 from weaved.engine.constraint import ConstraintError
 from weaved.engine.sampling import logprobs_of
 from weaved.engine.sequence import SeqStatus, Sequence
+from weaved.errors import Overloaded, WeaveError
 
 log = logging.getLogger("weave.engine")
 
@@ -114,14 +115,20 @@ class TurnOutput:
             ratio = min(LATENESS_BOUNDS[1], max(LATENESS_BOUNDS[0], (self.clock() - s.arrival) / expected))
             self.lateness = (1 - PACE_WEIGHT) * self.lateness + PACE_WEIGHT * ratio
 
-    def fail(self, s: Sequence, message: str, status: int | None = None) -> None:
-        """End the turn with an error; ``status`` the HTTP status its answer takes (None: 500)."""
+    def fail(self, s: Sequence, message: str, status: int | None = None, cause: Exception | None = None) -> None:
+        """End the turn with an error; ``status`` the HTTP status its answer takes (None: 500).  A ``cause``
+        that is one of the API's errors (a full KV cap) lends the event its type, code and retry advice."""
         if s.status.done:
             return
         s.status = SeqStatus.FAILED
         s.error = message
         s.finish_reason = "error"
-        self.emit(s, {"type": "error", "message": message, **({"status": status} if status else {})})
+        ev = {"type": "error", "message": message, **({"status": status} if status else {})}
+        if isinstance(cause, WeaveError):
+            ev |= {"error_type": cause.type, "code": cause.code}
+            if isinstance(cause, Overloaded):
+                ev |= {"retry_after_s": cause.retry_after_s, "retryable": cause.retryable}
+        self.emit(s, ev)
 
     def emit(self, s: Sequence, ev: dict) -> None:
         if s.emit is not None:

@@ -30,8 +30,8 @@ class KVCapExceeded(KVStoreError, Overloaded):
 
     http_status = 503  # the node is full: retry later, or free sessions
 
-    def __init__(self, message: str):
-        Overloaded.__init__(self, message, retry_after_s=5.0)
+    def __init__(self, message: str, *, retryable: bool = True):
+        Overloaded.__init__(self, message, code="kv_cap_exceeded", retry_after_s=5.0, retryable=retryable)
 
 
 class DiskFull(KVStoreError, InsufficientStorage):

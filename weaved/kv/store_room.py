@@ -23,6 +23,7 @@ from weaved.kv.cache import KVCache
 from weaved.kv.errors import DISK_FULL, DiskFull, KVCapExceeded, KVFileLost, KVStoreError
 from weaved.kv.open_session import OpenSession
 from weaved.kv.tiers import allocated_bytes, file_resident_bytes, punch_hole, runs_resident_bytes
+from weaved.sizes import human_size
 
 
 class RoomAccounting:
@@ -66,11 +67,7 @@ class RoomAccounting:
                 if others + (target - own) * bpt > self.cap_bytes:
                     target = new_length  # a whole chunk does not fit: take exactly what this step needs
                 if others + (target - own) * bpt > self.cap_bytes:
-                    raise KVCapExceeded(
-                        f"session {session_id}: KV cap of {self.cap_bytes} bytes exceeded: {new_length - own} "
-                        f"positions of its own need {(new_length - own) * bpt} bytes, {others} already reserved "
-                        f"by {len(self._open) + len(self._unopened) - 1} other session(s) and stored prefixes"
-                    )
+                    raise self._cap_exceeded(session_id, others, (new_length - own) * bpt)
             if not s.memory_only:  # memory is given as it is written: nothing to allocate ahead
                 start = max(s.reserved, s.shared)
                 try:
@@ -80,6 +77,24 @@ class RoomAccounting:
                         raise
                     self._allocate(session_id, s, start, target)
             s.reserved = target
+
+    def _cap_exceeded(self, session_id: str, others: int, need: int) -> KVCapExceeded:
+        """The refusal of ``need`` more bytes for ``session_id`` beside ``others`` reserved: worth a retry
+        only if the requests in flight (sessions that end with their request) hold enough to make room
+        when they end; otherwise only deleting sessions or a larger cap does."""
+        bpt = self.config.kv_bytes_per_token
+        passing = bpt * sum(o.reserved - o.shared for sid, o in self._open.items()
+                            if o.memory_only and sid != session_id)
+        over = others + need - self.cap_bytes
+        if passing >= over:
+            fix = f"requests in flight hold {human_size(passing)} of it and free it as they end: retry shortly"
+        else:
+            fix = ("delete sessions no longer needed (weave rm, DELETE /v1/sessions/ID), or raise the profile's "
+                   "[host] kv_cap_bytes")
+        return KVCapExceeded(
+            f"session {session_id}: the KV cap ({human_size(self.cap_bytes)}) is full: {human_size(need)} more are "
+            f"needed, {human_size(others)} are held by {len(self._open) + len(self._unopened) - 1} other "
+            f"session(s) and stored prefixes; {fix}", retryable=passing >= over)
 
     def _runs(self, capacity: int, start: int, stop: int) -> list[tuple[int, int]]:
         """Byte ranges (offset, length) of positions [start, stop) in every (layer, k|v, head) run."""
