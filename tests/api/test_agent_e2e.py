@@ -248,6 +248,11 @@ def test_a_name_the_template_does_not_render_is_refused_not_dropped(generic):
             {"role": "tool", "tool_call_id": "call_1", "name": "get_time", "content": "12:00"}]
         ok = c.post("/v1/chat/completions", json={"messages": tool_named, "tools": TOOLS, "max_tokens": 4})
         assert ok.status_code == 200, ok.text  # a tool result's name is the tool's (the generic format says it)
+        for route, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                            ("/v1/responses", {"input": "Hi", "store": False})):
+            r = c.post(route, json={**body, "chat_template_kwargs": {"enable_thinking": True}})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+            assert "does not read ['enable_thinking']" in r.json()["error"]["message"]
 
 
 def test_json_schema_output_validates(generic):

@@ -35,6 +35,25 @@ def test_extras_and_arguments():
         ChatTemplate("{{ messages[5].content }}").render([])
 
 
+def test_a_template_argument_the_template_never_reads_is_refused_by_name():
+    """``chat_template_kwargs`` the template does not read would change nothing: a 400 naming them and what
+    the template does read (qwen3's ``enable_thinking``, Llama 3.1's ``date_string``), never silently ignored."""
+    qwen3 = ChatTemplate((TEMPLATES / "qwen3.jinja").read_text())
+    assert "enable_thinking" in qwen3.variables
+    qwen3.render([{"role": "user", "content": "x"}], kwargs={"enable_thinking": False})
+    with pytest.raises(TemplateError, match=r"does not read \['thinking'\] \(it reads \['enable_thinking'\]\)") as e:
+        qwen3.render([{"role": "user", "content": "x"}], kwargs={"thinking": True})
+    assert e.value.param == "chat_template_kwargs" and e.value.status == 400
+    plain = ChatTemplate((TEMPLATES / "qwen2.5.jinja").read_text())  # reads nothing beyond the conversation
+    with pytest.raises(TemplateError, match="enable_thinking.*no variables beyond the conversation"):
+        plain.render([{"role": "user", "content": "x"}], kwargs={"enable_thinking": True})
+    dated = ChatTemplate("{% if date_string is not defined %}{% set date_string = 'today' %}{% endif %}"
+                         "{{ date_string }}")
+    assert dated.render([], kwargs={"date_string": "26 Jul 2024"}) == "26 Jul 2024"  # (Llama 3.1's own argument)
+    # a variable set inside the template (a loop's namespace) is not one a request can give
+    assert "x" not in ChatTemplate("{% set x = 1 %}{{ x }}").variables
+
+
 def test_the_sandbox_refuses_reaching_python():
     with pytest.raises(TemplateError):
         ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}").render([])

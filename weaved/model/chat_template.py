@@ -43,8 +43,7 @@ class ChatTemplate:
         self.eos_token = eos_token
 
     @cached_property
-    def _compiled(self):
-        from jinja2.exceptions import TemplateSyntaxError
+    def _env(self):
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -52,10 +51,25 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env
+
+    @cached_property
+    def _compiled(self):
+        from jinja2.exceptions import TemplateSyntaxError
+
         try:
-            return env.from_string(self.source)
+            return self._env.from_string(self.source)
         except TemplateSyntaxError as e:
             raise ValueError(f"the chat template does not compile: {e}") from None
+
+    @cached_property
+    def variables(self) -> frozenset[str]:
+        """The variables the template reads from its caller (those it never sets itself): what a request's
+        ``chat_template_kwargs`` may give it."""
+        from jinja2 import meta
+
+        self.check()
+        return frozenset(meta.find_undeclared_variables(self._env.parse(self.source))) - self._env.globals.keys()
 
     def check(self) -> None:
         """ValueError when the source does not compile (a file given at start is refused there)."""
@@ -73,7 +87,12 @@ class ChatTemplate:
         extra = dict(kwargs or {})
         clash = RESERVED & extra.keys()
         if clash:
-            raise TemplateError(f"chat_template_kwargs may not set {sorted(clash)}")
+            raise TemplateError(f"chat_template_kwargs may not set {sorted(clash)}", param="chat_template_kwargs")
+        unread = sorted(extra.keys() - self.variables)  # a variable the template never reads would be ignored
+        if unread:
+            offered = sorted(self.variables - RESERVED)
+            raise TemplateError(f"chat_template_kwargs: this model's chat template does not read {unread} (it reads "
+                                f"{offered or 'no variables beyond the conversation'})", param="chat_template_kwargs")
         from jinja2.exceptions import TemplateError as JinjaError
 
         try:
