@@ -98,6 +98,36 @@ def test_eviction_spares_prefixes_in_use(tmp_path):
     assert store.prefixes.status()["in_use"] == 0
 
 
+def test_prefixes_over_their_cap_go_when_their_last_user_does_and_at_a_restart_with_a_lower_cap(tmp_path):
+    """Files kept while mapped past the cap go as soon as nobody maps them; a restart with a lower cap
+    trims the unused ones at once, but keeps a file a session's own file names (its rows are nowhere
+    else) until that session is deleted."""
+    bpt = CFG.kv_bytes_per_token
+    store = KVStore(tmp_path, CFG)  # no cap: three files, each mapped by its publisher
+    prompts = [tokens(BLOCK, seed=20 + i) for i in range(3)]
+    for i, p in enumerate(prompts):
+        kv = store.create(f"s{i}", capacity=512)
+        store.reserve(kv, BLOCK)
+        fill(kv, 0, BLOCK, seed=i)
+        store.publish_prefix(kv, p)
+        store.share_prefix(store.create(f"u{i}", capacity=512), p + [1])
+    for i in range(3):  # the publishers go; the users map on
+        store.delete(f"s{i}")
+    del store
+    low = KVStore(tmp_path, CFG, cap_bytes=4 * BLOCK * bpt)  # prefixes get one block
+    assert low.prefixes.status()["files"] == 3  # every file is named by a session's own: kept
+    low.delete("u0")  # never opened: its prefix is unused now, and the prefixes are over their cap
+    assert low.prefixes.status()["files"] == 2 and low.prefixes.covered(prompts[0]) == 0
+    u1 = low.open("u1", BLOCK)
+    low.delete("u1", wait=True)  # opened, then deleted: the same
+    del u1
+    assert low.prefixes.status()["files"] == 1 and low.prefixes.covered(prompts[2]) == BLOCK
+    low.delete("u2")
+    del low
+    assert KVStore(tmp_path, CFG, cap_bytes=4 * BLOCK * bpt).prefixes.status()["files"] == 1  # within the cap
+    assert KVStore(tmp_path, CFG, cap_bytes=2 * BLOCK * bpt).prefixes.status()["files"] == 0  # a lower one
+
+
 def test_reserve_does_not_allocate_the_shared_positions(tmp_path):
     store = KVStore(tmp_path, CFG)
     prompt = tokens(BLOCK + 3)

@@ -11,7 +11,8 @@ A session reuses a prefix by mapping the prefix file's pages over the first posi
 mapping (``FileMapping.alias``: one read-only ``mmap`` per (layer, k|v, head) run); nothing is copied,
 the page cache holds the prefix once for every session, and the CPU backend reads it where it lies.
 Files survive restarts (the index is rebuilt from the sidecars); a file in use by a session is never
-evicted; the others go least recently used first when the prefixes' bytes pass their cap.  Another
+evicted; the others go least recently used first when the prefixes' bytes pass their cap (checked when
+a file is published, loses its last user, or sessions need room, and at start).  Another
 model's files (a data directory the daemon served a different model from) are kept for it, but count
 against the cap too and go first, oldest first: the disk they hold is the same disk.
 """
@@ -177,10 +178,24 @@ class PrefixStore:
             self._by_key[key].users.add(session)
 
     def drop_user(self, key: str, session: str) -> None:
+        """``session`` no longer maps ``key``; a file left with no user goes if the prefixes are over their
+        cap (publishing and sessions' growth evict too, but a cap a restart lowered, or files kept while
+        mapped, would otherwise stay over it until then)."""
         with self._lock:
             p = self._by_key.get(key)
-            if p is not None:
-                p.users.discard(session)
+            if p is None:
+                return
+            p.users.discard(session)
+            over = not p.users and self.cap_bytes is not None and self._nbytes() > self.cap_bytes
+        if over:
+            self.evict()
+
+    def drop_session(self, session: str) -> None:
+        """``session`` maps no prefix any more (a file deleted before it was opened)."""
+        with self._lock:
+            keys = [p.key for p in self._by_key.values() if session in p.users]
+        for key in keys:
+            self.drop_user(key, session)
 
     # ---- publishing ------------------------------------------------------------------------------
     def covered(self, tokens: Sequence[int]) -> int:

@@ -91,6 +91,14 @@ class KVStore(PrefixSharing, RoomAccounting):
         # Files left by an earlier run count against the cap by their allocated blocks until opened.
         bpt = config.kv_bytes_per_token
         self._unopened = {sid: -(-allocated_bytes(self._kv_path(sid)) // bpt) for sid in self.session_ids()}
+        # a file left by an earlier run whose first positions are a stored prefix's pages keeps that prefix
+        # (its rows are nowhere else) until it is opened - which names it again - or deleted; the others
+        # go now if the prefixes are over their cap (files kept from runs with a larger one)
+        for sid in self._unopened:
+            shared = self._sidecar_prefix(sid)
+            if shared is not None and self.prefixes.get(shared) is not None:
+                self.prefixes.use(shared, sid)
+        self.prefixes.evict()
 
     # -- paths and metadata ------------------------------------------------------------------------
 
@@ -254,6 +262,8 @@ class KVStore(PrefixSharing, RoomAccounting):
             self._meta_path(session_id).unlink(missing_ok=True)
             if s is not None and s.prefix is not None:
                 self.prefixes.drop_user(s.prefix, session_id)
+            elif s is None:  # never opened: the prefix its file named was kept for it
+                self.prefixes.drop_session(session_id)
             if s is not None and s.readers:  # a copy reads its rows now: the last reader lets go (``pinned``)
                 s.deleted, s = True, None
         if s is not None:
@@ -285,6 +295,14 @@ class KVStore(PrefixSharing, RoomAccounting):
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until the files of sessions deleted with ``wait=False`` are let go of."""
         return self._releaser.settle(timeout)
+
+    def _sidecar_prefix(self, session_id: str) -> str | None:
+        """The stored prefix a session's sidecar says its file maps, if any (None when unreadable)."""
+        try:
+            shared = json.loads(self._meta_path(session_id).read_text()).get("prefix")
+            return str(shared["key"]) if shared is not None else None
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return None
 
     def session_ids(self) -> list[str]:
         return sorted(p.stem for p in self.dir.glob("*.kv") if _ID_RE.match(p.stem))
