@@ -82,6 +82,29 @@ def test_prompt_session_continues_after_restart_as_without(tiny_llama, tmp_path)
         d2.shutdown()
 
 
+@pytest.mark.parametrize("cut", ["cancelled", "stopped"])
+def test_a_prompt_cut_in_its_prefill_keeps_its_unfed_rest_across_a_restart(tiny_llama, tmp_path, cut):
+    """A raw prompt whose prefill was cut after 40 of its 100 tokens (its turn cancelled, or the daemon
+    stopped): after a restart the session still counts the whole prompt in its context, and its next
+    turn feeds the 60 unfed tokens before its own - they were never fed otherwise."""
+    ids, second = [5 + i % 50 for i in range(100)], [10, 11, 12]
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    sid = d.create_session(SLA(SLAClass.BACKGROUND))["id"]
+    d.journal.add_message(sid, "user", "", ids)  # the turn's input, recorded before its prefill
+    d.journal.commit_tokens(sid, ids[:40], 40)  # its first chunk committed
+    if cut == "cancelled":
+        d.journal.finish_message(sid, "assistant", "", [], "cancelled")
+    d.shutdown()
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        assert d.get_session(sid)["context_tokens"] == 100
+        _, h = _prompt_turn(d, sid, second)
+        assert (h.prompt_tokens, h.cached_tokens) == (103, 40)  # 63 fed
+        assert d.sessions[sid].committed[:103] == ids + second
+    finally:
+        d.shutdown()
+
+
 CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path

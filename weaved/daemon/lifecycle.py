@@ -22,7 +22,7 @@ from weaved.config.profile import PoolConfig
 from weaved.daemon.data_lock import lock_data_dir
 from weaved.daemon.housekeeping import Housekeeper, InlineExecutor
 from weaved.daemon.moves import SessionMoves
-from weaved.daemon.recovery import unfed_tail, unfinished_answer
+from weaved.daemon.recovery import unfed_prompt, unfed_tail, unfinished_answer
 from weaved.daemon.session import Session, transcript_entry
 from weaved.daemon.turns import message_extra
 from weaved.errors import WeaveError
@@ -265,7 +265,7 @@ class DaemonLifecycle:
             if partial is not None:  # the daemon stopped mid-turn: keep what was committed of the answer
                 messages.append(transcript_entry("assistant", partial[0], "interrupted"))
                 self.journal.finish_message(rec.id, "assistant", partial[0], partial[1], "interrupted")
-            tail = unfed_tail(rec) if partial is None else []
+            tail = (unfed_tail(rec) if partial is None else []) or unfed_prompt(rec)
             committed = list(rec.tokens[: rec.kv_length])
             if rebuild:  # every token is unfed now: the next turn feeds them before its own
                 committed, tail, rebuilt = [], committed + tail, rebuilt + 1

@@ -28,6 +28,20 @@ def unfed_tail(rec) -> list[int]:
     return list(gen[n:])
 
 
+def unfed_prompt(rec) -> list[int]:
+    """The rest of the last input's tokens when its turn was cut in its prefill (cancelled, or the daemon
+    stopped): the tail the session held in memory, which its next turn feeds first - a raw prompt's rest
+    would otherwise never be fed, and ``context_tokens`` would leave it out."""
+    inp = next((m for m in reversed(rec.messages) if m["role"] != "assistant"), None)
+    if inp is None or inp["token_ids"] is None or inp["kv_at"] is None:
+        return []
+    ids, at = inp["token_ids"], inp["kv_at"]
+    done = rec.kv_length - at  # the input's tokens committed
+    if not 0 <= done < len(ids) or list(rec.tokens[at:rec.kv_length]) != list(ids[:done]):
+        return []
+    return list(ids[done:])
+
+
 def unfinished_answer(rec, decode: Callable[[list[int]], str]) -> tuple[str, list[int]] | None:
     """Text and ids of the answer a turn had committed when the daemon stopped (empty when it stopped
     before the first token: in the prompt's prefill, or queued), or None when no turn was cut.
