@@ -126,6 +126,9 @@ WRONG = [
         "name": "f", "arguments": "{}"}}]}, "messages.1", id="assistant-function-call"),
     pytest.param({"messages": [*USER, {"role": "assistant", "content": "x", "annotations": [{"type": "url"}]}]},
                  "messages.1", id="assistant-annotations"),
+    pytest.param({"messages": USER, "service_tier": "bogus"}, "service_tier", id="service-tier-not-openais"),
+    pytest.param({"messages": USER, "parallel_tool_calls": True}, "parallel_tool_calls", id="parallel-without-tools"),
+    pytest.param({"messages": USER, "reasoning_effort": "low"}, "reasoning_effort", id="reasoning-effort"),
 ]
 
 
@@ -551,3 +554,26 @@ def test_a_response_validates_against_the_sdks_own_types(client, fake):
         usage = Response.model_validate(r.json()).usage
         cached = usage.input_tokens_details.cached_tokens
         assert usage.input_tokens_details.cache_write_tokens == (usage.input_tokens - cached if store else 0)
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"reasoning_effort": "high"}, "reasoning_effort", "chat_template_kwargs"),
+    ({"service_tier": "flex"}, None, None),  # one of OpenAI's: accepted (bookkeeping)
+])
+def test_a_field_not_offered_says_what_to_do_instead(client, body: dict, param: str | None, words: str | None):
+    r = client.post(CHAT, json={"messages": USER, "max_tokens": 2, **body})
+    if param is None:
+        assert r.status_code == 200, r.text
+    else:
+        assert words in assert_error(r, 400, param)["message"]
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"max_tool_calls": 2}, "max_tool_calls", "parallel_tool_calls"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity", "only 'medium'"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls", "only allowed when tools are given"),
+    ({"service_tier": "bogus"}, "service_tier", "auto, default, flex, scale, priority"),
+])
+def test_a_responses_field_not_offered_says_why(client, body: dict, param: str, words: str):
+    err = assert_error(client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4, **body}), 400, param)
+    assert words in err["message"], err

@@ -200,6 +200,8 @@ def schema_from(fmt: ResponseFormat | None, fields: Fields = CHAT_FIELDS) -> dic
 def answer_spec(tools: list[ToolDef] | None, tool_choice, parallel: bool | None, response_format,
                 template_kwargs: dict | None, fields: Fields = CHAT_FIELDS) -> AnswerSpec:
     t = tools_from(tools, fields)
+    if parallel is not None and not t:  # (OpenAI refuses it too: there is nothing it could change)
+        raise InvalidRequest("parallel_tool_calls is only allowed when tools are given", param="parallel_tool_calls")
     return AnswerSpec(tools=t, choice=choice_from(tool_choice, bool(t)),
                       parallel=DEFAULT_PARALLEL if parallel is None else parallel,
                       schema=schema_from(response_format, fields),

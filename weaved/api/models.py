@@ -160,6 +160,16 @@ MAX_LOGIT_BIAS = 300  # logit_bias entries per request
 INERT_FIELDS = frozenset({"metadata", "store", "user", "service_tier", "prompt_cache_key", "safety_identifier",
                           "prompt_cache_retention"})
 
+# fields Weave does not offer, with what to do instead (a plain "unknown field" would leave a client guessing)
+EXPLAINED = {
+    "reasoning_effort": ("reasoning_effort cannot be honoured: this model thinks as its chat template says (a "
+                         "thinking template's switch is chat_template_kwargs, e.g. {\"enable_thinking\": false}); "
+                         "leave it null"),
+    "max_tool_calls": ("max_tool_calls is not offered: an answer makes one round of function calls (one call, or "
+                       "several with parallel_tool_calls: true), which the client runs before it continues"),
+}
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")  # OpenAI's: bookkeeping here
+
 INERT_TYPES = {"store": (bool, "a boolean"), "user": (str, "a string"), "service_tier": (str, "a string"),
                "prompt_cache_key": (str, "a string"), "safety_identifier": (str, "a string"),
                "prompt_cache_retention": (str, "a string")}
@@ -172,6 +182,9 @@ def inert_field_problem(name: str, value: Any, *, stored: bool) -> str | None:
     type (a wrong one is an error, as there)."""
     if value is not None and name in INERT_TYPES and not isinstance(value, INERT_TYPES[name][0]):
         return f"{name} must be {INERT_TYPES[name][1]}, got {type(value).__name__}"
+    if name == "service_tier" and value not in SERVICE_TIERS:
+        return (f"service_tier must be one of {', '.join(SERVICE_TIERS)} (every request here is served alike), "
+                f"got {value!r}")
     if name == "store" and value not in (None, False) and not stored:
         return ("store: true is not offered here (nothing is kept to retrieve): use the Responses API, "
                 "which stores by default, or a session")
@@ -267,6 +280,8 @@ class Sampling(NullIsDefault):
                 continue
             if name == "modalities":
                 return name, 'modalities: this model answers in text only (["text"])'
+            if name in EXPLAINED:
+                return name, EXPLAINED[name]
             return name, f"unknown or unsupported field {name!r}"
         return None
 

@@ -26,7 +26,7 @@ from weaved.api.agent_models import (
     answer_spec,
     other_tool_type,
 )
-from weaved.api.models import INERT_FIELDS, NullIsDefault, SLABody, StreamOptions, inert_field_problem
+from weaved.api.models import EXPLAINED, INERT_FIELDS, NullIsDefault, SLABody, StreamOptions, inert_field_problem
 from weaved.api.response_items import unseal_reasoning
 from weaved.errors import InvalidRequest
 
@@ -167,7 +167,15 @@ class TextOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     format: TextFormat | None = None
-    verbosity: Literal["medium"] | None = None  # the only one a model without that training can honour
+    verbosity: str | None = None  # "medium": the only one a model without that training can honour
+
+    @field_validator("verbosity")
+    @classmethod
+    def _medium(cls, v: str | None) -> str | None:
+        if v not in (None, "medium"):
+            raise ValueError(f"only 'medium' (the default) is offered, got {v!r}: this model was not trained to "
+                             f"make its answers shorter or longer on request; ask for it in the instructions")
+        return v
 
 
 class ReasoningOptions(BaseModel):
@@ -276,6 +284,8 @@ class ResponsesRequest(NullIsDefault):
             if name == "background":
                 return name, ("background: true is not offered: a response runs while its request waits or "
                               'streams (a session turn with "detach": true runs with nobody waiting)')
+            if name in EXPLAINED:
+                return name, EXPLAINED[name]
             if name not in INERT_FIELDS:
                 return name, f"unknown or unsupported field {name!r}"
             problem = inert_field_problem(name, value, stored=True)
