@@ -130,3 +130,35 @@ def test_a_transcript_cut_reaches_the_ring_before_the_next_step_not_at_the_cut()
     assert rings[0].truncated == [] and kv.tokens == [1, 2]
     rb.forward([SeqChunk(kv, np.array([9], np.int32), Logits.LAST)])
     assert rings[0].truncated == [(kv.rid, 2)] and rings[0].lengths[kv.rid] == 3 and kv.tokens == [1, 2, 9]
+
+
+def _degraded(node_tokens, capacity: int, world: int = 1, members=(), alive=("b",)):
+    """A ring of ``world`` node(s) holding one session of ``capacity`` positions, with ``alive`` peers up."""
+    rb = object.__new__(RingBackend)
+    ring = ScriptedRing()
+    ring.open_session(1, capacity)
+    rb._home = _home(ring, [])
+    rb._home.group.world_size = world
+    rb.node_tokens = node_tokens
+    rb._members = [SimpleNamespace(name=m) for m in members]
+    rb.peers = SimpleNamespace(usable=lambda: [SimpleNamespace(name=a) for a in alive])
+    retired, formed = [], []
+    rb._retire = lambda why: (retired.append(why), setattr(rb, "_home", None))
+    rb._form = lambda: formed.append(True) or "new ring"
+    return rb, retired, formed
+
+
+def test_a_ring_that_lost_peers_spreads_its_sessions_again_when_they_return():
+    """The survivors of a lost peer hold larger shares than the node limit the routing placed the session
+    by (a 400-position session on one node, limit 256): a returning peer re-forms the ring (its sessions
+    are rebuilt over both); a ring within the limit, or one no peer can join, stays."""
+    rb, retired, formed = _degraded(256, 400)
+    assert rb._ring() == "new ring" and formed
+    assert retired == ["b joined, and its sessions hold more than 256 positions on a node"]
+    for kw in ({"world": 2, "members": ("b",), "alive": ("b", "c")},  # 200 a node: within the limit
+               {"alive": ()}):  # nobody to spread to
+        rb, retired, formed = _degraded(256, 400, **kw)
+        assert rb._ring() is rb._home and not retired and not formed
+    rb, retired, _ = _degraded(None, 400)  # no limit but the KV cap's: the cap refuses what does not fit
+    rb._ring()
+    assert not retired

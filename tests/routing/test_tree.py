@@ -96,6 +96,11 @@ def test_context_beyond_the_node_without_peers_is_refused_clearly():
         place(req(BG, prompt=10, max_context=300_000), state(*HOST, ring(), peers=0), TH)
     msg = str(info.value)
     assert "300000" in msg and "200000" in msg and "no peer serving this model is alive" in msg and "[[peers]]" in msg
+    assert "[host] kv_cap_bytes" in msg
+    # the profile's own node limit, when lower than the KV cap's, is the one to raise
+    with pytest.raises(RoutingError, match=r"holds at most 1000; .*raise the profile's \[routing\] node_kv_tokens"):
+        place(req(BG, prompt=10, max_context=2000), state(*HOST, ring(), peers=0),
+              dataclasses.replace(TH, node_kv_tokens=1000))
 
 
 def test_context_beyond_the_node_without_a_ring_pool_is_refused_clearly():

@@ -41,6 +41,7 @@ from weaved.federation.ring_form import FormSpec, JoinFailed, form_group
 from weaved.federation.ring_kv import RingKV
 from weaved.federation.ring_sessions import RingSessions
 from weaved.federation.shard_files import delete_group_files, group_prefix, shard_files
+from weaved.federation.shards import shard_length
 from weaved.kv.cache import KVCache
 from weaved.kv.store import KVStore
 
@@ -57,12 +58,16 @@ class RingUnavailable(RuntimeError):
 class RingBackend(RingSessions, Backend):
     def __init__(self, cpu: CPUBackend, peers, store: KVStore, spec: FormSpec, *, heads_per_group: int = 1,
                  pipeline_min_tokens: int = 8192, default_speed: float = 1.0,
-                 publish: Callable[[str, dict], None] = lambda k, d: None):
+                 publish: Callable[[str, dict], None] = lambda k, d: None, node_tokens: int | None = None):
         self.config = cpu.config
         self.cpu, self.peers, self.store, self.spec = cpu, peers, store, spec
         self.heads_per_group = heads_per_group
         self.pipeline_min_tokens = pipeline_min_tokens
         self.default_speed = default_speed  # this node's prefill rate until it has measured one
+        # the context one node should hold of a session (the profile's [routing] node_kv_tokens; None: its
+        # KV cap alone): a ring whose sessions hold more on a node, because peers were lost, spreads them
+        # again over returning peers
+        self.node_tokens = node_tokens
         self.stats = BackendStats()
         self._publish = publish
         self._lock = threading.RLock()
@@ -161,9 +166,21 @@ class RingBackend(RingSessions, Backend):
     def _ring(self) -> HomeGroup:
         if self._home is not None and self._home.group.broken:  # lost while idle (a failed keep-alive ping)
             self._lost(PeerLost(self._home.group.name, None, "keep-alive", "the ring broke between steps"))
-        if self._usable() and not self._home.ring.capacity and self._newcomers():
-            self._retire("peers joined while the ring held no session")  # re-forming costs nothing now
+        if self._usable() and (new := self._newcomers()):
+            if not self._home.ring.capacity:
+                self._retire("peers joined while the ring held no session")  # re-forming costs nothing now
+            elif self._over_node_limit():  # (its sessions are rebuilt over the larger ring, in this step)
+                self._retire(f"{', '.join(new)} joined, and its sessions hold more than {self.node_tokens} "
+                             f"positions on a node")
         return self._home if self._usable() else self._form()
+
+    def _over_node_limit(self) -> bool:
+        """Whether a session of the current ring holds more than ``node_tokens`` positions on a node (the
+        ring lost peers since it was placed: the survivors hold larger shares)."""
+        if self.node_tokens is None:
+            return False
+        n = self._home.group.world_size
+        return any(shard_length(cap, 0, n) > self.node_tokens for cap in self._home.ring.capacity.values())
 
     def _newcomers(self) -> list[str]:
         """Live peers serving our model that the current ring does not include."""

@@ -87,7 +87,8 @@ def ring_factory(daemon: Any, listen: FederationListen):
         return RingBackend(cpu, daemon.peers, daemon.store, spec, heads_per_group=fed.ring_heads_per_group,
                            pipeline_min_tokens=prof.routing.pipeline_min_prompt_tokens,
                            # set from the calibrated rates once the pools are built (daemon.rates)
-                           default_speed=prof.routing.cpu_prefill_tokens_per_s or 1.0, publish=daemon.publish)
+                           default_speed=prof.routing.cpu_prefill_tokens_per_s or 1.0, publish=daemon.publish,
+                           node_tokens=prof.routing.node_kv_tokens)
 
     return make
 

@@ -102,6 +102,13 @@ def _node_limit(state: SystemState, th: RoutingThresholds) -> int:
     return min(th.node_kv_tokens, state.node_kv_tokens)
 
 
+def _raise_limit(state: SystemState, th: RoutingThresholds) -> str:
+    """Which setting the node's limit comes from, as advice: the profile's own figure when it is the lower."""
+    if th.node_kv_tokens is not None and th.node_kv_tokens < state.node_kv_tokens:
+        return "raise the profile's [routing] node_kv_tokens"
+    return "raise the node's KV cap ([host] kv_cap_bytes)"
+
+
 def _ring(state: SystemState) -> PoolState | None:
     """The Q-Ring pool to join, if peers are alive to form a ring."""
     return least_loaded(pools_of(state, "any", "qring")) if state.peers_alive > 0 else None
@@ -258,7 +265,7 @@ def _beyond_node(req: SessionRequest, state: SystemState, th: RoutingThresholds,
         raise RoutingError(
             f"the session needs up to {ctx} tokens of context but this node holds at most {limit}; Q-Ring "
             f"decode would spread its KV across peers, but no peer serving this model is alive (weave peers "
-            f"lists them). Federate peers that serve it ([[peers]] in the profile), raise the node's KV cap, "
+            f"lists them). Federate peers that serve it ([[peers]] in the profile), {_raise_limit(state, th)}, "
             f"or ask for a smaller max_context.")
     ring = _ring(state)
     if ring is None:
