@@ -8,6 +8,7 @@ scripts that hold it already.
 from __future__ import annotations
 
 import os
+import time
 from typing import Annotated
 
 import typer
@@ -44,15 +45,25 @@ def _free_kv(p: dict) -> str | None:
     return f"{fmt.size(kv['free_bytes'])} ({kv.get('free_tokens', '?')} tok)"
 
 
+def _stale_note(p: dict) -> str | None:
+    """A peer that does not answer: its last error, and when it last reported (its figures are that
+    report's, so the table leaves them out)."""
+    at = p.get("reported_at")
+    when = f"last report at {time.strftime('%H:%M:%S', time.localtime(at))}" if at else "never reported"
+    return "; ".join(x for x in (p.get("last_error"), when) if x)
+
+
 def peers_table(peers: list[dict]) -> str:
     headers = ("NAME", "URL", "SOURCE", "STATE", "LATENCY", "LAYERS", "FREE KV", "LOAD", "NOTE")
     rows = []
     for p in peers:
-        alive = p.get("state") == "alive"
-        note = p.get("last_error") if not alive else (p.get("layers") or {}).get("reason")
-        rows.append((p["name"], p.get("url"), p.get("source"), p.get("state"),
-                     None if p.get("latency_ms") is None else f"{p['latency_ms']:.1f}ms", _layers(p),
-                     _free_kv(p), _load(p), note))
+        if p.get("state") == "alive":
+            rows.append((p["name"], p.get("url"), p.get("source"), p.get("state"),
+                         None if p.get("latency_ms") is None else f"{p['latency_ms']:.1f}ms", _layers(p),
+                         _free_kv(p), _load(p), (p.get("layers") or {}).get("reason")))
+        else:
+            rows.append((p["name"], p.get("url"), p.get("source"), p.get("state"), None, None, None, None,
+                         _stale_note(p)))
     return fmt.table(headers, rows, right=(4,))
 
 
@@ -81,6 +92,15 @@ def add(ctx: typer.Context, name: NameArg,
                                                        "prefer --token-env).")] = None,
         socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
     """Federate with another daemon; it is health-checked at once and kept across restarts."""
+    from weaved.config.profile import PEER_NAME_RE, PEER_NAME_RULE, PeerConfig
+    from weaved.config.tables import Invalid
+
+    if not PEER_NAME_RE.fullmatch(name):
+        raise fail(f"peer name {name!r}: {PEER_NAME_RULE}", 2)
+    try:  # the url's shape (the daemon checks it again)
+        PeerConfig(name, url, "token")
+    except Invalid as e:
+        raise fail(f"{e.field}: {e.reason}", 2) from None
     source = ctx.get_parameter_source("token_env")
     if token is not None and source is not None and source.name == "COMMANDLINE":
         raise fail("give the token once: --token or --token-env, not both", 2)

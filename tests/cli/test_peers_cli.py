@@ -59,6 +59,7 @@ def test_add_ls_rm(daemon):
         assert "(1000 tok)" in rows["b"] and "same model" in rows["b"]
         assert rows["c"].split()[3] == "unauthorized" and "refused this node's token" in rows["c"]
         assert rows["p"].split()[2:4] == ["profile", "dead"] and "cannot connect" in rows["p"]
+        assert "never reported" in rows["p"]
         listed = json.loads(ok(weave(daemon, "peers", "ls", "--json")))
         assert [p["name"] for p in listed] == ["p", "b", "c"] and listed[1]["kv"]["free_tokens"] == 1000
         # `weave status` and `weave top` render /v1/status "peers", which the daemon fills from the registry
@@ -69,13 +70,30 @@ def test_add_ls_rm(daemon):
     assert [p["name"] for p in json.loads(ok(weave(daemon, "peers", "ls", "--json")))] == ["p"]
 
 
+def test_a_peer_that_stopped_answering_shows_no_figures_from_its_last_report(daemon):
+    """A dead peer's latency, layers, free KV and load are its last report's: the table leaves them out and
+    says when that report came (the JSON keeps the report, dated, and no latency)."""
+    with peer_node("b", "tok-b") as b:
+        ok(weave(daemon, "peers", "add", "b", b.url, "--token", "tok-b"))
+        daemon.peers.check_now()
+        assert "1 running, 2 queued" in ok(weave(daemon, "peers", "ls"))
+    daemon.peers.check_now()  # b is gone now
+    row = next(ln for ln in ok(weave(daemon, "peers", "ls")).splitlines() if ln.startswith("b "))
+    assert row.split()[3] == "dead" and "last report at " in row
+    assert "running" not in row and "tok)" not in row and f"{N_LAYERS}/{N_LAYERS}" not in row and "ms " not in row
+    listed = {p["name"]: p for p in json.loads(ok(weave(daemon, "peers", "ls", "--json")))}
+    assert listed["b"]["latency_ms"] is None and listed["b"]["kv"]["free_tokens"] == 1000 and listed["b"]["reported_at"]
+
+
 def test_refusals_are_one_line_errors(daemon):
     res = weave(daemon, "peers", "add", "b", "http://127.0.0.1:1")
     assert res.exit_code == 2 and "no token for the peer: set WEAVE_PEER_TOKEN" in res.stderr
     res = weave(daemon, "peers", "add", "p", "http://127.0.0.1:1", "--token", "t")
     assert res.exit_code == 1 and res.stderr.startswith("weave: error: a peer named 'p' already exists")
-    res = weave(daemon, "peers", "add", "b", "ftp://x", "--token", "t")
-    assert res.exit_code == 1 and "url" in res.stderr
+    res = weave(daemon, "peers", "add", "b", "ftp://x", "--token", "t")  # bad usage: said before asking the daemon
+    assert res.exit_code == 2 and "url: must be http(s)://host[:port]" in res.stderr
+    res = weave(daemon, "peers", "add", "bad name", "http://127.0.0.1:1", "--token", "t")
+    assert res.exit_code == 2 and "peer name 'bad name': use 1-64 letters" in res.stderr
     res = weave(daemon, "peers", "rm", "p")
     assert res.exit_code == 1 and "named in the profile" in res.stderr
     res = weave(daemon, "peers", "rm", "ghost")

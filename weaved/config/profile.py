@@ -191,6 +191,10 @@ class RoutingThresholds:
             _positive(self, "node_kv_tokens")
 
 
+PEER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a run-time peer's name (it travels in URL paths)
+PEER_NAME_RULE = "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
 @dataclass(frozen=True)
 class PeerConfig:
     name: str

@@ -17,7 +17,6 @@ matches ours can hold all of its layers, and any other peer none, with the reaso
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from weaved.config.profile import PeerConfig
+from weaved.config.profile import PEER_NAME_RE, PEER_NAME_RULE, PeerConfig
 from weaved.config.tables import Invalid
 from weaved.errors import Conflict, InvalidRequest, NotFound
 from weaved.federation.peer_store import load_peers, save_peers
@@ -36,7 +35,6 @@ from weaved.federation.probe import ALIVE, DEAD, UNKNOWN, Probe, probe
 
 SELF, DUPLICATE = "self", "duplicate"  # states of a peer that is no other daemon
 
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # run-time names travel in URL paths
 MAX_TOKEN_CHARS = 4096
 MAX_CHECK_THREADS = 8
 
@@ -110,7 +108,9 @@ class PeerRegistry:
         rep = p.report or {}
         return {
             "name": p.config.name, "url": p.config.url, "source": p.source, "state": p.state,
-            "alive": p.state == ALIVE, "latency_ms": None if p.latency_ms is None else round(p.latency_ms, 3),
+            # (a peer that does not answer has no latency: its last one would read as current)
+            "alive": p.state == ALIVE,
+            "latency_ms": None if p.latency_ms is None or p.state != ALIVE else round(p.latency_ms, 3),
             "last_error": p.last_error, "checked_at": p.checked_at, "last_alive_at": p.last_alive_at,
             "failures": p.failures, "node": rep.get("node"), "model": rep.get("model"),
             "hardware": rep.get("hardware"), "kv": rep.get("kv"), "load": rep.get("load"),
@@ -155,9 +155,8 @@ class PeerRegistry:
     # ---- changing --------------------------------------------------------------------------------
     def add(self, name: str, url: str, token: str) -> dict:
         """A run-time peer: validated, saved, and checked at once (in the background)."""
-        if not NAME_RE.fullmatch(name or ""):
-            raise InvalidRequest(f"peer name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a "
-                                 "letter or digit", param="name")
+        if not PEER_NAME_RE.fullmatch(name or ""):
+            raise InvalidRequest(f"peer name {name!r}: {PEER_NAME_RULE}", param="name")
         if len(token) > MAX_TOKEN_CHARS:
             raise InvalidRequest(f"the token is longer than {MAX_TOKEN_CHARS} characters", param="token")
         try:
