@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from weaved.cli.common import JsonOpt, print_json
 from weaved.cli.fmt import printable
 from weaved.cli.serve import ModelOpt, ProfileOpt
 
@@ -23,8 +24,28 @@ HELP = (
 )
 
 
+_progress_to_stderr = False  # with --json: stdout holds the JSON alone
+
+
 def _say(message: str) -> None:
-    typer.echo(printable(f"weave: {message}"))
+    typer.echo(printable(f"weave: {message}"), err=_progress_to_stderr)
+
+
+def _text(result: dict) -> str:
+    lines = [f"{'pool':10s} {'prefill tok/s':>14s} {'decode tok/s':>13s}  (a 1,024-token prompt in the pool's "
+             f"chunks; its full batch at 1,024 positions)"]
+    lines += [f"{p['name']:10s} {p['prefill_tokens_per_s']:14.1f} {p['decode_tokens_per_s']:13.1f}"
+              for p in result["pools"]]
+    pre, dec = result["step_model"]["prefill"], result["step_model"]["decode"]
+    lines.append(f"step model: prefill {pre['base_s'] * 1e3:.2f} ms + {pre['per_token_s'] * 1e6:.1f} us/token "
+                 f"+ {pre['per_token_context_s'] * 1e9:.2f} ns/(token x key); decode {dec['base_s'] * 1e3:.2f} ms"
+                 f" + {dec['per_token_s'] * 1e6:.1f} us/sequence + {dec['per_token_context_s'] * 1e9:.2f} ns/key")
+    fit = result["fit_error"]
+    if result["stored"] is None:
+        lines.append(f"fit within {fit:.0%} of every measured step: too poor to store; run it again on a quiet host")
+    else:
+        lines.append(f"fit within {fit:.0%} of every measured step; stored as {result['stored']}")
+    return "\n".join(lines)
 
 
 def register(app: typer.Typer) -> None:
@@ -38,7 +59,10 @@ def register(app: typer.Typer) -> None:
                                                      help="Where the calibration is stored (default: the "
                                                           "profile's data directory).",
                                                      show_default=False)] = None,
+        json: JsonOpt = False,
     ) -> None:
+        global _progress_to_stderr
+        _progress_to_stderr = json
         import dataclasses
 
         from weaved.cli.serve import resolve_model
@@ -87,21 +111,22 @@ def register(app: typer.Typer) -> None:
         cal = calibration_of(next(iter(pools.values())).backend, model_fingerprint(cfg),
                              max(p.config.prefill_chunk for p in pools.values()),
                              max(p.config.max_batch for p in pools.values()), store, _say, force=True)
-        typer.echo(f"{'pool':10s} {'prefill tok/s':>14s} {'decode tok/s':>13s}  (a 1,024-token prompt in the "
-                   f"pool's chunks; its full batch at 1,024 positions)")
+        rows = []
         for p in pools.values():
             prefill, decode = cal.rates(p.config.prefill_chunk, p.config.max_batch)
-            typer.echo(f"{p.name:10s} {prefill:14.1f} {decode:13.1f}")
-        c = cal.cost
-        typer.echo(f"step model: prefill {c.prefill.base * 1e3:.2f} ms + {c.prefill.per_token * 1e6:.1f} us/token "
-                   f"+ {c.prefill.per_token_context * 1e9:.2f} ns/(token x key); decode {c.decode.base * 1e3:.2f} ms"
-                   f" + {c.decode.per_token * 1e6:.1f} us/sequence + {c.decode.per_token_context * 1e9:.2f} ns/key")
+            rows.append({"name": p.name, "prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode})
+
+        def part(f) -> dict:
+            return {"base_s": f.base, "per_token_s": f.per_token, "per_token_context_s": f.per_token_context}
+
         mine = store.path(cal.key)
-        if cal.fit_error > FIT_LIMIT:  # (said above: a poor fit serves one run, never stored)
-            typer.echo(f"fit within {cal.fit_error:.0%} of every measured step: too poor to store; run it again "
-                       f"on a quiet host")
-        elif not mine.is_file():  # (the daemon reads the data directory's copy first)
+        stored = None if cal.fit_error > FIT_LIMIT else str(mine)  # (a poor fit serves one run, never stored)
+        result = {"model": str(path), "pools": rows, "fit_error": cal.fit_error, "stored": stored,
+                  "step_model": {"prefill": part(cal.cost.prefill), "decode": part(cal.cost.decode)}}
+        if json:
+            print_json(result)
+        else:
+            typer.echo(_text(result))
+        if stored is not None and not mine.is_file():  # (the daemon reads the data directory's copy first)
             typer.echo(printable(f"weave: error: could not write {mine}; the rates above are not stored"), err=True)
             raise typer.Exit(1)
-        else:
-            typer.echo(f"fit within {cal.fit_error:.0%} of every measured step; stored as {mine}")

@@ -28,6 +28,18 @@ def test_calibrate_measures_prints_and_stores(tiny_llama, tmp_path, monkeypatch)
     assert list((tmp_path / "cache" / "calibration").glob("*.json"))
 
 
+def test_calibrate_json_is_the_result_alone_on_stdout(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("WEAVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(rates, "FIT_LIMIT", math.inf)
+    out = CliRunner().invoke(app, ["calibrate", "--model", str(tiny_llama), "--profile", "cpu-only",
+                                   "--data-dir", str(tmp_path / "data"), "--json"])
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.stdout)  # the progress went to stderr
+    assert "calibrating" in out.stderr
+    assert [p["name"] for p in result["pools"]] == ["cpu"] and result["pools"][0]["decode_tokens_per_s"] > 0
+    assert result["step_model"]["decode"]["per_token_s"] > 0 and result["stored"].endswith(".json")
+
+
 def test_calibrate_refuses_a_missing_model(tmp_path):
     out = CliRunner().invoke(app, ["calibrate", "--model", str(tmp_path / "none.gguf"), "--profile", "cpu-only"])
     assert out.exit_code == 2 and "model file not found" in out.output  # bad usage, as for serve
