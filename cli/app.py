@@ -31,6 +31,11 @@ _flags_without_a_type()
 app = typer.Typer(
     name="weave",
     help="Weave: serve an LLM to many sessions, each with the execution strategy its SLA needs.",
+    epilog=("Examples: 'weave serve &' starts the daemon on the default model; 'weave chat' chats in a "
+            "session kept across turns; 'weave run \"Why is the sky blue?\"' streams one answer; 'weave submit "
+            "--sla background \"Summarise the logs\"' leaves a task running and prints its id; 'weave ps' lists "
+            "the sessions and 'weave top' watches the daemon.\n\nEach command's --help says more; the HTTP API "
+            "(OpenAI-compatible) is described in docs/api.md."),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

@@ -51,7 +51,8 @@ def _text(result: dict) -> str:
 def register(app: typer.Typer) -> None:
     """Add ``calibrate`` to ``app``."""
 
-    @app.command("calibrate", help=HELP)
+    @app.command("calibrate", help=HELP, short_help="Measure the CPU pool's step times for a model on this host "
+                                                      "and store the step-time model 'weave serve' predicts with.")
     def calibrate(
         model: ModelOpt = None,
         profile: ProfileOpt = None,
