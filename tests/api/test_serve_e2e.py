@@ -209,9 +209,29 @@ def test_metrics_and_events(http, served):
     # (a turn of its own: the first-token histogram has a sample whichever tests ran before)
     assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                    "max_tokens": 2}).status_code == 200
+    before = http.get("/metrics").text
+    # an SLA with a first-token target a 2-token answer meets: counted per target, as the client saw it
+    sla = {"class": "background", "ttft_ms": 600000}
+    assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                   "sla": sla}).status_code == 200
     text = http.get("/metrics").text
     assert 'weave_pool_queue_depth{pool="cpu"}' in text and 'weave_kv_bytes{tier="file"}' in text
     assert "weave_time_to_first_token_seconds_bucket" in text
+
+    def value(text: str, series: str) -> float:
+        return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " ")),
+                    0.0)
+
+    met = 'weave_sla_targets_total{outcome="met",sla_class="background",target="ttft"}'
+    assert value(text, met) == value(before, met) + 1
+    budget = 'weave_sla_targets_total{outcome="met",sla_class="background",target="ttlt"}'  # the class's budget
+    assert value(text, budget) == value(before, budget) + 1
+    turns = 'weave_turn_seconds_count{sla_class="background"}'
+    assert value(text, turns) == value(before, turns) + 1
+    assert value(text, 'weave_pool_steps_total{pool="cpu"}') > value(before, 'weave_pool_steps_total{pool="cpu"}')
+    assert value(text, 'weave_pool_tokens_total{kind="generated",pool="cpu"}') >= 4
+    assert value(text, "weave_disk_free_bytes") > 0 and value(text, "process_resident_memory_bytes") > 0
+    assert value(text, "process_open_fds") > 0 and "weave_unrecovered_sessions 0.0" in text
 
 
 def test_sigterm_leaves_no_socket_and_a_consistent_journal(tmp_path: Path, smollm2_q4_0: Path):

@@ -70,6 +70,7 @@ class Turn:
         self._usage: dict | None = None
         self.reasoning_tokens = 0  # of the answer, as its parser counted them (usage's reasoning_tokens)
         self._last_token_at: float | None = None
+        self.ttft_seen: float | None = None  # seconds from the request to its first token, as the client saw
         self._watcher: asyncio.Task | None = None
         # a turn that may call tools keeps its text: its metrics count an answer of calls as such
         plan = getattr(handle, "answer", None)
@@ -190,7 +191,8 @@ class Turn:
         if kind == "token" and ev.get("token") is not None:
             now = time.monotonic()
             if self._last_token_at is None:
-                m.ttft.labels(self.sla_class).observe(now - self.arrived)
+                self.ttft_seen = now - self.arrived
+                m.ttft.labels(self.sla_class).observe(self.ttft_seen)
             else:
                 m.inter_token.labels(self.sla_class).observe(now - self._last_token_at)
             self._last_token_at = now
@@ -206,8 +208,11 @@ class Turn:
             u = self.usage
             prompt, cached = (0, 0) if self.shares_prompt else (u["prompt_tokens"],
                                                                  u["prompt_tokens_details"]["cached_tokens"])
-            m.observe_turn(self.sla_class, self._metric_reason(), prompt, cached, u["completion_tokens"],
+            reason = self._metric_reason()
+            m.observe_turn(self.sla_class, reason, prompt, cached, u["completion_tokens"],
                            int(getattr(self.handle, "reprefilled", 0)))
+            if reason in ("stop", "length", "tool_calls"):  # (a cancelled or failed turn met nothing)
+                m.observe_targets(self.sla_class, time.monotonic() - self.arrived, self.ttft_seen, ev)
 
     def _metric_reason(self) -> str:
         """The finish reason the API gives the client: ``tool_calls`` for an answer that ended by itself

@@ -106,7 +106,8 @@ class TurnOutput:
         s.finish_reason = reason
         if status == SeqStatus.FINISHED and s.forecast is not None:
             self._learn_lateness(s)
-        self.emit(s, {"type": "done", "finish_reason": reason})
+        targets = {k: v for k, v in (("ttft_target_s", s.ttft_s), ("ttlt_target_s", s.ttlt_s)) if v is not None}
+        self.emit(s, {"type": "done", "finish_reason": reason, **targets})
 
     def _learn_lateness(self, s: Sequence) -> None:
         ttft, step = s.forecast
