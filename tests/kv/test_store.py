@@ -177,8 +177,13 @@ def test_cap_counts_files_left_by_an_earlier_run(tmp_path):
     new = store.create("new", 1024)
     with pytest.raises(KVCapExceeded):
         store.reserve(new, 100)
-    store.open("old", length=300)  # now counted by its committed length
-    assert store.reserved_bytes() == 300 * BPT
+    old = store.open("old", length=300)  # opened: still counted by the blocks it holds on disk (two chunks),
+    assert store.reserved_bytes() == 512 * BPT  # which its next steps write into without allocating again
+    with pytest.raises(KVCapExceeded):
+        store.reserve(new, 100)
+    store.reserve(old, 512)  # within what it holds: nothing more counted
+    assert store.reserved_bytes() == 512 * BPT
+    store.delete("old")
     store.reserve(new, 100)
 
 

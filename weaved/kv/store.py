@@ -207,12 +207,18 @@ class KVStore(PrefixSharing, RoomAccounting):
             if meta.get("unfilled"):  # (length 0: the journal names nothing it lacks; a stop came before filled)
                 self._write_meta(session_id, self._open[session_id], meta.get("prefix"))
             shared = meta.get("prefix")
+            s = self._open[session_id]
             if shared is not None:  # its first positions are a shared prefix's pages: map them again
-                s, n = self._open[session_id], int(shared["positions"])
+                n = int(shared["positions"])
                 if n > length:  # mapped, then stopped before the journal committed them: its own copy of those it did
                     self._own_copy(session_id, s, shared["key"], length)
                 else:
                     self._reshare(kv, session_id, s, shared["key"], n)
+            # the blocks an earlier run allocated ahead of its commits count against the cap as they did
+            # then (they hold the disk): whole chunks of them, never more than are there - positions
+            # counted as reserved are not allocated again before a step writes them
+            ahead = allocated_bytes(path) // self.config.kv_bytes_per_token // self.chunk * self.chunk
+            s.reserved = max(s.reserved, min(s.capacity, s.shared + ahead))
             return kv
 
     def filled(self, kv: KVCache) -> None:

@@ -8,8 +8,9 @@ kernel allocate the block at page-fault time, and if the disk is full that is a 
 daemon; allocating ahead turns a full disk into a ``DiskFull`` for that one turn.
 
 The cap on total KV bytes over all sessions is counted as reserved positions times
-``kv_bytes_per_token``.  A session reopened after a restart counts its committed length (those rows
-were written, so their blocks exist); a file not opened yet counts its allocated blocks.
+``kv_bytes_per_token``.  A session reopened after a restart counts its committed length, or the whole
+chunks its file holds beyond it if more (allocated ahead by the earlier run: they hold the disk); a file
+not opened yet counts its allocated blocks.
 
 A mixin of ``KVStore`` (``store.py``), which holds the sessions and the lock these methods take.
 """
