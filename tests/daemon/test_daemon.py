@@ -466,3 +466,18 @@ def test_listing_sessions_beside_a_delete_lists_the_others(daemon, monkeypatch):
     deleted[0].join(30)
     assert listed == ids or listed == ids[:2]
     assert [s["id"] for s in daemon.list_sessions()] == ids[:2]
+
+
+def test_a_kept_sessions_turns_are_events_and_a_stateless_requests_are_not(daemon):
+    """A supervisor follows turns on /v1/events: where each started (the pool, what it computes) and how
+    it ended (finish reason, tokens, seconds) - for kept sessions; stateless requests would flood the
+    backlog."""
+    sid = daemon.create_session(SLA(SLAClass.BATCH))["id"]
+    run_turn(daemon, sid, "Hello")
+    run_turn(daemon, None, "Hello")  # a stateless request
+    mine = [e for e in recent_events(daemon) if e["type"] in ("turn_start", "turn_end")]
+    assert [(e["type"], e["session"]) for e in mine] == [("turn_start", sid), ("turn_end", sid)]
+    start, end = mine
+    assert start["pool"] == "cpu" and start["to_compute"] == start["prompt_tokens"] > 0 and not start["detached"]
+    assert end["finish_reason"] in ("stop", "length") and end["completion_tokens"] > 0 and end["seconds"] > 0
+    assert end["prompt_tokens"] == start["prompt_tokens"] and "error" not in end

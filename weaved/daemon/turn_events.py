@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from weaved.daemon.session import Session, transcript_entry
@@ -87,6 +88,12 @@ class TurnEvents:
             log.exception("session %s: recording the end of its turn failed", s.id)
         if not s.ephemeral and self.sessions.get(s.id) is not s:
             self._drop_device_copies(s)
+        if not s.ephemeral:  # (a supervisor follows kept sessions' turns without polling)
+            self.publish("turn_end", {"session": s.id, "finish_reason": seq.finish_reason or "error",
+                                      "prompt_tokens": n_prompt, "computed_tokens": seq.prefilled,
+                                      "completion_tokens": len(seq.generated),
+                                      "seconds": round(time.monotonic() - seq.arrival, 3),
+                                      **({"error": ev.get("message")} if kind == "error" else {})})
         try:
             emit({**ev, "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(seq.generated),
                                   "cached_tokens": n_prompt - seq.prefilled}})

@@ -211,6 +211,9 @@ class TurnStarts:
                                 placement_now=lambda sess=s: sess.placement.to_dict())
             # submitted under the lock: a move decided meanwhile (a promotion) finds the turn in its engine
             self.engines[run_in].submit(seq)
+            if not s.ephemeral:
+                self.publish("turn_start", {"session": s.id, "pool": run_in, "prompt_tokens": n_prompt,
+                                            "to_compute": len(new), "detached": s.detached})
         return handle
 
     def _admit(self, s: Session, new: list[int], params: SamplingParams, sla: SLA, answer: int, arrival: float
