@@ -261,6 +261,10 @@ class Client:
         """A new session sharing ``session_id``'s context (all of it, or through answer ``turn``)."""
         return self.request("POST", f"/v1/sessions/{_quote(session_id)}/fork", _given({"turn": turn, "sla": sla}))
 
+    def rewind(self, session_id: str, turn: int) -> dict:
+        """Take ``session_id`` back to the end of answer ``turn`` (0: before its first turn)."""
+        return self.request("POST", f"/v1/sessions/{_quote(session_id)}/rewind", {"turn": turn})
+
     def promote(self, session_id: str) -> dict:
         return self.request("POST", f"/v1/sessions/{_quote(session_id)}/promote")
 

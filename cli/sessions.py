@@ -166,11 +166,27 @@ def fork(session_id: IdArg,
              f"{s.get('shared_tokens', 0)} shared); {fmt.placement_summary(s.get('placement'))}")
 
 
+def rewind(session_id: IdArg,
+           turn: Annotated[int, typer.Option("--turn", min=0, show_default=False,
+                                             help="Keep the transcript through this answered turn (0: none).")],
+           socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
+    """Take a session back to the end of one of its turns: the later turns go, from its transcript and its
+    KV cache (a cancelled turn, or an answer to ask again)."""
+    with connect(socket, api_key) as client:
+        s = client.rewind(session_id, turn)
+    if json:
+        print_json(s)
+    else:
+        echo(f"{s['id']}: back to turn {turn} ({len(s.get('messages') or [])} messages, "
+             f"{s.get('context_tokens', 0)} tokens of context)")
+
+
 def register(app: typer.Typer) -> None:
     app.command()(ps)
     app.command("ls", hidden=True)(ps)  # (what people type first)
     app.command()(show)
     app.command()(rm)
     app.command()(fork)
+    app.command()(rewind)
     app.command()(promote)
     app.command()(demote)

@@ -298,3 +298,16 @@ def test_head_answers_where_get_does_and_the_connection_stays_usable(http):
     head = http.head("/health")
     assert head.status_code == 200 and head.content == b""
     assert http.get("/health").status_code == 200  # the next request on the same connection
+
+
+def test_a_session_is_rewound_through_the_api(http, served):
+    sid = http.post("/v1/sessions", json={"sla": {"class": "batch"}}).json()["id"]
+    for text in ("Hi", "Again"):
+        assert http.post(f"/v1/sessions/{sid}/turns", json={"messages": [{"role": "user", "content": text}],
+                                                            "max_tokens": 2}).status_code == 200
+    r = http.post(f"/v1/sessions/{sid}/rewind", json={"turn": 1})
+    assert r.status_code == 200 and [m["role"] for m in r.json()["messages"]] == ["user", "assistant"]
+    for bad in ({}, {"turn": -1}, {"turn": 5}, {"turn": 1, "keep": True}):
+        r = http.post(f"/v1/sessions/{sid}/rewind", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("turn", "keep"), (bad, r.text)
+    assert http.post("/v1/sessions/s-nope/rewind", json={"turn": 0}).status_code == 404

@@ -103,3 +103,14 @@ def test_fork_shares_a_session_and_outlives_it(socket):
     shown = json.loads(weave(socket, "show", child, "--json"))
     assert [m["role"] for m in shown["messages"]] == ["user", "assistant"]
     weave(socket, "rm", child, data["id"])
+
+
+def test_rewind_takes_a_session_back_to_a_turn(socket):
+    res = runner.invoke(app, ["submit", "--wait", *FEW, "Name a fruit."], env={"WEAVE_SOCKET": socket})
+    assert res.exit_code == 0, (res.stdout, res.stderr)
+    sid = res.stderr.split()[1]
+    assert weave(socket, "rewind", sid, "--turn", "0").startswith(f"{sid}: back to turn 0 (0 messages, 0 tokens")
+    assert json.loads(weave(socket, "show", sid, "--json"))["messages"] == []
+    bad = runner.invoke(app, ["rewind", sid, "--turn", "3"], env={"WEAVE_SOCKET": socket})
+    assert bad.exit_code == 1 and "turn must be between 0 and the session's 0" in bad.stderr
+    weave(socket, "rm", sid)

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tests.daemon.support import GREEDY, make_daemon, recent_events, run_turn
+from tests.daemon.support import GREEDY, LONG, Stream, make_daemon, recent_events, run_turn
 from weaved.daemon.core import Daemon
 from weaved.errors import Conflict, NotFound
 from weaved.routing.types import SLA, SLAClass
@@ -119,5 +119,43 @@ def test_a_session_of_another_model_goes_when_deleted_by_its_id(tiny_llama, tiny
         assert d.list_sessions() == []
         with pytest.raises(NotFound):
             d.get_response("resp_1")
+    finally:
+        d.shutdown()
+
+
+def test_a_session_rewound_to_a_turn_answers_the_next_as_it_did_then(tiny_llama, tmp_path):
+    """Rewinding drops the later turns from the transcript, the journal and the KV: asked again, the next
+    turn answers what it answered the first time (the context is exactly the first turn's), and a restart
+    finds the rewound session.  Turn 0 empties it; a turn out of range or a running turn is refused."""
+    from weaved.errors import InvalidRequest
+
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    sid = d.create_session(SLA(SLAClass.BATCH))["id"]
+    run_turn(d, sid, "Hello")
+    after_first = d.get_session(sid)
+    second, _ = run_turn(d, sid, "Tell me more")
+    run_turn(d, sid, "And more")
+    with pytest.raises(InvalidRequest, match="between 0 and the session's 3"):
+        d.rewind_session(sid, 4)
+    back = d.rewind_session(sid, 1)
+    assert back["messages"] == after_first["messages"] and back["context_tokens"] == after_first["context_tokens"]
+    again, _ = run_turn(d, sid, "Tell me more")
+    assert [e.get("token") for e in again if e["type"] == "token"] == [
+        e.get("token") for e in second if e["type"] == "token"]
+    assert any(e["type"] == "rewind" and e["session"] == sid for e in recent_events(d))
+    d.shutdown()
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        assert len(d.get_session(sid)["messages"]) == 4  # the first turn and the one asked again
+        assert d.rewind_session(sid, 0)["messages"] == [] and d.get_session(sid)["context_tokens"] == 0
+        run_turn(d, sid, "Hello")
+        stream = Stream(hold=True)
+        d.start_turn(session_id=sid, messages=[{"role": "user", "content": "Count"}], params=LONG, emit=stream)
+        assert stream.first.wait(60)
+        with pytest.raises(Conflict, match="rewind it once the turn has ended"):
+            d.rewind_session(sid, 0)
+        d.cancel_turn(sid)
+        stream.go.set()
+        assert stream.done.wait(60)
     finally:
         d.shutdown()

@@ -382,6 +382,14 @@ class SessionCreate(BaseModel):
     system: str | None = None
 
 
+class SessionRewind(BaseModel):
+    """``POST /v1/sessions/{id}/rewind``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    turn: int = Field(ge=0)  # keep the transcript through this answered turn (0: none of it)
+
+
 class SessionFork(BaseModel):
     """``POST /v1/sessions/{id}/fork``."""
 

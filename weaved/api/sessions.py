@@ -1,5 +1,5 @@
 """Weave's session API: create with SLA tags (the answer carries the placement), inspect, list,
-delete, take turns, fork, promote and demote."""
+delete, take turns, fork, rewind, promote and demote."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from weaved.api import body
 from weaved.api.chat import answer_chat
-from weaved.api.models import ChatRequest, SessionCreate, SessionFork
+from weaved.api.models import ChatRequest, SessionCreate, SessionFork, SessionRewind
 from weaved.api.paging import page
 from weaved.api.params import SESSION_HEADER, SLA_HEADERS, sla_from
 from weaved.api.state import state_of
@@ -79,6 +79,14 @@ async def fork(request: Request, session_id: str) -> dict:
     parent = await run_in_threadpool(state.daemon.get_session, session_id)
     sla = sla_from(req.sla, request.headers, SLA.from_dict(parent["sla"]))  # what it leaves out: the parent's
     return await run_in_threadpool(partial(state.daemon.fork_session, session_id, req.turn, sla))
+
+
+@router.post("/{session_id}/rewind")
+async def rewind(request: Request, session_id: str) -> dict:
+    """Take the session back to the end of answer ``turn`` (0: before its first turn): what came after
+    goes, from the transcript, the journal and the KV cache."""
+    req = await body.read(request, SessionRewind)
+    return await run_in_threadpool(state_of(request).daemon.rewind_session, session_id, req.turn)
 
 
 @router.post("/{session_id}/promote")

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from types import SimpleNamespace
 
 from weaved.agent.plan import AnswerPlan, AnswerSpec
+from weaved.daemon.recovery import unfed_tail
 from weaved.daemon.session import Session, transcript_view
 from weaved.daemon.turns import Context, chat_turn_tokens, check_names_rendered, no_chat_template
 from weaved.errors import Conflict, InvalidRequest, NotFound, Overloaded
@@ -137,6 +139,33 @@ class ResponseChains:
         self.publish("eviction", {"session": victim.id, "reason": f"{cap} sessions kept"})
         self.delete_session(victim.id)
 
+    def rewind_session(self, sid: str, turn: int) -> dict:
+        """Take session ``sid`` back to the end of its ``turn``-th answer (0: before its first turn): the
+        later transcript entries, their committed tokens and KV rows go - a cancelled or failed turn, or
+        an answer to try again, without forking.  409 while a turn runs."""
+        with self._lock:
+            s = self._get(sid)
+            if s.ephemeral:
+                raise InvalidRequest("an ephemeral session cannot be rewound", param="session")
+            if s.busy:
+                raise Conflict(f"session {sid} is generating a turn; rewind it once the turn has ended",
+                               param="session")
+            rec = self.journal.get(sid)
+            answers = [i for i, m in enumerate(rec.messages) if m["role"] == "assistant"]
+            if not 0 <= turn <= len(answers):
+                raise InvalidRequest(f"turn must be between 0 and the session's {len(answers)} answered turn(s)",
+                                     param="turn")
+            end = answers[turn - 1] + 1 if turn else 0
+            r = self._rewound(s, end)
+            if r is not None:
+                if not s.rebuild:  # the kept answer's last sampled token, never fed: still the context's (as a
+                    # fork at that turn keeps it), so a raw prompt after it continues from it
+                    upto = SimpleNamespace(messages=rec.messages[:end], kv_length=r.kv_at,
+                                           tokens=rec.tokens[:r.kv_at])
+                    r = dataclasses.replace(r, tail=unfed_tail(upto))
+                self._apply_rewind(s, r, f"rewound to its turn {turn} on request")
+        return self.get_session(sid)
+
     def _rewind(self, s: Session, messages: int, why: str) -> None:
         """Take idle session ``s`` back to its first ``messages`` transcript entries (an answer's end):
         the later entries, their committed tokens and KV rows go (``why``: for the log).  Under the
@@ -149,8 +178,9 @@ class ResponseChains:
         """What ``_rewind`` would take ``s`` back to (None: nothing to drop); changes nothing."""
         if len(s.messages) <= messages:
             return None
-        # the tokens committed when the first dropped entry was recorded
-        kv_at = self.journal.get(s.id).messages[messages]["kv_at"]
+        # the tokens committed when the first dropped entry was recorded - none before the first (a first
+        # turn's prompt blocks copied from a kept prefix are committed before its message is recorded)
+        kv_at = self.journal.get(s.id).messages[messages]["kv_at"] if messages else 0
         return Rewound(messages, len(s.messages) - messages, kv_at, *_context_at(s, messages, kv_at))
 
     def _apply_rewind(self, s: Session, r: Rewound, why: str) -> None:
