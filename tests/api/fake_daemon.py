@@ -75,6 +75,7 @@ class FakeDaemon:
                  hold: bool = False, fail: str | None = None, fail_status: int | None = None,
                  prefill_chunk: int | None = None):
         self.reply = reply
+        self.deleted_created: dict[str, float] = {}  # as the daemon keeps it: paging past a deleted session
         self.prefill_chunk = prefill_chunk  # set: a prompt longer than this says its progress, as the engine's
         self.fail = fail
         self.fail_status = fail_status  # the error event's status (None: the engine's default, 500)
@@ -142,23 +143,24 @@ class FakeDaemon:
             raise NotFound(f"no session {sid!r}", param="session")
         return s
 
-    def get_session(self, sid: str) -> dict:
+    def get_session(self, sid: str, messages: bool = True) -> dict:
         with self._lock:
             s = self._get(sid)
             return {"id": s.id, "sla": {"class": s.sla.cls.value, "ttft_ms": s.sla.ttft_ms, "ttlt_s": s.sla.ttlt_s},
                     "max_context": s.max_context, "system": s.system, "placement": s.placement,
                     "status": "busy" if s.busy else "idle", "context_tokens": len(s.tokens),
-                    "messages": list(s.messages), "created": s.created}
+                    "messages": list(s.messages) if messages else None, "created": s.created}
 
-    def list_sessions(self) -> list[dict]:
+    def list_sessions(self, messages: bool = True) -> list[dict]:
         with self._lock:
-            return [self.get_session(sid) for sid, s in self.sessions.items() if not s.ephemeral]
+            return [self.get_session(sid, messages) for sid, s in self.sessions.items() if not s.ephemeral]
 
     def delete_session(self, sid: str) -> None:
         with self._lock:
             s = self._get(sid)
             s.cancel.set()
             del self.sessions[sid]
+            self.deleted_created[sid] = s.created
 
     # ---- stored responses (a closed journal refuses them, as the daemon's does) ---------------------
     def store_response(self, sid: str, rid: str, body: dict) -> None:

@@ -137,6 +137,15 @@ def test_the_session_list_pages_as_openai_lists_do(client, fake: FakeDaemon):
     for bad, param in (({"limit": 0}, "limit"), ({"after": "s-nope"}, "after"), ({"order": "up"}, "order")):
         r = client.get("/v1/sessions", params=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == param
+    # the page's last session deleted before the next page is asked for: the walk goes on from its place
+    client.delete(f"/v1/sessions/{ids[1]}")
+    rest = client.get("/v1/sessions", params={"limit": 2, "after": ids[1]}).json()
+    assert [s["id"] for s in rest["data"]] == ids[2:]
+    back = client.get("/v1/sessions", params={"order": "desc", "after": ids[1]}).json()
+    assert [s["id"] for s in back["data"]] == ids[:1]
+    # and the transcripts can be left out of a list of long sessions
+    bare = client.get("/v1/sessions", params={"messages": "false"}).json()["data"]
+    assert [s["messages"] for s in bare] == [None] * 3 and bare[0]["id"] == ids[0]
 
 
 def test_a_full_kv_cap_is_a_503_with_retry_after(client, fake: FakeDaemon, monkeypatch):

@@ -35,13 +35,24 @@ async def create_session(request: Request) -> dict:
 
 @router.get("")
 async def list_sessions(request: Request, order: Literal["asc", "desc"] = "asc",
-                        limit: int | None = Query(None, ge=1, le=1000), after: str | None = None) -> dict:
+                        limit: int | None = Query(None, ge=1, le=1000), after: str | None = None,
+                        messages: bool = True) -> dict:
     """Every session, oldest first (``order=desc``: newest first); ``limit`` makes it a page, ``after`` a
-    session id starts the page after it (OpenAI's list shape: ``first_id``, ``last_id``, ``has_more``)."""
-    sessions = await run_in_threadpool(state_of(request).daemon.list_sessions)
+    session id starts the page after it (OpenAI's list shape: ``first_id``, ``last_id``, ``has_more``);
+    ``messages=false`` leaves the transcripts out (``messages``: null)."""
+    daemon = state_of(request).daemon
+    sessions = await run_in_threadpool(daemon.list_sessions, messages)
     if order == "desc":  # (the daemon lists them in creation order)
         sessions.reverse()
-    return page(sessions, after, limit, f"no session {after!r}")
+
+    def gone(sid: str):
+        """A session deleted since the client's last page: the page goes on from where it stood."""
+        created = daemon.deleted_created.get(sid)
+        if created is None:
+            return None
+        return (lambda s: s["created"] > created) if order == "asc" else (lambda s: s["created"] < created)
+
+    return page(sessions, after, limit, f"no session {after!r}", gone)
 
 
 @router.get("/{session_id}")

@@ -21,6 +21,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,6 +54,8 @@ from weaved.routing.types import SLA, RoutingError, SessionRequest, SLAClass, Sy
 log = logging.getLogger("weave.daemon")
 
 
+DELETED_KEPT = 10_000  # deleted sessions whose place in the list is remembered (for paging past them)
+
 class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
     def __init__(self, profile: Profile, model_path: Path, *, data_dir: Path | None = None,
                  log_fn: Callable[[str], None] = print, federation=None, chat_template: str | None = None,
@@ -84,6 +87,7 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
         self.compiled = self.compiled_serving = None
         self._turns_stopped = False  # (stop_turns has run)
         self.unrecovered: dict[str, str] = {}  # sessions of the journal left out at load -> why
+        self.deleted_created: OrderedDict[str, float] = OrderedDict()  # recently deleted session -> created
         self._data_lock: int | None = None  # the data directory's lock (data_lock.py), held while loaded
         self.started = wall()
         self.instance = secrets.token_hex(8)  # this daemon process, as its peers' checks see it
@@ -156,7 +160,9 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
             raise NotFound(f"no session {sid!r}", param="session")
         return s
 
-    def get_session(self, sid: str) -> dict:
+    def get_session(self, sid: str, messages: bool = True) -> dict:
+        """The session as the API shows it; ``messages=False`` leaves its transcript out (``messages``:
+        null), for lists of many long sessions."""
         with self._lock:
             s = self._get(sid)
             return {
@@ -164,16 +170,17 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
                 "placement": s.placement.to_dict(), "status": "busy" if s.busy else "idle",
                 # its turn's state, as the status's session rows say it: waiting, running, paused or idle
                 "state": s.turn.status.value if s.busy else "idle",
-                "context_tokens": s.context_tokens, "messages": [transcript_view(m) for m in s.messages],
+                "context_tokens": s.context_tokens,
+                "messages": [transcript_view(m) for m in s.messages] if messages else None,
                 "created": s.created, "forked_from": s.forked_from,
                 "pool": s.pool, "backend": self.engines[s.pool].backend.name if s.pool in self.engines else None,
             }
 
-    def list_sessions(self) -> list[dict]:
+    def list_sessions(self, messages: bool = True) -> list[dict]:
         """Every stored session as ``get_session`` gives it, read in one hold of the lock (a session
         deleted meanwhile is simply not listed)."""
         with self._lock:
-            return [self.get_session(sid) for sid, s in self.sessions.items() if not s.ephemeral]
+            return [self.get_session(sid, messages) for sid, s in self.sessions.items() if not s.ephemeral]
 
     def delete_session(self, sid: str) -> None:
         with self._lock:
@@ -188,6 +195,10 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
                 s.turn.cancel_requested = True
                 self.engines[s.pool].cancel(sid)
             del self.sessions[sid]
+            if not s.ephemeral:  # where it stood in the list: a client paging past it goes on from there
+                self.deleted_created[sid] = s.created
+                while len(self.deleted_created) > DELETED_KEPT:
+                    self.deleted_created.popitem(last=False)
         try:
             if not s.ephemeral:  # its record first: a stop before its files go leaves no session to bring back
                 self.journal.delete(sid)  # (and files without a record are removed at the next start)
