@@ -1,10 +1,11 @@
-"""``weave ps``, ``show``, ``rm``, ``fork``, ``promote``, ``demote``: the daemon's sessions."""
+"""``weave ps``, ``show``, ``rm``, ``fork``, ``rewind``, ``promote``, ``demote``: the daemon's sessions."""
 
 from __future__ import annotations
 
 import shutil
 import sys
 import time
+from enum import StrEnum
 from typing import Annotated
 
 import typer
@@ -40,19 +41,43 @@ def ps_table(sessions: list[dict], width: int | None = None) -> str:
     return fmt.table(headers, rows, width=width, right=(4, 6))
 
 
+class TurnState(StrEnum):
+    running = "running"
+    waiting = "waiting"
+    paused = "paused"
+    idle = "idle"
+
+
 def ps(socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False,
        all: Annotated[bool, typer.Option("--all", "-a", help="Include one-off OpenAI calls' sessions.")]
-       = False) -> None:
-    """List sessions: id, SLA class, pool, backend, context length, state, tokens/s, placement reason."""
+       = False,
+       state: Annotated[TurnState | None, typer.Option("--state", show_default=False,
+                                                       help="Only sessions in this state.")] = None,
+       cls: Annotated[SLAClass | None, typer.Option("--class", show_default=False,
+                                                    help="Only sessions of this SLA class.")] = None,
+       pool: Annotated[str | None, typer.Option("--pool", metavar="NAME", show_default=False,
+                                                help="Only sessions on this pool.")] = None,
+       last: Annotated[int | None, typer.Option("--last", min=1, show_default=False,
+                                                help="Only the N newest of those.")] = None) -> None:
+    """List sessions: id, SLA class, pool, backend, context length, state, tokens/s, and why the router
+    placed them where they are (with the load it saw then), oldest first."""
     with connect(socket, api_key) as client:
         st = client.status()
-    sessions = st["sessions"]
-    if not all:
-        sessions = [s for s in sessions if not s.get("ephemeral")]
+    sessions = every = [s for s in st["sessions"] if all or not s.get("ephemeral")]
+    if state is not None:
+        sessions = [s for s in sessions if s.get("state") == state.value]
+    if cls is not None:
+        sessions = [s for s in sessions if s.get("class") == sla_class(cls)]
+    if pool is not None:
+        sessions = [s for s in sessions if s.get("pool") == pool]
+    if last is not None:
+        sessions = sessions[-last:]
     if json:
         print_json(sessions)
         return
     echo(ps_table(sessions, _terminal_width()) if sessions else "no sessions")
+    if len(sessions) < len(every):
+        echo(f"{len(sessions)} of {len(every)} sessions", err=True)
     if unrecovered := st.get("unrecovered"):  # in the data directory, but not served by this daemon
         echo(f"{len(unrecovered)} more in the data directory not recovered (another model's, ...): "
              f"`weave status` says why, `weave rm ID` deletes one", err=True)

@@ -64,6 +64,19 @@ def test_ps_hides_one_off_sessions_unless_all(fake):
     assert "tmp-0000000000000001" in ok(weave(fake, "ps", "--all"))
 
 
+def test_ps_filters_by_state_class_and_pool_and_keeps_the_newest(fake):
+    every = json.loads(ok(weave(fake, "ps", "--json")))
+    res = weave(fake, "ps", "--state", "waiting")
+    assert res.exit_code == 0 and [ln.split()[5] for ln in res.stdout.splitlines()[1:]] == ["waiting"]
+    assert res.stderr == f"1 of {len(every)} sessions\n"
+    background = json.loads(ok(weave(fake, "ps", "--class", "background", "--json")))
+    assert background and {r["class"] for r in background} == {"background"}
+    assert json.loads(ok(weave(fake, "ps", "--pool", "nowhere", "--json"))) == []
+    newest = json.loads(ok(weave(fake, "ps", "--last", "2", "--json")))
+    assert [r["id"] for r in newest] == [r["id"] for r in every[-2:]]
+    assert weave(fake, "ps", "--state", "sleeping").exit_code == 2
+
+
 def test_ps_with_no_sessions(fake):
     fake.sessions.clear()
     assert ok(weave(fake, "ps")) == "no sessions\n"
