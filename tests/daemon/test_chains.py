@@ -159,3 +159,32 @@ def test_a_session_rewound_to_a_turn_answers_the_next_as_it_did_then(tiny_llama,
         assert stream.done.wait(60)
     finally:
         d.shutdown()
+
+
+def test_a_raw_prompt_session_is_rewound_by_its_journal_and_a_chain_is_refused(tiny_llama, tmp_path):
+    """A raw prompt's input is in the journal only (the live transcript holds its answers): the rewind
+    keeps the journal's first turn and the next prompt is answered as the second was; a session holding
+    stored responses is refused (their ends would point past it)."""
+    from tests.daemon.support import run_to_end
+
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        sid = d.create_session(SLA(SLAClass.BATCH))["id"]
+
+        def prompt(ids: list[int]) -> list[int]:
+            events, _ = run_to_end(d, session_id=sid, prompt=ids, params=GREEDY)
+            return [e["token"] for e in events if e["type"] == "token" and e.get("token") is not None]
+
+        prompt([5, 6, 7, 8])
+        second = prompt([9, 10, 11])
+        prompt([12, 13])
+        back = d.rewind_session(sid, 1)
+        assert [m["role"] for m in back["messages"]] == ["prompt", "assistant"]
+        assert prompt([9, 10, 11]) == second
+        chain = d.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+        run_turn(d, chain, "Name a colour.")
+        d.store_response(chain, "resp_1", {"id": "resp_1"})
+        with pytest.raises(Conflict, match="holds stored responses"):
+            d.rewind_session(chain, 0)
+    finally:
+        d.shutdown()

@@ -17,7 +17,7 @@ import dataclasses
 from types import SimpleNamespace
 
 from weaved.agent.plan import AnswerPlan, AnswerSpec
-from weaved.daemon.recovery import unfed_tail
+from weaved.daemon.recovery import transcript_of, unfed_prompt, unfed_tail
 from weaved.daemon.session import Session, transcript_view
 from weaved.daemon.turns import Context, chat_turn_tokens, check_names_rendered, no_chat_template
 from weaved.errors import Conflict, InvalidRequest, NotFound, Overloaded
@@ -150,19 +150,26 @@ class ResponseChains:
             if s.busy:
                 raise Conflict(f"session {sid} is generating a turn; rewind it once the turn has ended",
                                param="session")
+            if self.journal.stored_responses(sid):  # their ends would point past the session's
+                raise Conflict(f"session {sid} holds stored responses (a Responses chain): continue from an earlier "
+                               f"response with previous_response_id instead", param="session")
             rec = self.journal.get(sid)
             answers = [i for i, m in enumerate(rec.messages) if m["role"] == "assistant"]
             if not 0 <= turn <= len(answers):
                 raise InvalidRequest(f"turn must be between 0 and the session's {len(answers)} answered turn(s)",
                                      param="turn")
             end = answers[turn - 1] + 1 if turn else 0
-            r = self._rewound(s, end)
-            if r is not None:
-                if not s.rebuild:  # the kept answer's last sampled token, never fed: still the context's (as a
-                    # fork at that turn keeps it), so a raw prompt after it continues from it
-                    upto = SimpleNamespace(messages=rec.messages[:end], kv_length=r.kv_at,
-                                           tokens=rec.tokens[:r.kv_at])
-                    r = dataclasses.replace(r, tail=unfed_tail(upto))
+            if end < len(rec.messages):
+                kv_at = rec.messages[end]["kv_at"] if end else 0
+                # the transcript kept is the journal's (a raw prompt's input is only there until a restart)
+                kept = transcript_of(rec.messages[:end])
+                if s.rebuild:  # all of its context is unfed: the tokens stay, the tail is cut
+                    committed, tail = list(s.committed), s.tail[:kv_at]
+                else:  # the kept answer's last sampled token, never fed (or a cut prompt's rest): still the
+                    # context's, as a fork at that turn - or a restart - has it
+                    upto = SimpleNamespace(messages=rec.messages[:end], kv_length=kv_at, tokens=rec.tokens[:kv_at])
+                    committed, tail = list(rec.tokens[:kv_at]), unfed_tail(upto) or unfed_prompt(upto)
+                r = Rewound(end, len(rec.messages) - end, kv_at, kept, committed, tail)
                 self._apply_rewind(s, r, f"rewound to its turn {turn} on request")
         return self.get_session(sid)
 

@@ -56,6 +56,7 @@ log = logging.getLogger("weave.daemon")
 
 DELETED_KEPT = 10_000  # deleted sessions whose place in the list is remembered (for paging past them)
 
+
 class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoices, DeviceRoom, TurnEvents):
     def __init__(self, profile: Profile, model_path: Path, *, data_dir: Path | None = None,
                  log_fn: Callable[[str], None] = print, federation=None, chat_template: str | None = None,

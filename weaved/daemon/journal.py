@@ -300,6 +300,12 @@ class Journal:
             (left,) = db.execute("SELECT COUNT(*) FROM responses WHERE session=? AND body != ''", row).fetchone()
         return left
 
+    def stored_responses(self, session: str) -> int:
+        """How many stored (not deleted) responses session ``session``'s chain holds."""
+        with self._snapshot() as db:
+            (n,) = db.execute("SELECT COUNT(*) FROM responses WHERE session=? AND body != ''", (session,)).fetchone()
+        return n
+
     def chain_sessions(self) -> set[str]:
         """The sessions that hold a /v1/responses chain (any response stored in them, deleted or not)."""
         with self._snapshot() as db:

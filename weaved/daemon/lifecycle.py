@@ -22,9 +22,8 @@ from weaved.config.profile import PoolConfig
 from weaved.daemon.data_lock import lock_data_dir
 from weaved.daemon.housekeeping import Housekeeper, InlineExecutor
 from weaved.daemon.moves import SessionMoves
-from weaved.daemon.recovery import unfed_prompt, unfed_tail, unfinished_answer
+from weaved.daemon.recovery import transcript_of, unfed_prompt, unfed_tail, unfinished_answer
 from weaved.daemon.session import Session, transcript_entry
-from weaved.daemon.turns import message_extra
 from weaved.errors import WeaveError
 from weaved.kv.errors import KVFileMismatch, KVStoreError
 from weaved.model.config import ModelConfig
@@ -259,8 +258,7 @@ class DaemonLifecycle:
                 self.log(f"session {rec.id} not recovered: {why}")
                 self.unrecovered[rec.id] = why
                 continue
-            messages = [{**transcript_entry(m["role"], m["content"], m["finish_reason"]), **(message_extra(m) or {})}
-                        for m in rec.messages]
+            messages = transcript_of(rec.messages)
             partial = unfinished_answer(rec, self.tokenizer.decode)
             if partial is not None:  # the daemon stopped mid-turn: keep what was committed of the answer
                 messages.append(transcript_entry("assistant", partial[0], "interrupted"))

@@ -28,6 +28,16 @@ def unfed_tail(rec) -> list[int]:
     return list(gen[n:])
 
 
+def transcript_of(entries: list[dict]) -> list[dict]:
+    """The in-memory transcript of journal message entries (a raw prompt's input included, as a restart
+    finds it)."""
+    from weaved.daemon.session import transcript_entry
+    from weaved.daemon.turns import message_extra
+
+    return [{**transcript_entry(m["role"], m["content"], m["finish_reason"]), **(message_extra(m) or {})}
+            for m in entries]
+
+
 def unfed_prompt(rec) -> list[int]:
     """The rest of the last input's tokens when its turn was cut in its prefill (cancelled, or the daemon
     stopped): the tail the session held in memory, which its next turn feeds first - a raw prompt's rest
