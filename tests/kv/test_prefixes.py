@@ -128,6 +128,47 @@ def test_prefixes_over_their_cap_go_when_their_last_user_does_and_at_a_restart_w
     assert KVStore(tmp_path, CFG, cap_bytes=2 * BLOCK * bpt).prefixes.status()["files"] == 0  # a lower one
 
 
+def test_a_session_that_takes_its_own_copy_at_a_restart_lets_the_prefix_go(tmp_path):
+    """A session stopped before its journal committed the prefix it mapped gets its own copy of what it
+    committed at the restart: the file kept for it since the start is then nobody's, and can go."""
+    store = KVStore(tmp_path, CFG)
+    prompt = tokens(2 * BLOCK + 8, seed=31)
+    a = store.create("a", capacity=1024)
+    store.reserve(a, len(prompt))
+    fill(a, 0, len(prompt), seed=3)
+    store.publish_prefix(a, prompt)
+    b = store.create("b", capacity=1024)
+    assert store.share_prefix(b, prompt) == 2 * BLOCK
+    store.delete("a")
+    del store, a, b
+    again = KVStore(tmp_path, CFG)
+    assert again.prefixes.status()["in_use"] == 1  # kept for b, not opened yet
+    again.open("b", BLOCK)  # its journal had committed one block of the two it mapped: its own copy
+    assert again.prefixes.status()["in_use"] == 0 and again.prefixes.evict(free=1) > 0
+
+
+def test_another_models_prefix_file_named_by_its_session_is_kept_for_it(tmp_path):
+    """The data directory served another model before: its session's file maps that model's prefix, whose
+    rows are nowhere else - kept at a start over the cap, let go once that session is deleted."""
+    import json
+
+    store = KVStore(tmp_path, CFG)
+    prompt = tokens(BLOCK + 4, seed=32)
+    a = store.create("a", capacity=512)
+    store.reserve(a, len(prompt))
+    fill(a, 0, len(prompt), seed=4)
+    store.publish_prefix(a, prompt)
+    del store, a
+    for meta in (tmp_path / "prefixes").glob("*.json"):  # as if written by another model
+        m = json.loads(meta.read_text())
+        meta.write_text(json.dumps({**m, "fingerprint": "another-model"}))
+    low = KVStore(tmp_path, CFG, cap_bytes=8)  # prefixes' cap: 2 bytes
+    assert low.prefixes.status()["other_models"]["files"] == 1  # named by session a's sidecar: kept
+    low.delete("a")
+    low.prefixes.evict()
+    assert low.prefixes.status()["other_models"]["files"] == 0
+
+
 def test_reserve_does_not_allocate_the_shared_positions(tmp_path):
     store = KVStore(tmp_path, CFG)
     prompt = tokens(BLOCK + 3)

@@ -76,6 +76,7 @@ class PrefixStore:
         self.hits = self.misses = self.reused_tokens = self.published = 0
         self.copied = 0  # sessions given their own copy of a prefix's rows (no mapping left to map it)
         self._foreign: list[tuple[float, Path, int]] = []  # other models' files: (last used, path, bytes)
+        self._foreign_kept: set[str] = set()  # other models' files their sessions' sidecars name: not evicted
         for tmp in self.dir.glob("*.kv.tmp") if self.dir.is_dir() else []:  # a publication a crash cut
             tmp.unlink(missing_ok=True)
         for meta in sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []:
@@ -190,9 +191,16 @@ class PrefixStore:
         if over:
             self.evict()
 
-    def drop_session(self, session: str) -> None:
-        """``session`` maps no prefix any more (a file deleted before it was opened)."""
+    def keep_foreign(self, key: str) -> None:
+        """Another model's file ``key`` is named by one of that model's sessions: never evicted here."""
         with self._lock:
+            self._foreign_kept.add(key)
+
+    def drop_session(self, session: str, named: str | None = None) -> None:
+        """``session`` maps no prefix any more (a file deleted before it was opened; ``named``: the prefix
+        its sidecar named, another model's file kept for it until now)."""
+        with self._lock:
+            self._foreign_kept.discard(named)
             keys = [p.key for p in self._by_key.values() if session in p.users]
         for key in keys:
             self.drop_user(key, session)
@@ -265,8 +273,13 @@ class PrefixStore:
             bpt = self.config.kv_bytes_per_token
             total = start = self._nbytes()
             target = max(0, min(self.cap_bytes if self.cap_bytes is not None else total, total - free))
-            while self._foreign and total > target:  # other models' files first, oldest first
-                _, path, size = self._foreign.pop(0)
+            for f in list(self._foreign):  # other models' files first, oldest first
+                if total <= target:
+                    break
+                _, path, size = f
+                if path.stem in self._foreign_kept:  # a session of that model maps it: its rows are only there
+                    continue
+                self._foreign.remove(f)
                 path.unlink(missing_ok=True)
                 path.with_suffix(".json").unlink(missing_ok=True)
                 total -= size

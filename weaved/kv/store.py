@@ -98,6 +98,8 @@ class KVStore(PrefixSharing, RoomAccounting):
             shared = self._sidecar_prefix(sid)
             if shared is not None and self.prefixes.get(shared) is not None:
                 self.prefixes.use(shared, sid)
+            elif shared is not None:  # (another model's session, kept for it: so is its prefix file)
+                self.prefixes.keep_foreign(shared)
         self.prefixes.evict()
 
     # -- paths and metadata ------------------------------------------------------------------------
@@ -210,10 +212,14 @@ class KVStore(PrefixSharing, RoomAccounting):
             s = self._open[session_id]
             if shared is not None:  # its first positions are a shared prefix's pages: map them again
                 n = int(shared["positions"])
-                if n > length:  # mapped, then stopped before the journal committed them: its own copy of those it did
-                    self._own_copy(session_id, s, shared["key"], length)
-                else:
-                    self._reshare(kv, session_id, s, shared["key"], n)
+                try:
+                    if n > length:  # mapped, then stopped before the journal committed them: its own copy of those
+                        self._own_copy(session_id, s, shared["key"], length)  # it did
+                    else:
+                        self._reshare(kv, session_id, s, shared["key"], n)
+                finally:  # kept for it since the start (``__init__``): let go once it does not map the file
+                    if self._open.get(session_id) is not s or s.prefix != shared["key"]:
+                        self.prefixes.drop_user(shared["key"], session_id)
             # the blocks an earlier run allocated ahead of its commits count against the cap as they did
             # then (they hold the disk): whole chunks of them, never more than are there - positions
             # counted as reserved are not allocated again before a step writes them
@@ -264,12 +270,13 @@ class KVStore(PrefixSharing, RoomAccounting):
         with self._lock:
             s = self._open.pop(session_id, None)
             self._unopened.pop(session_id, None)
+            named = self._sidecar_prefix(session_id) if s is None else None  # (a file never opened: read it first)
             self._kv_path(session_id).unlink(missing_ok=True)
             self._meta_path(session_id).unlink(missing_ok=True)
             if s is not None and s.prefix is not None:
                 self.prefixes.drop_user(s.prefix, session_id)
             elif s is None:  # never opened: the prefix its file named was kept for it
-                self.prefixes.drop_session(session_id)
+                self.prefixes.drop_session(session_id, named)
             if s is not None and s.readers:  # a copy reads its rows now: the last reader lets go (``pinned``)
                 s.deleted, s = True, None
         if s is not None:
