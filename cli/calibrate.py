@@ -99,7 +99,7 @@ def register(app: typer.Typer) -> None:
             who = f"a daemon (pid {owner})" if owner else "a daemon"
             _say(f"note: {who} is serving from {where}: its work shares the cores this measures, and it "
                  f"uses the new rates from its next start")
-        path = resolve_model(model)
+        path = resolve_model(model, err=json)
         gguf, cfg = open_model(path)
         cpu_cfgs = [p for p in prof.pools if p.backend == "cpu" and p.strategy == "standard"]
         if not cpu_cfgs:

@@ -42,8 +42,8 @@ ProfileOpt = Annotated[str | None, typer.Option("--profile", "-p", help="Shipped
                                                 "(default: detected from the hardware).", show_default=False)]
 
 
-def _say(message: str) -> None:
-    typer.echo(printable(f"weave: {message}"))
+def _say(message: str, err: bool = False) -> None:
+    typer.echo(printable(f"weave: {message}"), err=err)
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
@@ -57,10 +57,11 @@ def _log_line(message: str) -> None:
 
 
 class _ConvertProgress:
-    """Prints a model conversion's progress in steps of 10 %."""
+    """Prints a model conversion's progress in steps of 10 % (``err``: on stderr)."""
 
-    def __init__(self) -> None:
+    def __init__(self, err: bool = False) -> None:
         self._shown = -1
+        self._err = err
 
     def __call__(self, done: int, total: int, name: str) -> None:
         if total <= 0:
@@ -68,7 +69,7 @@ class _ConvertProgress:
         tenth = done * 10 // total
         if tenth > self._shown:
             self._shown = tenth
-            _say(f"converting the model: {tenth * 10}%")
+            _say(f"converting the model: {tenth * 10}%", self._err)
 
 
 class Terminated(KeyboardInterrupt):
@@ -123,18 +124,22 @@ def _inherited_lock() -> int | None:
     return int(fd)
 
 
-def resolve_model(model: Path | None) -> Path:
-    """The model to serve: the default one, or ``model`` converted to the shared format if need be."""
+def resolve_model(model: Path | None, err: bool = False) -> Path:
+    """The model to serve: the default one, or ``model`` converted to the shared format if need be
+    (``err``: its progress on stderr, for a command whose stdout is JSON)."""
     from weaved.model.default import default_model_path, ensure_native
 
+    def say(message: str) -> None:
+        _say(message, err)
+
     if model is None:
-        return default_model_path(_ConvertProgress(), log=_say)
+        return default_model_path(_ConvertProgress(err), log=say)
     if model.is_dir():
         raise _fail(f"{model} is a directory: --model takes a GGUF file", 2)
     if not model.is_file():
         raise _fail(f"model file not found: {model}", 2)
     try:
-        return ensure_native(model, _ConvertProgress(), log=_say)
+        return ensure_native(model, _ConvertProgress(err), log=say)
     except ValueError as e:  # (not a GGUF Weave runs: a bad --model, as a missing one is)
         raise _fail(str(e), 2) from None
 

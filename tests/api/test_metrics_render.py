@@ -32,4 +32,4 @@ def test_sla_targets_are_counted_met_or_missed_per_target():
     assert 'weave_sla_targets_total{outcome="met",sla_class="interactive",target="ttft"} 1.0' in text
     assert 'weave_sla_targets_total{outcome="missed",sla_class="interactive",target="ttlt"} 1.0' in text
     assert 'weave_sla_targets_total{outcome="met",sla_class="batch",target="ttlt"} 1.0' in text
-    assert 'target="ttft",sla_class="batch"' not in text and 'weave_turn_seconds_count{sla_class="batch"} 1.0' in text
+    assert 'sla_class="batch",target="ttft"' not in text and 'weave_turn_seconds_count{sla_class="batch"} 1.0' in text

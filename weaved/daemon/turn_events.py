@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from weaved.daemon.session import Session, transcript_entry
@@ -92,7 +91,7 @@ class TurnEvents:
             self.publish("turn_end", {"session": s.id, "finish_reason": seq.finish_reason or "error",
                                       "prompt_tokens": n_prompt, "computed_tokens": seq.prefilled,
                                       "completion_tokens": len(seq.generated),
-                                      "seconds": round(time.monotonic() - seq.arrival, 3),
+                                      "seconds": round(self.clock() - seq.arrival, 3),
                                       **({"error": ev.get("message")} if kind == "error" else {})})
         try:
             emit({**ev, "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(seq.generated),
