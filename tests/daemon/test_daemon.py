@@ -452,8 +452,8 @@ def test_listing_sessions_beside_a_delete_lists_the_others(daemon, monkeypatch):
     ids = [daemon.create_session(SLA(SLAClass.BACKGROUND))["id"] for _ in range(3)]
     real, deleted = daemon.get_session, []
 
-    def get_session(sid: str) -> dict:
-        info = real(sid)
+    def get_session(sid: str, messages: bool = True) -> dict:
+        info = real(sid, messages)
         if not deleted:  # another request deletes a session while the first one is read
             t = threading.Thread(target=daemon.delete_session, args=(ids[2],))
             t.start()
