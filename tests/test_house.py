@@ -32,6 +32,7 @@ FOREIGN_PRIVATE = {
     "_timeout", "_devices",  # fields of gloo's option struct
     "_numba_type_",  # numba's typed containers
     "_asdict", "_replace", "_fields", "_make",  # namedtuple's public API
+    "_exit",  # os._exit: the documented exit without the interpreter's teardown
 }
 
 
