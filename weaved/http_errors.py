@@ -24,10 +24,14 @@ _HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                413: "invalid_request_error", 503: "overloaded_error"}
 
 
+def status_type(status: int) -> str:
+    """OpenAI's error type for an HTTP status."""
+    return _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
 def error_body(status: int, message: str, *, type: str | None = None, param: str | None = None,
                code: str | None = None) -> dict:
-    t = type or _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": t, "param": param, "code": code}}
+    return {"error": {"message": message, "type": type or status_type(status), "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, **kw: str | None) -> JSONResponse:

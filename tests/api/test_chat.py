@@ -172,6 +172,26 @@ def test_a_turn_the_engine_fails():
         assert 'weave_turns_total{finish_reason="error",sla_class="interactive"} 2.0' in client.get("/metrics").text
 
 
+def test_a_session_turn_failing_mid_answer_says_what_it_kept_and_its_status_gives_its_type():
+    """An answer that fails after its first token keeps those tokens in the session's transcript: the
+    non-streamed error says so (a stream showed them) and how to take the turn back; an engine error with
+    a 409 (a session's KV file removed meanwhile) is a conflict, as 409s are."""
+    from fastapi.testclient import TestClient
+
+    from weaved.api.app import create_app
+
+    fake = FakeDaemon(context_length=4096, fail="session s-1: its KV file is gone", fail_status=409)
+    with TestClient(create_app(fake)) as client:
+        sid = client.post("/v1/sessions", json={}).json()["id"]
+        r = client.post(f"/v1/sessions/{sid}/turns", json={"messages": USER, "max_tokens": 5})
+        err = r.json()["error"]
+        assert r.status_code == 409 and err["type"] == "conflict_error"
+        assert f"the 1 token(s) generated before it are kept in session {sid}'s transcript" in err["message"]
+        assert f"POST /v1/sessions/{sid}/rewind" in err["message"]
+        r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 5})  # nothing is kept
+        assert r.status_code == 409 and "kept" not in r.json()["error"]["message"]
+
+
 def test_a_turn_the_disk_fails_is_a_507_said_once(caplog):
     from fastapi.testclient import TestClient
 

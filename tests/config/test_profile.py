@@ -179,6 +179,15 @@ def test_relative_data_dir_is_relative_to_the_profile(tmp_path):
     assert prof.host.data_dir == Path.home() / "w"
 
 
+def test_a_data_dir_naming_an_unset_variable_is_refused(tmp_path, monkeypatch):
+    """A service manager that lacks the variable would otherwise serve from a directory named after it."""
+    monkeypatch.delenv("WEAVE_TEST_UNSET", raising=False)
+    rejects(tmp_path, '[host]\ndata_dir = "$WEAVE_TEST_UNSET/data"\n' + MINIMAL, "host.data_dir")
+    monkeypatch.setenv("WEAVE_TEST_SET", str(tmp_path / "x"))
+    prof = load_profile(write(tmp_path, '[host]\ndata_dir = "${WEAVE_TEST_SET}/data"\n' + MINIMAL), hardware=CPU_BOX)
+    assert prof.host.data_dir == tmp_path / "x" / "data"
+
+
 @pytest.mark.parametrize("text, n", [
     ("8GiB", 8 * 2**30), ("512MB", 512 * 10**6), ("1.5 GiB", 3 * 2**29), ("4096", 4096), (1024, 1024),
     ("2kib", 2048), ("1TB", 10**12),

@@ -231,7 +231,7 @@ def test_a_turn_that_meets_a_full_kv_cap_says_so_and_whether_to_retry(tiny_llama
         assert err["type"] == "error" and err["status"] == 503 and err["code"] == "kv_cap_exceeded"
         assert err["retryable"] is False and "DELETE /v1/sessions/ID" in err["message"]
         turn = Turn.__new__(Turn)  # the API's reading of the event
-        turn.error = err
+        turn.error, turn.completion_tokens, turn.session = err, 0, other
         exc = turn.failure()
         assert (exc.status, exc.type, exc.code, exc.retryable) == (503, "overloaded_error", "kv_cap_exceeded", False)
     finally:

@@ -329,10 +329,46 @@ def test_a_kv_file_removed_while_the_daemon_runs_refuses_its_turns_in_words(tiny
         sid = d.create_session(SLA(SLAClass.INTERACTIVE))["id"]
         run_turn(d, sid, "Hello")
         (tmp_path / "data" / "kv" / f"{sid}.kv").unlink()
-        events, _ = run_turn(d, sid, "And a long answer " * 300)  # (past the room reserved so far)
-        err = events[-1]
-        assert err["type"] == "error" and err.get("status") == 409 and "is gone" in err["message"], err
+        before = d.get_session(sid)["messages"]
+        for text in ("Short", "And a long answer " * 300):  # within the room reserved so far, and past it
+            with pytest.raises(Conflict, match="its KV file .* is gone .*delete the session, or restart"):
+                run_turn(d, sid, text)  # refused at its start: nothing is kept of it
+        assert d.get_session(sid)["messages"] == before
         other = d.create_session(SLA(SLAClass.INTERACTIVE))["id"]  # the rest serve
         assert run_turn(d, other, "Hello")[0][-1]["type"] == "done"
     finally:
         d.shutdown()
+
+
+def test_kv_files_without_their_journal_are_refused_not_swept(tiny_llama, tmp_path, caplog):
+    """The journal removed while the daemon runs is said in the log at its next write; the next start
+    finds KV files and no journal and refuses (it would have swept every session as no one's)."""
+    from weaved.errors import WeaveError
+
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        sid = d.create_session(SLA(SLAClass.BATCH))["id"]
+        run_turn(d, sid, "Hello")
+        for f in (tmp_path / "data").glob("journal.sqlite*"):
+            f.unlink()
+        with caplog.at_level("ERROR", logger="weave.daemon"):
+            run_turn(d, sid, "Again")
+            run_turn(d, sid, "And again")
+        said = [r.getMessage() for r in caplog.records if "was removed while the daemon runs" in r.getMessage()]
+        assert len(said) == 1  # once
+    finally:
+        d.shutdown()
+    with pytest.raises(WeaveError, match=r"holds 1 session KV file\(s\) but no journal .*move .*kv aside"):
+        make_daemon(tiny_llama, tmp_path / "data")
+    assert (tmp_path / "data" / "kv" / f"{sid}.kv").exists()  # nothing was swept
+
+
+def test_a_new_data_directory_and_its_journal_are_the_users_alone(tiny_llama, tmp_path):
+    old = os.umask(0o022)
+    try:
+        d = make_daemon(tiny_llama, tmp_path / "data")
+        d.shutdown()
+    finally:
+        os.umask(old)
+    assert (tmp_path / "data").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "data" / "journal.sqlite").stat().st_mode & 0o777 == 0o600

@@ -139,6 +139,7 @@ def test_a_session_that_takes_its_own_copy_at_a_restart_lets_the_prefix_go(tmp_p
     store.publish_prefix(a, prompt)
     b = store.create("b", capacity=1024)
     assert store.share_prefix(b, prompt) == 2 * BLOCK
+    assert all(f.stat().st_mode & 0o777 == 0o600 for f in (tmp_path / "prefixes").glob("*.kv"))  # (the user's)
     store.delete("a")
     del store, a, b
     again = KVStore(tmp_path, CFG)

@@ -27,6 +27,7 @@ from weaved.api.params import sla_from
 from weaved.api.state import ApiState
 from weaved.engine.sampling import SamplingParams
 from weaved.errors import ContextTooLong, NotFound, Overloaded, WeaveError
+from weaved.http_errors import status_type
 from weaved.routing.types import SLA, SLAClass
 
 _draining: set[asyncio.Task] = set()
@@ -173,12 +174,18 @@ class Turn:
 
     def failure(self) -> WeaveError:
         assert self.error is not None
-        exc = TurnFailed(self.error.get("message", "the turn failed"))
+        message = self.error.get("message", "the turn failed")
+        if self.completion_tokens and self.session is not None:  # (a stream showed them; an answer did not)
+            message += (f" (the {self.completion_tokens} token(s) generated before it are kept in session "
+                        f"{self.session}'s transcript, ended as \"error\": POST /v1/sessions/{self.session}/rewind "
+                        f"takes the turn back)")
+        exc = TurnFailed(message)
         exc.status = int(self.error.get("status", 500))
         if exc.status == 507:  # the disk: the code a client tells it by (InsufficientStorage's)
             exc.code = "insufficient_storage"
-        # the cause's own type, code and retry advice where the engine passed them on (a full KV cap)
-        exc.type = self.error.get("error_type", exc.type)
+        # the cause's own type, code and retry advice where the engine passed them on (a full KV cap), else
+        # the type its status has (a lost KV file's 409: a conflict)
+        exc.type = self.error.get("error_type") or status_type(exc.status)
         exc.code = self.error.get("code", exc.code)
         exc.retry_after_s = self.error.get("retry_after_s", 1.0)
         exc.retryable = self.error.get("retryable", True)

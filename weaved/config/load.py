@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import os
+import re
 import socket
 import tomllib
 from collections.abc import Callable
@@ -218,6 +219,9 @@ def _host(t: Table, source: str, hw: Callable[[], Hardware]) -> HostConfig:
     data_dir = t.text("data_dir", AUTO)
     if not data_dir:
         raise t.err("data_dir", 'must be a path or "auto"')
+    unset = [v for v in re.findall(r"\$\{?(\w+)\}?", data_dir) if v not in os.environ]
+    if unset and data_dir != AUTO:  # (kept as text, it would make a directory named after the variable)
+        raise t.err("data_dir", f"names environment variable(s) not set here: {', '.join(unset)}")
     path = default_data_dir() if data_dir == AUTO else Path(os.path.expandvars(data_dir)).expanduser()
     if not path.is_absolute():  # relative to the profile file, not to wherever the daemon was started
         path = Path(source).resolve().parent / path

@@ -22,6 +22,7 @@ snapshot.  Other processes may open the same file: WAL lets their reads proceed 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import sys
 import threading
@@ -134,8 +135,12 @@ class Journal:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
+        self.lost_said = False  # the file was found removed while open (said once in the log)
+        new = not self.path.exists()
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, so a transaction is exactly what we say.
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10.0)
+        if new:  # transcripts are the user's alone (SQLite gives its -wal and -shm files the same mode)
+            self.path.chmod(0o600)
         self._db.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL mode: a commit is appended to the WAL but fsynced only at checkpoints.  It
         # survives the daemon being killed (the WAL is in the OS's page cache and is replayed on open)
@@ -180,12 +185,23 @@ class Journal:
             try:
                 yield self._db
                 self._db.execute("COMMIT")
+                if not self.lost_said and not self.path.exists():
+                    self._said_lost()
             except BaseException as e:
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")
                 if isinstance(e, sqlite3.Error) and getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
                     raise JournalFull(f"the journal ({self.path}) could not be written: its disk is full") from e
                 raise
+
+    def _said_lost(self) -> None:
+        """The file was removed behind the daemon: SQLite goes on writing the removed file, so nothing
+        fails now, but nothing recorded survives a restart - said once, loudly."""
+        self.lost_said = True
+        logging.getLogger("weave.daemon").error(
+            "the journal %s was removed while the daemon runs: what it records now is lost at the next stop, and "
+            "the next start refuses the KV files it leaves without one; restore it from a backup, or stop the "
+            "daemon and move its kv directory aside", self.path)
 
     def _kv_length(self, db: sqlite3.Connection, id: str) -> int:
         row = db.execute("SELECT kv_length FROM sessions WHERE id=?", (id,)).fetchone()

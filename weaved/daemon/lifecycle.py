@@ -54,8 +54,8 @@ class DaemonLifecycle:
         if self.data_dir.exists() and not self.data_dir.is_dir():
             raise WeaveError(f"the data directory {self.data_dir} is a file, not a directory: pass another "
                              f"--data-dir (or set the profile's host.data_dir)")
-        try:
-            self.data_dir.mkdir(parents=True, exist_ok=True)
+        try:  # a new one is the user's alone: it holds transcripts and their KV
+            self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as e:
             raise WeaveError(f"cannot make the data directory {self.data_dir}: {e.strerror or e}: pass another "
                              f"--data-dir (or set the profile's host.data_dir)") from None
@@ -116,6 +116,7 @@ class DaemonLifecycle:
             self._check_memory()  # (before anything is made in the data directory)
             self._check_pool_sizes()  # (the model first: a batch's KV matters only if the model fits)
         self.fsync = self.profile.host.durability == "fsync"
+        _check_journal_kept(self.data_dir)
         self.store = KVStore(self.data_dir / "kv", self.config, cap_bytes=self.profile.host.kv_cap_bytes,
                              share=self.profile.host.prefix_cache, durable=self.fsync)
         delete_group_files(self.store)  # ring shards never outlive their group: rebuilt from transcripts
@@ -317,6 +318,19 @@ class DaemonLifecycle:
         if hasattr(self, "store"):
             self.store.settle(timeout=10.0)
         self._release_data_dir()
+
+
+def _check_journal_kept(data_dir) -> None:
+    """KV files with no journal beside them (removed, or a partial copy of the directory): the sessions
+    they hold cannot be told apart, and the start would sweep them as no session's - refused instead."""
+    kv = data_dir / "kv"
+    if (data_dir / "journal.sqlite").exists() or not kv.is_dir():
+        return
+    files = [p for p in kv.glob("*.kv")]
+    if files:
+        raise WeaveError(f"the data directory {data_dir} holds {len(files)} session KV file(s) but no journal "
+                         f"(journal.sqlite): the sessions they belong to are unknown. Restore journal.sqlite (with "
+                         f"its -wal file) from a backup, or move {kv} aside to start with no sessions")
 
 
 @contextmanager

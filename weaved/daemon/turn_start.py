@@ -33,6 +33,7 @@ from weaved.engine.sampling import SamplingParams
 from weaved.engine.sequence import Sequence
 from weaved.errors import Conflict, InvalidRequest, Overloaded, WeaveError
 from weaved.kv.cache import KVCache
+from weaved.kv.errors import KVFileLost
 from weaved.routing.types import SLA, Placement, SLAClass
 
 CANCEL_WAIT_S = 30.0  # how long a new turn waits for its session's cancelled turn to end (one engine step)
@@ -92,6 +93,11 @@ class TurnStarts:
             s = self._get(session_id)
             if s.turn is not None and not s.turn.ended.is_set():
                 raise Conflict(f"session {session_id} is already generating a turn", param="session")
+            if isinstance(s.kv, KVCache):
+                try:
+                    self.store.check_file(s.kv)
+                except KVFileLost as e:
+                    raise Conflict(str(e), param="session") from None
             # the turn is judged on the session as it will be - its transcript taken back to ``continues``,
             # its new system prompt - in memory only: a refused turn leaves the session as it was
             rewound = self._rewound(s, continues) if continues is not None else None

@@ -319,7 +319,7 @@ def _write_reserved(path: Path, rows: np.ndarray, shape: tuple[int, ...]) -> Non
     written through the mapping: a store into a page the file system cannot back kills the process with
     SIGBUS, where an allocation fails with ENOSPC (an OSError)."""
     nbytes = int(np.prod(shape)) * 2
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)  # (prompts' KV: the user's alone)
     try:
         if nbytes:
             os.posix_fallocate(fd, 0, nbytes)

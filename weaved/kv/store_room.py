@@ -104,13 +104,24 @@ class RoomAccounting:
         n_runs = c.n_layers * 2 * c.n_kv_heads
         return [(r * capacity * row + start * row, (stop - start) * row) for r in range(n_runs)]
 
+    def check_file(self, kv: KVCache) -> None:
+        """``KVFileLost`` when the file of ``kv``'s session was removed behind the daemon (a session in
+        memory only has none to lose): checked before a turn starts, so that it is refused as a whole
+        rather than failing once it outgrows the blocks already allocated."""
+        with self._lock:
+            session_id, s = self._still_open(kv)
+        if s is not None and not s.memory_only and not self._kv_path(session_id).exists():
+            raise self._lost(session_id)
+
+    def _lost(self, session_id: str) -> KVFileLost:
+        return KVFileLost(f"session {session_id}: its KV file {self._kv_path(session_id)} is gone (removed while "
+                          f"the daemon ran): delete the session, or restart the daemon to rebuild it from its journal")
+
     def _allocate(self, session_id: str, s: OpenSession, start: int, stop: int) -> None:
         try:
             fd = os.open(self._kv_path(session_id), os.O_RDWR)
         except FileNotFoundError:
-            raise KVFileLost(f"session {session_id}: its KV file {self._kv_path(session_id)} is gone (removed while "
-                             f"the daemon ran): delete the session, or restart the daemon to rebuild it from its "
-                             f"journal") from None
+            raise self._lost(session_id) from None
         except OSError as e:
             raise self._os_error(session_id, "opening its KV file", e) from e
         try:
