@@ -49,3 +49,33 @@ def test_a_stream_whose_client_left_before_it_started_cancels_its_turn(path, bod
     while not fake.cancelled and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(fake.cancelled) == 1
+
+
+def _wait(cond, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_a_first_response_that_stores_nothing_leaves_no_session():
+    """A new chain's session is made for its first response: when that response stores nothing - its
+    client left before the stream started, or it failed - the session goes (it held a session slot and
+    its KV for good); a stored one keeps it."""
+    fake = FakeDaemon(hold=True)
+    asyncio.run(_gone_at_once(create_app(fake), "/v1/responses", {"input": "hi", "stream": True}))
+    assert _wait(lambda: not fake.sessions), fake.sessions
+
+    from fastapi.testclient import TestClient
+
+    failing = FakeDaemon(fail="the KV cap is full")
+    with TestClient(create_app(failing)) as client:
+        r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4})
+        assert r.status_code == 500 and "KV cap" in r.json()["error"]["message"]
+        assert _wait(lambda: not failing.sessions), failing.sessions
+    fine = FakeDaemon()
+    with TestClient(create_app(fine)) as client:
+        assert client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4}).json()["status"] in (
+            "completed", "incomplete")
+        time.sleep(0.2)
+        assert len(fine.sessions) == 1

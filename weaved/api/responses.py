@@ -11,6 +11,7 @@ chain survives a daemon restart with the session.  Only a chain's latest respons
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -124,9 +125,13 @@ async def create_response(request: Request) -> Response:
             raise Conflict(f"response {req.previous_response_id} is already being continued by another request; "
                            f"continue from the response that one makes", param="previous_response_id") from None
         raise
-    reply = _Reply(req, turn, daemon.model_name, sid)
+    reply = _Reply(req, turn, daemon.model_name, sid, new_session=created_session)
     if req.stream:
-        return sse_response(_stream(request, reply), on_close=turn.abandon)
+        def closed() -> None:  # (also when the stream never started: its own finally never runs)
+            turn.abandon()
+            reply.drop_unstored()
+
+        return sse_response(_stream(request, reply), on_close=closed)
     reply.register()
     try:
         events = await turn.collect(request)
@@ -143,6 +148,7 @@ async def create_response(request: Request) -> Response:
         await reply.store(obj)
     finally:
         reply.unregister()
+        reply.drop_unstored()
     return JSONResponse(obj)
 
 
@@ -171,8 +177,10 @@ async def delete_response(request: Request, rid: str) -> dict:
 class _Reply:
     """One response being built: its id, items, and the request fields it echoes."""
 
-    def __init__(self, req: ResponsesRequest, turn: Turn, model: str, sid: str | None):
+    def __init__(self, req: ResponsesRequest, turn: Turn, model: str, sid: str | None, new_session: bool = False):
         self.req, self.turn, self.model, self.sid = req, turn, model, sid
+        self.new_session = new_session  # its session was made for it (a new chain, or a branch)
+        self.stored = self.dropped = False
         self.id = new_id("resp")
         self.created = int(time.time())
         self.items = OutputItems(sealed_reasoning="reasoning.encrypted_content" in (req.include or ()))
@@ -240,6 +248,22 @@ class _Reply:
     async def store(self, obj: dict) -> None:
         if self.kept and obj["status"] in ("completed", "incomplete"):
             await run_in_threadpool(self.turn.state.daemon.store_response, self.sid, self.id, obj)
+            self.stored = True
+
+    def drop_unstored(self) -> None:
+        """A session made for this response that stores none (it failed, was cancelled, or its client left)
+        holds no chain anyone can continue: deleted (off the event loop; cancelling its turn if it runs),
+        else it would hold a session slot and its KV for good."""
+        if not self.new_session or self.stored or self.sid is None or self.dropped:
+            return
+        self.dropped = True
+        daemon = self.turn.state.daemon
+
+        def drop() -> None:
+            with contextlib.suppress(NotFound):
+                daemon.delete_session(self.sid)
+
+        asyncio.get_running_loop().run_in_executor(None, drop)
 
 
 async def _stream(request: Request, reply: _Reply) -> AsyncIterator[bytes]:
@@ -282,3 +306,4 @@ async def _stream(request: Request, reply: _Reply) -> AsyncIterator[bytes]:
         reply.unregister()
         turn.unwatch()
         turn.abandon()
+        reply.drop_unstored()
