@@ -219,14 +219,16 @@ def test_a_turn_that_meets_a_full_kv_cap_says_so_and_whether_to_retry(tiny_llama
     d = make_daemon(tiny_llama, tmp_path / "probe")
     bpt = d.config.kv_bytes_per_token
     d.shutdown()
-    low = dataclasses.replace(prof, host=dataclasses.replace(prof.host, kv_cap_bytes=300 * bpt))
+    low = dataclasses.replace(prof, host=dataclasses.replace(prof.host, kv_cap_bytes=600 * bpt))
     d = Daemon(low, tiny_llama, data_dir=tmp_path / "data", log_fn=lambda m: None)
     d.load()
     try:
-        kept = d.create_session(SLA(SLAClass.BATCH), max_context=300)["id"]
+        kept = d.create_session(SLA(SLAClass.BATCH), max_context=400)["id"]
         run_turn(d, kept, "Hello there " * 40)  # a whole chunk of 256 positions
-        other = d.create_session(SLA(SLAClass.BATCH), max_context=300)["id"]
-        events, _ = run_turn(d, other, "Hello there " * 40)
+        other = d.create_session(SLA(SLAClass.BATCH), max_context=400)["id"]
+        # its prompt's first 256-token chunk fits beside kept's; its second does not
+        events, _ = run_turn(d, other, "Hello there " * 170)
+        assert len(d.journal.get(kept).tokens) < 256 and 330 < len(d.tokenizer.encode("Hello there " * 170)) < 350
         err = events[-1]
         assert err["type"] == "error" and err["status"] == 503 and err["code"] == "kv_cap_exceeded"
         assert err["retryable"] is False and "DELETE /v1/sessions/ID" in err["message"]
@@ -234,6 +236,8 @@ def test_a_turn_that_meets_a_full_kv_cap_says_so_and_whether_to_retry(tiny_llama
         turn.error, turn.completion_tokens, turn.session = err, 0, other
         exc = turn.failure()
         assert (exc.status, exc.type, exc.code, exc.retryable) == (503, "overloaded_error", "kv_cap_exceeded", False)
+        # the refused turn was taken back, and the room it had reserved with it: the kept session's alone
+        assert d.store.reserved_bytes() == 256 * bpt and d.get_session(other)["messages"] == []
     finally:
         d.shutdown()
 

@@ -155,6 +155,30 @@ def test_cap_held_by_requests_in_flight_is_worth_a_retry(tmp_path):
     store.reserve(new, 10)
 
 
+def test_rows_taken_back_give_their_room_back(tmp_path):
+    """Positions reserved past a rewind's point go back to the cap (in whole chunks) and their blocks to the
+    disk; the rows kept are untouched, and growing again allocates before writing."""
+    from weaved.kv.tiers import allocated_bytes
+
+    store = KVStore(tmp_path, CFG, cap_bytes=4 * CHUNK * BPT, chunk=CHUNK)
+    a = store.create("a", capacity=2048)
+    store.reserve(a, 3 * CHUNK)
+    rows = fill(a, 0, 3 * CHUNK, seed=7)
+    on_disk = allocated_bytes(tmp_path / "a.kv")
+    a.truncate(10)
+    store.release_past(a, 10)
+    assert store.reserved_bytes() == CHUNK * BPT
+    assert allocated_bytes(tmp_path / "a.kv") <= on_disk - 2 * CHUNK * BPT
+    np.testing.assert_array_equal(a.data[:, :, :, :10], rows[:, :, :, :10])
+    store.reserve(a, 2 * CHUNK)  # room again, allocated before it is written
+    fill(a, 10, 2 * CHUNK, seed=8)
+    mem = store.create("m", capacity=2048, memory_only=True)  # a session in memory: its accounting too
+    store.reserve(mem, 2 * CHUNK)
+    fill(mem, 0, 2 * CHUNK, seed=9)
+    store.release_past(mem, CHUNK)
+    assert store.reserved_bytes() == 3 * CHUNK * BPT
+
+
 def test_cap_takes_exact_positions_when_a_whole_chunk_does_not_fit(tmp_path):
     store = KVStore(tmp_path, CFG, cap_bytes=300 * BPT, chunk=CHUNK)
     a, b = store.create("a", 1024), store.create("b", 1024)

@@ -198,6 +198,8 @@ class ResponseChains:
             if isinstance(s.kv, KVCache):
                 self.store.unshare(s.kv, r.kv_at)
             s.kv.truncate(r.kv_at)
+            if isinstance(s.kv, KVCache):  # the room its dropped rows held goes back to the cap and the disk
+                self.store.release_past(s.kv, r.kv_at)
         s.messages[:], s.committed[:], s.tail = r.messages, r.committed, r.tail
         self.publish("rewind", {"session": s.id, "messages": r.dropped, "from": r.kv_at})
         self.log(f"session {s.id}: {r.dropped} transcript entries dropped, {why}; context back to {r.kv_at} "

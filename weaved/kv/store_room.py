@@ -17,6 +17,7 @@ A mixin of ``KVStore`` (``store.py``), which holds the sessions and the lock the
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 
@@ -103,6 +104,37 @@ class RoomAccounting:
         row = c.head_dim * 2  # bytes per position per head
         n_runs = c.n_layers * 2 * c.n_kv_heads
         return [(r * capacity * row + start * row, (stop - start) * row) for r in range(n_runs)]
+
+    def release_past(self, kv: KVCache, length: int) -> None:
+        """The positions a session reserved past ``length`` (in whole chunks; never a shared prefix's) are
+        given back - rows taken back by a rewind, or by a turn that failed: the cap counts them no more, a
+        file's blocks go back to the disk (holes punched) and a session in memory drops its pages.  A
+        later ``reserve`` allocates them again before a step writes them."""
+        with self._lock:
+            session_id, s = self._still_open(kv)
+            if s is None:
+                return
+            keep = min(s.capacity, max(s.shared, -(-length // self.chunk) * self.chunk))
+            if keep >= s.reserved:
+                return
+            runs = self._runs(s.capacity, keep, s.reserved)
+            s.reserved = keep
+            if s.memory_only:
+                page = mmap.PAGESIZE
+                for off, n in runs:  # (whole pages inside each run only: a run's neighbours keep theirs)
+                    first, last = -(-off // page) * page, (off + n) // page * page
+                    if last > first:
+                        s.mm.madvise(mmap.MADV_DONTNEED, first, last - first)
+                return
+            try:
+                fd = os.open(self._kv_path(session_id), os.O_RDWR)
+            except OSError:  # (a file removed behind the daemon: nothing to give back)
+                return
+            try:
+                for off, n in runs:
+                    punch_hole(fd, off, n)
+            finally:
+                os.close(fd)
 
     def check_file(self, kv: KVCache) -> None:
         """``KVFileLost`` when the file of ``kv``'s session was removed behind the daemon (a session in
