@@ -5,6 +5,7 @@ field that used to be ignored changing the answer."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -198,6 +199,17 @@ def test_a_sessions_transcript_keeps_its_calls_with_the_ids_the_api_gave(request
         kept = c.get(f"/v1/sessions/{sid}").json()["messages"][-1]
         assert kept["role"] == "assistant" and kept["tool_calls"] == calls
         assert not kept["content"] and kept["finish_reason"] == r["choices"][0]["finish_reason"] == "tool_calls"
+        with c.stream("GET", "/v1/events", params={"backlog": 50}) as events:  # its turn_end says it too
+            ends, comments = [{}], 0
+            for line in itertools.islice(events.iter_lines(), 400):  # (the backlog: a keep-alive, then events)
+                comments += line.startswith(":")
+                if comments > 1:  # the backlog is over: the next keep-alive came
+                    break
+                if line.startswith("data: ") and json.loads(line[6:])["type"] == "turn_end":
+                    ends.append(json.loads(line[6:]))
+                    if ends[-1]["session"] == sid:
+                        break
+        assert ends[-1]["session"] == sid and ends[-1]["finish_reason"] == "tool_calls"
         wrong = {"role": "tool", "tool_call_id": "call_not_made", "content": "18C"}
         refused = c.post(f"/v1/sessions/{sid}/turns", json={**turn, "messages": [wrong], "tool_choice": "auto"})
         assert refused.status_code == 400 and "call_not_made" in refused.json()["error"]["message"]

@@ -79,16 +79,19 @@ class TurnEvents:
                 self._publish_later(s, drop=False)
             emit(ev)
             return
-        publishing = False
+        publishing, answer = False, None
         try:
-            self._record_turn_end(s, seq, kind)
+            answer = self._record_turn_end(s, seq, kind)
             publishing = kind == "done" and s.ephemeral and self._publish_later(s, drop=True)
         except Exception:  # the stream must end whatever recording did
             log.exception("session %s: recording the end of its turn failed", s.id)
         if not s.ephemeral and self.sessions.get(s.id) is not s:
             self._drop_device_copies(s)
         if not s.ephemeral:  # (a supervisor follows kept sessions' turns without polling)
-            self.publish("turn_end", {"session": s.id, "finish_reason": seq.finish_reason or "error",
+            reason = seq.finish_reason or "error"
+            if reason == "stop" and answer and answer.get("tool_calls"):  # as the API gave it (``transcript_view``)
+                reason = "tool_calls"
+            self.publish("turn_end", {"session": s.id, "finish_reason": reason,
                                       "prompt_tokens": n_prompt, "computed_tokens": seq.prefilled,
                                       "completion_tokens": len(seq.generated),
                                       "seconds": round(self.clock() - seq.arrival, 3),
@@ -176,15 +179,16 @@ class TurnEvents:
             return False
         return True
 
-    def _record_turn_end(self, s: Session, seq: Sequence, kind: str) -> None:
-        """The answer into the transcript and the journal - unless the session was deleted meanwhile."""
+    def _record_turn_end(self, s: Session, seq: Sequence, kind: str) -> dict | None:
+        """The answer into the transcript and the journal - unless the session was deleted meanwhile; its
+        parsed form (None for an ephemeral session's)."""
         text = "".join(seq.text)
         # its parsed form, off the lock (the turn has ended: nothing changes its plan now); an ephemeral
         # session's transcript goes with it, so it is not parsed
         answer = None if s.ephemeral else parsed_answer(s.answer_plan, s.call_seed, text)
         with self._lock:
             if self.sessions.get(s.id) is not s:
-                return
+                return None
             s.tail = list(seq.pending) if kind == "done" else []
             # failed before its first token (no room for its KV, ...): as if it was never asked
             taken_back = kind == "error" and not seq.generated and self._take_back_turn(s)
@@ -202,3 +206,4 @@ class TurnEvents:
             if s.detached and seq.finish_reason != "shutdown":  # over: a stop's cut turn stays to run again
                 self.journal.drop_detached(s.id)
                 s.detached = False
+        return answer
