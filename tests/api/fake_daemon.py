@@ -80,6 +80,7 @@ class FakeDaemon:
         self.fail = fail
         self.fail_status = fail_status  # the error event's status (None: the engine's default, 500)
         self.config = SimpleNamespace(context_length=context_length, arch="fake")
+        self.profile = SimpleNamespace(host=SimpleNamespace(default_context=32768))
         self.model_name = "fake-model"
         self.tokenizer = ByteTokenizer()
         self.max_sessions = max_sessions

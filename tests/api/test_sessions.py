@@ -63,7 +63,8 @@ def test_health_models_status(client):
     assert client.get("/health").json() == {"status": "ok", "model": "fake-model"}
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "fake-model"
-    assert client.get("/v1/models/fake-model").json()["context_length"] == 4096
+    model = client.get("/v1/models/fake-model").json()
+    assert model["context_length"] == 4096 and model["default_context"] == 4096  # (the profile's, capped)
     assert client.get("/v1/models/default").json()["id"] == "fake-model"  # the alias requests may use
     other = client.get("/v1/models/other")  # the same 404 a request naming it gets
     assert other.status_code == 404

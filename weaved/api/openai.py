@@ -22,8 +22,11 @@ router = APIRouter()
 
 def _model(request: Request) -> dict:
     d = state_of(request).daemon
+    # the model's own context, and what a request without a session of its own gets (a stateless request,
+    # a Responses chain, a session created without max_context): the profile's default capped by the model's
+    default = min(d.profile.host.default_context, d.config.context_length)
     return {"id": d.model_name, "object": "model", "created": int(getattr(d, "started", 0)), "owned_by": "weave",
-            "context_length": d.config.context_length}
+            "context_length": d.config.context_length, "default_context": default}
 
 
 @router.get("/v1/models")
