@@ -246,7 +246,7 @@ def register(app: typer.Typer) -> None:
         try:  # until the server owns the lock (it lets go of it when it stops), a failure lets go of it here
             model_path = resolve_model(model)
             from weaved.daemon.core import Daemon
-            from weaved.errors import WeaveError
+            from weaved.errors import SettingRefused, WeaveError
 
             logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
             started = time.monotonic()
@@ -256,8 +256,8 @@ def register(app: typer.Typer) -> None:
             restarted = os.environ.pop(RESTARTED_ENV, None) is not None
             try:
                 daemon.load(progress=_say)
-            except WeaveError as e:
-                raise _fail(e.message) from None
+            except WeaveError as e:  # (a setting this host cannot honour: bad usage, as a bad option is)
+                raise _fail(e.message, 2 if isinstance(e, SettingRefused) else 1) from None
             if daemon.compiled.kernels and not restarted:
                 _restart_fresh(daemon, lock_fd)
             server = Server(daemon, path, listen=listen, api_key=api_key, log=_log_line, federation=federation,

@@ -17,6 +17,12 @@ class WeaveError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class SettingRefused(WeaveError):
+    """What the profile or the daemon's arguments ask for, this host cannot give (a pool on a device it
+    lacks, a KV cap that holds no session, a data directory that is a file): the fix is in them, so
+    ``weave serve`` exits 2, as for bad usage."""
+
+
 class InvalidRequest(WeaveError):
     status = 400
     type = "invalid_request_error"

@@ -61,3 +61,12 @@ def test_sigterm_during_the_load_stops_it_as_ctrl_c_does(monkeypatch):
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert cleaned == ["raised", "cleaned up"]
+
+
+def test_a_setting_this_host_cannot_honour_is_bad_usage(tmp_path):
+    """Found once the daemon starts loading, but the fix is in the arguments: exit 2, as for a bad option."""
+    (tmp_path / "plain").write_text("")
+    r = runner.invoke(app, ["serve", "--socket", str(tmp_path / "w.sock"), "--data-dir", str(tmp_path / "plain")],
+                      env={"WEAVE_DEBUG": None, "WEAVE_SOCKET": None})
+    assert r.exit_code == 2 and "is a file, not a directory" in r.stderr, (r.exit_code, r.stderr)
+    assert not (tmp_path / "w.sock").exists()

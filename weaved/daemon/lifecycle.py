@@ -24,7 +24,7 @@ from weaved.daemon.housekeeping import Housekeeper, InlineExecutor
 from weaved.daemon.moves import SessionMoves
 from weaved.daemon.recovery import transcript_of, unfed_prompt, unfed_tail, unfinished_answer
 from weaved.daemon.session import Session, transcript_entry
-from weaved.errors import WeaveError
+from weaved.errors import SettingRefused, WeaveError
 from weaved.kv.errors import KVFileMismatch, KVStoreError
 from weaved.model.config import ModelConfig
 from weaved.routing.types import SLA, Placement
@@ -52,12 +52,12 @@ class DaemonLifecycle:
         are published inline: the caller steps the engines (``BatchEngine.run_once``).  A load that
         fails lets go of the data directory (``shutdown`` still closes what it opened)."""
         if self.data_dir.exists() and not self.data_dir.is_dir():
-            raise WeaveError(f"the data directory {self.data_dir} is a file, not a directory: pass another "
+            raise SettingRefused(f"the data directory {self.data_dir} is a file, not a directory: pass another "
                              f"--data-dir (or set the profile's host.data_dir)")
         try:  # a new one is the user's alone: it holds transcripts and their KV
             self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as e:
-            raise WeaveError(f"cannot make the data directory {self.data_dir}: {e.strerror or e}: pass another "
+            raise SettingRefused(f"cannot make the data directory {self.data_dir}: {e.strerror or e}: pass another "
                              f"--data-dir (or set the profile's host.data_dir)") from None
         self._data_lock = lock_data_dir(self.data_dir)  # (before anything in it is read or written)
         try:
@@ -148,7 +148,7 @@ class DaemonLifecycle:
                 self.pools, model_fingerprint(self.config), calibrations, say,  # modelled)
                 step_target_s=self.profile.routing.step_target_s)
         if not any(p.config.strategy == "standard" for p in self.pools.values()):
-            raise WeaveError("the profile has no pool this daemon can run: "
+            raise SettingRefused("the profile has no pool this daemon can run: "
                              + "; ".join(self.pool_notes or ["it names none with the standard strategy"]))
         if self.federation is not None:
             self.member_groups = fed.member_groups(self, self.federation)
@@ -187,7 +187,7 @@ class DaemonLifecycle:
         out), before serving requests that could only fail."""
         bpt, cap = self.config.kv_bytes_per_token, self.profile.host.kv_cap_bytes
         if cap < MIN_KV_POSITIONS * bpt:
-            raise WeaveError(f"the profile's host.kv_cap_bytes ({cap:,} bytes) holds {cap // bpt} positions of "
+            raise SettingRefused(f"the profile's host.kv_cap_bytes ({cap:,} bytes) holds {cap // bpt} positions of "
                              f"{self.model_name}'s KV ({bpt:,} bytes each); a session needs at least "
                              f"{MIN_KV_POSITIONS}: raise it (e.g. kv_cap_bytes = \"4GiB\", or \"auto\")")
 
@@ -203,7 +203,7 @@ class DaemonLifecycle:
         for p in self.profile.pools:  # (a prefill chunk past the model's context is calibrated up to the context)
             need = p.max_batch * (CONTEXT // 2 + 64) * bpt
             if p.backend == "cpu" and need > ram // 2:
-                raise WeaveError(f"pool {p.name}: max_batch ({p.max_batch}) sequences of {CONTEXT // 2} positions "
+                raise SettingRefused(f"pool {p.name}: max_batch ({p.max_batch}) sequences of {CONTEXT // 2} positions "
                                  f"hold {human_size(need)} of {self.model_name}'s KV, more than half this host's "
                                  f"memory ({human_size(ram)}): lower it")
 
@@ -298,11 +298,13 @@ class DaemonLifecycle:
             e.stop()
         # said once the engines have stopped (a turn may end by itself in their last step), so that it
         # names the turns the stop cut; the next start tells only which of them run again
-        cut = sorted(s.id for s in running if s.turn is not None and s.turn.finish_reason == "shutdown")
+        stopped = [s for s in running if s.turn is not None and s.turn.finish_reason == "shutdown"]
+        cut = sorted(s.id for s in stopped)
         if cut:
             more = f", +{len(cut) - 5} more" if len(cut) > 5 else ""
-            self.log(f"stopped: {len(cut)} session turn(s) ended as 'shutdown' ({', '.join(cut[:5])}{more}); "
-                     f"a detached one runs again at the next start")
+            detached = sum(1 for s in stopped if s.detached)
+            again = f"; the {detached} detached one(s) run again at the next start" if detached else ""
+            self.log(f"stopped: {len(cut)} session turn(s) ended as 'shutdown' ({', '.join(cut[:5])}{more}){again}")
 
     def shutdown(self) -> None:
         self.stop_turns()

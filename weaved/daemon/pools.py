@@ -33,7 +33,7 @@ from weaved.engine.admission import Capacity
 from weaved.engine.engine import BatchEngine
 from weaved.engine.scheduler import SchedulerConfig
 from weaved.engine.sequence import SeqStatus, Sequence
-from weaved.errors import WeaveError
+from weaved.errors import SettingRefused
 from weaved.model.config import ModelConfig
 from weaved.model.gguf_file import GGUFFile
 from weaved.routing.types import PoolState, pool_state
@@ -41,7 +41,7 @@ from weaved.routing.types import PoolState, pool_state
 log = logging.getLogger("weave.pools")
 
 
-class PoolError(WeaveError):
+class PoolError(SettingRefused):
     """A pool of the profile that this host cannot run, though the profile asks for it."""
 
 

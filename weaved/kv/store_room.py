@@ -93,8 +93,11 @@ class RoomAccounting:
         else:
             fix = ("delete sessions no longer needed (weave rm, DELETE /v1/sessions/ID), or raise the profile's "
                    "[host] kv_cap_bytes")
+        own = self._open.get(session_id)
+        who = "this request" if own is not None and own.memory_only else f"session {session_id}"  # (a stateless
+        # request's session is its own, unnamed to its client)
         return KVCapExceeded(
-            f"session {session_id}: the KV cap ({human_size(self.cap_bytes)}) is full: {human_size(need)} more are "
+            f"{who}: the KV cap ({human_size(self.cap_bytes)}) is full: {human_size(need)} more are "
             f"needed, {human_size(others)} are held by {len(self._open) + len(self._unopened) - 1} other "
             f"session(s) and stored prefixes; {fix}", retryable=passing >= over)
 
