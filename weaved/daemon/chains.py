@@ -17,7 +17,7 @@ import dataclasses
 from types import SimpleNamespace
 
 from weaved.agent.plan import AnswerPlan, AnswerSpec
-from weaved.daemon.recovery import transcript_of, unfed_prompt, unfed_tail
+from weaved.daemon.recovery import answer_end, transcript_of, unfed_prompt, unfed_tail
 from weaved.daemon.session import Session, transcript_view
 from weaved.daemon.turns import Context, chat_turn_tokens, check_names_rendered, no_chat_template
 from weaved.errors import Conflict, InvalidRequest, NotFound, Overloaded
@@ -144,21 +144,12 @@ class ResponseChains:
         later transcript entries, their committed tokens and KV rows go - a cancelled or failed turn, or
         an answer to try again, without forking.  409 while a turn runs."""
         with self._lock:
-            s = self._get(sid)
-            if s.ephemeral:
-                raise InvalidRequest("an ephemeral session cannot be rewound", param="session")
-            if s.busy:
-                raise Conflict(f"session {sid} is generating a turn; rewind it once the turn has ended",
-                               param="session")
+            s = self._idle_kept(sid, "rewind", "rewound")
             if self.journal.stored_responses(sid):  # their ends would point past the session's
                 raise Conflict(f"session {sid} holds stored responses (a Responses chain): continue from an earlier "
                                f"response with previous_response_id instead", param="session")
             rec = self.journal.get(sid)
-            answers = [i for i, m in enumerate(rec.messages) if m["role"] == "assistant"]
-            if not 0 <= turn <= len(answers):
-                raise InvalidRequest(f"turn must be between 0 and the session's {len(answers)} answered turn(s)",
-                                     param="turn")
-            end = answers[turn - 1] + 1 if turn else 0
+            end = answer_end(rec.messages, turn, 0)
             if end < len(rec.messages):
                 kv_at = rec.messages[end]["kv_at"] if end else 0
                 # the transcript kept is the journal's (a raw prompt's input is only there until a restart)

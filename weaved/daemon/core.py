@@ -47,7 +47,7 @@ from weaved.daemon.status import (
 from weaved.daemon.turn_events import TurnEvents
 from weaved.daemon.turn_start import CANCEL_WAIT_S, TurnStarts
 from weaved.engine.engine import BatchEngine
-from weaved.errors import Conflict, ContextTooLong, NotFound
+from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound
 from weaved.routing.tree import place
 from weaved.routing.types import SLA, RoutingError, SessionRequest, SLAClass, SystemState
 
@@ -159,6 +159,16 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
                 raise Conflict(f"session {sid} is in the data directory but this daemon did not recover it: "
                                f"{self.unrecovered[sid]}", param="session")
             raise NotFound(f"no session {sid!r}", param="session")
+        return s
+
+    def _idle_kept(self, sid: str, verb: str, done: str) -> Session:
+        """Session ``sid`` for an operation on its whole context (``verb``: "fork", ``done``: "forked"): a
+        kept session with no turn running (caller holds the lock)."""
+        s = self._get(sid)
+        if s.ephemeral:
+            raise InvalidRequest(f"an ephemeral session cannot be {done}", param="session")
+        if s.busy:
+            raise Conflict(f"session {sid} is generating a turn; {verb} it once the turn has ended", param="session")
         return s
 
     def get_session(self, sid: str, messages: bool = True) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from types import SimpleNamespace
 
-from weaved.daemon.recovery import unfed_tail
+from weaved.daemon.recovery import answer_end, unfed_tail
 from weaved.daemon.session import Session
 from weaved.daemon.turns import message_extra
 from weaved.errors import Conflict, InvalidRequest, NotFound
@@ -26,12 +26,7 @@ class SessionForks:
     def fork_session(self, sid: str, turn: int | None = None, sla: SLA | None = None) -> dict:
         """A new session with ``sid``'s transcript and KV - all of it, or through its ``turn``-th answer."""
         with self._lock:
-            parent = self._get(sid)
-            if parent.ephemeral:
-                raise InvalidRequest("an ephemeral session cannot be forked", param="session")
-            if parent.busy:
-                raise Conflict(f"session {sid} is generating a turn; fork it once the turn has ended",
-                               param="session")
+            parent = self._idle_kept(sid, "fork", "forked")
             if not isinstance(parent.kv, KVCache):
                 raise InvalidRequest("a session decoded on a ring cannot be forked", param="session")
             if parent.rebuild:  # its file was lost: its rows exist again only once its next turn computes them
@@ -114,11 +109,7 @@ class SessionForks:
                     and len(rec.messages) == len(parent.messages))
             return (list(parent.messages), list(parent.committed), list(parent.tail),
                     rec.messages if same else None)
-        answers = [i for i, m in enumerate(rec.messages) if m["role"] == "assistant"]
-        if not 1 <= turn <= len(answers):
-            raise InvalidRequest(f"turn must be between 1 and the session's {len(answers)} answered turn(s)",
-                                 param="turn")
-        cut = answers[turn - 1] + 1
+        cut = answer_end(rec.messages, turn, 1)
         if cut == len(rec.messages):
             return self._fork_point(parent, None)
         kv_at = rec.messages[cut]["kv_at"]

@@ -11,6 +11,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
+def answer_end(messages: list[dict], turn: int, lowest: int) -> int:
+    """How many of a journal's ``messages`` run through its ``turn``-th answer (0: none); InvalidRequest
+    for a turn below ``lowest`` or past its answers."""
+    from weaved.errors import InvalidRequest
+
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not lowest <= turn <= len(answers):
+        raise InvalidRequest(f"turn must be between {lowest} and the session's {len(answers)} answered turn(s)",
+                             param="turn")
+    return answers[turn - 1] + 1 if turn else 0
+
+
 def unfed_tail(rec) -> list[int]:
     """The answer's last token(s), sampled but not fed when its turn ended (``Session.tail``).
 
