@@ -202,7 +202,7 @@ def _throughput(req: SessionRequest, state: SystemState, th: RoutingThresholds,
     elif ring is not None:
         decode, strategy = ring, "qring"
         reasons.append(f"no CPU pool has room: Q-Ring decode on {ring.name!r} "
-                       f"with {state.peers_alive} peer(s)")
+                       f"across the {state.peers_alive} live peer(s)")
     else:
         decode, strategy = _cpu(state, need, reasons), "standard"
     prefill_strategy, prefill_pool = _prefill(req, state, th, decode, reasons)
@@ -273,7 +273,7 @@ def _beyond_node(req: SessionRequest, state: SystemState, th: RoutingThresholds,
             f"the session needs up to {ctx} tokens of context but this node holds at most {limit}, and this "
             f"node has no Q-Ring pool to spread it across its {state.peers_alive} peer(s); add a "
             f'[[pools]] table with strategy = "qring" to the profile.')
-    reasons.append(f"Q-Ring decode on {ring.name!r} with {state.peers_alive} peer(s)")
+    reasons.append(f"Q-Ring decode on {ring.name!r} across the {state.peers_alive} live peer(s)")
     if req.sla.cls is SLAClass.INTERACTIVE:
         reasons.append("interactive: no latency-optimised distributed decode exists, "
                        "so top priority in the ring")
