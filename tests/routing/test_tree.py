@@ -71,7 +71,7 @@ def test_context_beyond_the_node_goes_to_the_ring_whatever_the_class():
     for cls in SLAClass:
         p = place(req(cls, prompt=1000, max_context=100_000), s, TH)
         assert p.decode_strategy == "qring" and p.decode_pool == "ring"
-        assert said(p, "100000 tokens", "32000 tokens", "2 peer")
+        assert said(p, "100000 tokens", "32000 tokens", "2 live peer")
 
 
 def test_context_beyond_the_node_interactive_prefills_on_the_gpu_at_top_priority():
