@@ -7,13 +7,14 @@ result where ``weave serve`` finds it.  Heavy imports happen inside the command.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from weaved.cli.common import JsonOpt, print_json
 from weaved.cli.fmt import printable
-from weaved.cli.serve import ModelOpt, ProfileOpt
+from weaved.cli.serve import ModelOpt, ProfileOpt, say_line
 
 HELP = (
     "Measure how long the CPU pool's engine steps take for a model on this host - prefill chunks and "
@@ -22,13 +23,6 @@ HELP = (
     "'weave serve' reads it. 'weave serve' calibrates by itself on first use of a model; run this to "
     "measure again, e.g. after a hardware change. Prints the rates in use and how well the model fits."
 )
-
-
-_progress_to_stderr = False  # with --json: stdout holds the JSON alone
-
-
-def _say(message: str) -> None:
-    typer.echo(printable(f"weave: {message}"), err=_progress_to_stderr)
 
 
 def _text(result: dict) -> str:
@@ -62,8 +56,7 @@ def register(app: typer.Typer) -> None:
                                                      show_default=False)] = None,
         json: JsonOpt = False,
     ) -> None:
-        global _progress_to_stderr
-        _progress_to_stderr = json
+        say = partial(say_line, err=json)  # (with --json, stdout holds the JSON alone)
         import dataclasses
 
         from weaved.cli.serve import resolve_model
@@ -97,7 +90,7 @@ def register(app: typer.Typer) -> None:
         owner = data_dir_owner(where)
         if owner is not None:  # measuring beside a serving daemon measures the daemon's load too
             who = f"a daemon (pid {owner})" if owner else "a daemon"
-            _say(f"note: {who} is serving from {where}: its work shares the cores this measures, and it "
+            say(f"note: {who} is serving from {where}: its work shares the cores this measures, and it "
                  f"uses the new rates from its next start")
         path = resolve_model(model, err=json)
         gguf, cfg = open_model(path)
@@ -107,11 +100,11 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(1)
         only_cpu = dataclasses.replace(prof, pools=tuple(cpu_cfgs))
         pools, _ = build_pools(only_cpu, gguf, cfg, commit=lambda *a: None, reserve=lambda *a: None,
-                               on_event=lambda *a: None, progress=_say)
+                               on_event=lambda *a: None, progress=say)
         store = CalibrationStore(where, cache_dir() / "calibration")
         cal = calibration_of(next(iter(pools.values())).backend, model_fingerprint(cfg),
                              max(p.config.prefill_chunk for p in pools.values()),
-                             max(p.config.max_batch for p in pools.values()), store, _say, force=True)
+                             max(p.config.max_batch for p in pools.values()), store, say, force=True)
         rows = []
         for p in pools.values():
             prefill, decode = cal.rates(p.config.prefill_chunk, p.config.max_batch)

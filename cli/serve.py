@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -42,7 +43,7 @@ ProfileOpt = Annotated[str | None, typer.Option("--profile", "-p", help="Shipped
                                                 "(default: detected from the hardware).", show_default=False)]
 
 
-def _say(message: str, err: bool = False) -> None:
+def say_line(message: str, err: bool = False) -> None:
     typer.echo(printable(f"weave: {message}"), err=err)
 
 
@@ -69,7 +70,7 @@ class _ConvertProgress:
         tenth = done * 10 // total
         if tenth > self._shown:
             self._shown = tenth
-            _say(f"converting the model: {tenth * 10}%", self._err)
+            say_line(f"converting the model: {tenth * 10}%", self._err)
 
 
 class Terminated(KeyboardInterrupt):
@@ -94,7 +95,7 @@ def _restart_fresh(daemon, lock_fd: int) -> NoReturn:
     import psutil
 
     resident = psutil.Process().memory_info().rss
-    _say(f"compiled the kernels in {daemon.compiled.seconds:.0f} s; starting again to serve them from the "
+    say_line(f"compiled the kernels in {daemon.compiled.seconds:.0f} s; starting again to serve them from the "
          f"cache without the compiler's memory ({resident / 1e6:.0f} MB resident now)")
     from weaved.daemon.data_lock import INHERITED_ENV as DATA_LOCK_ENV
 
@@ -129,9 +130,7 @@ def resolve_model(model: Path | None, err: bool = False) -> Path:
     (``err``: its progress on stderr, for a command whose stdout is JSON)."""
     from weaved.model.default import default_model_path, ensure_native
 
-    def say(message: str) -> None:
-        _say(message, err)
-
+    say = partial(say_line, err=err)
     if model is None:
         return default_model_path(_ConvertProgress(err), log=say)
     if model.is_dir():
@@ -217,9 +216,9 @@ def register(app: typer.Typer) -> None:
         except (ServerError, FederationError) as e:
             raise _fail(str(e)) from None
         for note in prof.notes:
-            _say(note)
+            say_line(note)
         if federation is None and prof.federation.token:
-            _say("note: the profile's [federation] table sets a token, but neither a port nor peers: the "
+            say_line("note: the profile's [federation] table sets a token, but neither a port nor peers: the "
                  "control plane is not served (set its port, or pass --federation-port)")
         template = None
         if chat_template is not None:
@@ -255,7 +254,7 @@ def register(app: typer.Typer) -> None:
                             chat_template=template)
             restarted = os.environ.pop(RESTARTED_ENV, None) is not None
             try:
-                daemon.load(progress=_say)
+                daemon.load(progress=say_line)
             except WeaveError as e:  # (a setting this host cannot honour: bad usage, as a bad option is)
                 raise _fail(e.message, 2 if isinstance(e, SettingRefused) else 1) from None
             if daemon.compiled.kernels and not restarted:
@@ -267,15 +266,15 @@ def register(app: typer.Typer) -> None:
             raise
 
         def ready(where: str) -> None:
-            _say(f"serving {daemon.model_name} with profile {prof.name!r}, "
+            say_line(f"serving {daemon.model_name} with profile {prof.name!r}, "
                  f"loaded in {time.monotonic() - started:.1f} s")
-            _say(f"ready on {where}")
+            say_line(f"ready on {where}")
 
         try:
             asyncio.run(server.serve(on_ready=ready))
         except ServerError as e:
             raise _fail(str(e)) from None
-        _say("stopped")
+        say_line("stopped")
         if daemon.waiting_groups:  # a thread woken inside the interpreter's teardown would abort the process
             sys.stdout.flush()
             sys.stderr.flush()
