@@ -51,6 +51,12 @@ class Conflict(WeaveError):
     status = 409
     type = "conflict_error"
 
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, retryable: bool = False):
+        super().__init__(message, param=param, code=code)
+        # True where the conflict ends by itself (a turn running on the session): the answer then advises a
+        # retry after a second; otherwise ``x-should-retry: false`` - the OpenAI SDKs retry a 409 twice
+        self.retryable = retryable
+
 
 class Unauthorized(WeaveError):
     status = 401
@@ -77,6 +83,7 @@ class InsufficientStorage(WeaveError):
     status = 507
     type = "server_error"
     http_status = 507  # (the engine's name for the status of a turn that fails on it)
+    retryable = False  # a full disk is freed by its owner, not in the seconds an SDK's retries wait
 
     def __init__(self, message: str, *, param: str | None = None):
         super().__init__(message, param=param, code="insufficient_storage")

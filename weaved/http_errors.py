@@ -39,11 +39,13 @@ def error_response(status: int, message: str, **kw: str | None) -> JSONResponse:
 
 
 def retry_headers(exc: WeaveError) -> dict[str, str] | None:
-    """A 503's advice to the client: ``Retry-After`` when waiting helps, ``x-should-retry: false`` when
-    it does not (a cap only deleting sessions clears: the OpenAI SDKs would otherwise retry twice)."""
-    if exc.status != 503:
+    """The advice to the client of an error the OpenAI SDKs would retry (409, 5xx): ``Retry-After`` when
+    waiting helps (a busy host, a turn still running on the session), ``x-should-retry: false`` when it
+    does not (a cap only deleting sessions clears, a lost KV file, a full disk): the SDKs would otherwise
+    retry twice, and tell the user only after."""
+    if exc.status not in (409, 503, 507):
         return None
-    if not getattr(exc, "retryable", True):
+    if not getattr(exc, "retryable", exc.status == 503):
         return {"x-should-retry": "false"}
     return {"Retry-After": str(max(1, round(getattr(exc, "retry_after_s", 1))))}
 

@@ -204,7 +204,7 @@ class FakeDaemon:
         with self._lock:
             s = self._get(session_id)
             if s.busy:
-                raise Conflict(f"session {session_id} is already generating a turn", param="session")
+                raise Conflict(f"session {session_id} is already generating a turn", param="session", retryable=True)
             if messages is not None:
                 text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
                 new = self.tokenizer.encode(text)

@@ -171,6 +171,25 @@ def test_a_full_kv_cap_is_a_503_with_retry_after(client, fake: FakeDaemon, monke
     assert r.status_code == 503 and r.headers["x-should-retry"] == "false" and "Retry-After" not in r.headers
 
 
+def test_a_conflict_says_whether_waiting_ends_it(client, fake: FakeDaemon, monkeypatch):
+    """The OpenAI SDKs retry a 409 or a 507 twice unless told not to: a turn still running on the session
+    ends by itself (retry after a second); a lost KV file or a full disk does not (``x-should-retry:
+    false``, so the user hears of it at once)."""
+    from weaved.errors import Conflict, InsufficientStorage
+
+    for exc, advice in ((Conflict("session s-1 is already generating a turn", retryable=True), ("Retry-After", "1")),
+                        (Conflict("session s-1's KV file is gone"), ("x-should-retry", "false")),
+                        (InsufficientStorage("no room left on the disk"), ("x-should-retry", "false"))):
+        def refuse(*a, exc=exc, **k):
+            raise exc
+
+        monkeypatch.setattr(fake, "create_session", refuse)
+        r = client.post("/v1/sessions", json={})
+        assert r.status_code == exc.status and r.headers.get(advice[0]) == advice[1], (exc, dict(r.headers))
+        other = "x-should-retry" if advice[0] == "Retry-After" else "Retry-After"
+        assert other not in r.headers
+
+
 def test_what_the_session_routes_would_ignore_is_refused(client, fake: FakeDaemon):
     """An SLA given to promote/demote, a session header naming another session than the path, a list
     parameter the list does not page by: each would be ignored, so each is a 400 naming it."""

@@ -188,7 +188,7 @@ class Turn:
         exc.type = self.error.get("error_type") or status_type(exc.status)
         exc.code = self.error.get("code", exc.code)
         exc.retry_after_s = self.error.get("retry_after_s", 1.0)
-        exc.retryable = self.error.get("retryable", True)
+        exc.retryable = self.error.get("retryable", exc.status == 503)  # (a lost KV file's 409: not)
         exc.logged = True  # the engine said it in the log already
         return exc
 

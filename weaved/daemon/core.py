@@ -168,7 +168,8 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
         if s.ephemeral:
             raise InvalidRequest(f"an ephemeral session cannot be {done}", param="session")
         if s.busy:
-            raise Conflict(f"session {sid} is generating a turn; {verb} it once the turn has ended", param="session")
+            raise Conflict(f"session {sid} is generating a turn; {verb} it once the turn has ended", param="session",
+                           retryable=True)
         return s
 
     def get_session(self, sid: str, messages: bool = True) -> dict:

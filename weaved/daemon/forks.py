@@ -58,7 +58,8 @@ class SessionForks:
             # and, published, a shared prefix others would map
             if (self.sessions.get(sid) is not parent or parent.busy or child is None or parent.rebuild
                     or parent.committed[:len(tokens)] != tokens or parent.kv.length < len(tokens)):
-                raise Conflict(f"session {sid} changed while it was being forked; try again", param="session")
+                raise Conflict(f"session {sid} changed while it was being forked; try again", param="session",
+                               retryable=True)
             shared = self.store.fork_prefix(parent.kv, child.kv, tokens)
             if self.fsync and not child.ephemeral:
                 self.store.flush(child.kv)  # the rows copied reach the disk before the journal names them

@@ -92,7 +92,8 @@ class TurnStarts:
         with self._lock:
             s = self._get(session_id)
             if s.turn is not None and not s.turn.ended.is_set():
-                raise Conflict(f"session {session_id} is already generating a turn", param="session")
+                raise Conflict(f"session {session_id} is already generating a turn", param="session",
+                               retryable=True)
             if isinstance(s.kv, KVCache):
                 try:
                     self.store.check_file(s.kv)
