@@ -17,9 +17,15 @@ from weaved.metrics import Metrics
 STREAMS = ("/v1/events",)  # GET routes whose answer never ends by itself
 
 
+CLIENT_CLOSED = 499  # the status a request is counted under when its client left before the answer began
+
+
 class RequestMetrics:
     """Counts requests by route template (never the raw path: session ids would explode the labels), and
-    gives each an id, sent back as ``x-request-id`` (as OpenAI does: SDKs expose it, logs name it)."""
+    gives each an id, sent back as ``x-request-id`` (as OpenAI does: SDKs expose it, logs name it).
+
+    A request whose client hung up before its answer started (a non-streamed turn cancelled by it) is
+    counted as 499, "client closed request", not as the 200 its handler went on to send to nobody."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics):
         self.app = app
@@ -30,20 +36,28 @@ class RequestMetrics:
             await self.app(scope, receive, send)
             return
         status = 500
+        started = left = False
         request_id = scope["weave_request_id"] = f"req_{secrets.token_hex(12)}"
 
+        async def listen() -> dict:
+            nonlocal left
+            message = await receive()
+            if message["type"] == "http.disconnect" and not started:
+                left = True
+            return message
+
         async def watch(message: dict) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
                 message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
             await send(message)
 
         try:
-            await self.app(scope, receive, watch)
+            await self.app(scope, listen, watch)
         finally:
             route = scope.get("route")
-            self.metrics.observe_request(getattr(route, "path", "unmatched"), status)
+            self.metrics.observe_request(getattr(route, "path", "unmatched"), CLIENT_CLOSED if left else status)
 
 
 def create_app(daemon, *, metrics: Metrics | None = None) -> FastAPI:
