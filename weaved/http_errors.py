@@ -8,6 +8,7 @@ Shared by the Weave API (``weaved.api``) and the federation's control plane
 from __future__ import annotations
 
 import logging
+from contextvars import ContextVar
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +19,9 @@ from starlette.responses import JSONResponse
 from weaved.errors import InvalidRequest, WeaveError
 
 log = logging.getLogger("weave.http")
+
+# the id of the request a coroutine (or a thread it started) serves: what the log names beside an error
+REQUEST_ID: ContextVar[str | None] = ContextVar("weave_request_id", default=None)
 
 _HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",

@@ -154,18 +154,26 @@ def test_developer_role_and_text_parts(client, fake: FakeDaemon):
     assert sent == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
 
 
-def test_a_turn_the_engine_fails():
+def test_a_turn_the_engine_fails(caplog):
+    """A turn the engine fails (a bug: it logged the traceback by session) is a 500, or a stream's error
+    event; the API's log names the request's id beside the session's, so the client's ``x-request-id``
+    finds the traceback."""
     from fastapi.testclient import TestClient
 
     from weaved.api.app import create_app
 
     fake = FakeDaemon(context_length=4096, fail="the KV cap (1 MiB) is reached")
-    with TestClient(create_app(fake)) as client:
+    with TestClient(create_app(fake)) as client, caplog.at_level("WARNING", logger="weave.api"):
         r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 5})
         assert r.status_code == 500
         assert r.json()["error"]["message"] == "the KV cap (1 MiB) is reached"
         assert r.json()["error"]["type"] == "server_error"
+        said = [rec.getMessage() for rec in caplog.records if rec.name == "weave.api"]
+        assert len(said) == 1 and said[0].startswith(r.headers["x-request-id"] + ": its turn in session ")
+        assert "the KV cap (1 MiB) is reached" in said[0]
         r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 5, "stream": True})
+        said = [rec.getMessage() for rec in caplog.records if rec.name == "weave.api"]
+        assert len(said) == 2 and said[1].startswith(r.headers["x-request-id"] + ": ")
         events = sse_events(r.text)
         assert events[-1] == "[DONE]" and events[-2]["error"]["message"] == "the KV cap (1 MiB) is reached"
         assert events[1]["choices"][0]["delta"]["content"] == "H"  # what came before the failure

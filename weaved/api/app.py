@@ -38,6 +38,7 @@ class RequestMetrics:
         status = 500
         started = left = False
         request_id = scope["weave_request_id"] = f"req_{secrets.token_hex(12)}"
+        http_errors.REQUEST_ID.set(request_id)
 
         async def listen() -> dict:
             nonlocal left

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -27,10 +28,11 @@ from weaved.api.params import sla_from
 from weaved.api.state import ApiState
 from weaved.engine.sampling import SamplingParams
 from weaved.errors import ContextTooLong, NotFound, Overloaded, WeaveError
-from weaved.http_errors import status_type
+from weaved.http_errors import REQUEST_ID, status_type
 from weaved.routing.types import SLA, SLAClass
 
 _draining: set[asyncio.Task] = set()
+log = logging.getLogger("weave.api")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class Turn:
         self._drained = False  # its events are read in the background (``detach``)
         self.shares_prompt = False  # a later choice of an n > 1 request: its prompt is choice 0's
         self.session = spec.session_id  # the client's session (None for an ephemeral one)
+        self.request_id = REQUEST_ID.get()  # the request that started it (the log links the two)
         self.finish_reason: str | None = None
         self.error: dict | None = None
         self.completion_tokens = 0
@@ -212,6 +215,9 @@ class Turn:
                 self.finish_reason = ev.get("finish_reason") or "stop"
             else:
                 self.error = ev
+                if int(ev.get("status", 500)) == 500:  # a bug the engine logged by session: name the request
+                    log.warning("%s: its turn in session %s failed: %s", self.request_id or "no request id",
+                                getattr(self.handle, "session_id", self.session), ev.get("message", "?"))
             u = self.usage
             prompt, cached = (0, 0) if self.shares_prompt else (u["prompt_tokens"],
                                                                  u["prompt_tokens_details"]["cached_tokens"])
