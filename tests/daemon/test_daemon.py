@@ -274,13 +274,13 @@ def test_a_session_created_empty_is_placed_again_by_its_first_turn(daemon):
     assert daemon.journal.list(with_tokens=False)[-1].placement == after  # and what a restart finds
     run_turn(daemon, sid, "And the stars?")
     assert daemon.get_session(sid)["placement"] == after  # later turns keep it
-    # a stateless request's session is placed once, with its prompt: one event, not a first guess too
+    # a stateless request's session is placed with its prompt, and is no event (as its turn is none: under
+    # load they would crowd the kept sessions' events out of the backlog)
     seen = len(recent_events(daemon))
     _, h = run_turn(daemon, None, "Tell me about the sea and the sky")
     new = recent_events(daemon)[seen:]
-    placed = [e for e in new if e["type"] == "placement"]
-    assert len(placed) == 1 and placed[0]["session"] == h.session_id
-    assert not any("short prompt (0 <" in r for r in placed[0]["placement"]["reasons"])  # it saw the prompt
+    assert not [e for e in new if e.get("session") == h.session_id], new
+    assert not any("short prompt (0 <" in r for r in h.placement["reasons"])  # it saw the prompt
 
 
 @pytest.mark.parametrize("router", ["no room", "another strategy"])

@@ -135,7 +135,7 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
                     self._free_kv(s)
                     raise
             self.sessions[sid] = s
-        if not ephemeral:  # (an ephemeral session's placement is published once, at its turn, with its prompt)
+        if not ephemeral:  # (a stateless request's session is no event, as its turn is none)
             self.publish("placement", {"session": sid, "placement": placement.to_dict()})
             self.log(f"session {sid}: {sla.cls.value} -> {placement.decode_pool} ({'; '.join(placement.reasons)})")
         return self.get_session(sid)

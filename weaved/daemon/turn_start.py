@@ -178,7 +178,8 @@ class TurnStarts:
                 self.publish("placement", {"session": s.id, "placement": moved.to_dict()})
             elif first:  # its first turn: the router sees the real prompt now (what a stored prefix leaves)
                 new_pl = self.moves.place_first_turn(s, len(new))
-                if new_pl is not None or s.ephemeral:
+                if new_pl is not None and not s.ephemeral:  # (a stateless request's turn is no event: under
+                    # load they would crowd the kept sessions' events out of the backlog)
                     self.publish("placement", {"session": s.id, "placement": s.placement.to_dict()})
             if not s.ephemeral:  # recorded in one transaction before the transcript changes: a write that
                 # fails (a full disk) leaves the session as it was
