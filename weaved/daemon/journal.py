@@ -9,9 +9,8 @@ The invariant the daemon relies on (docs/architecture.md, "KV cache"): a token i
 after a crash every session resumes from ``kv_length`` with ``kv_length == len(tokens)`` and the KV
 file holding valid rows for all of them.
 
-Token ids are stored compactly: each commit appends one row of little-endian int32s keyed by
-(session, first position), so a decode step writes a few bytes rather than rewriting a list, and
-truncation only touches the rows at and after the cut.
+Its schema and the storage of token ids: ``journal_schema``; stored responses and detached turns:
+``journal_chains``.
 
 Thread safety: one connection (``check_same_thread=False``) guarded by one lock.  The engine thread
 commits and the API's event loop reads; every operation is short, so serialising them costs less than
@@ -24,68 +23,18 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
-import sys
 import threading
 import time
-from array import array
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from weaved.daemon.journal_chains import ChainRecords
+from weaved.daemon.journal_schema import JournalError, migrate, pack_ids, unpack_ids
 from weaved.errors import InsufficientStorage
 
-SCHEMA_VERSION = 5
-
-# Statements are split on ";" (executescript would commit our transaction): keep ";" out of comments.
-_SCHEMA = """
-CREATE TABLE sessions (
-    id          TEXT PRIMARY KEY,
-    created     REAL NOT NULL,
-    updated     REAL NOT NULL,
-    sla         TEXT NOT NULL,              -- JSON: class, ttft_ms, ttlt_s, ...
-    max_context INTEGER NOT NULL,
-    system      TEXT,
-    placement   TEXT,                       -- JSON (with its reasons) or NULL
-    status      TEXT NOT NULL,
-    kv_length   INTEGER NOT NULL DEFAULT 0, -- committed positions == number of committed token ids
-    forked_from TEXT                        -- the session it was forked from (NULL: not a fork)
-);
-CREATE TABLE messages (
-    session   TEXT NOT NULL,
-    seq       INTEGER NOT NULL,
-    role      TEXT NOT NULL,
-    content   TEXT NOT NULL,
-    token_ids BLOB,                         -- int32 little-endian, NULL when not tokenized
-    kv_at     INTEGER NOT NULL,             -- committed KV length when the message was recorded
-    created   REAL NOT NULL,
-    finish_reason TEXT,                     -- an answer's: stop, length, cancelled, interrupted, ...
-    extra     TEXT,                         -- JSON: tool_calls, tool_call_id, name, reasoning_content, answer
-    PRIMARY KEY (session, seq)
-) WITHOUT ROWID;
-CREATE TABLE responses (
-    id      TEXT PRIMARY KEY,               -- a stored /v1/responses answer: resp_...
-    session TEXT NOT NULL,                  -- the session its chain continues in
-    created REAL NOT NULL,
-    body    TEXT NOT NULL,                  -- JSON: the response object as returned
-    messages INTEGER                        -- its session's transcript length once it was answered
-);
-CREATE TABLE detached (
-    session  TEXT PRIMARY KEY,              -- a session whose detached turn has not ended yet
-    body     TEXT NOT NULL,                 -- JSON: the turn's request, to run again after a restart
-    messages INTEGER NOT NULL               -- its session's transcript length before the turn
-);
-CREATE TABLE tokens (
-    session TEXT NOT NULL,
-    start   INTEGER NOT NULL,               -- position of the first id in this row
-    ids     BLOB NOT NULL,                  -- int32 little-endian
-    PRIMARY KEY (session, start)
-) WITHOUT ROWID;
-"""
-
-
-class JournalError(Exception):
-    """The journal file cannot be used (e.g. written by a newer version)."""
+__all__ = ["Journal", "JournalError", "JournalFull", "SessionRecord"]
 
 
 class JournalFull(JournalError, InsufficientStorage):
@@ -113,22 +62,7 @@ class SessionRecord:
     forked_from: str | None = None  # the session it was forked from
 
 
-def _pack(ids: list[int]) -> bytes:
-    a = array("i", ids)  # int32
-    if sys.byteorder == "big":
-        a.byteswap()
-    return a.tobytes()
-
-
-def _unpack(blob: bytes) -> list[int]:
-    a = array("i")
-    a.frombytes(blob)
-    if sys.byteorder == "big":
-        a.byteswap()
-    return a.tolist()
-
-
-class Journal:
+class Journal(ChainRecords):
     """Session store over one SQLite file in WAL mode."""
 
     def __init__(self, path: Path, *, fsync: bool = False):
@@ -150,31 +84,7 @@ class Journal:
         # With ``fsync`` (the profile's durability "fsync") every commit is fsynced: FULL.
         self._db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
         with self._tx():
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version == 0:
-                for stmt in _SCHEMA.split(";"):
-                    if stmt.strip():
-                        self._db.execute(stmt)
-                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            elif version in (1, 2, 3, 4):
-                # answers gained their finish reason (2); messages their extras and responses (3); a
-                # response where its chain's transcript ended, a fork its parent (4); detached turns (5)
-                if version == 1:
-                    self._db.execute("ALTER TABLE messages ADD COLUMN finish_reason TEXT")
-                if version < 3:
-                    self._db.execute("ALTER TABLE messages ADD COLUMN extra TEXT")
-                    self._db.execute("CREATE TABLE responses (id TEXT PRIMARY KEY, session TEXT NOT NULL, "
-                                     "created REAL NOT NULL, body TEXT NOT NULL)")
-                if version < 4:
-                    self._db.execute("ALTER TABLE responses ADD COLUMN messages INTEGER")
-                    self._db.execute("ALTER TABLE sessions ADD COLUMN forked_from TEXT")
-                self._db.execute("CREATE TABLE detached (session TEXT PRIMARY KEY, body TEXT NOT NULL, "
-                                 "messages INTEGER NOT NULL)")
-                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            elif version != SCHEMA_VERSION:
-                raise JournalError(
-                    f"journal {self.path} has schema version {version}; this Weave reads {SCHEMA_VERSION}"
-                )
+            migrate(self._db, self.path)
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -253,80 +163,6 @@ class Journal:
                                ("detached", "session"), ("sessions", "id")):
                 db.execute(f"DELETE FROM {table} WHERE {key}=?", (id,))
 
-    # -- detached turns: run again after a restart that cut them ------------------------------------
-
-    def set_detached(self, session: str, body: dict, messages: int) -> None:
-        """Record ``session``'s detached turn (its request ``body``; the transcript's length before it)
-        until ``drop_detached``: a stop or a crash in between leaves it here to be run again."""
-        with self._tx() as db:
-            self._set_detached(db, session, body, messages)
-
-    def _set_detached(self, db: sqlite3.Connection, session: str, body: dict, messages: int) -> None:
-        db.execute("INSERT OR REPLACE INTO detached (session, body, messages) VALUES (?, ?, ?)",
-                   (session, json.dumps(body, ensure_ascii=False), messages))
-
-    def drop_detached(self, session: str) -> None:
-        with self._tx() as db:
-            db.execute("DELETE FROM detached WHERE session=?", (session,))
-
-    def detached(self) -> list[tuple[str, dict, int]]:
-        """(session, request body, transcript length before the turn) of every detached turn not ended."""
-        with self._snapshot() as db:
-            rows = db.execute("SELECT session, body, messages FROM detached ORDER BY rowid").fetchall()
-        return [(sid, json.loads(body), n) for sid, body, n in rows]
-
-    # -- stored responses (/v1/responses chains) -----------------------------------------------------
-
-    def add_response(self, id: str, session: str, body: dict, messages: int | None = None) -> None:
-        """Store a response of ``session``'s chain; ``messages``: the session's transcript length with
-        its answer (what a continuation of it starts from)."""
-        with self._tx() as db:
-            db.execute("INSERT INTO responses (id, session, created, body, messages) VALUES (?, ?, ?, ?, ?)",
-                       (id, session, time.time(), json.dumps(body, ensure_ascii=False), messages))
-
-    def response_end(self, id: str) -> int | None:
-        """The transcript length of its session when response ``id`` was stored (None: unknown, or
-        stored by a Weave that did not record it)."""
-        with self._snapshot() as db:
-            row = db.execute("SELECT messages FROM responses WHERE id=?", (id,)).fetchone()
-        return None if row is None else row[0]
-
-    def get_response(self, id: str) -> tuple[str, dict] | None:
-        """(session, body) of a stored response, or None (unknown or deleted)."""
-        with self._snapshot() as db:
-            row = db.execute("SELECT session, body FROM responses WHERE id=? AND body != ''", (id,)).fetchone()
-        return None if row is None else (row[0], json.loads(row[1]))
-
-    def latest_response(self, session: str) -> str | None:
-        """The id of the last response stored in ``session``'s chain - deleted or not: the session's
-        context holds its turn either way, so no earlier response can continue the chain."""
-        with self._snapshot() as db:
-            row = db.execute("SELECT id FROM responses WHERE session=? ORDER BY created DESC, rowid DESC LIMIT 1",
-                             (session,)).fetchone()
-        return None if row is None else row[0]
-
-    def delete_response(self, id: str) -> int:
-        """Delete a stored response (its row stays, emptied, as its chain's record of where it went);
-        the number of its chain's responses still stored."""
-        with self._tx() as db:
-            row = db.execute("SELECT session FROM responses WHERE id=?", (id,)).fetchone()
-            db.execute("UPDATE responses SET body='' WHERE id=?", (id,))
-            if row is None:
-                return 0
-            (left,) = db.execute("SELECT COUNT(*) FROM responses WHERE session=? AND body != ''", row).fetchone()
-        return left
-
-    def stored_responses(self, session: str) -> int:
-        """How many stored (not deleted) responses session ``session``'s chain holds."""
-        with self._snapshot() as db:
-            (n,) = db.execute("SELECT COUNT(*) FROM responses WHERE session=? AND body != ''", (session,)).fetchone()
-        return n
-
-    def chain_sessions(self) -> set[str]:
-        """The sessions that hold a /v1/responses chain (any response stored in them, deleted or not)."""
-        with self._snapshot() as db:
-            return {r[0] for r in db.execute("SELECT DISTINCT session FROM responses")}
-
     # -- transcript and tokens ---------------------------------------------------------------------
 
     def _append_message(self, id: str, role: str, content: str, token_ids: list[int] | None,
@@ -343,7 +179,7 @@ class Journal:
         db.execute(
             "INSERT INTO messages (session, seq, role, content, token_ids, kv_at, created, finish_reason, extra)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (id, seq, role, content, None if token_ids is None else _pack(token_ids), kv_at, now,
+            (id, seq, role, content, None if token_ids is None else pack_ids(token_ids), kv_at, now,
              finish_reason, None if not extra else json.dumps(extra, ensure_ascii=False)),
         )
         db.execute("UPDATE sessions SET updated=? WHERE id=?", (now, id))
@@ -387,7 +223,7 @@ class Journal:
             if not token_ids:
                 return
             db.execute(
-                "INSERT INTO tokens (session, start, ids) VALUES (?, ?, ?)", (id, old, _pack(token_ids))
+                "INSERT INTO tokens (session, start, ids) VALUES (?, ?, ?)", (id, old, pack_ids(token_ids))
             )
             db.execute(
                 "UPDATE sessions SET kv_length=?, updated=? WHERE id=?", (new_kv_length, time.time(), id)
@@ -428,9 +264,9 @@ class Journal:
         tokens: list[int] = []
         if with_tokens:
             blobs = db.execute("SELECT ids FROM tokens WHERE session=? ORDER BY start", (id,)).fetchall()
-            tokens = _unpack(b"".join(b for (b,) in blobs))
+            tokens = unpack_ids(b"".join(b for (b,) in blobs))
         messages = [
-            {"seq": seq, "role": role, "content": content, "token_ids": None if ids is None else _unpack(ids),
+            {"seq": seq, "role": role, "content": content, "token_ids": None if ids is None else unpack_ids(ids),
              "kv_at": kv_at, "created": mcreated, "finish_reason": finish, **(json.loads(extra) if extra else {})}
             for seq, role, content, ids, kv_at, mcreated, finish, extra in db.execute(
                 "SELECT seq, role, content, token_ids, kv_at, created, finish_reason, extra FROM messages"
