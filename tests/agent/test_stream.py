@@ -184,6 +184,22 @@ def test_the_first_lines_indentation_after_the_reasoning_is_the_answers(step):
     assert assembled(deltas)[0] == ans.content
 
 
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_the_blank_space_before_a_call_is_neither_text_nor_call(step):
+    """A thinking template's answer ``</think>\n\n <tool_call>``: no content beside the calls (OpenAI's
+    null, which an agent's ``if message.content`` relies on), and text before a call loses its trailing
+    blank space; the blank space inside the text, or ending an answer without calls, is the text's."""
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    for text, content in (("<think>\nr\n</think>\n\n " + call, ""), ("<think>r</think>\n \n\t" + call, ""),
+                          ("Let me check.\n\n" + call, "Let me check."), ("a  b \n c\n" + call, "a  b \n c")):
+        ans, deltas = parse(HERMES, text, step, thinking=True)
+        assert ans.content == content and [c.name for c in ans.calls] == ["f"], text
+        assert assembled(deltas)[0] == content
+    for text in ("a  b  \n", "a <tool text \n\n", "  "):
+        ans, deltas = parse(HERMES, text, step)
+        assert ans.content == text and assembled(deltas)[0] == text
+
+
 def test_an_answer_cut_right_after_llamas_call_tag_says_nothing():
     ans, deltas = parse(LLAMA3, "<|python_tag|>", 1000)
     assert ans.content == "" and not ans.calls and assembled(deltas) == ("", "", [])

@@ -236,15 +236,21 @@ class AnswerParser:
             return False
         i = buf.find(fmt.trigger)
         if i >= 0:
-            self._emit(out, "content", buf[:i])
-            self._raw_since_calls = buf[i:i + len(fmt.trigger)]
+            # the blank space between the text and its first call is neither (a thinking template's
+            # "</think>\n\n<tool_call>" would otherwise answer " " beside the calls, not null)
+            said = buf[:i].rstrip()
+            self._emit(out, "content", said)
+            self._raw_since_calls = buf[len(said):i + len(fmt.trigger)]  # (text again, should no call follow)
             self._buf = buf[i + len(fmt.trigger):]
             self._state = "calls"
             self._start_call_syntax(first=True, skip=len(fmt.trigger))
             return True
+        # held back: the trigger's possible start, and the blank space before it (said with the text that
+        # follows it, or at the answer's end)
         keep = _partial(buf, fmt.trigger)
-        self._emit(out, "content", buf[: len(buf) - keep])
-        self._buf = buf[len(buf) - keep:]
+        said = buf[: len(buf) - keep].rstrip()
+        self._emit(out, "content", said)
+        self._buf = buf[len(said):]
         return False
 
     # ---- calls -----------------------------------------------------------------------------------
