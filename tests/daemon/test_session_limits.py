@@ -149,6 +149,14 @@ def test_a_prompt_that_fills_the_context_says_no_room_is_left(ephemeral, where):
         check_fits(s, 40, [1] * 59, 2)
     assert e.value.param == "max_tokens"
     check_fits(s, 40, [1] * 59, 1)
+    # below the model's context, the error names it and the way to more
+    way = "POST /v1/sessions {\"max_context\": N}" if ephemeral else "a session created with a larger max_context"
+    with pytest.raises(ContextTooLong) as e:
+        check_fits(s, 40, [1] * 61, 1, model_context=8192)
+    assert "the model takes 8192" in e.value.message and way in e.value.message
+    with pytest.raises(ContextTooLong) as e:  # (the model's own context is the limit: nothing more to say)
+        check_fits(s, 40, [1] * 61, 1, model_context=100)
+    assert "the model takes" not in e.value.message
 
 
 def test_a_fork_of_a_fork_at_an_earlier_turn_starts_where_the_original_did(tiny_llama, tmp_path):

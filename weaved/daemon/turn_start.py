@@ -121,7 +121,7 @@ class TurnStarts:
                 answer = min(params.max_tokens, self.profile.routing.answer_tokens) if params.fit_context \
                     else params.max_tokens
                 params = fitted(params, s, keep, new)
-                check_fits(s, keep, new, params.max_tokens)
+                check_fits(s, keep, new, params.max_tokens, self.config.context_length)
                 constraint = turn_constraint(plan, params)
                 # a fresh session's prompt may start with a stored prefix: its prefill cost is the rest
                 cached = self.store.cached_prefix(new[:-1]) if (

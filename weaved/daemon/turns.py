@@ -218,21 +218,29 @@ def parsed_answer(plan, call_seed: str | None, text: str) -> dict | None:
     return out
 
 
-def check_fits(s: Session, keep: int, new: list[int], max_tokens: int) -> None:
-    """Refuse (400) a turn that adds nothing, or whose prompt and ``max_tokens`` exceed the session's KV."""
+def check_fits(s: Session, keep: int, new: list[int], max_tokens: int, model_context: int | None = None) -> None:
+    """Refuse (400) a turn that adds nothing, or whose prompt and ``max_tokens`` exceed the session's KV
+    (``model_context``: the model's own, which a context smaller than it names as the way to more)."""
     if not new:
         raise InvalidRequest("the turn adds no tokens", param="messages")
     total = keep + len(new)
     cap = _context(s)
     where = "this request's context" if s.ephemeral else "the session's context"
+    more = ""
+    if model_context is not None and cap < min(model_context, total + max(max_tokens, 1)):
+        more = (f" (the profile's [host] default_context; the model takes {model_context}: send it in a session "
+                f"created with a larger max_context - POST /v1/sessions {{\"max_context\": N}} - or raise "
+                f"default_context)" if s.ephemeral else
+                f" (its max_context; the model takes {model_context}: a session created with a larger "
+                f"max_context holds more)")
     if total > cap:
-        raise ContextTooLong(f"the prompt needs {total} tokens of context but {where} holds {cap}")
+        raise ContextTooLong(f"the prompt needs {total} tokens of context but {where} holds {cap}{more}")
     if total == cap and max_tokens:
         raise ContextTooLong(f"the prompt's {total} tokens fill {where} of {cap} tokens: no room is left "
-                             f"for an answer")
+                             f"for an answer{more}")
     if total + max_tokens > cap:
         raise ContextTooLong(
-            f"max_tokens {max_tokens} with a {total}-token prompt exceeds {where} of {cap} tokens",
+            f"max_tokens {max_tokens} with a {total}-token prompt exceeds {where} of {cap} tokens{more}",
             param="max_tokens")
 
 
