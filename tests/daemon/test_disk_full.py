@@ -163,24 +163,123 @@ def test_a_journal_that_fills_mid_turn_fails_that_turn_only(daemon, monkeypatch)
     assert events[-1]["type"] == "done"
 
 
-def test_an_answer_the_journal_cannot_record_is_not_in_the_transcript_either(daemon, monkeypatch):
-    """The journal's disk fills as a turn ends: the transcript in memory stays what the journal holds (a
-    restart shows the same), and the next turn runs from there."""
+def agree(daemon, sid: str) -> None:
+    """The session's KV, its tokens in memory and the journal's agree (else every later commit fails)."""
+    s = daemon.sessions[sid]
+    assert s.kv.length == len(s.committed) == daemon.journal.get(sid).kv_length
+
+
+def test_an_answer_the_journal_cannot_record_yet_is_recorded_once_it_can(daemon, monkeypatch):
+    """The journal's disk fills as a turn ends: its tokens are committed, so the transcript shows the
+    answer (the context holds it) and the journal gains it before the session's next turn - refused with
+    a 507 that changes nothing while the disk is still full - so the roles keep alternating."""
     sid = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
     run_turn(daemon, sid, "Hello")
+    real = daemon.journal.finish_message
 
     def full(*args, **kw):
-        raise DiskFull("the journal: No space left on device")
+        raise JournalFull("the journal could not be written: its disk is full")
 
     monkeypatch.setattr(daemon.journal, "finish_message", full)
     events, _ = run_turn(daemon, sid, "And then?")
     assert events[-1]["type"] == "done"  # (the client had its answer streamed)
-    monkeypatch.undo()
-    assert [m["content"] for m in daemon.get_session(sid)["messages"]] == \
-        [m["content"] for m in daemon.journal.get(sid).messages]
+    shown = daemon.get_session(sid)
+    assert [m["role"] for m in shown["messages"]] == ["user", "assistant"] * 2
+    assert [m["role"] for m in daemon.journal.get(sid).messages] == ["user", "assistant", "user"]
+    # still full: the next turn, a fork and a rewind are refused, and nothing changes
+    with pytest.raises(JournalFull):
+        run_turn(daemon, sid, "And the sky?")
+    with pytest.raises(JournalFull):
+        daemon.fork_session(sid)
+    with pytest.raises(JournalFull):
+        daemon.rewind_session(sid, 1)
+    agree(daemon, sid)
+    assert daemon.get_session(sid) == shown
+    monkeypatch.setattr(daemon.journal, "finish_message", real)
     events, _ = run_turn(daemon, sid, "And the sky?")
     assert events[-1]["type"] == "done"
-    assert [m["role"] for m in daemon.journal.get(sid).messages][-2:] == ["user", "assistant"]
+    assert [m["role"] for m in daemon.journal.get(sid).messages] == ["user", "assistant"] * 3
+    assert [m["content"] for m in daemon.journal.get(sid).messages][:4] == \
+        [m["content"] for m in shown["messages"]]
+    agree(daemon, sid)
+
+
+def test_an_answer_left_unrecorded_by_a_stop_comes_back_from_its_tokens(tiny_llama, tmp_path, monkeypatch):
+    """A stop while the journal still lacks an answer (its disk full to the end): the next start finds
+    the answer's committed tokens past the transcript's end and keeps them as the answer."""
+    from tests.daemon.support import make_daemon
+
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        sid = d.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+        run_turn(d, sid, "Hello")
+
+        def full(*args, **kw):
+            raise JournalFull("the journal could not be written: its disk is full")
+
+        monkeypatch.setattr(d.journal, "finish_message", full)
+        run_turn(d, sid, "And then?")
+        text = d.get_session(sid)["messages"][-1]["content"]
+    finally:
+        d.shutdown()
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        messages = d.get_session(sid)["messages"]  # (all but its last token, sampled and not fed: not kept)
+        assert [m["role"] for m in messages] == ["user", "assistant"] * 2
+        assert messages[-1]["content"] and text.startswith(messages[-1]["content"])
+        agree(d, sid)
+    finally:
+        d.shutdown()
+
+
+def test_a_rewritten_history_the_journal_cannot_take_back_changes_nothing(daemon, monkeypatch):
+    """A turn whose template rewrote the history re-feeds from the first changed token: the journal is
+    cut first, so a full disk refuses the turn (507) with the KV, the tokens and the journal agreeing
+    - not the KV cut and the journal not, which failed every later commit."""
+    sid = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    run_turn(daemon, sid, "Hello")
+    daemon.sessions[sid].messages[-1]["content"] = "A different answer than the one the KV holds."
+    before = daemon.get_session(sid)
+
+    def full(*args, **kw):
+        raise JournalFull("the journal could not be written: its disk is full")
+
+    monkeypatch.setattr(daemon.journal, "truncate", full)
+    with pytest.raises(JournalFull):
+        run_turn(daemon, sid, "And then?")
+    monkeypatch.undo()
+    agree(daemon, sid)
+    assert daemon.get_session(sid) == before
+    events, h = run_turn(daemon, sid, "And then?")
+    assert events[-1]["type"] == "done" and h.reprefilled > 0
+    agree(daemon, sid)
+
+
+def test_a_first_turn_whose_stored_prefix_cannot_be_recorded_changes_nothing(daemon, monkeypatch):
+    """A new session's first turn starting with another's stored prefix: its rows are mapped, then named
+    in the journal - which a full disk refuses (507), the rows going again, so the KV, the tokens and the
+    journal agree; with room again the turn takes the prefix."""
+    prompt = "Here is a long shared system prompt about the sea and the stars. " * 20
+    first = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    run_turn(daemon, first, prompt)
+    daemon.sessions[first].publishing.wait(60)
+    sid = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    real = daemon.journal.commit_tokens
+
+    def full(id, *args, **kw):
+        if id == sid:
+            raise JournalFull("the journal could not be written: its disk is full")
+        return real(id, *args, **kw)
+
+    monkeypatch.setattr(daemon.journal, "commit_tokens", full)
+    with pytest.raises(JournalFull):
+        run_turn(daemon, sid, prompt)
+    monkeypatch.undo()
+    agree(daemon, sid)
+    assert daemon.sessions[sid].kv.length == 0 and daemon.get_session(sid)["messages"] == []
+    events, h = run_turn(daemon, sid, prompt)
+    assert events[-1]["type"] == "done" and h.cached_tokens > 0
+    agree(daemon, sid)
 
 
 def test_a_promotion_the_journal_cannot_record_changes_nothing(daemon, monkeypatch):

@@ -35,7 +35,7 @@ from weaved.daemon.forks import SessionForks
 from weaved.daemon.housekeeping import Housekeeper
 from weaved.daemon.lifecycle import DaemonLifecycle, aligned
 from weaved.daemon.moves import SessionMoves
-from weaved.daemon.session import Session, transcript_view
+from weaved.daemon.session import Session, pending_answer, transcript_view
 from weaved.daemon.status import (
     device_kv_bytes,
     device_kv_free_bytes,
@@ -170,6 +170,7 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
         if s.busy:
             raise Conflict(f"session {sid} is generating a turn; {verb} it once the turn has ended", param="session",
                            retryable=True)
+        self._record_unrecorded(s)  # (its last answer, if a full disk kept it out: 507 while it still does)
         return s
 
     def get_session(self, sid: str, messages: bool = True) -> dict:
@@ -183,7 +184,8 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
                 # its turn's state, as the status's session rows say it: waiting, running, paused or idle
                 "state": s.turn.status.value if s.busy else "idle",
                 "context_tokens": s.context_tokens,
-                "messages": [transcript_view(m) for m in s.messages] if messages else None,
+                # (with its last answer when a full disk kept it out of the journal: the context holds it)
+                "messages": [transcript_view(m) for m in s.messages + pending_answer(s)] if messages else None,
                 "created": s.created, "forked_from": s.forked_from,
                 "pool": s.pool, "backend": self.engines[s.pool].backend.name if s.pool in self.engines else None,
             }

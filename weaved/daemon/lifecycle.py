@@ -24,7 +24,7 @@ from weaved.daemon.housekeeping import Housekeeper, InlineExecutor
 from weaved.daemon.moves import SessionMoves
 from weaved.daemon.recovery import transcript_of, unfed_prompt, unfed_tail, unfinished_answer
 from weaved.daemon.session import Session, transcript_entry
-from weaved.errors import SettingRefused, WeaveError
+from weaved.errors import InsufficientStorage, SettingRefused, WeaveError
 from weaved.kv.errors import KVFileMismatch, KVStoreError
 from weaved.model.config import ModelConfig
 from weaved.routing.types import SLA, Placement
@@ -316,10 +316,23 @@ class DaemonLifecycle:
             if self.waiting_groups:
                 self.log(f"groups still waiting on their home after leaving: {', '.join(self.waiting_groups)}")
         if hasattr(self, "journal"):
+            self._record_answers_left()
             self.journal.close()
         if hasattr(self, "store"):
             self.store.settle(timeout=10.0)
         self._release_data_dir()
+
+
+    def _record_answers_left(self) -> None:
+        """Answers a full disk kept out of the journal, recorded now if it has room (else the next start
+        finds their tokens past the transcript's end and keeps them as an answer cut by the stop)."""
+        with self._lock:
+            for s in self.sessions.values():
+                if s.unrecorded is not None:
+                    try:
+                        self._record_unrecorded(s)
+                    except InsufficientStorage:
+                        pass
 
 
 def _check_journal_kept(data_dir) -> None:

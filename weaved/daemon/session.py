@@ -40,6 +40,9 @@ class Session:
     # and the journal's tokens are forgotten when that turn starts feeding them
     rebuild: bool = False
     turn_from: int | None = None  # the transcript's length before its last chat turn's input
+    # its last answer, which a full disk kept out of the journal (its tokens are committed): the transcript
+    # gains it once the journal does, before anything else is recorded (``TurnEvents._record_unrecorded``)
+    unrecorded: dict | None = None
 
     @property
     def pool(self) -> str:
@@ -81,6 +84,12 @@ def transcript_entry(role: str, content: str, finish_reason: str | None = None, 
     if answer is not None:
         entry["answer"] = answer
     return entry
+
+
+def pending_answer(s: Session) -> list[dict]:
+    """``s``'s answer that a full disk kept out of the journal, as a transcript entry (none: [])."""
+    a = s.unrecorded
+    return [] if a is None else [transcript_entry("assistant", a["text"], a["reason"], a["answer"])]
 
 
 def transcript_view(entry: dict) -> dict:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from weaved.daemon.session import Session, transcript_entry
 from weaved.daemon.turns import parsed_answer
 from weaved.engine.sequence import Sequence
+from weaved.errors import InsufficientStorage
 from weaved.kv.cache import KVCache
 from weaved.kv.errors import DiskFull
 from weaved.kv.prefixes import BLOCK as PREFIX_BLOCK
@@ -131,6 +132,18 @@ class TurnEvents:
         self._rewind(s, s.turn_from, "its turn failed before its first token")
         return True
 
+    def _record_unrecorded(self, s: Session) -> None:
+        """Record the answer a full disk kept out of the journal (``Session.unrecorded``), then put it in
+        the transcript: the journal first, so a write that fails again (JournalFull, a 507) leaves the
+        session as it was.  Caller holds the daemon's lock."""
+        a = s.unrecorded
+        if a is None:
+            return
+        self.journal.finish_message(s.id, "assistant", a["text"], a["tokens"], a["reason"],
+                                    extra=None if a["answer"] is None else {"answer": a["answer"]})
+        s.messages.append(transcript_entry("assistant", a["text"], a["reason"], a["answer"]))
+        s.unrecorded = None
+
     def _keep_short_prefix(self, s: Session) -> None:
         with self._lock:
             tokens = list(s.committed) if self.sessions.get(s.id) is s else []
@@ -198,11 +211,15 @@ class TurnEvents:
             if not taken_back and (seq.generated or kind == "error" or seq.finish_reason in ("cancelled",
                                                                                               "shutdown")):
                 reason = seq.finish_reason or ("error" if kind == "error" else "stop")
-                if not s.ephemeral:  # the journal first: a write that fails (a full disk) leaves the
-                    # transcript as the journal has it, and the next turn renders from there
-                    self.journal.finish_message(s.id, "assistant", text, list(seq.generated), reason,
-                                                extra=None if answer is None else {"answer": answer})
-                s.messages.append(transcript_entry("assistant", text, reason, answer))
+                if s.ephemeral:
+                    s.messages.append(transcript_entry("assistant", text, reason, answer))
+                else:
+                    s.unrecorded = {"text": text, "tokens": list(seq.generated), "reason": reason, "answer": answer}
+                    try:
+                        self._record_unrecorded(s)
+                    except InsufficientStorage as e:  # its tokens are committed: the answer is recorded once the disk
+                        # has room, before the session's next turn, fork or rewind (or, at a restart, as cut)
+                        log.warning("session %s: its answer is not recorded yet: %s", s.id, e)
             if s.detached and seq.finish_reason != "shutdown":  # over: a stop's cut turn stays to run again
                 self.journal.drop_detached(s.id)
                 s.detached = False

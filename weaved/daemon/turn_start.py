@@ -99,6 +99,7 @@ class TurnStarts:
                     self.store.check_file(s.kv)
                 except KVFileLost as e:
                     raise Conflict(str(e), param="session") from None
+            self._record_unrecorded(s)  # (its last answer, if a full disk kept it out: 507 while it still does)
             # the turn is judged on the session as it will be - its transcript taken back to ``continues``,
             # its new system prompt - in memory only: a refused turn leaves the session as it was
             rewound = self._rewound(s, continues) if continues is not None else None
@@ -139,20 +140,25 @@ class TurnStarts:
                 except BaseException:
                     undo()
                     raise
-            if s.rebuild:  # this turn feeds its lost context again: the journal records it anew as it commits
-                self.journal.truncate(s.id, 0)
+            reprefilled = len(s.committed) - keep
+            try:  # the journal first: a write that fails (a full disk) leaves the session as it was
+                if s.rebuild:  # this turn feeds its lost context again: the journal records it anew as it commits
+                    self.journal.truncate(s.id, 0)
+                elif reprefilled and not s.ephemeral:
+                    self.journal.truncate(s.id, keep)
+            except BaseException:
+                undo()
+                raise
+            if s.rebuild:
                 if isinstance(s.kv, KVCache):
                     self.store.filled(s.kv)  # (after the journal: a stop between leaves 0 of 0 rows unfilled)
                 s.rebuild = False
-            reprefilled = len(s.committed) - keep
             if reprefilled:  # the template rewrote history (e.g. dropped earlier thinking): re-prefill from there
                 self.publish("reprefill", {"session": s.id, "from": keep, "tokens": reprefilled})
                 if isinstance(s.kv, KVCache):
                     self.store.unshare(s.kv, keep)
                 s.kv.truncate(keep)
                 del s.committed[keep:]
-                if not s.ephemeral:
-                    self.journal.truncate(s.id, keep)
             tail, s.tail = s.tail, []
             first = not s.committed  # the session's first turn: its prompt may start with a stored prefix
             # (not when the prompt's own log-probabilities are asked for: a stored prefix has no logits)
@@ -160,11 +166,20 @@ class TurnStarts:
                 shared = self.store.share_prefix(s.kv, new)
                 held = self.store.copy_prefix(s.kv, new, shared)  # kept short blocks past it, copied
                 if held:  # those rows are mapped or copied, not computed: the turn feeds the rest
-                    s.committed.extend(new[:held])
                     if not s.ephemeral:
-                        if self.fsync and held > shared:
-                            self.store.flush(s.kv)  # the copied rows reach the disk before the journal
-                        self.journal.commit_tokens(s.id, new[:held], held)
+                        try:
+                            if self.fsync and held > shared:
+                                self.store.flush(s.kv)  # the copied rows reach the disk before the journal
+                            self.journal.commit_tokens(s.id, new[:held], held)
+                        except BaseException:  # (a full disk): the rows the journal cannot name go again
+                            self.store.unshare(s.kv, 0)
+                            s.kv.truncate(0)
+                            self.store.release_past(s.kv, 0)
+                            if not reprefilled:
+                                s.tail = tail
+                            s.system = kept_system
+                            raise
+                    s.committed.extend(new[:held])
                     new, keep = new[held:], held
             resla = sla is not None and sla.cls != s.sla.cls
             if sla is not None and sla != s.sla:
