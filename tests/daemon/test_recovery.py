@@ -372,3 +372,34 @@ def test_a_new_data_directory_and_its_journal_are_the_users_alone(tiny_llama, tm
         os.umask(old)
     assert (tmp_path / "data").stat().st_mode & 0o777 == 0o700
     assert (tmp_path / "data" / "journal.sqlite").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_fork_cut_by_a_crash_before_it_was_complete_is_gone_at_the_next_start(tiny_llama, tmp_path):
+    """A fork is recorded as being made until its context is copied: a daemon killed in between (the
+    client never had its id) leaves no empty session claiming to be a fork - the next start removes its
+    record and its file; the parent and a completed fork stay."""
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    sid = d.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    run_turn(d, sid, "Remember the number seven")
+    done = d.fork_session(sid)["id"]
+
+    class Killed(BaseException):
+        pass
+
+    def killed(*a, **k):  # the daemon dies while copying: nothing after it runs (no clean-up either)
+        raise Killed
+
+    d.delete_session = lambda cid: None
+    d._fill_fork = killed
+    with pytest.raises(Killed):
+        d.fork_session(sid)
+    cut = next(c for c in d.sessions if c not in (sid, done))
+    assert d.journal.get(cut).status == "forking" and d.journal.get(done).status == "active"
+    d.shutdown()
+    d2 = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        assert sorted(s["id"] for s in d2.list_sessions()) == sorted([sid, done])
+        assert d2.journal.get(cut) is None and cut not in d2.store.session_ids()
+        assert d2.get_session(done)["messages"] == d2.get_session(sid)["messages"]
+    finally:
+        d2.shutdown()

@@ -31,7 +31,7 @@ from weaved.daemon.chains import ResponseChains
 from weaved.daemon.choices import TurnChoices
 from weaved.daemon.device_room import DeviceRoom
 from weaved.daemon.events import EventBus, Subscription
-from weaved.daemon.forks import SessionForks
+from weaved.daemon.forks import FORKING, SessionForks
 from weaved.daemon.housekeeping import Housekeeper
 from weaved.daemon.lifecycle import DaemonLifecycle, aligned
 from weaved.daemon.moves import SessionMoves
@@ -129,8 +129,10 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
                         last_active=self.wall(), forked_from=forked_from)
             if not ephemeral:
                 try:
+                    # a fork is recorded as being made until its context is copied: a crash between
+                    # leaves nothing the client was never given (the next start removes it)
                     self.journal.create_session(sid, sla.to_dict(), s.max_context, system, placement.to_dict(),
-                                                forked_from=forked_from)
+                                                status=FORKING if forked_from else "active", forked_from=forked_from)
                 except BaseException:  # (a full disk): its KV file goes too, nothing is left half-made
                     self._free_kv(s)
                     raise

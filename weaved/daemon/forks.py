@@ -19,6 +19,8 @@ from weaved.errors import Conflict, InvalidRequest, NotFound
 from weaved.kv.cache import KVCache
 from weaved.routing.types import SLA
 
+FORKING = "forking"  # a fork's journal status until its context is copied (the next start removes it)
+
 
 class SessionForks:
     """``Daemon.fork_session`` (a mixin of the daemon: it uses the daemon's lock, sessions and stores)."""
@@ -38,6 +40,7 @@ class SessionForks:
         cid = info["id"]
         try:
             shared = self._fill_fork(sid, parent, cid, messages, tokens, tail, records)
+            self.journal.set_status(cid, "active")  # complete: a restart keeps it from now on
         except BaseException:  # (a full disk, a parent that changed): no half-made fork is left behind
             with contextlib.suppress(NotFound):
                 self.delete_session(cid)

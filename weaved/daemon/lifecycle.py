@@ -20,6 +20,7 @@ from weaved.agent.grammar import GrammarEngine
 from weaved.backends.base import Backend
 from weaved.config.profile import PoolConfig
 from weaved.daemon.data_lock import lock_data_dir
+from weaved.daemon.forks import FORKING
 from weaved.daemon.housekeeping import Housekeeper, InlineExecutor
 from weaved.daemon.moves import SessionMoves
 from weaved.daemon.recovery import transcript_of, unfed_prompt, unfed_tail, unfinished_answer
@@ -224,6 +225,11 @@ class DaemonLifecycle:
             damaged[sid] = f"its journal record cannot be read ({type(e).__name__}: {e})"
 
         records = self.journal.list(damaged=bad_record)
+        for rec in [r for r in records if r.status == FORKING]:  # cut by a crash while being made: never given
+            self.journal.delete(rec.id)  # to the client, its file goes with the others of no session below
+            self.log(f"session {rec.id}: a fork of {rec.forked_from} cut by the last stop before it was complete; "
+                     f"removed")
+        records = [r for r in records if r.status != FORKING]
         for sid, why in damaged.items():  # its KV file stays: a repaired journal would find it again
             self.log(f"session {sid} not recovered: {why}")
             self.unrecovered[sid] = why
