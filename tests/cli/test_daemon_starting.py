@@ -74,3 +74,24 @@ def test_a_daemon_that_exits_before_serving_ends_the_wait():
         threading.Timer(0.5, os.close, args=(fd,)).start()  # its load failed: the lock goes with it
         with pytest.raises(DaemonNotRunning, match="no daemon running"):
             Client(sock, on_starting=lambda m: None).health()
+
+
+def test_a_second_daemon_on_a_held_socket_is_told_who_holds_it():
+    """The refusal names the holder's pid and what to do - also when its socket file was removed (it
+    serves on, unreachable: only stopping it helps)."""
+    from weaved.api.server import ServerError, hold_socket_lock, mark_serving
+
+    with short_socket_dir() as d:
+        sock = d / "w.sock"
+        fd = hold_socket_lock(sock)
+        try:
+            with pytest.raises(ServerError, match=f"another daemon \\(pid {os.getpid()}\\) is starting on"):
+                hold_socket_lock(sock)
+            mark_serving(fd)
+            with pytest.raises(ServerError, match=f"its socket file is gone: stop it \\(kill {os.getpid()}\\)"):
+                hold_socket_lock(sock)
+            sock.touch()
+            with pytest.raises(ServerError, match="is serving on .*; stop it"):
+                hold_socket_lock(sock)
+        finally:
+            os.close(fd)

@@ -99,10 +99,30 @@ def hold_socket_lock(path: Path) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        said = _read_lock(fd)
         os.close(fd)
-        raise ServerError(f"another daemon is starting or running on {path}") from None
+        raise ServerError(_held_by(path, said)) from None
     _say_in_lock(fd, "starting")
     return fd
+
+
+def _read_lock(fd: int) -> list[str]:
+    """What a held lock file says (``[state, pid]``; [] where it cannot be read)."""
+    try:
+        return os.pread(fd, 64, 0).decode("ascii", "replace").split()
+    except OSError:
+        return []
+
+
+def _held_by(path: Path, said: list[str]) -> str:
+    """The refusal of a second daemon on ``path``: who holds it, and what to do."""
+    if len(said) != 2 or not said[1].isdigit():
+        return f"another daemon is starting or running on {path}"
+    state, pid = said
+    if state == "serving" and not path.exists():  # (its socket file was removed: nobody can reach it)
+        return (f"another daemon (pid {pid}) serves on {path}, though its socket file is gone: stop it "
+                f"(kill {pid}) and start again")
+    return f"another daemon (pid {pid}) is {state} on {path}; stop it (kill {pid}), or pass another --socket"
 
 
 def mark_serving(fd: int) -> None:
