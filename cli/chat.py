@@ -4,6 +4,9 @@ Ctrl-C while an answer is being written stops that answer (closing the stream ma
 the generation) and returns to the prompt; at the prompt it only reminds how to leave.  Ctrl-D while an
 answer is being written stops it and leaves; other text typed meanwhile is not sent as the next prompt
 (it was typed before the answer could be read), and the chat says so.
+
+Fed from a pipe (a script), it reads a message a line, draws no prompt, writes only the answers to
+stdout (its own lines go to stderr), and exits 1 at the end if the daemon refused any turn.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class ChatRepl:
         self.session_id = session_id
         self.created = False  # this chat made the session (so /reset and an unused exit may delete it)
         self.turns = 0
+        self.prior = False  # a resumed session that held a conversation already
+        self.refused = 0  # turns the daemon refused (a chat fed from a pipe exits 1 after any)
         self.interrupted = False  # the last answer was stopped with Ctrl-C
 
     # ---- session life ----------------------------------------------------------------------------
@@ -69,6 +74,7 @@ class ChatRepl:
         if self.session_id is not None:
             s = self.client.session(self.session_id)
             messages = s.get("messages") or []
+            self.prior = bool(messages)
             self.say(f"resumed session {s['id']} ({fmt.sla_summary(s.get('sla'))}, "
                      f"{len(messages)} message(s), {s.get('context_tokens', 0)} tokens of context)")
             for m in messages[-2:]:
@@ -112,10 +118,13 @@ class ChatRepl:
                 if e.code == "no_chat_template":  # no turn of this chat can be taken: leave, failing
                     self.finish()
                     raise
+                self.refused += 1
                 self.say(f"error: {e}")
-                if e.code == "context_length_exceeded" and e.param in ("messages", None):
+                if e.code == "context_length_exceeded" and e.param in ("messages", None) and (self.turns or self.prior):
                     self.say(f"(the session's context is full: /reset starts a new one, or `weave fork "
                              f"{self.session_id} --turn N` goes on from an earlier turn)")
+                elif e.code == "context_length_exceeded" and e.param in ("messages", None):
+                    self.say("(that message alone is longer than the session's context)")
         self.finish()
 
     def handle(self, line: str) -> bool:
@@ -230,10 +239,17 @@ def chat(
         except ImportError:
             pass
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
-    ahead = _terminal_typeahead if sys.stdin.isatty() else (lambda: None)
+    tty = sys.stdin.isatty()
+    # fed from a pipe (a script): no prompts drawn, the chat's own lines on stderr - stdout holds only the
+    # answers - and exit 1 if the daemon refused any turn
+    ahead = _terminal_typeahead if tty else (lambda: None)
+    read, say = (input, echo) if tty else ((lambda _prompt: input()), (lambda text: echo(text, err=True)))
     with connect(socket, api_key) as client:
-        ChatRepl(client, session_id=session, sla=sla_class(sla or SLAClass.interactive), system=system,
-                 sampling=sampling, typeahead=ahead).run()
+        repl = ChatRepl(client, session_id=session, sla=sla_class(sla or SLAClass.interactive), system=system,
+                        sampling=sampling, typeahead=ahead, read=read, say=say)
+        repl.run()
+    if repl.refused and not tty:
+        raise fail(f"the daemon refused {repl.refused} turn(s) (said above)")
 
 
 def _terminal_typeahead() -> str | None:

@@ -60,10 +60,14 @@ def messages_for(text: str, system: str | None = None) -> list[dict]:
 
 
 def _note_length(last: Delta | None, max_tokens: int | None) -> None:
+    """``_note_finish`` of a streamed answer's last delta (None: the stream ended without one)."""
+    _note_finish(last.finish_reason if last is not None else None, max_tokens)
+
+
+def _note_finish(reason: str | None, max_tokens: int | None) -> None:
     """Say why an answer stopped short: a note for the token limit; an error (exit 1) when the answer
-    was cut by the daemon - a shutdown, a cancel (e.g. the session deleted) - or the stream ended
-    without a finish, so that a script can tell the answer is incomplete."""
-    reason = last.finish_reason if last is not None else None
+    was cut by the daemon - a shutdown, a cancel (e.g. the session deleted) - or ended without a finish,
+    so that a script can tell the answer is incomplete (with --json too, after the answer is printed)."""
     if reason == "length":
         echo(length_note(max_tokens), err=True)
     elif reason in CUT:
@@ -107,7 +111,9 @@ def run(prompt: PromptArg, sla: SlaOpt = SLAClass.interactive, system: SystemOpt
             msgs = messages_for(text, system)
             answer, stream = partial(client.chat, msgs), partial(client.stream_chat, msgs)
         if json:
-            print_json(answer(**sampling))
+            result = answer(**sampling)
+            print_json(result)
+            _note_finish(((result.get("choices") or [{}])[0]).get("finish_reason"), max_tokens)
             return
         last = write_stream(stream(**sampling))
     _note_length(last, max_tokens)
@@ -230,7 +236,12 @@ def submit(
             except ApiError:  # refused: no empty session left
                 client.delete_session(info["id"])
                 raise
+            except KeyboardInterrupt:  # the request closes, and with it the turn: the session's id is said
+                echo(f"weave: interrupted: the task was cancelled; its answer so far is kept "
+                     f"(weave show {info['id']})", err=True)
+                raise
             print_json({"id": info["id"], **result, "placement": result["placement"] or info.get("placement")})
+            _note_finish(result["finish_reason"], max_tokens)
             return
         echo(f"session   {info['id']}", err=True)
         started: list[bool] = []

@@ -23,10 +23,11 @@ def fake():
         yield f
 
 
-def chat(fake: FakeDaemon, *args: str, input: str):
+def chat(fake: FakeDaemon, *args: str, input: str, code: int = 0):
+    """What a chat fed from a pipe says: its answers (stdout), then its own lines (stderr)."""
     res = runner.invoke(app, ["chat", *args], input=input, env={"WEAVE_SOCKET": str(fake.socket_path)})
-    assert res.exit_code == 0, (res.stdout, res.stderr)
-    return res.stdout
+    assert res.exit_code == code, (res.stdout, res.stderr)
+    return res.stdout + res.stderr
 
 
 def new_ids(fake: FakeDaemon, before: set[str]) -> list[str]:
@@ -38,7 +39,7 @@ def test_turns_stream_into_one_session(fake):
     out = chat(fake, "--system", "be brief", input="hello\nand again\n/exit\n")
     [sid] = new_ids(fake, before)
     assert f"session {sid}: pool cpu" in out
-    assert ">>> You said: hello.\n>>> You said: and again.\n>>> " in out
+    assert out.startswith("You said: hello.\nYou said: and again.\n")  # (from a pipe: answers alone, no prompt)
     assert f"session {sid} kept; resume with `weave chat --session {sid}`" in out
     s = fake.sessions[sid]
     assert s.system == "be brief" and s.cls == "interactive"
@@ -76,6 +77,8 @@ def test_reset_replaces_the_session_it_made(fake):
 
 def test_resume_keeps_the_session_and_reset_does_not_delete_it(fake):
     out = chat(fake, "--session", IDLE, input="more\n/reset\n/exit\n")
+    assert out.startswith("You said: more.\n")
+    out = out.removeprefix("You said: more.\n")
     assert out.startswith(f"resumed session {IDLE} (background, 2 message(s), 14 tokens of context)\n"
                           "user: Write the changelog\nassistant: Done: 12 entries.\n")
     assert f"(session {IDLE} is kept; `weave rm {IDLE}` deletes it)" in out
@@ -91,13 +94,13 @@ def test_resuming_an_unknown_session_fails_cleanly(fake):
 
 def test_a_refused_turn_reports_and_the_chat_goes_on(fake):
     fake.sessions[IDLE].busy = True  # a turn of it is running elsewhere: the daemon answers 409
-    out = chat(fake, "--session", IDLE, input="hi\n/exit\n")
+    out = chat(fake, "--session", IDLE, input="hi\n/exit\n", code=1)
     assert f"error: session {IDLE} is already generating a turn" in out
 
 
 def test_a_full_session_says_how_to_go_on(fake):
     fake.sessions[IDLE].full = True
-    out = chat(fake, "--session", IDLE, input="hi\n/exit\n")
+    out = chat(fake, "--session", IDLE, input="hi\n/exit\n", code=1)
     assert "error: the prompt needs 8204 tokens of context" in out
     assert f"/reset starts a new one, or `weave fork {IDLE} --turn N` goes on from an earlier turn" in out
 
@@ -220,7 +223,8 @@ def test_a_model_without_a_chat_template_ends_the_chat_failing_and_leaves_no_ses
     assert set(fake.sessions) == before  # the session it made had no turns: deleted
     fake.refuse_code = None  # another refusal ends nothing but that turn
     res = runner.invoke(app, ["chat"], input="hello\n", env={"WEAVE_SOCKET": str(fake.socket_path)})
-    assert res.exit_code == 0 and "error:" in res.stdout + res.stderr
+    assert res.exit_code == 1 and "error:" in res.stderr  # (from a pipe: a refused turn fails the chat, at its end)
+    assert "the daemon refused 1 turn(s)" in res.stderr
 
 
 def test_a_command_with_an_argument_does_nothing_and_says_why(fake):
@@ -264,3 +268,16 @@ def test_resuming_after_a_call_shows_the_call_not_none(fake):
             "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}])
     out = chat(fake, "--session", "s-00000000000000c1", input="/exit\n")
     assert 'assistant: -> get_weather({"city": "Oslo"})  [call_1]' in out and "None" not in out
+
+
+def test_a_chat_fed_from_a_pipe_draws_no_prompt_and_fails_if_a_turn_was_refused(fake):
+    """A script pipes lines in: stdout holds the answers alone (no prompt, no notes), the chat's own lines
+    go to stderr, and a refused turn - here a first message longer than the context, which no reset or
+    fork helps - makes the chat exit 1 once its input ends."""
+    env = {"WEAVE_SOCKET": str(fake.socket_path)}
+    res = runner.invoke(app, ["chat"], input="hello\n", env=env)
+    assert res.exit_code == 0 and res.stdout == "You said: hello.\n" and ">>>" not in res.stderr
+    fake.sessions[IDLE].full = True
+    res = runner.invoke(app, ["chat", "--session", IDLE], input="hi\n", env=env)
+    assert res.exit_code == 1 and res.stdout == ""
+    assert "error: the prompt needs 8204 tokens" in res.stderr and "/reset starts a new one" in res.stderr

@@ -253,6 +253,28 @@ def test_run_fails_when_the_daemon_cuts_the_answer(fake, reason, says):
     assert res.stderr.startswith("weave: error: the answer was cut: ") and says in res.stderr
 
 
+@pytest.mark.parametrize("args", [["run", "--json", "hello there"], ["submit", "--wait", "--json", "hello there"]])
+def test_a_cut_answer_fails_with_json_too(fake, args):
+    """A script reading --json tells a cut answer by the exit code as one reading the text does: the
+    answer is printed, then the error."""
+    fake.cut_by = "cancelled"
+    res = weave(fake, *args)
+    assert res.exit_code == 1 and "the answer was cut" in res.stderr
+    assert "cancelled" in res.stdout and json.loads(res.stdout)
+
+
+def test_ctrl_c_during_submit_wait_json_says_the_sessions_id(fake, monkeypatch):
+    import weaved.cli.run as run_mod
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_mod, "_turn_result", interrupted)
+    res = weave(fake, "submit", "--wait", "--json", "task four")
+    assert res.exit_code != 0 and res.stdout == ""
+    assert "interrupted: the task was cancelled; its answer so far is kept (weave show s-" in res.stderr
+
+
 def test_a_length_finish_says_which_limit_stopped_it(fake):
     """With --max-tokens, the token limit; without, an answer runs to the context's end, which "length" then
     means - raising --max-tokens would not help."""
