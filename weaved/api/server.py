@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import fcntl
 import os
 import signal
 import socket
@@ -26,16 +25,16 @@ from weaved.api.app import create_app
 from weaved.api.auth import BearerAuth
 from weaved.api.detached import resume_detached
 from weaved.api.open_files import AcceptErrors, raise_open_files_limit
+from weaved.api.socket_lock import ServerError, hold_socket_lock, make_socket_dir, mark_serving
+
+__all__ = ["Server", "ServerError", "bind_tcp", "check_socket_free", "hold_socket_lock", "mark_serving",
+           "parse_listen"]
 
 # An idle keep-alive connection is closed by the client first: httpx (and the openai SDK over it) lets
 # one go after 5 s, uvicorn's default is also 5 s, and when both fire together a client sends its next
 # request on a connection the server is closing (RemoteProtocolError under load).
 KEEP_ALIVE_S = 65.0
 GRACE_S = 10.0  # how long in-flight responses may take to finish once the daemon has stopped
-
-
-class ServerError(Exception):
-    """The server cannot start as asked (the message says why and what to do)."""
 
 
 def parse_listen(spec: str) -> tuple[str, int]:
@@ -73,7 +72,7 @@ def check_socket_free(path: Path) -> None:
     if len(os.fsencode(str(path))) > MAX_SOCKET_PATH:
         raise ServerError(f"the socket path {path} is {len(os.fsencode(str(path)))} bytes; a Unix socket's "
                           f"path holds at most {MAX_SOCKET_PATH}: pass a shorter --socket")
-    _make_socket_dir(path.parent)
+    make_socket_dir(path.parent)
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -82,68 +81,6 @@ def check_socket_free(path: Path) -> None:
         raise ServerError(f"{path} exists and is not a socket; remove it or pass another --socket")
     if socket_is_live(path):
         raise ServerError(f"a daemon is already listening on {path}; stop it first or pass another --socket")
-
-
-def hold_socket_lock(path: Path) -> int:
-    """Hold an exclusive lock beside the socket (``<socket>.lock``) from before the model loads for the
-    daemon's life, so that two daemons starting at once cannot both decide the socket is stale, and so
-    that a client finding no socket can tell a daemon that is still starting (the lock is held: it
-    waits) from none (``weaved.cli.socket_path.daemon_starting``).  The file says ``starting <pid>``,
-    then ``serving <pid>`` (``mark_serving``).  It stays after the daemon exits (removing it would race);
-    the lock goes with the process."""
-    _make_socket_dir(path.parent)
-    try:
-        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as e:
-        raise ServerError(f"cannot create the socket's lock file beside {path}: {e.strerror or e}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        said = _read_lock(fd)
-        os.close(fd)
-        raise ServerError(_held_by(path, said)) from None
-    _say_in_lock(fd, "starting")
-    return fd
-
-
-def _read_lock(fd: int) -> list[str]:
-    """What a held lock file says (``[state, pid]``; [] where it cannot be read)."""
-    try:
-        return os.pread(fd, 64, 0).decode("ascii", "replace").split()
-    except OSError:
-        return []
-
-
-def _held_by(path: Path, said: list[str]) -> str:
-    """The refusal of a second daemon on ``path``: who holds it, and what to do."""
-    if len(said) != 2 or not said[1].isdigit():
-        return f"another daemon is starting or running on {path}"
-    state, pid = said
-    if state == "serving" and not path.exists():  # (its socket file was removed: nobody can reach it)
-        return (f"another daemon (pid {pid}) serves on {path}, though its socket file is gone: stop it "
-                f"(kill {pid}) and start again")
-    return f"another daemon (pid {pid}) is {state} on {path}; stop it (kill {pid}), or pass another --socket"
-
-
-def mark_serving(fd: int) -> None:
-    """The held lock file (``hold_socket_lock``) now says the daemon serves."""
-    _say_in_lock(fd, "serving")
-
-
-def _say_in_lock(fd: int, state: str) -> None:
-    with contextlib.suppress(OSError):  # what it says is a courtesy; the lock is what counts
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{state} {os.getpid()}\n".encode(), 0)
-
-
-def _make_socket_dir(d: Path) -> None:
-    try:
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as e:
-        raise ServerError(f"cannot make the socket's directory {d}: {e.strerror or e}; pass another "
-                          "--socket") from None
-    if not os.access(d, os.W_OK | os.X_OK):
-        raise ServerError(f"cannot create the socket in {d}: permission denied; pass another --socket")
 
 
 def bind_unix(path: Path) -> socket.socket:
