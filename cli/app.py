@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Annotated
 
 import typer
 from weaved.cli.fmt import printable
@@ -40,6 +41,24 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _version(value: bool) -> None:
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        typer.echo(f"weave {version('weave-serve')}")
+    except PackageNotFoundError:  # (run from a source tree that was never installed)
+        typer.echo("weave (version unknown: not installed)")
+    raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="Print Weave's version and exit.")] = False) -> None:
+    pass
 
 
 def _register() -> None:

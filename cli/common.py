@@ -95,6 +95,9 @@ def reporting() -> Iterator[None]:
 @contextmanager
 def connect(socket: str | None, api_key: str | None) -> Iterator[Client]:
     """A client for the daemon at ``socket`` (None: the default address), with ``reporting``."""
+    if socket is not None and "://" in socket and not socket.startswith(("http://", "https://")):
+        raise fail(f"--socket {socket!r}: a URL must be http://HOST:PORT (the daemon's TCP listener); "
+                   f"a Unix socket is given by its path", 2)
     with reporting(), Client(socket, api_key, on_starting=lambda m: echo(f"weave: {m}", err=True)) as client:
         yield client
 

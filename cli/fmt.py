@@ -78,11 +78,11 @@ def rate(tps: float | None) -> str:
 
 
 def state_of(session: dict) -> str | None:
-    """A status session row's state as shown: ``prefill 2048/8192`` while its prompt is being fed (the
-    row's state is ``waiting`` then, as it is in the queue)."""
+    """A status session row's state as shown: ``prefill:2048/8192`` while its prompt is being fed (the
+    row's state is ``waiting`` then, as it is in the queue; one word, so a table splits on whitespace)."""
     state, p = session.get("state"), session.get("prefill")
     if state and isinstance(p, dict) and p.get("total"):
-        return f"prefill {p.get('done', 0)}/{p['total']}"
+        return f"prefill:{p.get('done', 0)}/{p['total']}"
     return state
 
 

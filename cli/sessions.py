@@ -44,6 +44,7 @@ def ps_table(sessions: list[dict], width: int | None = None) -> str:
 class TurnState(StrEnum):
     running = "running"
     waiting = "waiting"
+    prefill = "prefill"  # waiting, its long prompt being fed (``prefill:DONE/TOTAL``)
     paused = "paused"
     idle = "idle"
 
@@ -64,7 +65,9 @@ def ps(socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = Fals
     with connect(socket, api_key) as client:
         st = client.status()
     sessions = every = [s for s in st["sessions"] if all or not s.get("ephemeral")]
-    if state is not None:
+    if state is TurnState.prefill:
+        sessions = [s for s in sessions if (s.get("prefill") or {}).get("total")]
+    elif state is not None:
         sessions = [s for s in sessions if s.get("state") == state.value]
     if cls is not None:
         sessions = [s for s in sessions if s.get("class") == sla_class(cls)]
@@ -114,9 +117,9 @@ def message_lines(m: dict) -> list[str]:
     a tool result answers, and why an answer ended early."""
     lines = []
     if m.get("reasoning_content"):
-        lines.append(f"{m.get('role', '?')} (thinking): {m['reasoning_content']}")
+        lines.append(f"{m.get('role', '?')} (thinking): {_indented(m['reasoning_content'])}")
     if m.get("content") or not m.get("tool_calls"):
-        lines.append(f"{m.get('role', '?')}: {m.get('content') or ''}")
+        lines.append(f"{m.get('role', '?')}: {_indented(m.get('content') or '')}")
     for c in m.get("tool_calls") or ():
         fn = c.get("function") or {}
         call = f"{fn.get('name', '?')}({fn.get('arguments', '')})"
@@ -127,6 +130,11 @@ def message_lines(m: dict) -> list[str]:
     if why in ENDED_EARLY:
         lines.append(f"  [{ENDED_EARLY[why]}]")
     return lines
+
+
+def _indented(text: str) -> str:
+    """A message's later lines indented, so that none reads as another entry (``assistant: ...``)."""
+    return text.replace("\n", "\n  ")
 
 
 # answers that did not end by themselves, as ``show`` marks them

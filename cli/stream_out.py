@@ -3,6 +3,7 @@ prompt's progress on the terminal meanwhile (``weave run``, ``weave chat``)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -23,7 +24,7 @@ def write_stream(deltas: Iterable[Delta], out: TextIO | None = None,
     None.  ``stop()``, asked after each delta, ends the printing early."""
     out = out or sys.stdout
     err = err or sys.stderr
-    tty = out.isatty()
+    tty = out.isatty() and not os.environ.get("NO_COLOR")  # (styled: https://no-color.org asks for none)
     last, mode, wrote = None, "text", False
     progress = ProgressLine(err)
 

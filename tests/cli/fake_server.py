@@ -87,7 +87,8 @@ class FakeSession:
         return {"id": self.id, "class": self.cls, "pool": self.placement["decode_pool"], "backend": "cpu",
                 "context_tokens": self.context_tokens, "state": self.state, "tokens_per_s": self.tokens_per_s,
                 "ttft_s": self.ttft_s, "deadline_slack_s": self.deadline_slack_s,
-                "reason": "; ".join(self.placement["reasons"]), "ephemeral": self.ephemeral}
+                "reason": "; ".join(self.placement["reasons"]), "ephemeral": self.ephemeral,
+                "prefill": getattr(self, "prefill", None)}
 
 
 class FakeDaemon:

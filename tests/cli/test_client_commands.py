@@ -438,6 +438,28 @@ def test_show_marks_answers_that_did_not_end_by_themselves(fake):
     assert out[-1] == "assistant: Done."  # an answer that ended by itself carries no mark
 
 
+def test_a_messages_later_lines_are_indented_so_none_reads_as_another_entry(fake):
+    fake.add_session("s-00000000000000dd", "background", messages=[
+        {"role": "user", "content": "line one\nassistant: not a real answer"},
+        {"role": "assistant", "content": "ok"}])
+    out = ok(weave(fake, "show", "s-00000000000000dd")).splitlines()
+    assert out[-3:] == ["user: line one", "  assistant: not a real answer", "assistant: ok"]
+
+
+def test_version_and_a_socket_url_that_is_not_http():
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.stdout.startswith("weave ")
+    res = runner.invoke(app, ["ps", "--socket", "ftp://host:1"], env={"WEAVE_SOCKET": None})
+    assert res.exit_code == 2 and "a URL must be http://HOST:PORT" in res.stderr
+
+
+def test_ps_state_prefill_lists_the_sessions_whose_prompt_is_being_fed(fake):
+    waiting = "s-0c5d86e2f1a94b37"
+    fake.sessions[waiting].prefill = {"done": 1024, "total": 5015}
+    rows = ok(weave(fake, "ps", "--state", "prefill")).splitlines()[1:]
+    assert len(rows) == 1 and rows[0].split()[0] == waiting and "prefill:1024/5015" in rows[0].split()
+
+
 def test_help_shows_flags_as_flags():
     for args in (["status", "--help"], ["bench", "--help"], ["ps", "--help"]):
         out = runner.invoke(app, args).stdout

@@ -82,9 +82,9 @@ def test_a_session_row_being_prefilled_shows_how_far_it_came():
     from weaved.cli.sessions import ps_table
 
     row = {"id": "s1", "state": "waiting", "prefill": {"done": 2048, "total": 8192}}
-    assert fmt.state_of(row) == "prefill 2048/8192"
+    assert fmt.state_of(row) == "prefill:2048/8192"
     assert fmt.state_of({"state": "running", "prefill": None}) == "running"
-    assert "prefill 2048/8192" in ps_table([row])
+    assert "prefill:2048/8192" in ps_table([row])
 
 
 # ---- small helpers --------------------------------------------------------------------------------
@@ -220,3 +220,17 @@ def test_the_decoder_keeps_the_last_complete_events_id():
     for line in ("id: r-3", 'data: {"b": 2}'):  # cut here
         d.feed(line)
     assert d.last_id == "r-2"
+
+
+def test_no_color_leaves_a_terminals_stream_unstyled(monkeypatch):
+    """Reasoning and calls are styled on a terminal - unless NO_COLOR is set: then marked as on a pipe."""
+    from weaved.cli.stream_out import write_stream
+
+    deltas = [Delta("", reasoning="hmm"), Delta("Hi"), Delta("", finish_reason="stop")]
+    styled = _Terminal()
+    write_stream(deltas, styled, err=io.StringIO())
+    assert "\x1b[" in styled.getvalue()
+    monkeypatch.setenv("NO_COLOR", "1")
+    plain = _Terminal()
+    write_stream(deltas, plain, err=io.StringIO())
+    assert "\x1b[" not in plain.getvalue() and "[thinking]\nhmm" in plain.getvalue()
