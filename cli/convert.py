@@ -61,7 +61,8 @@ def register(app: typer.Typer) -> None:
 
         columns = (TextColumn("converting"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.description}"))
-        with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        err = Console(stderr=True)  # (a bar only on a terminal: on a pipe it would leave a blank line)
+        with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
             task = bar.add_task("", total=None)
 
             def progress(done: int, total: int, name: str) -> None:
