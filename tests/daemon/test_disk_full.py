@@ -10,7 +10,7 @@ import sqlite3
 
 import pytest
 
-from tests.daemon.support import run_turn
+from tests.daemon.support import GREEDY, run_turn
 from weaved.daemon.journal import Journal, JournalFull
 from weaved.errors import InsufficientStorage
 from weaved.kv.errors import DiskFull
@@ -252,6 +252,50 @@ def test_a_rewritten_history_the_journal_cannot_take_back_changes_nothing(daemon
     assert daemon.get_session(sid) == before
     events, h = run_turn(daemon, sid, "And then?")
     assert events[-1]["type"] == "done" and h.reprefilled > 0
+    agree(daemon, sid)
+
+
+def test_a_continuation_refused_after_its_rewind_keeps_the_rewound_session(daemon, monkeypatch):
+    """A turn continuing an earlier point of the transcript (a Responses chain's ``continues``) takes the
+    session back first; a full disk then refusing its history rewrite leaves it taken back - memory,
+    KV and journal agreeing - not its memory restored over a journal already cut."""
+    from tests.daemon.support import run_to_end
+
+    sid = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    run_turn(daemon, sid, "Hello")
+    run_turn(daemon, sid, "And then?")
+    daemon.sessions[sid].messages[1]["content"] = "A different answer than the one the KV holds."
+
+    def full(*args, **kw):
+        raise JournalFull("the journal could not be written: its disk is full")
+
+    monkeypatch.setattr(daemon.journal, "truncate", full)
+    with pytest.raises(JournalFull):
+        run_to_end(daemon, session_id=sid, messages=[{"role": "user", "content": "Again?"}], params=GREEDY,
+                   continues=2)
+    monkeypatch.undo()
+    agree(daemon, sid)
+    assert len(daemon.sessions[sid].messages) == len(daemon.journal.get(sid).messages) == 2
+    events, _ = run_to_end(daemon, session_id=sid, messages=[{"role": "user", "content": "Again?"}], params=GREEDY)
+    assert events[-1]["type"] == "done"
+    agree(daemon, sid)
+    assert len(daemon.sessions[sid].messages) == len(daemon.journal.get(sid).messages) == 4
+
+
+def test_a_response_stored_after_an_unrecorded_answer_ends_past_it(daemon, monkeypatch):
+    """A Responses answer the journal could not record, then stored once the disk has room: the answer is
+    recorded first, so the stored response's end is past it (a continuation keeps it)."""
+    sid = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    real = daemon.journal.finish_message
+
+    def full(*args, **kw):
+        raise JournalFull("the journal could not be written: its disk is full")
+
+    monkeypatch.setattr(daemon.journal, "finish_message", full)
+    run_turn(daemon, sid, "Hello")
+    monkeypatch.setattr(daemon.journal, "finish_message", real)
+    daemon.store_response(sid, "resp_1", {"id": "resp_1"})
+    assert daemon.response_end("resp_1") == 2 == len(daemon.journal.get(sid).messages)
     agree(daemon, sid)
 
 

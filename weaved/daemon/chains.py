@@ -31,7 +31,9 @@ class ResponseChains:
 
     def store_response(self, sid: str, rid: str, body: dict) -> None:
         with self._lock:
-            end = len(self._get(sid).messages)
+            s = self._get(sid)
+            self._record_unrecorded(s)  # (its answer, if a full disk kept it out: the response ends past it)
+            end = len(s.messages)
         self.journal.add_response(rid, sid, body, messages=end)
 
     def get_response(self, rid: str) -> tuple[str, dict]:

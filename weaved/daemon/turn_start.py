@@ -140,6 +140,7 @@ class TurnStarts:
                 except BaseException:
                     undo()
                     raise
+                kept = (list(s.messages), list(s.committed), list(s.tail))  # (done: a later undo keeps it)
             reprefilled = len(s.committed) - keep
             try:  # the journal first: a write that fails (a full disk) leaves the session as it was
                 if s.rebuild:  # this turn feeds its lost context again: the journal records it anew as it commits
