@@ -174,70 +174,70 @@ def register(app: typer.Typer) -> None:
 
         from weaved.cli.socket_path import default_socket_path
 
-        from weaved.api.socket_lock import ServerError, hold_socket_lock
+        from weaved.api.sockets import ServerError, bind_tcp, check_socket_free, hold_socket_lock, parse_listen
+        from weaved.config.load import load_profile
+        from weaved.config.tables import ProfileError
+        from weaved.federation.service import FederationError, federation_listen
 
         if socket is None and "://" in os.environ.get("WEAVE_SOCKET", ""):  # (the clients' URL form)
             raise _fail(f"WEAVE_SOCKET is {os.environ['WEAVE_SOCKET']!r}, a URL: the daemon serves a Unix socket "
                         f"(give its path, or --socket; for TCP use --listen HOST:PORT)", 2)
         path = (socket or default_socket_path()).expanduser().absolute()
-        try:  # held from the start: a client that finds no socket yet waits for this daemon instead of failing
+        try:  # everything that can be refused is refused before the model loads
+            source = ctx.get_parameter_source("api_key")
+            if listen is None and source is not None and source.name == "COMMANDLINE":
+                # (the Unix socket's access is its file mode: a key would be ignored; one exported in
+                # WEAVE_API_KEY for the clients is fine)
+                raise _fail("--api-key is for the TCP listener: give --listen HOST:PORT with it", 2)
+            if listen is not None:  # (the address first: a key would not make a bad one usable)
+                try:
+                    address = parse_listen(listen)
+                except ServerError as e:
+                    raise _fail(str(e), 2) from None
+                if not api_key:
+                    raise _fail("--listen needs an API key (--api-key or WEAVE_API_KEY)", 2)
+                try:  # an address in use, or a host that does not resolve, is found now, not after the load
+                    bind_tcp(*address).close()
+                except ServerError as e:
+                    raise _fail(str(e)) from None
+            check_socket_free(path)
+            try:
+                prof = load_profile(profile)
+            except ProfileError as e:  # the --profile given: bad usage, as a missing --model is
+                raise _fail(str(e), 2) from None
+            federation = federation_listen(prof, federation_port)
+        except (ServerError, FederationError) as e:
+            raise _fail(str(e)) from None
+        for note in prof.notes:
+            say_line(note)
+        if federation is None and prof.federation.token:
+            say_line("note: the profile's [federation] table sets a token, but neither a port nor peers: the "
+                 "control plane is not served (set its port, or pass --federation-port)")
+        template = None
+        if chat_template is not None:
+            from weaved.model.chat_template import ChatTemplate
+
+            try:
+                template = chat_template.read_text()
+                if not template.strip():  # (else the model's own, or none, would be used without a word)
+                    raise ValueError("the file is empty")
+                ChatTemplate(template).check()
+            except OSError as e:
+                raise _fail(f"cannot read the chat template {chat_template}: {e.strerror or e}", 2) from None
+            except ValueError as e:  # (a syntax error: every chat request would be refused)
+                raise _fail(f"{chat_template}: {e}", 2) from None
+        if data_dir is not None and not data_dir.strip():  # (an empty $VAR: not the current directory)
+            raise _fail("--data-dir is empty: name a directory, or leave the option out for the profile's", 2)
+        try:  # held from here: a client that finds no socket yet waits for this daemon instead of failing
             lock_fd = _inherited_lock()
             if lock_fd is None:
                 lock_fd = hold_socket_lock(path)
         except ServerError as e:
             raise _fail(str(e)) from None
+        stop_on_sigterm()  # (until the server's own handlers: a load stopped runs its cleanups, as Ctrl-C does)
         try:  # until the server owns the lock (it lets go of it when it stops), a failure lets go of it here
-            from weaved.api.server import Server, bind_tcp, check_socket_free, parse_listen
-            from weaved.config.load import load_profile
-            from weaved.config.tables import ProfileError
-            from weaved.federation.service import FederationError, federation_listen
+            from weaved.api.server import Server  # (most of a second: after the lock, which clients wait on)
 
-            try:  # everything that can be refused is refused before the model loads
-                source = ctx.get_parameter_source("api_key")
-                if listen is None and source is not None and source.name == "COMMANDLINE":
-                    # (the Unix socket's access is its file mode: a key would be ignored; one exported in
-                    # WEAVE_API_KEY for the clients is fine)
-                    raise _fail("--api-key is for the TCP listener: give --listen HOST:PORT with it", 2)
-                if listen is not None:  # (the address first: a key would not make a bad one usable)
-                    try:
-                        address = parse_listen(listen)
-                    except ServerError as e:
-                        raise _fail(str(e), 2) from None
-                    if not api_key:
-                        raise _fail("--listen needs an API key (--api-key or WEAVE_API_KEY)", 2)
-                    try:  # an address in use, or a host that does not resolve, is found now, not after the load
-                        bind_tcp(*address).close()
-                    except ServerError as e:
-                        raise _fail(str(e)) from None
-                check_socket_free(path)
-                try:
-                    prof = load_profile(profile)
-                except ProfileError as e:  # the --profile given: bad usage, as a missing --model is
-                    raise _fail(str(e), 2) from None
-                federation = federation_listen(prof, federation_port)
-            except (ServerError, FederationError) as e:
-                raise _fail(str(e)) from None
-            for note in prof.notes:
-                say_line(note)
-            if federation is None and prof.federation.token:
-                say_line("note: the profile's [federation] table sets a token, but neither a port nor peers: the "
-                     "control plane is not served (set its port, or pass --federation-port)")
-            template = None
-            if chat_template is not None:
-                from weaved.model.chat_template import ChatTemplate
-
-                try:
-                    template = chat_template.read_text()
-                    if not template.strip():  # (else the model's own, or none, would be used without a word)
-                        raise ValueError("the file is empty")
-                    ChatTemplate(template).check()
-                except OSError as e:
-                    raise _fail(f"cannot read the chat template {chat_template}: {e.strerror or e}", 2) from None
-                except ValueError as e:  # (a syntax error: every chat request would be refused)
-                    raise _fail(f"{chat_template}: {e}", 2) from None
-            if data_dir is not None and not data_dir.strip():  # (an empty $VAR: not the current directory)
-                raise _fail("--data-dir is empty: name a directory, or leave the option out for the profile's", 2)
-            stop_on_sigterm()  # (until the server's own handlers: a load stopped runs its cleanups, as Ctrl-C does)
             model_path = resolve_model(model)
             from weaved.daemon.core import Daemon
             from weaved.errors import SettingRefused, WeaveError

@@ -20,7 +20,7 @@ WAIT_S = 30.0
 
 
 def _hold(sock) -> int:
-    """The lock a starting daemon holds beside its socket (``weaved.api.server.hold_socket_lock``)."""
+    """The lock a starting daemon holds beside its socket (``weaved.api.sockets.hold_socket_lock``)."""
     fd = os.open(f"{sock}.lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return fd
@@ -79,7 +79,7 @@ def test_a_daemon_that_exits_before_serving_ends_the_wait():
 def test_a_second_daemon_on_a_held_socket_is_told_who_holds_it():
     """The refusal names the holder's pid and what to do - also when its socket file was removed (it
     serves on, unreachable: only stopping it helps)."""
-    from weaved.api.server import ServerError, hold_socket_lock, mark_serving
+    from weaved.api.sockets import ServerError, hold_socket_lock, mark_serving
 
     with short_socket_dir() as d:
         sock = d / "w.sock"
@@ -92,6 +92,9 @@ def test_a_second_daemon_on_a_held_socket_is_told_who_holds_it():
                 hold_socket_lock(sock)
             sock.touch()
             with pytest.raises(ServerError, match="is serving on .*; stop it"):
+                hold_socket_lock(sock)
+            os.pwrite(fd, b"serving 4194304\n", 0)  # what a daemon now gone wrote: no pid to stop is named
+            with pytest.raises(ServerError, match="^another daemon is starting or running on"):
                 hold_socket_lock(sock)
         finally:
             os.close(fd)

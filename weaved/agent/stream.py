@@ -98,6 +98,12 @@ class AnswerParser:
         return _merge(out)
 
     @property
+    def held_text(self) -> int:
+        """Characters of the answer's text held back, not yet said as content (blank space or a partial
+        call trigger, which the next text decides): their tokens' log-probabilities wait with them."""
+        return len(self._buf) if self._state == "main" else 0
+
+    @property
     def envelope_pending(self) -> bool:
         """Whether the answer may still open the generic envelope (its first text is held to see): what
         its first tokens are - syntax or text - is not known yet."""

@@ -39,14 +39,20 @@ class TextGate:
         self.sent = 0  # characters of generated text sent
         self._waiting: list[tuple[int, object]] = []
 
-    def push(self, ev: dict, entry: object | None) -> list:
+    def push(self, ev: dict, entry: object | None, held: int = 0) -> list:
         """A token event (``entry``: its entry, or None for an event without log-probabilities, such as the
-        end's release of held text, which has no ``at``): the entries its text releases, in order."""
+        end's release of held text, which has no ``at``): the entries its text releases, in order - but
+        for the last ``held`` characters of the text, which its reader holds back yet (an answer's blank
+        space before a possible call)."""
         if entry is not None:
             self._waiting.append((ev["at"], entry))
         self.sent += len(ev["text"])
+        return self.release(held)
+
+    def release(self, held: int = 0) -> list:
+        """The waiting entries whose text is out, but for its last ``held`` characters."""
         n = 0
-        while n < len(self._waiting) and self._waiting[n][0] < self.sent:
+        while n < len(self._waiting) and self._waiting[n][0] < self.sent - held:
             n += 1
         out = [e for _, e in self._waiting[:n]]
         del self._waiting[:n]
@@ -78,24 +84,25 @@ class AnswerEntries:
         out = self._release() if self._held else []
         if entry is not None and not p.in_text(ev["at"], len(ev["text"])):
             entry = None  # the envelope's syntax around a text answer
-        return out + self.gate.push(ev, entry)
+        # (an entry whose text the parser still holds goes out with that text: a chunk's entries are its own)
+        return out + self.gate.push(ev, entry, held=p.held_text)
 
     def finish(self) -> list:
         """The answer ended: held entries go out if their text was the answer's (nothing was, if it ended
-        inside the envelope's opening)."""
+        inside the envelope's opening), then those whose text the parser held to its end."""
         if not self._held:
-            return []
+            return self.gate.release()
         if self.parser.envelope_pending:
             self._held.clear()  # (the answer said nothing)
-            return []
-        return self._release()
+            return self.gate.release()
+        return self._release() + self.gate.release()
 
     def _release(self) -> list:
         kept = [(at, e) for at, n, e in self._held if self.parser.in_text(at, n)]
         self._held.clear()
         out = []
         for at, e in kept:  # (their text is counted already: each goes out once its text went)
-            out += self.gate.push({"at": at, "text": ""}, e)
+            out += self.gate.push({"at": at, "text": ""}, e, held=self.parser.held_text)
         return out
 
 

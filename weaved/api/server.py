@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import os
 import signal
 import socket
-import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +23,15 @@ from weaved.api.app import create_app
 from weaved.api.auth import BearerAuth
 from weaved.api.detached import resume_detached
 from weaved.api.open_files import AcceptErrors, raise_open_files_limit
-from weaved.api.socket_lock import ServerError, hold_socket_lock, make_socket_dir, mark_serving
+from weaved.api.sockets import (
+    ServerError,
+    bind_tcp,
+    bind_unix,
+    check_socket_free,
+    hold_socket_lock,
+    mark_serving,
+    parse_listen,
+)
 
 __all__ = ["Server", "ServerError", "bind_tcp", "check_socket_free", "hold_socket_lock", "mark_serving",
            "parse_listen"]
@@ -35,78 +41,6 @@ __all__ = ["Server", "ServerError", "bind_tcp", "check_socket_free", "hold_socke
 # request on a connection the server is closing (RemoteProtocolError under load).
 KEEP_ALIVE_S = 65.0
 GRACE_S = 10.0  # how long in-flight responses may take to finish once the daemon has stopped
-
-
-def parse_listen(spec: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[V6ADDR]:PORT`` -> (host, port)."""
-    host, sep, port = spec.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ServerError(f"--listen must be HOST:PORT (e.g. 127.0.0.1:8080), got {spec!r}")
-    return host, int(port)
-
-
-def socket_is_live(path: Path) -> bool:
-    """Whether a process accepts connections on the Unix socket ``path``."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(2.0)
-    try:
-        s.connect(str(path))
-        return True
-    except (ConnectionRefusedError, FileNotFoundError):
-        return False
-    except OSError as e:  # EAGAIN (backlog full), EACCES (someone else's): somebody is there
-        return e.errno != errno.ECONNREFUSED
-    finally:
-        s.close()
-
-
-MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sun_path holds 108, with the final NUL)
-
-
-def check_socket_free(path: Path) -> None:
-    """ServerError if ``path`` cannot be a socket (too long; its directory cannot be made or written)
-    or is a live socket or not a socket at all (a stale socket is fine).  ``weave serve`` asks before
-    loading the model, so a bad path costs no load."""
-    if len(os.fsencode(str(path))) > MAX_SOCKET_PATH:
-        raise ServerError(f"the socket path {path} is {len(os.fsencode(str(path)))} bytes; a Unix socket's "
-                          f"path holds at most {MAX_SOCKET_PATH}: pass a shorter --socket")
-    make_socket_dir(path.parent)
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise ServerError(f"{path} exists and is not a socket; remove it or pass another --socket")
-    if socket_is_live(path):
-        raise ServerError(f"a daemon is already listening on {path}; stop it first or pass another --socket")
-
-
-def bind_unix(path: Path) -> socket.socket:
-    """A listening-ready Unix socket at ``path``, mode 0600; a stale socket file is replaced."""
-    check_socket_free(path)
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()  # stale: nobody answers on it
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(str(path))
-        os.chmod(path, 0o600)  # before listen(): nobody can connect to it until then
-    except OSError as e:
-        sock.close()
-        raise ServerError(f"cannot create the socket {path}: {e.strerror or e}") from None
-    return sock
-
-
-def bind_tcp(host: str, port: int) -> socket.socket:
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-    except OSError as e:
-        raise ServerError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
 
 
 class Server:
