@@ -162,6 +162,7 @@ def test_a_response_being_generated_is_shown_in_progress(served):
             assert seen.status_code == 200 and seen.json()["status"] == "in_progress", seen.text
             refused = h.delete(f"/v1/responses/{rid}")
             assert refused.status_code == 409 and refused.json()["error"]["param"] == "response_id"
+            assert refused.headers.get("Retry-After") == "1"  # (it ends by itself: the SDKs' retry helps)
             given = h.get(f"/v1/responses/{rid}/input_items")
             assert given.status_code == 200, given.text
             items = given.json()["data"]
@@ -169,6 +170,7 @@ def test_a_response_being_generated_is_shown_in_progress(served):
                 early = h.post(path, json={"input": "Go on.", "previous_response_id": rid})
                 assert early.status_code == 409, early.text
                 assert early.json()["error"]["param"] == "previous_response_id"
+                assert early.headers.get("Retry-After") == "1"
             for _ in lines:
                 pass
         done = h.get(f"/v1/responses/{rid}").json()

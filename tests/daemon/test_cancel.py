@@ -110,9 +110,10 @@ def test_a_turn_still_generating_is_not_interrupted_by_a_second(daemon):
     daemon.start_turn(session_id=sid, messages=[{"role": "user", "content": "Count to a thousand"}],
                       params=LONG, emit=stream)
     assert stream.first.wait(60)
-    with pytest.raises(Conflict):
+    with pytest.raises(Conflict) as e:
         daemon.start_turn(session_id=sid, messages=[{"role": "user", "content": "hi"}], params=GREEDY,
                           emit=lambda ev: None)
+    assert e.value.retryable  # (it ends by itself: the answer advises a retry)
     daemon.cancel_turn(sid)
     assert stream.done.wait(60)
 

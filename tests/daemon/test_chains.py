@@ -152,8 +152,9 @@ def test_a_session_rewound_to_a_turn_answers_the_next_as_it_did_then(tiny_llama,
         stream = Stream(hold=True)
         d.start_turn(session_id=sid, messages=[{"role": "user", "content": "Count"}], params=LONG, emit=stream)
         assert stream.first.wait(60)
-        with pytest.raises(Conflict, match="rewind it once the turn has ended"):
+        with pytest.raises(Conflict, match="rewind it once the turn has ended") as e:
             d.rewind_session(sid, 0)
+        assert e.value.retryable
         d.cancel_turn(sid)
         stream.go.set()
         assert stream.done.wait(60)
@@ -184,7 +185,8 @@ def test_a_raw_prompt_session_is_rewound_by_its_journal_and_a_chain_is_refused(t
         chain = d.create_session(SLA(SLAClass.INTERACTIVE))["id"]
         run_turn(d, chain, "Name a colour.")
         d.store_response(chain, "resp_1", {"id": "resp_1"})
-        with pytest.raises(Conflict, match="holds stored responses"):
+        with pytest.raises(Conflict, match="holds stored responses") as e:
             d.rewind_session(chain, 0)
+        assert not e.value.retryable  # (waiting does not change it: the SDKs are told not to retry)
     finally:
         d.shutdown()

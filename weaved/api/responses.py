@@ -59,7 +59,7 @@ async def continued_chain(state, rid: str, messages: list[dict]) -> str:
     that answer none of its calls."""
     if rid in state.running_responses:
         raise Conflict(f"response {rid} is still being generated; continue it once it has ended",
-                       param="previous_response_id")
+                       param="previous_response_id", retryable=True)
     try:
         sid, previous = await run_in_threadpool(state.daemon.get_response, rid)
     except NotFound as e:
@@ -94,7 +94,7 @@ async def create_response(request: Request) -> Response:
             except Conflict as e:  # (its chain's session is generating a turn)
                 raise Conflict(f"response {req.previous_response_id} cannot be branched from while its chain "
                                f"generates a response; retry when that one ends", param="previous_response_id",
-                               ) from e
+                               retryable=True) from e
             created_session = True
         continues = await run_in_threadpool(daemon.response_end, req.previous_response_id)
         info = await run_in_threadpool(daemon.get_session, sid)
@@ -169,7 +169,8 @@ async def get_response(request: Request, rid: str) -> dict:
 async def delete_response(request: Request, rid: str) -> dict:
     state = state_of(request)
     if rid in state.running_responses:
-        raise Conflict(f"response {rid} is still being generated; delete it once it has ended", param="response_id")
+        raise Conflict(f"response {rid} is still being generated; delete it once it has ended", param="response_id",
+                       retryable=True)
     await run_in_threadpool(state.daemon.delete_response, rid)
     return {"id": rid, "object": "response", "deleted": True}
 
