@@ -46,12 +46,9 @@ app = typer.Typer(
 def _version(value: bool) -> None:
     if not value:
         return
-    from importlib.metadata import PackageNotFoundError, version
+    from weaved import __version__
 
-    try:
-        typer.echo(f"weave {version('weave-serve')}")
-    except PackageNotFoundError:  # (run from a source tree that was never installed)
-        typer.echo("weave (version unknown: not installed)")
+    typer.echo(f"weave {__version__}")
     raise typer.Exit()
 
 

@@ -66,7 +66,8 @@ class ChatRepl:
         self.created = False  # this chat made the session (so /reset and an unused exit may delete it)
         self.turns = 0
         self.prior = False  # a resumed session that held a conversation already
-        self.refused = 0  # turns the daemon refused (a chat fed from a pipe exits 1 after any)
+        self.refused = 0  # turns the daemon refused or cut (a chat fed from a pipe exits 1 after any)
+        self.asking = False  # a turn is being asked (an error now is the turn's, not a command's)
         self.interrupted = False  # the last answer was stopped with Ctrl-C
 
     # ---- session life ----------------------------------------------------------------------------
@@ -86,7 +87,7 @@ class ChatRepl:
 
     def _new_session(self) -> None:
         info = self.client.create_session(sla_body(self.sla), None, self.system)
-        self.session_id, self.created, self.turns = info["id"], True, 0
+        self.session_id, self.created, self.turns, self.prior = info["id"], True, 0, False
         self.say(f"session {info['id']}: {fmt.placement_summary(info.get('placement'))}")
 
     def finish(self) -> None:
@@ -109,6 +110,7 @@ class ChatRepl:
             except KeyboardInterrupt:
                 self.say("\n(use /exit or Ctrl-D to leave)")
                 continue
+            self.asking = False
             try:
                 if not self.handle(line):
                     break
@@ -118,7 +120,7 @@ class ChatRepl:
                 if e.code == "no_chat_template":  # no turn of this chat can be taken: leave, failing
                     self.finish()
                     raise
-                self.refused += 1
+                self.refused += self.asking
                 self.say(f"error: {e}")
                 if e.code == "context_length_exceeded" and e.param in ("messages", None) and (self.turns or self.prior):
                     self.say(f"(the session's context is full: /reset starts a new one, or `weave fork "
@@ -173,6 +175,7 @@ class ChatRepl:
 
     def ask(self, text: str) -> None:
         assert self.session_id is not None
+        self.asking = True
         messages = [{"role": "user", "content": text}]
         deadline = time.monotonic() + (BUSY_RETRY_S if self.interrupted else 0.0)
         self.interrupted = False
@@ -214,8 +217,10 @@ class ChatRepl:
         if reason == "length":
             self.say(length_note(self.sampling.get("max_tokens")))
         elif reason in CUT:  # the daemon cut it: a shutdown, or the session deleted elsewhere
+            self.refused += 1
             self.say(f"[the answer was cut: {CUT[reason]}]")
         elif reason is None:
+            self.refused += 1
             self.say("[the answer ended without a finish: the connection to the daemon was lost]")
 
 
@@ -249,7 +254,7 @@ def chat(
                         sampling=sampling, typeahead=ahead, read=read, say=say)
         repl.run()
     if repl.refused and not tty:
-        raise fail(f"the daemon refused {repl.refused} turn(s) (said above)")
+        raise fail(f"the daemon refused or cut {repl.refused} turn(s) (said above)")
 
 
 def _terminal_typeahead() -> str | None:

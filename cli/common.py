@@ -92,12 +92,17 @@ def reporting() -> Iterator[None]:
         raise fail(str(e), EXIT_NO_DAEMON if isinstance(e, DaemonNotRunning) else EXIT_FAILED) from None
 
 
+def check_address(socket: str | None) -> None:
+    """Bad usage (exit 2) for an address that is a URL the client cannot speak (``ftp://``)."""
+    if socket is not None and "://" in socket and not socket.startswith(("http://", "https://")):
+        raise fail(f"the daemon's address {socket!r} (--socket or WEAVE_SOCKET): a URL must be http://HOST:PORT "
+                   f"(its TCP listener); a Unix socket is given by its path", 2)
+
+
 @contextmanager
 def connect(socket: str | None, api_key: str | None) -> Iterator[Client]:
     """A client for the daemon at ``socket`` (None: the default address), with ``reporting``."""
-    if socket is not None and "://" in socket and not socket.startswith(("http://", "https://")):
-        raise fail(f"--socket {socket!r}: a URL must be http://HOST:PORT (the daemon's TCP listener); "
-                   f"a Unix socket is given by its path", 2)
+    check_address(socket)
     with reporting(), Client(socket, api_key, on_starting=lambda m: echo(f"weave: {m}", err=True)) as client:
         yield client
 

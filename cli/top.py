@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 from weaved.cli.client import resolve_address
-from weaved.cli.common import ApiKeyOpt, SocketOpt, fail
+from weaved.cli.common import ApiKeyOpt, SocketOpt, check_address, fail
 
 
 def on_a_terminal() -> bool:
@@ -22,6 +22,7 @@ def top(socket: SocketOpt = None, api_key: ApiKeyOpt = None,
     Keys: p promote, d demote, x delete, / filter (words, or key:value such as state:running), s sort,
     arrows move (left/right scroll a wide table), q or Ctrl-C quit.  Needs a terminal.
     """
+    check_address(socket)
     if not on_a_terminal():
         raise fail("weave top needs a terminal; 'weave status' (or --json) prints the daemon's state once", 2)
     from weaved.tui.app import WeaveTop

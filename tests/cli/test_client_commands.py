@@ -451,6 +451,8 @@ def test_version_and_a_socket_url_that_is_not_http():
     assert res.exit_code == 0 and res.stdout.startswith("weave ")
     res = runner.invoke(app, ["ps", "--socket", "ftp://host:1"], env={"WEAVE_SOCKET": None})
     assert res.exit_code == 2 and "a URL must be http://HOST:PORT" in res.stderr
+    res = runner.invoke(app, ["ps"], env={"WEAVE_SOCKET": "ftp://host:1"})
+    assert res.exit_code == 2 and "'ftp://host:1' (--socket or WEAVE_SOCKET)" in res.stderr
 
 
 def test_ps_state_prefill_lists_the_sessions_whose_prompt_is_being_fed(fake):

@@ -232,6 +232,38 @@ def test_an_answer_left_unrecorded_by_a_stop_comes_back_from_its_tokens(tiny_lla
         d.shutdown()
 
 
+def test_a_start_on_a_full_disk_keeps_a_cut_answer_to_record_later(tiny_llama, tmp_path, monkeypatch):
+    """The start records an answer a stop cut; on a full disk it cannot yet: the session shows it all the
+    same (its tokens are committed), and the journal gains it before the session's next turn."""
+    from tests.daemon.support import make_daemon
+
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        sid = d.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+        run_turn(d, sid, "Hello")
+
+        def full(*args, **kw):
+            raise JournalFull("the journal could not be written: its disk is full")
+
+        monkeypatch.setattr(d.journal, "finish_message", full)
+        run_turn(d, sid, "And then?")
+    finally:
+        d.shutdown()
+    monkeypatch.setattr(Journal, "finish_message", full)
+    d = make_daemon(tiny_llama, tmp_path / "data")
+    try:
+        assert [m["role"] for m in d.get_session(sid)["messages"]] == ["user", "assistant"] * 2
+        assert [m["role"] for m in d.journal.get(sid).messages] == ["user", "assistant", "user"]
+        monkeypatch.undo()
+        events, _ = run_turn(d, sid, "And the sky?")
+        assert events[-1]["type"] == "done"
+        assert [(m["role"], m["finish_reason"]) for m in d.journal.get(sid).messages][2:4] == \
+            [("user", None), ("assistant", "interrupted")]
+        agree(d, sid)
+    finally:
+        d.shutdown()
+
+
 def test_a_rewritten_history_the_journal_cannot_take_back_changes_nothing(daemon, monkeypatch):
     """A turn whose template rewrote the history re-feeds from the first changed token: the journal is
     cut first, so a full disk refuses the turn (507) with the KV, the tokens and the journal agreeing

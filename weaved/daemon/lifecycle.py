@@ -226,9 +226,12 @@ class DaemonLifecycle:
 
         records = self.journal.list(damaged=bad_record)
         for rec in [r for r in records if r.status == FORKING]:  # cut by a crash while being made: never given
-            self.journal.delete(rec.id)  # to the client, its file goes with the others of no session below
-            self.log(f"session {rec.id}: a fork of {rec.forked_from} cut by the last stop before it was complete; "
-                     f"removed")
+            try:  # to the client, its file goes with the others of no session below
+                self.journal.delete(rec.id)
+                self.log(f"session {rec.id}: a fork of {rec.forked_from} cut by the last stop before it was "
+                         f"complete; removed")
+            except InsufficientStorage:  # (a full disk: its record goes at a later start)
+                self.log(f"session {rec.id}: a fork cut by the last stop before it was complete; left out")
         records = [r for r in records if r.status != FORKING]
         for sid, why in damaged.items():  # its KV file stays: a repaired journal would find it again
             self.log(f"session {sid} not recovered: {why}")
@@ -267,16 +270,21 @@ class DaemonLifecycle:
                 continue
             messages = transcript_of(rec.messages)
             partial = unfinished_answer(rec, self.tokenizer.decode)
+            unrecorded = None
             if partial is not None:  # the daemon stopped mid-turn: keep what was committed of the answer
-                messages.append(transcript_entry("assistant", partial[0], "interrupted"))
-                self.journal.finish_message(rec.id, "assistant", partial[0], partial[1], "interrupted")
+                try:
+                    self.journal.finish_message(rec.id, "assistant", partial[0], partial[1], "interrupted")
+                    messages.append(transcript_entry("assistant", partial[0], "interrupted"))
+                except InsufficientStorage:  # (a full disk at the start: recorded once it has room)
+                    unrecorded = {"text": partial[0], "tokens": partial[1], "reason": "interrupted", "answer": None}
             tail = (unfed_tail(rec) if partial is None else []) or unfed_prompt(rec)
             committed = list(rec.tokens[: rec.kv_length])
             if rebuild:  # every token is unfed now: the next turn feeds them before its own
                 committed, tail, rebuilt = [], committed + tail, rebuilt + 1
             self.sessions[rec.id] = Session(rec.id, sla, rec.max_context, rec.system, placement, kv,
                                             committed, messages, created=rec.created,
-                                            forked_from=rec.forked_from, tail=tail, rebuild=rebuild)
+                                            forked_from=rec.forked_from, tail=tail, rebuild=rebuild,
+                                            unrecorded=unrecorded)
         if self.sessions:
             self.log(f"recovered {len(self.sessions)} session(s) from {self.data_dir}"
                      + (f" ({rebuilt} rebuilt from the journal)" if rebuilt else ""))
@@ -337,8 +345,8 @@ class DaemonLifecycle:
                 if s.unrecorded is not None:
                     try:
                         self._record_unrecorded(s)
-                    except InsufficientStorage:
-                        pass
+                    except Exception as e:  # (the stop goes on: the next start finds its tokens)
+                        self.log(f"session {s.id}: its last answer is not recorded: {e}")
 
 
 def _check_journal_kept(data_dir) -> None:

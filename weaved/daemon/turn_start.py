@@ -188,10 +188,12 @@ class TurnStarts:
             if resla or self.moves.misplaced(s):  # a check-in: the router re-places the session first
                 new_pl = self.moves.replace(s, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion",
                                             len(new), moved)
-                self.publish("placement", {"session": s.id, "placement": new_pl.to_dict()})
+                if not s.ephemeral:
+                    self.publish("placement", {"session": s.id, "placement": new_pl.to_dict()})
             elif moved is not None:  # a throughput-tolerant turn spills to a GPU pool, or returns to the CPU
                 self.moves.send(s, moved, "spill" if self.pools[moved.decode_pool].device_kind == "gpu" else "return")
-                self.publish("placement", {"session": s.id, "placement": moved.to_dict()})
+                if not s.ephemeral:
+                    self.publish("placement", {"session": s.id, "placement": moved.to_dict()})
             elif first:  # its first turn: the router sees the real prompt now (what a stored prefix leaves)
                 new_pl = self.moves.place_first_turn(s, len(new))
                 if new_pl is not None and not s.ephemeral:  # (a stateless request's turn is no event: under
