@@ -94,13 +94,11 @@ def test_a_turn_that_brings_a_new_system_prompt_changes_it_only_if_it_starts(dae
     assert daemon.get_session(sid)["system"] == "You are a pirate."
     assert daemon.journal.get(sid).system == "You are a pirate."
 
-    real = daemon.tokenizer.encode_chat
-    texts: list[str] = []
-    monkeypatch.setattr(daemon.tokenizer, "encode_chat", lambda text: texts.append(text) or real(text))
     events, _ = run_to_end(daemon, session_id=sid, messages=[{"role": "user", "content": "More"}], params=GREEDY,
                            system="You are a robot.", replaces_system=True)
     assert events[-1]["type"] == "done"
-    assert "You are a robot." in texts[-1] and "pirate" not in texts[-1]
+    context = daemon.tokenizer.decode(daemon.sessions[sid].committed)  # what the model read
+    assert "You are a robot." in context and "pirate" not in context
     assert daemon.get_session(sid)["system"] == daemon.journal.get(sid).system == "You are a robot."
 
 
@@ -119,3 +117,28 @@ def test_a_turn_waits_for_its_sessions_prefix_copy_and_is_refused_if_it_outlasts
     daemon.sessions[sid].publishing.set()
     events, _ = run_turn(daemon, sid, "And then?")
     assert events[-1]["type"] == "done"
+
+
+def test_a_rewritten_history_refeeds_from_where_its_text_changed_not_from_a_retokenization(daemon):
+    """An answer sampled as other tokens than the tokenizer's own (one character each here), then a
+    template that trims the answer's last newline: the session's tokens are kept up to that newline and
+    only the rest of the text is fed - not everything after the answer's start, where a fresh
+    tokenization of the whole first differs."""
+    from weaved.daemon.turns import Context, chat_turn_tokens
+
+    tok = daemon.tokenizer
+
+    def render(messages: list[dict]) -> str:  # a template that trims what it writes
+        return "".join(f"<{m['role']}>{m['content'].strip()}</{m['role']}>" for m in messages) + "<assistant>"
+
+    head = tok.encode("<user>Hi</user><assistant>", add_bos=False)
+    answer = "Sure: the list.\n"
+    sampled = [t for c in answer for t in tok.encode(c, add_bos=False)]
+    assert sampled != tok.encode(answer, add_bos=False)  # (not the tokenizer's own)
+    end = tok.encode("</assistant>", add_bos=False)
+    view = Context(None, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}],
+                   head + sampled + end, [])
+    new, keep = chat_turn_tokens(tok, view, [{"role": "user", "content": "More"}], render=render)
+    assert keep == len(head) + len(sampled) - 1  # all but the trimmed newline
+    assert tok.decode(new) == "</assistant><user>More</user><assistant>"
+    assert tok.decode(view.committed[:keep] + new) == render([*view.messages, {"role": "user", "content": "More"}])

@@ -69,7 +69,10 @@ def chat_turn_tokens(tok: Tokenizer, s: Session | Context, new_messages: list[di
     The transcript's tokens are the truth for what is already in the KV.  The chat template renders
     the whole conversation; when that text extends what the session's tokens decode to, only the
     extension is tokenized and fed - the stored context is never recomputed.  Otherwise (a template
-    that rewrites earlier text) the longest common token prefix is kept and the rest re-fed.
+    that rewrites earlier text: drops an old answer's thinking, trims an answer's last newline) the
+    longest run of the session's tokens whose text the rendering still starts with is kept, and the
+    rest of the text tokenized and fed - not from where a fresh tokenization of the whole first differs
+    (an answer sampled as other tokens than the tokenizer's own would move that far back).
     ``render``: the conversation's prompt text (an ``AnswerPlan``'s, with tools; default: the template's).
     """
     messages = list(s.messages) + list(new_messages)
@@ -82,13 +85,24 @@ def chat_turn_tokens(tok: Tokenizer, s: Session | Context, new_messages: list[di
     have_text = tok.decode(have)
     if text.startswith(have_text):
         return s.tail + tok.encode(text[len(have_text) :], add_bos=False), len(s.committed)
-    full = tok.encode_chat(text)
-    keep = 0
-    for a, b in zip(full, s.committed, strict=False):
-        if a != b:
-            break
-        keep += 1
-    return full[keep:], keep
+    k = _text_prefix(tok, have, text)
+    if k == 0:
+        return tok.encode_chat(text), 0
+    keep = min(k, len(s.committed))  # (past it, the held tokens are the unfed tail's: fed again)
+    return have[keep:k] + tok.encode(text[len(tok.decode(have[:k])):], add_bos=False), keep
+
+
+def _text_prefix(tok: Tokenizer, ids: list[int], text: str) -> int:
+    """The most of ``ids`` whose decoded text ``text`` starts with (a binary search: a prefix of a prefix
+    is one, and decoding 20,000 tokens fifteen times costs milliseconds)."""
+    lo, hi = 0, len(ids)  # text starts with decode(ids[:lo]); not (known) with decode(ids[:hi + 1])
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if text.startswith(tok.decode(ids[:mid])):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def prompt_turn_tokens(tok: Tokenizer, s: Session | Context, prompt: str | list[int]) -> tuple[list[int], int]:
