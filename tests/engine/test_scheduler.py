@@ -155,6 +155,28 @@ def test_with_a_step_model_an_interactive_prompt_is_never_cut_and_others_wait_be
     assert {w.seq.session_id: w.n_tokens for w in schedule([bg, long], cfg, 2.0)} == {"compact": 256}
 
 
+def test_a_long_interactive_prompt_shares_the_target_with_the_other_interactive_turns():
+    """An agent's long tool result (interactive, several chunks) far into its context beside a person's
+    answer streaming: whole chunks would take seconds a step and hold every token of that answer as
+    long, so the long prompt gets what the target leaves (at least a few tokens: it goes on); a short
+    interactive prompt keeps its whole chunk (its first token); a long prompt alone keeps whole chunks."""
+    from weaved.calibration.cost import Linear, StepCost
+    from weaved.engine.scheduler import SHARED_CHUNK_MIN
+
+    # 1 ms a token plus 0.25 us a token for each position before it: at 15,000 positions ~4.75 ms a token
+    cost = StepCost(prefill=Linear(0.005, 0.001, 2.5e-7), decode=Linear(0.01, 0.001, 2.5e-7))
+    cfg = SchedulerConfig(token_budget=512, max_batch=8, prefill_chunk=256, step_cost=cost, step_target_s=0.08)
+    agent = _seq("agent", SLARank.INTERACTIVE, pending=6000, arrival=0.0, ttft=2.0)
+    agent.kv.length = 15000
+    person = _seq("person", SLARank.INTERACTIVE, decoding=True, arrival=1.0)
+    got = {w.seq.session_id: w.n_tokens for w in schedule([agent, person], cfg, 2.0)}
+    assert got["person"] == 1 and SHARED_CHUNK_MIN <= got["agent"] < 32  # ~80 ms, not ~1.2 s
+    assert {w.seq.session_id: w.n_tokens for w in schedule([agent], cfg, 2.0)} == {"agent": 256}
+    ask = _seq("ask", SLARank.INTERACTIVE, pending=40, arrival=1.5, ttft=0.5)
+    got = {w.seq.session_id: w.n_tokens for w in schedule([agent, ask], cfg, 2.0)}
+    assert got["ask"] == 40 and got["agent"] == SHARED_CHUNK_MIN
+
+
 def test_with_a_step_model_background_decodes_past_the_target_wait_for_a_later_step():
     """Forty background decodes beside an interactive one: the step keeps the rows that fit the target
     (the interactive one first), the rest are paused - but a background turn already due still runs."""

@@ -84,10 +84,13 @@ def schedule(active: list[Sequence], cfg: SchedulerConfig, now: float) -> list[W
             budget = min(budget, _interactive_budget(ordered, interactive, cfg, now))
     free = budget - rows
     grants: dict[int, int] = {}  # the interactive prompts' chunks (a step holding one is its turn's TTFT)
-    for s in interactive:
-        if s.prefilling:
+    sharing = _sharing(interactive, cfg)
+    for s in sorted((s for s in interactive if s.prefilling), key=lambda s: id(s) in sharing):
+        if id(s) in sharing:  # (after the others' chunks: what the target leaves, but always some)
+            grants[id(s)] = max(min(SHARED_CHUNK_MIN, len(s.pending)), min(len(s.pending), cfg.prefill_chunk, free))
+        else:
             grants[id(s)] = max(1, min(len(s.pending), cfg.prefill_chunk, free))
-            free -= grants[id(s)]
+        free -= grants[id(s)]
     picked: list[Work] = []
     for seq in ordered:
         if seq.status.done or not seq.pending:
@@ -119,11 +122,29 @@ def _interactive_budget(ordered: list[Sequence], interactive: list[Sequence], cf
     live = [s for s in ordered if not s.status.done and s.pending]
     decodes = [s for s in live if not s.prefilling][:cfg.max_batch]
     must = sum(1 for s in decodes if s.rank == SLARank.INTERACTIVE or priority_key(s, now)[0] == 0)
-    own = sum(min(len(s.pending), cfg.prefill_chunk) for s in interactive if s.prefilling)
+    sharing = _sharing(interactive, cfg)
+    own = sum(min(len(s.pending), SHARED_CHUNK_MIN if id(s) in sharing else cfg.prefill_chunk)
+              for s in interactive if s.prefilling)
     prompts = [s.kv.length for s in live if s.prefilling]
     fit = interactive_step_tokens(cfg.step_cost, cfg.step_target_s, [s.kv.length for s in decodes],
                                   max(prompts) if prompts else None)
     return max(fit, own + must)
+
+
+SHARED_CHUNK_MIN = 16  # a long interactive prompt's least chunk in a step it shares (it always goes on)
+
+
+def _sharing(interactive: list[Sequence], cfg: SchedulerConfig) -> set[int]:
+    """The interactive prompts that share the step's target with the other interactive turns: those
+    longer than a chunk - several steps' prefill whatever is done (an agent's long tool result) - while
+    another interactive turn is live (a person's answer streaming, or a short prompt waiting for its
+    first token).  Their chunks get what the step model leaves within the target (at least
+    ``SHARED_CHUNK_MIN``) rather than a whole chunk, which at a long context takes seconds and would
+    hold every other interactive turn's next token that long; a long prompt alone keeps whole chunks.
+    Only with a step model (without one, the token budget sizes every chunk)."""
+    if cfg.step_cost is None or cfg.step_target_s is None or len(interactive) < 2:
+        return set()
+    return {id(s) for s in interactive if s.prefilling and len(s.pending) > cfg.prefill_chunk}
 
 
 def _pause(seq: Sequence) -> None:

@@ -7,7 +7,9 @@ prompt tokens get what is left - the largest n with ``per_token * n + per_token_
 / 2)`` within it (``calibration.cost``: a chunk of n tokens after c positions), c the longest context
 a waiting prompt has reached.  Decode rows past the target wait for a later step (pausing costs
 nothing: their KV stays where it is); ``schedule`` never cuts below the rows that must run - the
-interactive turns' and the throughput-tolerant turns already due - nor an interactive prompt's chunk.
+interactive turns' and the throughput-tolerant turns already due - nor an interactive prompt's chunk,
+but for a prompt longer than a chunk beside other interactive turns, which shares the target with them
+(``scheduler._sharing``).
 """
 
 from __future__ import annotations
