@@ -257,9 +257,11 @@ class Client:
     def delete_session(self, session_id: str) -> dict:
         return self.request("DELETE", f"/v1/sessions/{_quote(session_id)}")
 
-    def fork(self, session_id: str, turn: int | None = None, sla: dict | None = None) -> dict:
+    def fork(self, session_id: str, turn: int | None = None, sla: dict | None = None,
+             max_context: int | None = None) -> dict:
         """A new session sharing ``session_id``'s context (all of it, or through answer ``turn``)."""
-        return self.request("POST", f"/v1/sessions/{_quote(session_id)}/fork", _given({"turn": turn, "sla": sla}))
+        return self.request("POST", f"/v1/sessions/{_quote(session_id)}/fork",
+                            _given({"turn": turn, "sla": sla, "max_context": max_context}))
 
     def rewind(self, session_id: str, turn: int) -> dict:
         """Take ``session_id`` back to the end of answer ``turn`` (0: before its first turn)."""

@@ -186,12 +186,15 @@ def fork(session_id: IdArg,
          = None,
          sla: Annotated[SLAClass | None, typer.Option("--sla", show_default=False,
                                                       help="The fork's SLA class (default: the parent's).")] = None,
+         max_context: Annotated[int | None, typer.Option(
+             "--max-context", min=1, show_default=False,
+             help="The fork's context in tokens (default: the parent's); more goes on past a full parent.")] = None,
          socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
     """Fork a session: a new session with its context, shared, not computed again (sub-agents, retries).
 
-    The fork has its own SLA and placement and outlives its parent."""
+    The fork has its own SLA, placement and context size, and outlives its parent."""
     with connect(socket, api_key) as client:
-        s = client.fork(session_id, turn, sla_body(sla_class(sla)) if sla is not None else None)
+        s = client.fork(session_id, turn, sla_body(sla_class(sla)) if sla is not None else None, max_context)
     if json:
         print_json(s)
     else:

@@ -97,8 +97,9 @@ def test_fork_shares_a_session_and_outlives_it(socket):
     child = out.split(":")[0]
     assert f"forked from {sid}" in out and child != sid
     assert sessions(socket)[child]["class"] == "batch"
-    data = json.loads(weave(socket, "fork", sid, "--turn", "1", "--json"))
+    data = json.loads(weave(socket, "fork", sid, "--turn", "1", "--max-context", "4000", "--json"))
     assert data["forked_from"] == sid and [m["role"] for m in data["messages"]] == ["user", "assistant"]
+    assert data["max_context"] == 4000
     weave(socket, "rm", sid)
     shown = json.loads(weave(socket, "show", child, "--json"))
     assert [m["role"] for m in shown["messages"]] == ["user", "assistant"]

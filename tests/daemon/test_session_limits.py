@@ -140,7 +140,7 @@ def test_a_prompt_that_fills_the_context_says_no_room_is_left(ephemeral, where):
     from weaved.daemon.turns import check_fits
     from weaved.errors import ContextTooLong
 
-    s = SimpleNamespace(kv=SimpleNamespace(capacity=128), max_context=100, ephemeral=ephemeral)
+    s = SimpleNamespace(id="s-1", kv=SimpleNamespace(capacity=128), max_context=100, ephemeral=ephemeral)
     with pytest.raises(ContextTooLong, match=f"the prompt's 100 tokens fill {where} of 100 tokens: no room"):
         check_fits(s, 40, [1] * 60, 1)
     with pytest.raises(ContextTooLong, match=f"the prompt needs 101 tokens of context but {where} holds 100"):
@@ -150,7 +150,7 @@ def test_a_prompt_that_fills_the_context_says_no_room_is_left(ephemeral, where):
     assert e.value.param == "max_tokens"
     check_fits(s, 40, [1] * 59, 1)
     # below the model's context, the error names it and the way to more
-    way = "POST /v1/sessions {\"max_context\": N}" if ephemeral else "a session created with a larger max_context"
+    way = "POST /v1/sessions {\"max_context\": N}" if ephemeral else "POST /v1/sessions/s-1/fork {\"max_context\": N}"
     with pytest.raises(ContextTooLong) as e:
         check_fits(s, 40, [1] * 61, 1, model_context=8192)
     assert "the model takes 8192" in e.value.message and way in e.value.message
@@ -215,3 +215,28 @@ def test_a_parent_that_changed_while_it_was_forked_is_a_conflict(daemon, monkeyp
     with pytest.raises(Conflict, match="changed while it was being forked"):
         daemon.fork_session(sid)
     assert [s["id"] for s in daemon.list_sessions()] == [sid]
+
+
+def test_a_full_session_goes_on_in_a_fork_with_a_larger_context(daemon):
+    """A session whose context is full cannot grow; a fork with a larger max_context takes its whole
+    context (shared, not computed again) and goes on.  A max_context below the fork's context is refused."""
+    from tests.daemon.support import prefilled
+    from weaved.errors import ContextTooLong
+
+    sid = daemon.create_session(BG, max_context=64)["id"]
+    run_turn(daemon, sid, "Hello there")
+    with pytest.raises(ContextTooLong) as e:
+        run_turn(daemon, sid, "Tell me a long story about the sea and the sky and the stars. " * 3)
+    assert f"/v1/sessions/{sid}/fork" in e.value.message
+    held = daemon.get_session(sid)["context_tokens"]
+    with pytest.raises(ContextTooLong) as e:
+        daemon.fork_session(sid, max_context=held)
+    assert e.value.param == "max_context"
+    fork = daemon.fork_session(sid, max_context=512)
+    assert fork["max_context"] == 512 and fork["context_tokens"] == held
+    assert fork["messages"] == daemon.get_session(sid)["messages"]
+    before = prefilled(daemon)
+    events, h = run_turn(daemon, fork["id"], "Tell me a long story about the sea and the sky and the stars. " * 3)
+    assert events[-1]["type"] == "done"
+    # only the new message was computed (and the parent's last sampled token, never fed)
+    assert h.cached_tokens == held - 1 and prefilled(daemon) - before == h.prompt_tokens - h.cached_tokens

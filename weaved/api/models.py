@@ -397,3 +397,5 @@ class SessionFork(BaseModel):
 
     turn: int | None = Field(None, ge=1)  # fork after this answered turn (default: where the session is now)
     sla: SLABody | None = None
+    # the fork's context (default: the parent's): more, to go on past a parent that is full
+    max_context: int | None = Field(None, ge=1)

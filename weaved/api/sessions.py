@@ -82,14 +82,15 @@ async def take_turn(request: Request, session_id: str) -> Response:
 @router.post("/{session_id}/fork")
 async def fork(request: Request, session_id: str) -> dict:
     """A new session sharing this one's context (all of it, or through answer ``turn``) without
-    computing it again; its own SLA (``sla``, else the parent's) and placement."""
+    computing it again; its own SLA (``sla``, else the parent's), placement and ``max_context`` (else the
+    parent's)."""
     state = state_of(request)
     if state.closing.is_set():
         raise Overloaded("the daemon is shutting down")
     req = await body.read_optional(request, SessionFork)
     parent = await run_in_threadpool(state.daemon.get_session, session_id)
     sla = sla_from(req.sla, request.headers, SLA.from_dict(parent["sla"]))  # what it leaves out: the parent's
-    return await run_in_threadpool(partial(state.daemon.fork_session, session_id, req.turn, sla))
+    return await run_in_threadpool(partial(state.daemon.fork_session, session_id, req.turn, sla, req.max_context))
 
 
 @router.post("/{session_id}/rewind")

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from weaved.daemon.recovery import answer_end, unfed_tail
 from weaved.daemon.session import Session
 from weaved.daemon.turns import message_extra
-from weaved.errors import Conflict, InvalidRequest, NotFound
+from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound
 from weaved.kv.cache import KVCache
 from weaved.routing.types import SLA
 
@@ -25,8 +25,10 @@ FORKING = "forking"  # a fork's journal status until its context is copied (the 
 class SessionForks:
     """``Daemon.fork_session`` (a mixin of the daemon: it uses the daemon's lock, sessions and stores)."""
 
-    def fork_session(self, sid: str, turn: int | None = None, sla: SLA | None = None) -> dict:
-        """A new session with ``sid``'s transcript and KV - all of it, or through its ``turn``-th answer."""
+    def fork_session(self, sid: str, turn: int | None = None, sla: SLA | None = None,
+                     max_context: int | None = None) -> dict:
+        """A new session with ``sid``'s transcript and KV - all of it, or through its ``turn``-th answer;
+        ``max_context`` (default: the parent's) at least that context, at most the model's."""
         with self._lock:
             parent = self._idle_kept(sid, "fork", "forked")
             if not isinstance(parent.kv, KVCache):
@@ -36,7 +38,11 @@ class SessionForks:
                                f"until its next turn computes its context again; fork it after that turn",
                                param="session")
             messages, tokens, tail, records = self._fork_point(parent, turn)
-        info = self.create_session(sla or parent.sla, parent.max_context, parent.system, forked_from=sid)
+        if max_context is not None and max_context < len(tokens) + len(tail) + 1:
+            raise ContextTooLong(f"max_context {max_context} does not hold the fork's {len(tokens) + len(tail)} "
+                                 f"tokens of context and an answer", param="max_context")
+        info = self.create_session(sla or parent.sla, max_context or parent.max_context, parent.system,
+                                   forked_from=sid)
         cid = info["id"]
         try:
             shared = self._fill_fork(sid, parent, cid, messages, tokens, tail, records)

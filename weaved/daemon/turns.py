@@ -246,7 +246,8 @@ def check_fits(s: Session, keep: int, new: list[int], max_tokens: int, model_con
                 f"created with a larger max_context - POST /v1/sessions {{\"max_context\": N}} - or raise "
                 f"default_context)" if s.ephemeral else
                 f" (its max_context - the profile's default_context unless the session was created with one; "
-                f"the model takes {model_context}: a session created with a larger max_context holds more)")
+                f"the model takes {model_context}: a fork with a larger one goes on from here, POST "
+                f"/v1/sessions/{s.id}/fork {{\"max_context\": N}})")
     if total > cap:
         raise ContextTooLong(f"the prompt needs {total} tokens of context but {where} holds {cap}{more}")
     if total == cap and max_tokens:
