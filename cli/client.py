@@ -257,6 +257,10 @@ class Client:
     def delete_session(self, session_id: str) -> dict:
         return self.request("DELETE", f"/v1/sessions/{_quote(session_id)}")
 
+    def clear_prefixes(self) -> dict:
+        """Every stored prefix no session maps removed: ``{"files", "bytes", "kept_files", "short_blocks"}``."""
+        return self.request("DELETE", "/v1/prefixes")
+
     def fork(self, session_id: str, turn: int | None = None, sla: dict | None = None,
              max_context: int | None = None) -> dict:
         """A new session sharing ``session_id``'s context (all of it, or through answer ``turn``)."""

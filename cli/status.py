@@ -118,5 +118,19 @@ def status(socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = 
     print_json(st) if json else echo(status_text(st))
 
 
+def clear_prefixes(socket: SocketOpt = None, api_key: ApiKeyOpt = None, json: JsonOpt = False) -> None:
+    """Empty the stored prefixes: the shared KV of prompts (first turns, forks, stateless conversations)
+    that outlives the sessions that made it, as a cache, until evicted - files sessions still map stay."""
+    with connect(socket, api_key) as client:
+        out = client.clear_prefixes()
+    if json:
+        print_json(out)
+    else:
+        echo(f"removed {out.get('files', 0)} stored prefix file(s), {fmt.size(out.get('bytes'))}, and "
+             f"{out.get('short_blocks', 0)} short prefix block(s) from memory; {out.get('kept_files', 0)} "
+             f"file(s) kept: sessions map them")
+
+
 def register(app: typer.Typer) -> None:
     app.command()(status)
+    app.command("clear-prefixes")(clear_prefixes)

@@ -82,6 +82,12 @@ def test_a_stateless_client_prefills_only_what_is_new(tmp_path, smollm2_q4_0):
                 assert cached >= last_total - BLOCK and out.usage.prompt_tokens - cached < BLOCK + 64
             last_total = out.usage.total_tokens
             messages.append({"role": "assistant", "content": out.choices[0].message.content})
+        # the conversation's prefixes stay as a cache until cleared: then it is computed again
+        cleared = h.delete("http://weave/v1/prefixes").json()
+        assert cleared["object"] == "prefixes.cleared" and cleared["files"] >= 1 and cleared["bytes"] > 0
+        assert h.get("http://weave/v1/status").json()["kv"]["prefixes"]["files"] == 0
+        again = sdk.chat.completions.create(model="default", messages=messages[:2], max_tokens=8, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens < BLOCK
 
 
 def test_a_fork_continues_as_its_parent_then_goes_its_own_way(tmp_path, smollm2_q4_0):

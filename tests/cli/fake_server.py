@@ -476,6 +476,9 @@ ROUTES = [
     (rf"/v1/sessions/{SID}/(promote|demote)", "POST", _Handler.change_sla),
     (r"/v1/chat/completions", "POST", _Handler.chat_completions),
     (r"/v1/completions", "POST", _Handler.completions),
+    (r"/v1/prefixes", "DELETE", lambda h, body: h._json(200, {"object": "prefixes.cleared", "files": 3,
+                                                               "bytes": 5 * 2**20, "kept_files": 1,
+                                                               "short_blocks": 2})),
 ]
 
 

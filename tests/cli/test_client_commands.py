@@ -462,6 +462,13 @@ def test_ps_state_prefill_lists_the_sessions_whose_prompt_is_being_fed(fake):
     assert len(rows) == 1 and rows[0].split()[0] == waiting and "prefill:1024/5015" in rows[0].split()
 
 
+def test_clear_prefixes_says_what_went_and_what_stayed(fake):
+    out = ok(weave(fake, "clear-prefixes"))
+    assert out.startswith("removed 3 stored prefix file(s), 5.0 MiB, and 2 short prefix block(s)")
+    assert "1 file(s) kept" in out and fake.requests[-1].method == "DELETE"
+    assert json.loads(ok(weave(fake, "clear-prefixes", "--json")))["files"] == 3
+
+
 def test_help_shows_flags_as_flags():
     for args in (["status", "--help"], ["bench", "--help"], ["ps", "--help"]):
         out = runner.invoke(app, args).stdout

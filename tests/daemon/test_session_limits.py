@@ -240,3 +240,27 @@ def test_a_full_session_goes_on_in_a_fork_with_a_larger_context(daemon):
     assert events[-1]["type"] == "done"
     # only the new message was computed (and the parent's last sampled token, never fed)
     assert h.cached_tokens == held - 1 and prefilled(daemon) - before == h.prompt_tokens - h.cached_tokens
+
+
+def test_clearing_the_stored_prefixes_removes_what_a_deleted_session_left(daemon):
+    """A session's first prompt is stored as a shared prefix and stays after the session is deleted (a
+    cache); clearing the prefixes takes it off the disk - but not a file a live session maps."""
+    prompt = "Here is a long shared system prompt about the sea and the stars. " * 20
+    gone = daemon.create_session(BG)["id"]
+    run_turn(daemon, gone, prompt)
+    daemon.sessions[gone].publishing.wait(60)
+    assert daemon.store.prefixes.paths()
+    daemon.delete_session(gone)
+    left = daemon.store.prefixes.paths()
+    assert left and all(p.exists() for p in left)
+    out = daemon.clear_prefixes()
+    assert out["files"] == len(left) and out["bytes"] > 0 and out["kept_files"] == 0
+    assert not any(p.exists() for p in left) and daemon.store.prefixes.paths() == []
+    kept = daemon.create_session(BG)["id"]
+    run_turn(daemon, kept, prompt)
+    daemon.sessions[kept].publishing.wait(60)
+    mapped = daemon.store.prefixes.paths()
+    out = daemon.clear_prefixes()
+    assert out["files"] == 0 and out["kept_files"] == len(mapped) and all(p.exists() for p in mapped)
+    events, _ = run_turn(daemon, kept, "And then?")  # (its rows still read right)
+    assert events[-1]["type"] == "done"

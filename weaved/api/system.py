@@ -1,4 +1,5 @@
-"""The daemon's own routes: ``/health``, ``/v1/status``, ``/v1/events`` (SSE) and ``/metrics``."""
+"""The daemon's own routes: ``/health``, ``/v1/status``, ``/v1/events`` (SSE), ``/metrics`` and
+``DELETE /v1/prefixes`` (the stored prefixes emptied)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ async def health(request: Request) -> dict:
 @router.get("/v1/status")
 async def status(request: Request) -> dict:
     return await run_in_threadpool(state_of(request).daemon.status)
+
+
+@router.delete("/v1/prefixes")
+async def clear_prefixes(request: Request) -> dict:
+    """Every stored prefix no session maps goes, from the disk and from memory: what a deleted session
+    left in the shared cache (its first prompt, the context a fork shared) with it."""
+    return {"object": "prefixes.cleared", **await run_in_threadpool(state_of(request).daemon.clear_prefixes)}
 
 
 @router.get("/metrics")

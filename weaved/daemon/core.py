@@ -50,6 +50,7 @@ from weaved.engine.engine import BatchEngine
 from weaved.errors import Conflict, ContextTooLong, InvalidRequest, NotFound
 from weaved.routing.tree import place
 from weaved.routing.types import SLA, RoutingError, SessionRequest, SLAClass, SystemState
+from weaved.sizes import human_size
 
 log = logging.getLogger("weave.daemon")
 
@@ -197,6 +198,13 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
         deleted meanwhile is simply not listed)."""
         with self._lock:
             return [self.get_session(sid, messages) for sid, s in self.sessions.items() if not s.ephemeral]
+
+    def clear_prefixes(self) -> dict:
+        """The stored prefixes emptied but for the files sessions map (``KVStore.clear_prefixes``)."""
+        out = self.store.clear_prefixes()
+        self.log(f"stored prefixes cleared: {out['files']} file(s), {human_size(out['bytes'])} "
+                 f"({out['kept_files']} kept: sessions map them)")
+        return out
 
     def delete_session(self, sid: str) -> None:
         with self._lock:

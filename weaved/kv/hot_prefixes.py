@@ -93,6 +93,13 @@ class HotPrefixes:
                     self._rows.popitem(last=False)
         return added
 
+    def clear(self) -> int:
+        """Forget every block kept; how many there were."""
+        with self._lock:
+            n = len(self._rows)
+            self._rows.clear()
+            return n
+
     def status(self) -> dict:
         with self._lock:
             return {"blocks": len(self._rows), "capacity_blocks": self.capacity, "hits": self.hits,

@@ -292,6 +292,25 @@ class PrefixStore:
                 total -= p.positions * bpt
             return start - total
 
+    def clear(self) -> tuple[int, int, int]:
+        """Every file nobody maps goes - this model's, and another model's no session of it names: the
+        cache emptied (a deleted session's context leaves the disk).  (files removed, bytes freed, files
+        kept because sessions map them)."""
+        with self._lock:
+            start, removed = self._nbytes(), 0
+            for f in list(self._foreign):
+                if f[1].stem not in self._foreign_kept:
+                    self._foreign.remove(f)
+                    f[1].unlink(missing_ok=True)
+                    f[1].with_suffix(".json").unlink(missing_ok=True)
+                    removed += 1
+            for p in list(self._by_key.values()):
+                if not p.users:
+                    self._forget(p)
+                    removed += 1
+            kept = len(self._by_key) + len(self._foreign)
+            return removed, start - self._nbytes(), kept
+
     def _forget(self, p: Prefix) -> None:
         del self._by_key[p.key]
         self._index = {}

@@ -287,6 +287,12 @@ class PrefixSharing:
             dst.data[:, :, :, start:stop] = src.data[:, :, :, start:stop]
         dst.length = max(dst.length, stop)
 
+    def clear_prefixes(self) -> dict:
+        """The stored prefixes emptied: every file no session maps, and the short prefixes kept in memory
+        (``{"files", "bytes", "kept_files", "short_blocks"}``: removed, freed, kept as sessions map them)."""
+        files, freed, kept = self.prefixes.clear()
+        return {"files": files, "bytes": freed, "kept_files": kept, "short_blocks": self.hot.clear()}
+
     def fork_prefix(self, parent: KVCache, child: KVCache, tokens: list[int]) -> int:
         """A new session ``child`` starting with ``parent``'s first ``len(tokens)`` rows: the full blocks
         shared through a prefix file (published from the parent if none holds them yet), the rest
