@@ -91,7 +91,7 @@ def test_promoting_sessions_that_share_a_prefix_copies_it_once(setup):
         assert np.array_equal(kv.data[:, :, :, :kv.length], tw.data[:, :, :, :tw.length])  # written through
 
 
-def test_a_session_that_stops_sharing_copies_the_blocks_first(setup):
+def test_a_session_that_stops_sharing_part_of_a_prefix_copies_those_blocks_first(setup):
     cpu, tb, store = setup
     a, b = _sharers(cpu, store, 1)
     ta, tw = _twin(a), _twin(b)
@@ -103,10 +103,12 @@ def test_a_session_that_stops_sharing_copies_the_blocks_first(setup):
     store.unshare(b, keep)
     b.truncate(keep)
     tw.truncate(keep)
-    assert b.shared is None
+    assert b.shared is not None and b.shared.positions == PBLOCK  # (the full block below the cut: still shared)
     new = [11, 12, 13, 14]
     assert np.array_equal(_feed(tb, b, new, Logits.ALL), _feed(cpu, tw, new, Logits.ALL))
-    assert tb._kv.table(b).shared == () and not set(tb._kv.table(b).blocks) & set(shared)
+    per_key = PBLOCK // BLOCK
+    assert len(tb._kv.table(b).shared) == 1 and tb._kv.table(b).blocks[:per_key] == shared[:per_key]
+    assert not set(tb._kv.table(b).blocks[per_key:]) & set(shared)
     assert torch.equal(tb._kv.pool[:, shared], before)  # the shared blocks are untouched
     assert np.array_equal(_feed(tb, a, [15]), _feed(cpu, ta, [15]))
 

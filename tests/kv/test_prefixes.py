@@ -354,10 +354,11 @@ def test_the_cap_counts_a_sessions_own_rows_not_the_prefix_it_maps(tmp_path):
         store.reserve(b, 7 * BLOCK)  # 3 of its own: 7 blocks in all
 
 
-def test_a_stop_right_after_a_rewrite_took_the_prefix_back_finds_every_row(tmp_path):
-    """``unshare`` is called before the session's journal forgets the positions past ``keep``: a stop in
-    between reopens the session at its old length, from a file that no longer names the prefix - so every
-    row of the prefix must be in the session's own file, not only the kept ones."""
+@pytest.mark.parametrize("keep", [10, BLOCK + 5, 2 * BLOCK - 1])
+def test_a_rewrite_inside_a_shared_prefix_keeps_mapping_its_full_blocks_below_the_cut(tmp_path, keep):
+    """``unshare`` is called once the session's journal names only the positions before ``keep`` (a
+    rewind, a history rewrite): the session goes on mapping the prefix's full blocks below ``keep`` and
+    copies only the rows past them - and a stop then reopens it at ``keep`` with every row it names."""
     store = KVStore(tmp_path, CFG)
     prompt = tokens(2 * BLOCK + 10)
     a = store.create("a", capacity=1024)
@@ -367,12 +368,17 @@ def test_a_stop_right_after_a_rewrite_took_the_prefix_back_finds_every_row(tmp_p
     b = store.create("b", capacity=1024)
     assert store.share_prefix(b, prompt) == 2 * BLOCK
     store.reserve(b, len(prompt))
-    own = fill(b, 2 * BLOCK, len(prompt), seed=2)
-    store.unshare(b, 10)  # a rewrite from position 10 on; the daemon stops before its journal is cut
+    fill(b, 2 * BLOCK, len(prompt), seed=2)
+    store.unshare(b, keep)
+    full = (keep // BLOCK) * BLOCK
+    assert (b.shared.positions if b.shared is not None else 0) == full
+    b.truncate(keep)
+    fill(b, keep, keep + 3, seed=3)  # (the rewrite: its own rows, the prefix file untouched)
+    assert np.array_equal(np.asarray(a.data[:, :, :, : 2 * BLOCK]), rows[:, :, :, : 2 * BLOCK])
     del store
-    b2 = KVStore(tmp_path, CFG).open("b", len(prompt))
-    assert np.array_equal(b2.data[:, :, :, : 2 * BLOCK], rows[:, :, :, : 2 * BLOCK])
-    assert np.array_equal(b2.data[:, :, :, 2 * BLOCK: len(prompt)], own)
+    b2 = KVStore(tmp_path, CFG).open("b", keep)
+    assert np.array_equal(b2.data[:, :, :, :keep], rows[:, :, :, :keep])
+    assert (b2.shared.positions if b2.shared is not None else 0) == full
 
 
 def test_a_prefix_found_for_a_session_cannot_be_evicted_before_it_is_mapped(tmp_path, monkeypatch):

@@ -195,41 +195,49 @@ class PrefixSharing:
         return self.hot.covered(tokens, self.prefixes.covered(tokens))
 
     def unshare(self, kv: KVCache, keep: int) -> None:
-        """Before positions from ``keep`` on are rewritten: if a shared prefix covers them, the session
-        takes its own copy of the prefix's rows back into its file (the prefix stays as it is) - all of
-        them, not only [0, keep): until the caller's journal forgets the positions past ``keep``, a stop
-        must find every row it names in the file, which no longer names the prefix."""
+        """Before positions from ``keep`` on are rewritten (the caller's journal no longer names them: a
+        rewind, a history rewrite): if a shared prefix covers them, the session goes on mapping the
+        prefix's full blocks below ``keep`` and takes its own copy of the rows from there to ``keep`` (at
+        most a block) back into its file - not the whole prefix, which on a long context is hundreds of
+        megabytes copied and held twice."""
         session_id = self._session_of(kv)
         with self._lock:
             s = self._open[session_id]
             if not s.shared or keep >= s.shared:
                 return
-            n = s.shared
-            rows = np.array(s.data[:, :, :, :n])  # [L, 2, H, n, D] the prefix's rows, copied
-            self._own_pages(session_id, s, self.prefixes.runs(), n)
-            s.data[:, :, :, :n] = rows
+            n, block = s.shared, self.prefixes.block
+            m = (keep // block) * block  # positions still the prefix's
+            rows = np.array(s.data[:, :, :, m:keep])  # [L, 2, H, keep - m, D] the rows kept past them, copied
+            self._own_pages(session_id, s, self.prefixes.runs(), n, start=m)
+            s.data[:, :, :, m:keep] = rows
+            if m:
+                s.shared = m
+                kv.shared = SharedRows(kv.shared.keys[:m // block], block) if kv.shared is not None else None
+                self._write_meta(session_id, s, {"key": s.prefix, "positions": m})
+                return
             self.prefixes.drop_user(s.prefix, session_id)
             s.prefix, s.shared = None, 0
             kv.shared = None
             self._write_meta(session_id, s, None)
 
-    def _own_pages(self, session_id: str, s: OpenSession, runs: int, n: int) -> None:
-        """The session's own writable pages again over positions [0, n) of its first ``runs`` (layer, k|v,
-        head) runs, where a prefix file was mapped (their contents are not kept)."""
+    def _own_pages(self, session_id: str, s: OpenSession, runs: int, n: int, start: int = 0) -> None:
+        """The session's own writable pages again over positions [start, n) of its first ``runs`` (layer,
+        k|v, head) runs, where a prefix file was mapped (their contents are not kept)."""
         row = self.config.head_dim * 2
         if s.memory_only:
             for r in range(runs):
-                s.mm.renew(r * s.capacity * row, n * row)
-            s.mm.unclaim_maps(2 * self.prefixes.runs())  # anonymous again: the kernel merges the pieces back
+                s.mm.renew(r * s.capacity * row + start * row, (n - start) * row)
+            if not start:  # anonymous again: the kernel merges the pieces back
+                s.mm.unclaim_maps(2 * self.prefixes.runs())
             return
         # (a file's pieces stay apart - each remap opened the file anew - and stay claimed until the
         # session's mapping goes: a later prefix's aliases reuse them)
-        self._allocate(session_id, s, 0, n)
+        self._allocate(session_id, s, start, n)
         fd = os.open(self._kv_path(session_id), os.O_RDWR)
         try:
             for r in range(runs):
-                off = r * s.capacity * row
-                s.mm.alias(off, fd, off, n * row, writable=True)
+                off = r * s.capacity * row + start * row
+                s.mm.alias(off, fd, off, (n - start) * row, writable=True)
         finally:
             os.close(fd)
 
