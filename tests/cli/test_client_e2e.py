@@ -75,8 +75,10 @@ def test_submit_returns_at_once_and_the_task_runs_on(socket):
 
 
 def test_chat_keeps_the_session_across_turns(socket):
-    out = weave(socket, "chat", *FEW, input="Hello.\nAnd again.\n/session\n/exit\n")
-    sid = out.split()[1].rstrip(":")
+    res = runner.invoke(app, ["chat", *FEW], input="Hello.\nAnd again.\n/session\n/exit\n",
+                        env={"WEAVE_SOCKET": socket, "WEAVE_API_KEY": None})
+    assert res.exit_code == 0, (res.stdout, res.stderr)
+    sid = res.stderr.split()[1].rstrip(":")  # (from a pipe, the chat's own lines are on stderr)
     s = json.loads(weave(socket, "show", sid, "--json"))
     assert [m["role"] for m in s["messages"]] == ["user", "assistant", "user", "assistant"]
     weave(socket, "rm", sid)

@@ -370,3 +370,25 @@ def test_a_promotion_the_journal_cannot_record_changes_nothing(daemon, monkeypat
         daemon.promote(sid)
     monkeypatch.undo()
     assert daemon.get_session(sid) == before
+
+
+def test_a_rewind_whose_rows_cannot_be_copied_still_leaves_memory_as_the_journal(daemon, monkeypatch):
+    """A rewind cuts the journal, then takes the session's rows back from a shared prefix: a full disk
+    there fails the rewind (507) with the session in memory cut as its journal is - not left longer,
+    which failed every later commit."""
+    sid = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+    run_turn(daemon, sid, "Hello")
+    run_turn(daemon, sid, "And then?")
+
+    def full(*args, **kw):
+        raise DiskFull("allocating positions: No space left on device")
+
+    monkeypatch.setattr(daemon.store, "unshare", full)
+    with pytest.raises(DiskFull):
+        daemon.rewind_session(sid, 1)
+    monkeypatch.undo()
+    agree(daemon, sid)
+    assert len(daemon.sessions[sid].messages) == len(daemon.journal.get(sid).messages) == 2
+    events, _ = run_turn(daemon, sid, "Again?")
+    assert events[-1]["type"] == "done"
+    agree(daemon, sid)

@@ -175,6 +175,14 @@ def test_a_long_interactive_prompt_shares_the_target_with_the_other_interactive_
     ask = _seq("ask", SLARank.INTERACTIVE, pending=40, arrival=1.5, ttft=0.5)
     got = {w.seq.session_id: w.n_tokens for w in schedule([agent, ask], cfg, 2.0)}
     assert got["ask"] == 40 and got["agent"] == SHARED_CHUNK_MIN
+    # its last chunk shares too (a whole one would stall the person once at the end)
+    agent.prefilled, agent.pending = 5900, agent.pending[:100]
+    got = {w.seq.session_id: w.n_tokens for w in schedule([agent, person], cfg, 2.0)}
+    assert got["person"] == 1 and SHARED_CHUNK_MIN <= got["agent"] < 32
+    # two long prompts and nothing else: nobody waits on the step, each takes whole chunks
+    other = _seq("other", SLARank.INTERACTIVE, pending=6000, arrival=0.5, ttft=2.0)
+    got = {w.seq.session_id: w.n_tokens for w in schedule([agent, other], cfg, 2.0)}
+    assert got == {"agent": 100, "other": 256}
 
 
 def test_with_a_step_model_background_decodes_past_the_target_wait_for_a_later_step():

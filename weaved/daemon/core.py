@@ -200,8 +200,13 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
             return [self.get_session(sid, messages) for sid, s in self.sessions.items() if not s.ephemeral]
 
     def clear_prefixes(self) -> dict:
-        """The stored prefixes emptied but for the files sessions map (``KVStore.clear_prefixes``)."""
-        out = self.store.clear_prefixes()
+        """The stored prefixes emptied but for the files sessions map (``KVStore.clear_prefixes``) - after
+        the publications queued before it (a stateless request's conversation, stored as its answer
+        ended), on the publisher's one thread, so none lands after the clear."""
+        try:
+            out = self._publisher.submit(self.store.clear_prefixes).result()
+        except RuntimeError:  # (shutting down: the publisher takes no more work)
+            out = self.store.clear_prefixes()
         self.log(f"stored prefixes cleared: {out['files']} file(s), {human_size(out['bytes'])} "
                  f"({out['kept_files']} kept: sessions map them)")
         return out

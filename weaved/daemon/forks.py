@@ -69,6 +69,10 @@ class SessionForks:
                     or parent.committed[:len(tokens)] != tokens or parent.kv.length < len(tokens)):
                 raise Conflict(f"session {sid} changed while it was being forked; try again", param="session",
                                retryable=True)
+            if not isinstance(child.kv, KVCache):  # (its max_context put it on a Q-Ring across peers)
+                raise InvalidRequest(f"a fork of {child.max_context} tokens of context would be placed on a "
+                                     f"Q-Ring across peers, which cannot take its parent's KV: give a max_context "
+                                     f"this node holds", param="max_context")
             shared = self.store.fork_prefix(parent.kv, child.kv, tokens)
             if self.fsync and not child.ephemeral:
                 self.store.flush(child.kv)  # the rows copied reach the disk before the journal names them

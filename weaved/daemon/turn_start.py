@@ -156,10 +156,12 @@ class TurnStarts:
                 s.rebuild = False
             if reprefilled:  # the template rewrote history (e.g. dropped earlier thinking): re-prefill from there
                 self.publish("reprefill", {"session": s.id, "from": keep, "tokens": reprefilled})
-                if isinstance(s.kv, KVCache):
-                    self.store.unshare(s.kv, keep)
-                s.kv.truncate(keep)
-                del s.committed[keep:]
+                try:
+                    if isinstance(s.kv, KVCache):
+                        self.store.unshare(s.kv, keep)
+                finally:  # (the journal is cut: memory follows it, whatever the rows' copy met)
+                    s.kv.truncate(keep)
+                    del s.committed[keep:]
             tail, s.tail = s.tail, []
             first = not s.committed  # the session's first turn: its prompt may start with a stored prefix
             # (not when the prompt's own log-probabilities are asked for: a stored prefix has no logits)

@@ -71,8 +71,10 @@ def chat_turn_tokens(tok: Tokenizer, s: Session | Context, new_messages: list[di
     extension is tokenized and fed - the stored context is never recomputed.  Otherwise (a template
     that rewrites earlier text: drops an old answer's thinking, trims an answer's last newline) the
     longest run of the session's tokens whose text the rendering still starts with is kept, and the
-    rest of the text tokenized and fed - not from where a fresh tokenization of the whole first differs
-    (an answer sampled as other tokens than the tokenizer's own would move that far back).
+    rest of the text tokenized and fed - or, where more, the tokens a fresh tokenization of the whole
+    shares with the committed ones (an answer sampled as other tokens than the tokenizer's own moves that
+    point back to it; a tokenizer whose pieces never spell the text - llama.cpp writes a space after a
+    SentencePiece vocabulary's special tokens - has only that one).
     ``render``: the conversation's prompt text (an ``AnswerPlan``'s, with tools; default: the template's).
     """
     messages = list(s.messages) + list(new_messages)
@@ -85,24 +87,34 @@ def chat_turn_tokens(tok: Tokenizer, s: Session | Context, new_messages: list[di
     have_text = tok.decode(have)
     if text.startswith(have_text):
         return s.tail + tok.encode(text[len(have_text) :], add_bos=False), len(s.committed)
-    k = _text_prefix(tok, have, text)
-    if k == 0:
-        return tok.encode_chat(text), 0
+    k, at = _text_prefix(tok, have, text)
+    full = tok.encode_chat(text)
+    same = 0  # the tokens a fresh tokenization of the whole shares with the committed ones
+    for a, b in zip(full, s.committed, strict=False):
+        if a != b:
+            break
+        same += 1
+    if same >= k:  # (also a tokenizer whose pieces do not spell the text: llama.cpp's space after a special
+        return full[same:], same  # token in SentencePiece vocabularies, Phi-3's stripped one)
     keep = min(k, len(s.committed))  # (past it, the held tokens are the unfed tail's: fed again)
-    return have[keep:k] + tok.encode(text[len(tok.decode(have[:k])):], add_bos=False), keep
+    return have[keep:k] + tok.encode(text.encode("utf-8")[at:].decode("utf-8"), add_bos=False), keep
 
 
-def _text_prefix(tok: Tokenizer, ids: list[int], text: str) -> int:
-    """The most of ``ids`` whose decoded text ``text`` starts with (a binary search: a prefix of a prefix
-    is one, and decoding 20,000 tokens fifteen times costs milliseconds)."""
-    lo, hi = 0, len(ids)  # text starts with decode(ids[:lo]); not (known) with decode(ids[:hi + 1])
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if text.startswith(tok.decode(ids[:mid])):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def _text_prefix(tok: Tokenizer, ids: list[int], text: str) -> tuple[int, int]:
+    """The most of ``ids`` whose bytes ``text``'s UTF-8 starts with, ending on a character's boundary
+    (a character split over two tokens stays whole); (tokens, bytes).  Bytes, not decoded prefixes: a
+    prefix of a token sequence spells a prefix of its bytes, not always of its decoded text."""
+    want = text.encode("utf-8")
+    k = at = 0
+    for t in ids:
+        piece = tok.token_bytes(t)
+        if want[at:at + len(piece)] != piece:
+            break
+        k, at = k + 1, at + len(piece)
+    while k and at < len(want) and (want[at] & 0xC0) == 0x80:  # inside a character: back to its start
+        k -= 1
+        at -= len(tok.token_bytes(ids[k]))
+    return k, at
 
 
 def prompt_turn_tokens(tok: Tokenizer, s: Session | Context, prompt: str | list[int]) -> tuple[list[int], int]:

@@ -136,15 +136,17 @@ SHARED_CHUNK_MIN = 16  # a long interactive prompt's least chunk in a step it sh
 
 def _sharing(interactive: list[Sequence], cfg: SchedulerConfig) -> set[int]:
     """The interactive prompts that share the step's target with the other interactive turns: those
-    longer than a chunk - several steps' prefill whatever is done (an agent's long tool result) - while
-    another interactive turn is live (a person's answer streaming, or a short prompt waiting for its
-    first token).  Their chunks get what the step model leaves within the target (at least
+    longer than a chunk - several steps' prefill whatever is done (an agent's long tool result), to their
+    last chunk - while another interactive turn that is not one is live (a person's answer streaming, or a
+    short prompt waiting for its first token).  Their chunks get what the step model leaves within the target (at least
     ``SHARED_CHUNK_MIN``) rather than a whole chunk, which at a long context takes seconds and would
     hold every other interactive turn's next token that long; a long prompt alone keeps whole chunks.
     Only with a step model (without one, the token budget sizes every chunk)."""
-    if cfg.step_cost is None or cfg.step_target_s is None or len(interactive) < 2:
+    if cfg.step_cost is None or cfg.step_target_s is None:
         return set()
-    return {id(s) for s in interactive if s.prefilling and len(s.pending) > cfg.prefill_chunk}
+    # (by the prompt's whole length, so its last chunk shares too; long prompts only among themselves: whole)
+    long = {id(s) for s in interactive if s.prefilling and s.prefilled + len(s.pending) > cfg.prefill_chunk}
+    return long if len(long) < len(interactive) else set()
 
 
 def _pause(seq: Sequence) -> None:

@@ -292,33 +292,32 @@ class PrefixStore:
                 total -= p.positions * bpt
             return start - total
 
-    def clear(self) -> tuple[int, int, int]:
-        """Every file nobody maps goes - this model's, and another model's no session of it names: the
-        cache emptied (a deleted session's context leaves the disk).  (files removed, bytes freed, files
-        kept because sessions map them)."""
+    def clear(self) -> tuple[list[Path], int, int]:
+        """Every file nobody maps leaves the index - this model's, and another model's no session of it
+        names: the cache emptied (a deleted session's context leaves the disk).  (the files to remove -
+        the caller unlinks them, outside any lock: gigabytes take a while - bytes freed, files kept
+        because sessions map them)."""
         with self._lock:
-            start, removed = self._nbytes(), 0
+            start, gone = self._nbytes(), []
             for f in list(self._foreign):
                 if f[1].stem not in self._foreign_kept:
                     self._foreign.remove(f)
-                    f[1].unlink(missing_ok=True)
-                    f[1].with_suffix(".json").unlink(missing_ok=True)
-                    removed += 1
+                    gone.append(f[1])
             for p in list(self._by_key.values()):
                 if not p.users:
-                    self._forget(p)
-                    removed += 1
-            kept = len(self._by_key) + len(self._foreign)
-            return removed, start - self._nbytes(), kept
+                    self._forget(p, unlink=False)
+                    gone.append(p.path)
+            return gone, start - self._nbytes(), len(self._by_key) + len(self._foreign)
 
-    def _forget(self, p: Prefix) -> None:
+    def _forget(self, p: Prefix, unlink: bool = True) -> None:
         del self._by_key[p.key]
         self._index = {}
         for q in self._by_key.values():
             for i, k in enumerate(q.keys):
                 self._index.setdefault(k, (q.key, i + 1))
-        p.path.unlink(missing_ok=True)
-        p.path.with_suffix(".json").unlink(missing_ok=True)
+        if unlink:
+            p.path.unlink(missing_ok=True)
+            p.path.with_suffix(".json").unlink(missing_ok=True)
 
     def paths(self) -> list[Path]:
         with self._lock:

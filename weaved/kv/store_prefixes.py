@@ -206,7 +206,9 @@ class PrefixSharing:
             if not s.shared or keep >= s.shared:
                 return
             n, block = s.shared, self.prefixes.block
-            m = (keep // block) * block  # positions still the prefix's
+            m = (keep // block) * block  # positions still the prefix's: whole pages of every run
+            while m and (m * self.config.head_dim * 2) % mmap.PAGESIZE:
+                m -= block
             rows = np.array(s.data[:, :, :, m:keep])  # [L, 2, H, keep - m, D] the rows kept past them, copied
             self._own_pages(session_id, s, self.prefixes.runs(), n, start=m)
             s.data[:, :, :, m:keep] = rows
@@ -298,8 +300,12 @@ class PrefixSharing:
     def clear_prefixes(self) -> dict:
         """The stored prefixes emptied: every file no session maps, and the short prefixes kept in memory
         (``{"files", "bytes", "kept_files", "short_blocks"}``: removed, freed, kept as sessions map them)."""
-        files, freed, kept = self.prefixes.clear()
-        return {"files": files, "bytes": freed, "kept_files": kept, "short_blocks": self.hot.clear()}
+        with self._lock:  # (no session is between finding a prefix and mapping it meanwhile)
+            gone, freed, kept = self.prefixes.clear()
+        for path in gone:  # (the sidecar first: a stop between leaves a file the next start sweeps)
+            path.with_suffix(".json").unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+        return {"files": len(gone), "bytes": freed, "kept_files": kept, "short_blocks": self.hot.clear()}
 
     def fork_prefix(self, parent: KVCache, child: KVCache, tokens: list[int]) -> int:
         """A new session ``child`` starting with ``parent``'s first ``len(tokens)`` rows: the full blocks
