@@ -32,6 +32,27 @@ def fill_journal(j: Journal) -> None:
                 pass
 
 
+def journal_full(*args, **kw):
+    """What a journal write meets on a full disk."""
+    raise JournalFull("the journal could not be written: its disk is full")
+
+
+def stop_with_an_unrecorded_answer(tiny_llama, data, monkeypatch) -> tuple[str, str]:
+    """A daemon on ``data`` whose second turn's answer the journal could not record, stopped with it still
+    unrecorded (its disk full to the end); (the session, the answer's text as it was shown)."""
+    from tests.daemon.support import make_daemon
+
+    d = make_daemon(tiny_llama, data)
+    try:
+        sid = d.create_session(SLA(SLAClass.INTERACTIVE))["id"]
+        run_turn(d, sid, "Hello")
+        monkeypatch.setattr(d.journal, "finish_message", journal_full)
+        run_turn(d, sid, "And then?")
+        return sid, d.get_session(sid)["messages"][-1]["content"]
+    finally:
+        d.shutdown()
+
+
 def free_journal(j: Journal) -> None:
     with j._lock:
         j._db.execute("PRAGMA max_page_count=1073741823")
@@ -177,10 +198,7 @@ def test_an_answer_the_journal_cannot_record_yet_is_recorded_once_it_can(daemon,
     run_turn(daemon, sid, "Hello")
     real = daemon.journal.finish_message
 
-    def full(*args, **kw):
-        raise JournalFull("the journal could not be written: its disk is full")
-
-    monkeypatch.setattr(daemon.journal, "finish_message", full)
+    monkeypatch.setattr(daemon.journal, "finish_message", journal_full)
     events, _ = run_turn(daemon, sid, "And then?")
     assert events[-1]["type"] == "done"  # (the client had its answer streamed)
     shown = daemon.get_session(sid)
@@ -209,19 +227,7 @@ def test_an_answer_left_unrecorded_by_a_stop_comes_back_from_its_tokens(tiny_lla
     the answer's committed tokens past the transcript's end and keeps them as the answer."""
     from tests.daemon.support import make_daemon
 
-    d = make_daemon(tiny_llama, tmp_path / "data")
-    try:
-        sid = d.create_session(SLA(SLAClass.INTERACTIVE))["id"]
-        run_turn(d, sid, "Hello")
-
-        def full(*args, **kw):
-            raise JournalFull("the journal could not be written: its disk is full")
-
-        monkeypatch.setattr(d.journal, "finish_message", full)
-        run_turn(d, sid, "And then?")
-        text = d.get_session(sid)["messages"][-1]["content"]
-    finally:
-        d.shutdown()
+    sid, text = stop_with_an_unrecorded_answer(tiny_llama, tmp_path / "data", monkeypatch)
     d = make_daemon(tiny_llama, tmp_path / "data")
     try:
         messages = d.get_session(sid)["messages"]  # (all but its last token, sampled and not fed: not kept)
@@ -237,19 +243,8 @@ def test_a_start_on_a_full_disk_keeps_a_cut_answer_to_record_later(tiny_llama, t
     same (its tokens are committed), and the journal gains it before the session's next turn."""
     from tests.daemon.support import make_daemon
 
-    d = make_daemon(tiny_llama, tmp_path / "data")
-    try:
-        sid = d.create_session(SLA(SLAClass.INTERACTIVE))["id"]
-        run_turn(d, sid, "Hello")
-
-        def full(*args, **kw):
-            raise JournalFull("the journal could not be written: its disk is full")
-
-        monkeypatch.setattr(d.journal, "finish_message", full)
-        run_turn(d, sid, "And then?")
-    finally:
-        d.shutdown()
-    monkeypatch.setattr(Journal, "finish_message", full)
+    sid, _ = stop_with_an_unrecorded_answer(tiny_llama, tmp_path / "data", monkeypatch)
+    monkeypatch.setattr(Journal, "finish_message", journal_full)
     d = make_daemon(tiny_llama, tmp_path / "data")
     try:
         assert [m["role"] for m in d.get_session(sid)["messages"]] == ["user", "assistant"] * 2
@@ -273,10 +268,7 @@ def test_a_rewritten_history_the_journal_cannot_take_back_changes_nothing(daemon
     daemon.sessions[sid].messages[-1]["content"] = "A different answer than the one the KV holds."
     before = daemon.get_session(sid)
 
-    def full(*args, **kw):
-        raise JournalFull("the journal could not be written: its disk is full")
-
-    monkeypatch.setattr(daemon.journal, "truncate", full)
+    monkeypatch.setattr(daemon.journal, "truncate", journal_full)
     with pytest.raises(JournalFull):
         run_turn(daemon, sid, "And then?")
     monkeypatch.undo()
@@ -298,10 +290,7 @@ def test_a_continuation_refused_after_its_rewind_keeps_the_rewound_session(daemo
     run_turn(daemon, sid, "And then?")
     daemon.sessions[sid].messages[1]["content"] = "A different answer than the one the KV holds."
 
-    def full(*args, **kw):
-        raise JournalFull("the journal could not be written: its disk is full")
-
-    monkeypatch.setattr(daemon.journal, "truncate", full)
+    monkeypatch.setattr(daemon.journal, "truncate", journal_full)
     with pytest.raises(JournalFull):
         run_to_end(daemon, session_id=sid, messages=[{"role": "user", "content": "Again?"}], params=GREEDY,
                    continues=2)
@@ -320,10 +309,7 @@ def test_a_response_stored_after_an_unrecorded_answer_ends_past_it(daemon, monke
     sid = daemon.create_session(SLA(SLAClass.INTERACTIVE))["id"]
     real = daemon.journal.finish_message
 
-    def full(*args, **kw):
-        raise JournalFull("the journal could not be written: its disk is full")
-
-    monkeypatch.setattr(daemon.journal, "finish_message", full)
+    monkeypatch.setattr(daemon.journal, "finish_message", journal_full)
     run_turn(daemon, sid, "Hello")
     monkeypatch.setattr(daemon.journal, "finish_message", real)
     daemon.store_response(sid, "resp_1", {"id": "resp_1"})
