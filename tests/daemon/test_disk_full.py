@@ -378,3 +378,12 @@ def test_a_rewind_whose_rows_cannot_be_copied_still_leaves_memory_as_the_journal
     events, _ = run_turn(daemon, sid, "Again?")
     assert events[-1]["type"] == "done"
     agree(daemon, sid)
+
+
+def test_a_system_prompt_the_journal_cannot_record_changes_nothing(daemon, monkeypatch):
+    sid = daemon.create_session(SLA(SLAClass.BACKGROUND), None, "You are a pirate.")["id"]
+    monkeypatch.setattr(daemon.journal, "set_system", journal_full)
+    with pytest.raises(JournalFull):
+        daemon.set_system(sid, "You are a robot.")
+    monkeypatch.undo()
+    assert daemon.get_session(sid)["system"] == daemon.journal.get(sid).system == "You are a pirate."

@@ -241,9 +241,9 @@ class Daemon(DaemonLifecycle, TurnStarts, SessionForks, ResponseChains, TurnChoi
         from the first changed token is fed again, and reported)."""
         with self._lock:
             s = self._get(sid)
-            s.system = system
-            if not s.ephemeral:
+            if not s.ephemeral:  # the journal first: a write that fails (a full disk) leaves it as it was
                 self.journal.set_system(sid, system)
+            s.system = system
 
     def cut_detached_turns(self) -> list[tuple[str, dict, int]]:
         """(session, request, transcript length before it) of each detached turn a stop or a crash cut,
