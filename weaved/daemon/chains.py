@@ -188,13 +188,11 @@ class ResponseChains:
         rows and the transcript in memory (which may hold ``r``'s already: a turn judged on it)."""
         self.journal.rewind(s.id, r.end, r.kv_at)
         try:
-            if not s.rebuild and isinstance(s.kv, KVCache):
-                self.store.unshare(s.kv, r.kv_at)
-        finally:  # (the journal is cut: memory follows it, whatever the rows' copy met - a full disk)
-            if not s.rebuild:
+            if not s.rebuild and isinstance(s.kv, KVCache):  # (the room its dropped rows held goes back)
+                self.store.take_back(s.kv, r.kv_at)
+            elif not s.rebuild:
                 s.kv.truncate(r.kv_at)
-                if isinstance(s.kv, KVCache):  # the room its dropped rows held goes back to the cap and the disk
-                    self.store.release_past(s.kv, r.kv_at)
+        finally:  # (the journal is cut: memory follows it, whatever the rows' copy met - a full disk)
             s.messages[:], s.committed[:], s.tail = r.messages, r.committed, r.tail
         self.publish("rewind", {"session": s.id, "messages": r.dropped, "from": r.kv_at})
         self.log(f"session {s.id}: {r.dropped} transcript entries dropped, {why}; context back to {r.kv_at} "

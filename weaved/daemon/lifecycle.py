@@ -24,7 +24,7 @@ from weaved.daemon.forks import FORKING
 from weaved.daemon.housekeeping import Housekeeper, InlineExecutor
 from weaved.daemon.moves import SessionMoves
 from weaved.daemon.recovery import transcript_of, unfed_prompt, unfed_tail, unfinished_answer
-from weaved.daemon.session import Session, transcript_entry
+from weaved.daemon.session import Session, UnrecordedAnswer, transcript_entry
 from weaved.errors import InsufficientStorage, SettingRefused, WeaveError
 from weaved.kv.errors import KVFileMismatch, KVStoreError
 from weaved.model.config import ModelConfig
@@ -276,7 +276,7 @@ class DaemonLifecycle:
                     self.journal.finish_message(rec.id, "assistant", partial[0], partial[1], "interrupted")
                     messages.append(transcript_entry("assistant", partial[0], "interrupted"))
                 except InsufficientStorage:  # (a full disk at the start: recorded once it has room)
-                    unrecorded = {"text": partial[0], "tokens": partial[1], "reason": "interrupted", "answer": None}
+                    unrecorded = UnrecordedAnswer(partial[0], partial[1], "interrupted")
             tail = (unfed_tail(rec) if partial is None else []) or unfed_prompt(rec)
             committed = list(rec.tokens[: rec.kv_length])
             if rebuild:  # every token is unfed now: the next turn feeds them before its own

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from weaved.errors import InvalidRequest
+
 
 def answer_end(messages: list[dict], turn: int, lowest: int) -> int:
     """How many of a journal's ``messages`` run through its ``turn``-th answer (0: none); InvalidRequest
     for a turn below ``lowest`` or past its answers."""
-    from weaved.errors import InvalidRequest
-
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not lowest <= turn <= len(answers):
         raise InvalidRequest(f"turn must be between {lowest} and the session's {len(answers)} answered turn(s)",

@@ -42,7 +42,7 @@ class Session:
     turn_from: int | None = None  # the transcript's length before its last chat turn's input
     # its last answer, which a full disk kept out of the journal (its tokens are committed): the transcript
     # gains it once the journal does, before anything else is recorded (``TurnEvents._record_unrecorded``)
-    unrecorded: dict | None = None
+    unrecorded: UnrecordedAnswer | None = None
 
     @property
     def pool(self) -> str:
@@ -86,10 +86,23 @@ def transcript_entry(role: str, content: str, finish_reason: str | None = None, 
     return entry
 
 
+@dataclass(frozen=True)
+class UnrecordedAnswer:
+    """An answer whose tokens are committed but which the journal could not record yet (a full disk)."""
+
+    text: str
+    tokens: list[int]  # its generated ids, as the journal records an answer's
+    reason: str  # its finish reason
+    answer: dict | None = None  # its parsed form (a chat turn's), as ``transcript_entry`` takes it
+
+    def entry(self) -> dict:
+        """The answer as a transcript entry."""
+        return transcript_entry("assistant", self.text, self.reason, self.answer)
+
+
 def pending_answer(s: Session) -> list[dict]:
     """``s``'s answer that a full disk kept out of the journal, as a transcript entry (none: [])."""
-    a = s.unrecorded
-    return [] if a is None else [transcript_entry("assistant", a["text"], a["reason"], a["answer"])]
+    return [] if s.unrecorded is None else [s.unrecorded.entry()]
 
 
 def transcript_view(entry: dict) -> dict:

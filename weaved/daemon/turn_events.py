@@ -11,7 +11,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from weaved.daemon.session import Session, transcript_entry
+from weaved.daemon.session import Session, UnrecordedAnswer, transcript_entry
 from weaved.daemon.turns import parsed_answer
 from weaved.engine.sequence import Sequence
 from weaved.errors import InsufficientStorage
@@ -139,9 +139,9 @@ class TurnEvents:
         a = s.unrecorded
         if a is None:
             return
-        self.journal.finish_message(s.id, "assistant", a["text"], a["tokens"], a["reason"],
-                                    extra=None if a["answer"] is None else {"answer": a["answer"]})
-        s.messages.append(transcript_entry("assistant", a["text"], a["reason"], a["answer"]))
+        self.journal.finish_message(s.id, "assistant", a.text, a.tokens, a.reason,
+                                    extra=None if a.answer is None else {"answer": a.answer})
+        s.messages.append(a.entry())
         s.unrecorded = None
 
     def _keep_short_prefix(self, s: Session) -> None:
@@ -214,7 +214,7 @@ class TurnEvents:
                 if s.ephemeral:
                     s.messages.append(transcript_entry("assistant", text, reason, answer))
                 else:
-                    s.unrecorded = {"text": text, "tokens": list(seq.generated), "reason": reason, "answer": answer}
+                    s.unrecorded = UnrecordedAnswer(text, list(seq.generated), reason, answer)
                     try:
                         self._record_unrecorded(s)
                     except InsufficientStorage as e:  # its tokens are committed: the answer is recorded once the disk

@@ -175,9 +175,7 @@ class TurnStarts:
                                 self.store.flush(s.kv)  # the copied rows reach the disk before the journal
                             self.journal.commit_tokens(s.id, new[:held], held)
                         except BaseException:  # (a full disk): the rows the journal cannot name go again
-                            self.store.unshare(s.kv, 0)
-                            s.kv.truncate(0)
-                            self.store.release_past(s.kv, 0)
+                            self.store.take_back(s.kv, 0)
                             if not reprefilled:
                                 s.tail = tail
                             s.system = kept_system
@@ -187,20 +185,18 @@ class TurnStarts:
             resla = sla is not None and sla.cls != s.sla.cls
             if sla is not None and sla != s.sla:
                 s.sla = sla
+            placed = None  # where a move put the session now
             if resla or self.moves.misplaced(s):  # a check-in: the router re-places the session first
-                new_pl = self.moves.replace(s, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion",
+                placed = self.moves.replace(s, "promotion" if s.sla.cls is SLAClass.INTERACTIVE else "demotion",
                                             len(new), moved)
-                if not s.ephemeral:
-                    self.publish("placement", {"session": s.id, "placement": new_pl.to_dict()})
             elif moved is not None:  # a throughput-tolerant turn spills to a GPU pool, or returns to the CPU
                 self.moves.send(s, moved, "spill" if self.pools[moved.decode_pool].device_kind == "gpu" else "return")
-                if not s.ephemeral:
-                    self.publish("placement", {"session": s.id, "placement": moved.to_dict()})
-            elif first:  # its first turn: the router sees the real prompt now (what a stored prefix leaves)
-                new_pl = self.moves.place_first_turn(s, len(new))
-                if new_pl is not None and not s.ephemeral:  # (a stateless request's turn is no event: under
-                    # load they would crowd the kept sessions' events out of the backlog)
-                    self.publish("placement", {"session": s.id, "placement": s.placement.to_dict()})
+                placed = moved
+            elif first and self.moves.place_first_turn(s, len(new)) is not None:  # its first turn: the router
+                placed = s.placement  # sees the real prompt now (what a stored prefix leaves)
+            if placed is not None and not s.ephemeral:  # (a stateless request's turn is no event: under load
+                # they would crowd the kept sessions' events out of the backlog)
+                self.publish("placement", {"session": s.id, "placement": placed.to_dict()})
             if not s.ephemeral:  # recorded in one transaction before the transcript changes: a write that
                 # fails (a full disk) leaves the session as it was
                 if messages is not None:  # the last message carries the turn's prompt tokens (see recovery)

@@ -222,6 +222,17 @@ class PrefixSharing:
             kv.shared = None
             self._write_meta(session_id, s, None)
 
+    def take_back(self, kv: KVCache, keep: int) -> None:
+        """Positions from ``keep`` on leave ``kv`` for good (a rewind; rows the journal could not name):
+        a shared prefix's full blocks below the cut stay mapped (``unshare``), the cache is cut, and the
+        room the rows past it held goes back to the cap and the disk (``release_past``) - the cut made even
+        where the copy fails (the caller's journal has forgotten those positions already)."""
+        try:
+            self.unshare(kv, keep)
+        finally:
+            kv.truncate(keep)
+            self.release_past(kv, keep)
+
     def _own_pages(self, session_id: str, s: OpenSession, runs: int, n: int, start: int = 0) -> None:
         """The session's own writable pages again over positions [start, n) of its first ``runs`` (layer,
         k|v, head) runs, where a prefix file was mapped (their contents are not kept)."""
