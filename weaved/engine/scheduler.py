@@ -77,14 +77,14 @@ def schedule(active: list[Sequence], cfg: SchedulerConfig, now: float) -> list[W
     sla = cfg.order == "sla"
     interactive = [s for s in live if s.rank == SLARank.INTERACTIVE] if sla else []
     rows = sum(1 for s in interactive if not s.prefilling)  # the interactive rows every step runs
+    sharing = _sharing(interactive, cfg)
     if interactive:
         if cfg.interactive_budget is not None and rows:  # (never below the rows themselves)
             budget = min(budget, max(cfg.interactive_budget, rows))
         if cfg.step_cost is not None and cfg.step_target_s is not None:
-            budget = min(budget, _interactive_budget(ordered, interactive, cfg, now))
+            budget = min(budget, _interactive_budget(live, interactive, sharing, cfg, now))
     free = budget - rows
     grants: dict[int, int] = {}  # the interactive prompts' chunks (a step holding one is its turn's TTFT)
-    sharing = _sharing(interactive, cfg)
     for s in sorted((s for s in interactive if s.prefilling), key=lambda s: id(s) in sharing):
         if id(s) in sharing:  # (after the others' chunks: what the target leaves, but always some)
             grants[id(s)] = max(min(SHARED_CHUNK_MIN, len(s.pending)), min(len(s.pending), cfg.prefill_chunk, free))
@@ -113,16 +113,15 @@ def schedule(active: list[Sequence], cfg: SchedulerConfig, now: float) -> list[W
     return picked
 
 
-def _interactive_budget(ordered: list[Sequence], interactive: list[Sequence], cfg: SchedulerConfig,
-                        now: float) -> int:
+def _interactive_budget(live: list[Sequence], interactive: list[Sequence], sharing: set[int],
+                        cfg: SchedulerConfig, now: float) -> int:
     """The step's tokens while an interactive turn is live, by the step model (``step_budget``) - never
     fewer than the rows that must run (interactive decodes, throughput-tolerant decodes already due)
     and the interactive turns' own prompt chunks, which always fit: a step that holds one is that
-    turn's time to first token, so other turns' prompts get only what the target leaves."""
-    live = [s for s in ordered if not s.status.done and s.pending]
+    turn's time to first token, so other turns' prompts get only what the target leaves (``sharing``:
+    the long prompts that share it, from ``_sharing``).  ``live``: the turns with work, in order."""
     decodes = [s for s in live if not s.prefilling][:cfg.max_batch]
     must = sum(1 for s in decodes if s.rank == SLARank.INTERACTIVE or priority_key(s, now)[0] == 0)
-    sharing = _sharing(interactive, cfg)
     own = sum(min(len(s.pending), SHARED_CHUNK_MIN if id(s) in sharing else cfg.prefill_chunk)
               for s in interactive if s.prefilling)
     prompts = [s.kv.length for s in live if s.prefilling]
