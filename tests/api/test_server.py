@@ -17,7 +17,8 @@ import pytest
 
 from tests.api.conftest import WAIT_S, serving, uds_client
 from tests.api.fake_daemon import FakeDaemon
-from weaved.api.server import Server, ServerError, parse_listen
+from weaved.api.server import Server
+from weaved.api.sockets import ServerError, parse_listen
 
 USER = [{"role": "user", "content": "hi"}]
 

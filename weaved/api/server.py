@@ -23,18 +23,7 @@ from weaved.api.app import create_app
 from weaved.api.auth import BearerAuth
 from weaved.api.detached import resume_detached
 from weaved.api.open_files import AcceptErrors, raise_open_files_limit
-from weaved.api.sockets import (
-    ServerError,
-    bind_tcp,
-    bind_unix,
-    check_socket_free,
-    hold_socket_lock,
-    mark_serving,
-    parse_listen,
-)
-
-__all__ = ["Server", "ServerError", "bind_tcp", "check_socket_free", "hold_socket_lock", "mark_serving",
-           "parse_listen"]
+from weaved.api.sockets import ServerError, bind_tcp, bind_unix, hold_socket_lock, mark_serving, parse_listen
 
 # An idle keep-alive connection is closed by the client first: httpx (and the openai SDK over it) lets
 # one go after 5 s, uvicorn's default is also 5 s, and when both fire together a client sends its next
