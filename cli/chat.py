@@ -6,7 +6,7 @@ answer is being written stops it and leaves; other text typed meanwhile is not s
 (it was typed before the answer could be read), and the chat says so.
 
 Fed from a pipe (a script), it reads a message a line, draws no prompt, writes only the answers to
-stdout (its own lines go to stderr), and exits 1 at the end if the daemon refused any turn.
+stdout (its own lines go to stderr), and exits 1 at the end if the daemon refused or cut any turn.
 """
 
 from __future__ import annotations
@@ -122,10 +122,12 @@ class ChatRepl:
                     raise
                 self.refused += self.asking
                 self.say(f"error: {e}")
-                if e.code == "context_length_exceeded" and e.param in ("messages", None) and (self.turns or self.prior):
+                if e.code != "context_length_exceeded" or e.param not in ("messages", None):
+                    continue
+                if self.turns or self.prior:
                     self.say(f"(the session's context is full: /reset starts a new one, or `weave fork "
                              f"{self.session_id} --turn N` goes on from an earlier turn)")
-                elif e.code == "context_length_exceeded" and e.param in ("messages", None):
+                else:
                     self.say("(that message alone is longer than the session's context)")
         self.finish()
 
@@ -246,7 +248,7 @@ def chat(
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
     tty = sys.stdin.isatty()
     # fed from a pipe (a script): no prompts drawn, the chat's own lines on stderr - stdout holds only the
-    # answers - and exit 1 if the daemon refused any turn
+    # answers - and exit 1 if the daemon refused or cut any turn
     ahead = _terminal_typeahead if tty else (lambda: None)
     read, say = (input, echo) if tty else ((lambda _prompt: input()), (lambda text: echo(text, err=True)))
     with connect(socket, api_key) as client:

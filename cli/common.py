@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Annotated, Any
 
 import typer
-from weaved.cli.client import Client
+from weaved.cli.client import Client, is_url
 from weaved.cli.errors import ApiError, ClientError, DaemonNotRunning
 from weaved.cli.fmt import printable
 
@@ -94,7 +94,7 @@ def reporting() -> Iterator[None]:
 
 def check_address(socket: str | None) -> None:
     """Bad usage (exit 2) for an address that is a URL the client cannot speak (``ftp://``)."""
-    if socket is not None and "://" in socket and not socket.startswith(("http://", "https://")):
+    if socket is not None and "://" in socket and not is_url(socket):
         raise fail(f"the daemon's address {socket!r} (--socket or WEAVE_SOCKET): a URL must be http://HOST:PORT "
                    f"(its TCP listener); a Unix socket is given by its path", 2)
 

@@ -24,7 +24,7 @@ def write_stream(deltas: Iterable[Delta], out: TextIO | None = None,
     None.  ``stop()``, asked after each delta, ends the printing early."""
     out = out or sys.stdout
     err = err or sys.stderr
-    tty = out.isatty() and not os.environ.get("NO_COLOR")  # (styled: https://no-color.org asks for none)
+    styled = out.isatty() and not os.environ.get("NO_COLOR")  # (https://no-color.org asks for no styles)
     last, mode, wrote = None, "text", False
     progress = ProgressLine(err)
 
@@ -33,11 +33,11 @@ def write_stream(deltas: Iterable[Delta], out: TextIO | None = None,
         if to == mode:
             return
         if mode == "reasoning":
-            out.write(PLAIN + "\n" if tty else "\n[/thinking]\n")
+            out.write(PLAIN + "\n" if styled else "\n[/thinking]\n")
         elif mode == "call":
-            out.write(")" + (PLAIN if tty else "") + "\n")
+            out.write(")" + (PLAIN if styled else "") + "\n")
         if to == "reasoning":
-            out.write(DIM if tty else "[thinking]\n")
+            out.write(DIM if styled else "[thinking]\n")
         mode = to
 
     for d in deltas:
@@ -52,7 +52,8 @@ def write_stream(deltas: Iterable[Delta], out: TextIO | None = None,
             fn = call.get("function") or {}
             if "id" in call:  # a new call
                 switch("text")
-                out.write(("\n" if wrote else "") + (CALL if tty else "") + f"-> {fmt.printable(fn.get('name', ''))}(")
+                out.write(("\n" if wrote else "") + (CALL if styled else "")
+                          + f"-> {fmt.printable(fn.get('name', ''))}(")
                 mode = "call"
             out.write(fmt.printable(fn.get("arguments") or ""))
         if d.text:
