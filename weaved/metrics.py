@@ -144,8 +144,10 @@ class _DaemonCounters(Collector):
         yield lookups
         yield CounterMetricFamily("weave_prefix_reused_tokens", "Prompt tokens taken from shared prefixes instead "
                                   "of prefilled", value=pre.get("reused_tokens") or 0)
-        yield CounterMetricFamily("weave_prefixes_published", "Shared prefix files written",
+        yield CounterMetricFamily("weave_prefixes_published", "Shared prefixes stored: files written or grown",
                                   value=pre.get("published") or 0)
+        yield CounterMetricFamily("weave_prefixes_extended", "Shared prefixes stored by growing a file in place "
+                                  "(a longer conversation, a deeper fork)", value=pre.get("extended") or 0)
         for what, doc in (("files", "Shared prefix files held"), ("bytes", "Bytes of shared prefix files held"),
                           ("in_use", "Shared prefix files mapped by a session now")):
             yield GaugeMetricFamily(f"weave_prefix_{what}", doc, value=pre.get(what) or 0)

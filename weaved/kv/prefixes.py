@@ -2,10 +2,18 @@
 session that starts with the same tokens.
 
 A prefix file ``prefixes/<key>.kv`` holds positions [0, n * BLOCK) in the layout of a session's file
-(``[layer][k|v][kv_head][position][head_dim]``, capacity n * BLOCK), with a sidecar ``<key>.json``
-listing the key after each block.  Keys chain: the key after block k is a hash of the key after block
-k - 1 and block k's token ids, starting from the model's fingerprint - so equal keys mean equal tokens
-from the first position on, under the same model, and (batch invariance) equal KV bits.
+(``[layer][k|v][kv_head][position][head_dim]``), with a sidecar ``<key>.json`` listing the key after
+each block.  Keys chain: the key after block k is a hash of the key after block k - 1 and block k's
+token ids, starting from the model's fingerprint - so equal keys mean equal tokens from the first
+position on, under the same model, and (batch invariance) equal KV bits.
+
+A file has room for its publisher's whole context (its capacity, sparse: only the blocks it holds use
+disk), and a later publication whose stored part is exactly a file's blocks extends that file in place:
+a stateless client sending its conversation again one message longer, or a session forked at growing
+depths, keeps one file that grows by its new blocks - not one file per length, each repeating the
+shorter ones' rows (disk and writes growing with the square of the conversation).  Sessions mapping
+its first blocks are untouched (blocks are whole pages of every run).  Blocks that differ from a
+file's later ones (a branch) start a new file.
 
 A session reuses a prefix by mapping the prefix file's pages over the first positions of its own
 mapping (``FileMapping.alias``: one read-only ``mmap`` per (layer, k|v, head) run); nothing is copied,
@@ -31,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from weaved.kv.errors import DISK_FULL, DiskFull
+from weaved.kv.tiers import allocated_bytes, punch_hole
 from weaved.model.config import ModelConfig
 
 BLOCK = 128  # positions per block: whole pages for head sizes from 16 up (128 * head_dim * 2 bytes)
@@ -47,13 +56,20 @@ def chain_keys(fingerprint: str, tokens: Sequence[int], block: int = BLOCK) -> l
     return keys
 
 
+PUBLISHING = " publishing"  # a user that is no session (ids have no space): a file being extended
+
+
 @dataclass
 class Prefix:
-    key: str  # the key after its last block; its files are <key>.kv and <key>.json
-    keys: list[str]  # the key after each block
+    key: str  # the key after its last block when it was made; its files are <key>.kv and <key>.json
+    keys: list[str]  # the key after each block (a new list when the file is extended: readers keep theirs)
     path: Path
+    capacity: int = 0  # positions each (layer, k|v, head) run has room for in the file (0: its own blocks)
     users: set[str] = field(default_factory=set)  # sessions mapping it
     last_used: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.capacity = self.capacity or self.positions
 
     @property
     def positions(self) -> int:
@@ -74,17 +90,22 @@ class PrefixStore:
         self._index: dict[str, tuple[str, int]] = {}  # key after block k -> (prefix key, k + 1 blocks)
         self._pending: dict[str, threading.Event] = {}  # keys announced, being published
         self.hits = self.misses = self.reused_tokens = self.published = 0
+        self.extended = 0  # publications that grew a file in place rather than starting one
         self.copied = 0  # sessions given their own copy of a prefix's rows (no mapping left to map it)
         self._foreign: list[tuple[float, Path, int]] = []  # other models' files: (last used, path, bytes)
         self._foreign_kept: set[str] = set()  # other models' files their sessions' sidecars name: not evicted
-        for tmp in self.dir.glob("*.kv.tmp") if self.dir.is_dir() else []:  # a publication a crash cut
-            tmp.unlink(missing_ok=True)
+        for pattern in ("*.kv.tmp", "*.json.tmp"):  # a publication a crash cut
+            for tmp in self.dir.glob(pattern) if self.dir.is_dir() else []:
+                tmp.unlink(missing_ok=True)
         for meta in sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []:
             kv = meta.with_suffix(".kv")
             try:
                 m = json.loads(meta.read_text())
                 key, keys = m["key"], list(m["keys"])
-            except (ValueError, KeyError, TypeError):  # no model can read this file: its disk goes back
+                capacity = int(m["shape"][3]) if "shape" in m else len(keys) * BLOCK
+                if capacity < len(keys) * BLOCK or capacity % BLOCK:
+                    raise ValueError(f"capacity {capacity} for {len(keys)} blocks")
+            except (ValueError, KeyError, TypeError, IndexError):  # no model can read this file: its disk goes back
                 meta.unlink(missing_ok=True)
                 kv.unlink(missing_ok=True)
                 continue
@@ -94,22 +115,23 @@ class PrefixStore:
                 meta.unlink(missing_ok=True)
                 continue
             if m.get("fingerprint") != fingerprint:  # another model's: kept for it, counted, evicted first
-                try:
-                    st = kv.stat()
+                try:  # (its blocks on disk: a file with room to grow is sparse)
+                    mtime, size = kv.stat().st_mtime, allocated_bytes(kv)
                 except OSError:
                     continue
-                self._foreign.append((st.st_mtime, kv, st.st_size))
+                self._foreign.append((mtime, kv, size))
                 continue
-            self._add(Prefix(key, keys, kv, last_used=kv.stat().st_mtime))
+            self._add(Prefix(key, keys, kv, capacity, last_used=kv.stat().st_mtime))
         for kv in self.dir.glob("*.kv") if self.dir.is_dir() else []:
             if not kv.with_suffix(".json").exists():  # its sidecar is lost: nothing can map it again
                 kv.unlink(missing_ok=True)
         self._foreign.sort(key=lambda f: f[0])  # oldest first
 
-    def _add(self, p: Prefix) -> None:
+    def _add(self, p: Prefix, start: int = 0) -> None:
+        """Index ``p``'s blocks from ``start`` on (all of a new file; an extended one's new blocks)."""
         self._by_key[p.key] = p
-        for i, k in enumerate(p.keys):  # any file holding block i under key k holds blocks 0..i
-            self._index.setdefault(k, (p.key, i + 1))
+        for i in range(start, len(p.keys)):  # any file holding block i under key k holds blocks 0..i
+            self._index.setdefault(p.keys[i], (p.key, i + 1))
 
     block = BLOCK
 
@@ -217,8 +239,11 @@ class PrefixStore:
         return n * BLOCK
 
     def publish(self, data: np.ndarray, tokens: Sequence[int]) -> Prefix | None:
-        """A prefix file of the full blocks of ``tokens`` from their KV rows in ``data`` ([L, 2, H, cap, D]);
-        None when no new block would be added.  The rows are copied once, here."""
+        """The full blocks of ``tokens`` stored from their KV rows in ``data`` ([L, 2, H, cap, D]): the new
+        blocks appended to the file that holds exactly the ones before them (and has room), else a new
+        file of them all; None when no new block would be added.  The rows are copied once, here.  The
+        file returned may hold more blocks by the time the caller reads it (a later publication extended
+        it): the caller's are its first ``len(tokens) // BLOCK``."""
         with self._writing:
             try:
                 return self._publish(data, tokens)
@@ -227,18 +252,26 @@ class PrefixStore:
 
     def _publish(self, data: np.ndarray, tokens: Sequence[int]) -> Prefix | None:
         keys = chain_keys(self.fingerprint, tokens)
-        if not keys or self.covered(tokens) >= len(keys) * BLOCK:
+        held = self.covered(tokens) // BLOCK
+        if held >= len(keys):
             return None
         n = len(keys) * BLOCK
+        if held:
+            p = self._extendable(keys[held - 1], held, n)
+            if p is not None:
+                try:
+                    return self._extend(p, data, keys)
+                finally:
+                    self.drop_user(p.key, PUBLISHING)
         key = keys[-1]
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"{key}.kv"
         tmp = path.with_suffix(".kv.tmp")
-        shape = (*data.shape[:3], n, data.shape[4])
-        meta = {"fingerprint": self.fingerprint, "key": key, "keys": keys, "block": BLOCK, "shape": list(shape)}
+        capacity = max(n, -(-data.shape[3] // BLOCK) * BLOCK)  # room for the publisher's whole context
+        shape = (*data.shape[:3], capacity, data.shape[4])
         try:
-            _write_reserved(tmp, data[:, :, :, :n, :], shape)
-            (self.dir / f"{key}.json").write_text(json.dumps(meta))
+            _write_rows(tmp, data, 0, n, shape, create=True)
+            self._write_meta(key, keys, shape)
             os.replace(tmp, path)
         except OSError as e:  # a full disk most often: nothing is kept of this prefix, the caller goes on
             tmp.unlink(missing_ok=True)
@@ -246,12 +279,54 @@ class PrefixStore:
             if e.errno in DISK_FULL:
                 raise DiskFull(f"storing a shared prefix of {n} positions: {e.strerror}") from None
             raise
-        p = Prefix(key, keys, path)
+        p = Prefix(key, keys, path, capacity)
         with self._lock:
             self._add(p)
             self.published += 1
         self.evict(spare=key)
         return p
+
+    def _extendable(self, last: str, blocks: int, n: int) -> Prefix | None:
+        """The file whose last block is ``last`` (the ``blocks``-th) with room for ``n`` positions, made a
+        user (``PUBLISHING``) so that no eviction takes it while it grows; None when there is none."""
+        found = self._index.get(last)
+        with self._lock:
+            p = self._by_key.get(found[0]) if found is not None else None
+            if p is None or len(p.keys) != blocks or p.capacity < n:
+                return None
+            p.users.add(PUBLISHING)
+            return p
+
+    def _extend(self, p: Prefix, data: np.ndarray, keys: list[str]) -> Prefix:
+        """``p``'s file grown in place by the rows of ``keys``' blocks past its own: rows written (and
+        synced) first, then the sidecar replaced, then the index - a stop in between leaves the file as its
+        sidecar describes it, the rows past it unused.  Sessions mapping its blocks see no change."""
+        start, n = p.positions, len(keys) * BLOCK
+        shape = (*data.shape[:3], p.capacity, data.shape[4])
+        try:
+            _write_rows(p.path, data, start, n, shape, create=False)
+            self._write_meta(p.key, keys, shape)
+        except OSError as e:
+            _give_back(p.path, shape, start, n)  # (the blocks it allocated past what the sidecar names)
+            if e.errno in DISK_FULL:
+                raise DiskFull(f"storing a shared prefix's {n - start} new positions: {e.strerror}") from None
+            raise
+        with self._lock:
+            before = len(p.keys)
+            p.keys = list(keys)
+            p.last_used = time.time()
+            if p.key in self._by_key:
+                self._add(p, start=before)
+            self.published += 1
+            self.extended += 1
+        self.evict(spare=p.key)
+        return p
+
+    def _write_meta(self, key: str, keys: list[str], shape: tuple[int, ...]) -> None:
+        meta = {"fingerprint": self.fingerprint, "key": key, "keys": keys, "block": BLOCK, "shape": list(shape)}
+        tmp = self.dir / f"{key}.json.tmp"
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, self.dir / f"{key}.json")
 
     # ---- the cap ---------------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -328,22 +403,54 @@ class PrefixStore:
             return {"files": len(self._by_key), "bytes": self._nbytes(), "cap_bytes": self.cap_bytes,
                     "in_use": sum(1 for p in self._by_key.values() if p.users), "hits": self.hits,
                     "misses": self.misses, "reused_tokens": self.reused_tokens, "published": self.published,
+                    "extended": self.extended,
                     "copied": self.copied,
                     "other_models": {"files": len(self._foreign), "bytes": sum(f[2] for f in self._foreign)}}
 
 
-def _write_reserved(path: Path, rows: np.ndarray, shape: tuple[int, ...]) -> None:
-    """``rows`` (float16, ``shape``) into a new file at ``path``, its blocks allocated before anything is
-    written through the mapping: a store into a page the file system cannot back kills the process with
-    SIGBUS, where an allocation fails with ENOSPC (an OSError)."""
-    nbytes = int(np.prod(shape)) * 2
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)  # (prompts' KV: the user's alone)
+def _write_rows(path: Path, data: np.ndarray, start: int, stop: int, shape: tuple[int, ...], *,
+                create: bool) -> None:
+    """Positions [start, stop) of ``data`` (float16 [L, 2, H, cap, D]) into the file at ``path`` (a new one
+    with ``create``, sized for ``shape``'s capacity and sparse) and synced: each run's blocks allocated
+    first (a full disk fails here, with ENOSPC), then its rows written with ``pwrite``.  Not through a
+    mapping: a store into a mapped page of a sparse file dirties the whole page-cache folio around it
+    (up to megabytes on recent kernels), and its writeback fills the holes beside the rows - measured,
+    a block of every run written so made a 180 MB file of 151 MB on disk, not 3."""
+    row = shape[4] * 2
+    capacity = shape[3]
+    flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
+    fd = os.open(path, flags, 0o600)  # (prompts' KV: the user's alone)
     try:
-        if nbytes:
-            os.posix_fallocate(fd, 0, nbytes)
+        if create:
+            os.ftruncate(fd, int(np.prod(shape)) * 2)  # a hole: only the blocks written cost disk
+        runs = [(r, (r * capacity + start) * row) for r in range(shape[0] * shape[1] * shape[2])]
+        for _, offset in runs:
+            os.posix_fallocate(fd, offset, (stop - start) * row)
+        flat = data.reshape(-1, *data.shape[3:])  # [L * 2 * H, cap, D]: one run a row
+        for r, offset in runs:
+            _pwrite_all(fd, flat[r, start:stop], offset)
+        os.fdatasync(fd)
     finally:
         os.close(fd)
-    arr = np.memmap(path, dtype=np.float16, mode="r+", shape=shape)
-    arr[...] = rows
-    arr.flush()
-    del arr
+
+
+def _pwrite_all(fd: int, rows: np.ndarray, offset: int) -> None:
+    """``rows`` (contiguous) at ``offset``, however many calls the kernel takes to write them."""
+    view = memoryview(np.ascontiguousarray(rows)).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _give_back(path: Path, shape: tuple[int, ...], start: int, stop: int) -> None:
+    """Best effort: the blocks of positions [start, stop) of every run back to the file system."""
+    row = shape[4] * 2
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return
+    try:
+        for r in range(shape[0] * shape[1] * shape[2]):
+            punch_hole(fd, (r * shape[3] + start) * row, (stop - start) * row)
+    finally:
+        os.close(fd)

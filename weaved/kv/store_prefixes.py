@@ -72,8 +72,11 @@ class PrefixSharing:
         prefix = self.prefixes.get(key)
         if prefix is None:
             raise KVStoreError(f"session {session_id}: its shared prefix {key} is gone from {self.prefixes.dir}")
+        if n > prefix.positions:  # (a sidecar naming blocks the file's own never recorded: a lost update)
+            raise KVStoreError(f"session {session_id}: its shared prefix {key} holds {prefix.positions} positions, "
+                               f"not {n}")
         row = self.config.head_dim * 2
-        if (s.capacity * row) % mmap.PAGESIZE or (prefix.positions * row) % mmap.PAGESIZE or (n * row) % mmap.PAGESIZE:
+        if (s.capacity * row) % mmap.PAGESIZE or (prefix.capacity * row) % mmap.PAGESIZE or (n * row) % mmap.PAGESIZE:
             return False
         if not s.mm.split and not s.mm.claim_maps(2 * self.prefixes.runs()):
             self._note_no_maps()
@@ -82,7 +85,7 @@ class PrefixSharing:
         done = 0
         try:
             for r in range(self.prefixes.runs()):
-                s.mm.alias(r * s.capacity * row, fd, r * prefix.positions * row, n * row)
+                s.mm.alias(r * s.capacity * row, fd, r * prefix.capacity * row, n * row)
                 done += 1
         except BaseException:  # the kernel refused part-way: the runs mapped read-only are the session's again
             if done:  # (else its next write there would fault)
@@ -108,7 +111,7 @@ class PrefixSharing:
     def _rows_from_prefix(self, data: np.ndarray, prefix, n: int) -> None:
         """Copy prefix file ``prefix``'s positions [0, n) into ``data`` (a session's own rows, allocated),
         for a session that may not map them; OSError or ValueError when the file is gone or damaged."""
-        src = np.memmap(prefix.path, dtype=np.float16, mode="r", shape=self._shape(prefix.positions))
+        src = np.memmap(prefix.path, dtype=np.float16, mode="r", shape=self._shape(prefix.capacity))
         data[:, :, :, :n] = src[:, :, :, :n]
         del src
         self.prefixes.copied += 1
@@ -269,9 +272,10 @@ class PrefixSharing:
             p = self.prefixes.publish(kv.data, tokens)
         if p is None:
             return 0
+        n = (len(tokens) // self.prefixes.block) * self.prefixes.block  # (the file may hold more by now)
         if adopt:
-            self._adopt(kv, p.key, p.positions)
-        return p.positions
+            self._adopt(kv, p.key, n)
+        return n
 
     def _adopt(self, kv: KVCache, key: str, n: int) -> None:
         """Map prefix ``key``'s positions [0, n) (equal to the session's own rows) over the session's and
