@@ -15,7 +15,7 @@ import pytest
 from tests.kv.test_prefixes import tokens
 from tests.kv.test_store import BPT, CFG, allocated, fill
 from weaved.kv.errors import DiskFull
-from weaved.kv.prefixes import BLOCK, PrefixStore
+from weaved.kv.prefixes import BLOCK, PrefixStore, chain_keys
 from weaved.kv.store import KVStore
 
 
@@ -224,3 +224,49 @@ def test_forks_at_growing_depths_share_one_file(tmp_path):
     assert st["files"] == 1 and st["extended"] == 1
     for kv, n in ((parent, len(talk)), (first, 2 * BLOCK + 5), (second, len(talk))):
         assert np.array_equal(kv.data[:, :, :, :n], rows[:, :, :, :n])
+
+
+def test_a_file_grown_past_the_cap_by_a_publisher_that_maps_nothing_is_kept(tmp_path):
+    """The file just grown is spared by the eviction its growth causes (as a new file is): the store keeps
+    the conversation it was asked to keep, the older files nobody maps go first."""
+    store = KVStore(tmp_path, CFG, cap_bytes=4 * 5 * BLOCK * BPT // 2)  # prefixes get 2.5 blocks' bytes
+    talk = tokens(3 * BLOCK, seed=18)
+    conversation(store, "a", talk[: 2 * BLOCK], seed=18)
+    store.delete("a")
+    kv = store.create("b", capacity=2048, memory_only=True)  # computed it all itself: maps no prefix
+    store.reserve(kv, len(talk))
+    fill(kv, 0, len(talk), seed=19)
+    assert store.publish_prefix(kv, talk, adopt=False) == 3 * BLOCK
+    st = store.prefixes.status()
+    assert st["files"] == 1 and st["extended"] == 1 and st["in_use"] == 0
+    assert store.prefixes.covered(talk) == 3 * BLOCK
+
+
+def test_a_lookup_that_read_a_stale_index_is_a_miss(tmp_path):
+    """The index is read off the lock: a file it names may have been evicted since and made again under
+    the same name with fewer blocks - the lookup must not hand out blocks the file does not hold."""
+    store = KVStore(tmp_path, CFG)
+    talk = tokens(3 * BLOCK + 2, seed=20)
+    conversation(store, "a", talk[: 2 * BLOCK], seed=20)
+    conversation(store, "b", talk, seed=21)  # grown to three blocks
+    (p,) = store.prefixes._by_key.values()
+    name, third = p.key, chain_keys(store.fingerprint, talk)[2]
+    store.delete("a")
+    store.delete("b")
+    assert store.prefixes.evict(free=10**12) > 0
+    conversation(store, "c", talk[: 2 * BLOCK], seed=22)  # the same name, two blocks
+    assert store.prefixes.get(name).positions == 2 * BLOCK
+    store.prefixes._index[third] = (name, 3)  # what a lookup read before the eviction
+    assert store.prefixes.longest(talk, len(talk) - 1) is None
+
+
+def test_a_file_cut_short_is_removed_at_start(tmp_path):
+    """A read past a mapped file's end kills the process: a file shorter than its sidecar says is never
+    indexed (its disk goes back)."""
+    store = KVStore(tmp_path, CFG)
+    conversation(store, "a", tokens(BLOCK + 3, seed=23), seed=23)
+    (path,) = store.prefixes.dir.glob("*.kv")
+    with open(path, "r+b") as f:
+        f.truncate(BLOCK * BPT)
+    store = KVStore(tmp_path, CFG)
+    assert store.prefixes.status()["files"] == 0 and not list(store.prefixes.dir.iterdir())

@@ -121,7 +121,12 @@ class PrefixStore:
                     continue
                 self._foreign.append((mtime, kv, size))
                 continue
-            self._add(Prefix(key, keys, kv, capacity, last_used=kv.stat().st_mtime))
+            st = kv.stat()
+            if st.st_size != capacity * config.kv_bytes_per_token:  # cut short: a read past its end kills the
+                meta.unlink(missing_ok=True)  # process (SIGBUS), so nothing may map it
+                kv.unlink(missing_ok=True)
+                continue
+            self._add(Prefix(key, keys, kv, capacity, last_used=st.st_mtime))
         for kv in self.dir.glob("*.kv") if self.dir.is_dir() else []:
             if not kv.with_suffix(".json").exists():  # its sidecar is lost: nothing can map it again
                 kv.unlink(missing_ok=True)
@@ -175,17 +180,19 @@ class PrefixStore:
         ``await_announced``); counts a hit or a miss.  ``user``: the session is made one of the file's
         users in the same step, so no eviction can take it before the session maps (or copies) it - the
         caller calls ``drop_user`` if it then does not keep it."""
-        best = None
+        best = last = None
         for k in chain_keys(self.fingerprint, tokens[:limit]):
             found = self._index.get(k)
             if found is None:
                 break
-            best = found
+            best, last = found, k
         with self._lock:
-            if best is None or best[0] not in self._by_key:
+            p = self._by_key.get(best[0]) if best is not None else None
+            # (read off the lock, the index may name a file evicted since - and perhaps made again under the
+            # same name with fewer blocks: it applies only if it still holds the block found)
+            if p is None or best[1] > len(p.keys) or p.keys[best[1] - 1] != last:
                 self.misses += 1
                 return None
-            p = self._by_key[best[0]]
             p.last_used = time.time()
             if user is not None:
                 p.users.add(user)
@@ -261,8 +268,9 @@ class PrefixStore:
             if p is not None:
                 try:
                     return self._extend(p, data, keys)
-                finally:
-                    self.drop_user(p.key, PUBLISHING)
+                finally:  # (no eviction here: the one after growing it spared it, this one would not)
+                    with self._lock:
+                        p.users.discard(PUBLISHING)
         key = keys[-1]
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"{key}.kv"
@@ -273,6 +281,7 @@ class PrefixStore:
             _write_rows(tmp, data, 0, n, shape, create=True)
             self._write_meta(key, keys, shape)
             os.replace(tmp, path)
+            _sync_dir(self.dir)
         except OSError as e:  # a full disk most often: nothing is kept of this prefix, the caller goes on
             tmp.unlink(missing_ok=True)
             (self.dir / f"{key}.json").unlink(missing_ok=True)
@@ -292,7 +301,7 @@ class PrefixStore:
         found = self._index.get(last)
         with self._lock:
             p = self._by_key.get(found[0]) if found is not None else None
-            if p is None or len(p.keys) != blocks or p.capacity < n:
+            if p is None or len(p.keys) != blocks or p.keys[-1] != last or p.capacity < n:
                 return None
             p.users.add(PUBLISHING)
             return p
@@ -325,8 +334,12 @@ class PrefixStore:
     def _write_meta(self, key: str, keys: list[str], shape: tuple[int, ...]) -> None:
         meta = {"fingerprint": self.fingerprint, "key": key, "keys": keys, "block": BLOCK, "shape": list(shape)}
         tmp = self.dir / f"{key}.json.tmp"
-        tmp.write_text(json.dumps(meta))
+        with open(tmp, "w") as f:  # on the disk before it is named: a file sessions map is described again
+            f.write(json.dumps(meta))  # and again as it grows, and a power loss must leave one description
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self.dir / f"{key}.json")
+        _sync_dir(self.dir)
 
     # ---- the cap ---------------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -367,6 +380,11 @@ class PrefixStore:
                 total -= p.positions * bpt
             return start - total
 
+    def no_publication(self) -> threading.Lock:
+        """Held, no publication runs (the caller may remove files the index no longer names, without a
+        publication making one of the same name meanwhile)."""
+        return self._writing
+
     def clear(self) -> tuple[list[Path], int, int]:
         """Every file nobody maps leaves the index - this model's, and another model's no session of it
         names: the cache emptied (a deleted session's context leaves the disk).  (the files to remove -
@@ -401,7 +419,7 @@ class PrefixStore:
     def status(self) -> dict:
         with self._lock:
             return {"files": len(self._by_key), "bytes": self._nbytes(), "cap_bytes": self.cap_bytes,
-                    "in_use": sum(1 for p in self._by_key.values() if p.users), "hits": self.hits,
+                    "in_use": sum(1 for p in self._by_key.values() if p.users - {PUBLISHING}), "hits": self.hits,
                     "misses": self.misses, "reused_tokens": self.reused_tokens, "published": self.published,
                     "extended": self.extended,
                     "copied": self.copied,
@@ -430,6 +448,15 @@ def _write_rows(path: Path, data: np.ndarray, start: int, stop: int, shape: tupl
         for r, offset in runs:
             _pwrite_all(fd, flat[r, start:stop], offset)
         os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_dir(path: Path) -> None:
+    """The directory's entries (a file's new name) on the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -315,11 +315,12 @@ class PrefixSharing:
     def clear_prefixes(self) -> dict:
         """The stored prefixes emptied: every file no session maps, and the short prefixes kept in memory
         (``{"files", "bytes", "kept_files", "short_blocks"}``: removed, freed, kept as sessions map them)."""
-        with self._lock:  # (no session is between finding a prefix and mapping it meanwhile)
-            gone, freed, kept = self.prefixes.clear()
-        for path in gone:  # (the sidecar first: a stop between leaves a file the next start sweeps)
-            path.with_suffix(".json").unlink(missing_ok=True)
-            path.unlink(missing_ok=True)
+        with self.prefixes.no_publication():  # (else one could store a file of a name being removed)
+            with self._lock:  # (no session is between finding a prefix and mapping it meanwhile)
+                gone, freed, kept = self.prefixes.clear()
+            for path in gone:  # (the sidecar first: a stop between leaves a file the next start sweeps)
+                path.with_suffix(".json").unlink(missing_ok=True)
+                path.unlink(missing_ok=True)
         return {"files": len(gone), "bytes": freed, "kept_files": kept, "short_blocks": self.hot.clear()}
 
     def fork_prefix(self, parent: KVCache, child: KVCache, tokens: list[int]) -> int:
