@@ -72,22 +72,29 @@ def test_a_stateless_client_prefills_only_what_is_new(tmp_path, smollm2_q4_0):
         sdk = openai.OpenAI(base_url="http://weave/v1", api_key="x", http_client=h, max_retries=0)
         messages = [{"role": "system", "content": SYSTEM}]
         last_total = 0
-        for i, q in enumerate(["Hello!", "What is 2+2?", "And 3+3?"]):
-            messages.append({"role": "user", "content": q})
-            out = sdk.chat.completions.create(model="default", messages=messages, max_tokens=8, temperature=0)
+        ask = {"max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+        notes = " ".join(f"Note {i}: keep item {i} in mind." for i in range(20))  # ~200 tokens: a new block
+        for i, q in enumerate(["Hello!", "What is 2+2?", "And 3+3?", "Spell out the rules, in order."]):
+            messages.append({"role": "user", "content": f"{q} {notes}"})
+            out = sdk.chat.completions.create(model="default", messages=messages, **ask)
             cached = out.usage.prompt_tokens_details.cached_tokens
             if i == 0:
                 assert cached == 0
             else:  # all of the previous request but its last, partial block
-                assert cached >= last_total - BLOCK and out.usage.prompt_tokens - cached < BLOCK + 64
+                assert cached >= last_total - BLOCK and out.usage.prompt_tokens - cached < BLOCK + 256
             last_total = out.usage.total_tokens
             messages.append({"role": "assistant", "content": out.choices[0].message.content})
-        # the conversation's prefixes stay as a cache until cleared: then it is computed again
+        # the conversation is one stored file, grown by each request's new blocks
+        st = h.get("http://weave/v1/status").json()["kv"]["prefixes"]
+        assert st["files"] == 1 and st["extended"] >= 2 and st["published"] - st["extended"] == 1
+        # the conversation's prefixes stay as a cache until cleared: then it is computed again - and the
+        # last answer computed anew is bit for bit the one read from the grown file
         cleared = h.delete("http://weave/v1/prefixes").json()
         assert cleared["object"] == "prefixes.cleared" and cleared["files"] >= 1 and cleared["bytes"] > 0
         assert h.get("http://weave/v1/status").json()["kv"]["prefixes"]["files"] == 0
-        again = sdk.chat.completions.create(model="default", messages=messages[:2], max_tokens=8, temperature=0)
-        assert again.usage.prompt_tokens_details.cached_tokens < BLOCK
+        fresh = sdk.chat.completions.create(model="default", messages=messages[:-1], **ask)
+        assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+        assert fresh.choices[0].logprobs.model_dump() == out.choices[0].logprobs.model_dump()
 
 
 def test_a_fork_continues_as_its_parent_then_goes_its_own_way(tmp_path, smollm2_q4_0):
