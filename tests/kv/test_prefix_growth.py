@@ -270,3 +270,27 @@ def test_a_file_cut_short_is_removed_at_start(tmp_path):
         f.truncate(BLOCK * BPT)
     store = KVStore(tmp_path, CFG)
     assert store.prefixes.status()["files"] == 0 and not list(store.prefixes.dir.iterdir())
+
+
+def test_rows_a_stop_left_past_the_sidecar_give_their_disk_back_at_start(tmp_path, monkeypatch):
+    store = KVStore(tmp_path, CFG)
+    talk = tokens(4 * BLOCK, seed=24)
+    _, rows = conversation(store, "a", talk[:BLOCK], seed=24)
+    (path,) = store.prefixes.dir.glob("*.kv")
+
+    def stop(*args, **kwargs):  # the process dies between the rows and the sidecar naming them
+        raise SystemExit
+
+    monkeypatch.setattr(PrefixStore, "_write_meta", stop)
+    kv = store.create("b", capacity=2048, memory_only=True)
+    store.reserve(kv, len(talk))
+    fill(kv, 0, len(talk), seed=25)
+    with pytest.raises(SystemExit):
+        store.prefixes.publish(kv.data, talk)
+    assert allocated(path) >= 4 * BLOCK * BPT  # three blocks more than the sidecar names
+    monkeypatch.undo()
+    store = KVStore(tmp_path, CFG)
+    assert allocated(path) < 2 * BLOCK * BPT and store.prefixes.covered(talk) == BLOCK
+    c = store.create("c", capacity=2048)
+    assert store.share_prefix(c, talk) == BLOCK
+    assert np.array_equal(c.data[:, :, :, :BLOCK], rows[:, :, :, :BLOCK])

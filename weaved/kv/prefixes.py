@@ -126,6 +126,10 @@ class PrefixStore:
                 meta.unlink(missing_ok=True)  # process (SIGBUS), so nothing may map it
                 kv.unlink(missing_ok=True)
                 continue
+            held = len(keys) * BLOCK * config.kv_bytes_per_token
+            if allocated_bytes(kv) > held + BLOCK * config.kv_bytes_per_token // 2:  # rows a stop left between
+                shape = (config.n_layers, 2, config.n_kv_heads, capacity, config.head_dim)  # growing the file
+                _give_back(kv, shape, len(keys) * BLOCK, capacity)  # and naming them: their disk goes back
             self._add(Prefix(key, keys, kv, capacity, last_used=st.st_mtime))
         for kv in self.dir.glob("*.kv") if self.dir.is_dir() else []:
             if not kv.with_suffix(".json").exists():  # its sidecar is lost: nothing can map it again
