@@ -28,7 +28,6 @@ against the cap too and go first, oldest first: the disk they hold is the same d
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 import time
@@ -38,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from weaved.kv import prefix_files as files
 from weaved.kv.errors import DISK_FULL, DiskFull
-from weaved.kv.tiers import allocated_bytes, punch_hole
 from weaved.model.config import ModelConfig
 
 BLOCK = 128  # positions per block: whole pages for head sizes from 16 up (128 * head_dim * 2 bytes)
@@ -92,49 +91,10 @@ class PrefixStore:
         self.hits = self.misses = self.reused_tokens = self.published = 0
         self.extended = 0  # publications that grew a file in place rather than starting one
         self.copied = 0  # sessions given their own copy of a prefix's rows (no mapping left to map it)
-        self._foreign: list[tuple[float, Path, int]] = []  # other models' files: (last used, path, bytes)
         self._foreign_kept: set[str] = set()  # other models' files their sessions' sidecars name: not evicted
-        for pattern in ("*.kv.tmp", "*.json.tmp"):  # a publication a crash cut
-            for tmp in self.dir.glob(pattern) if self.dir.is_dir() else []:
-                tmp.unlink(missing_ok=True)
-        for meta in sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []:
-            kv = meta.with_suffix(".kv")
-            try:
-                m = json.loads(meta.read_text())
-                key, keys = m["key"], list(m["keys"])
-                capacity = int(m["shape"][3]) if "shape" in m else len(keys) * BLOCK
-                if capacity < len(keys) * BLOCK or capacity % BLOCK:
-                    raise ValueError(f"capacity {capacity} for {len(keys)} blocks")
-            except (ValueError, KeyError, TypeError, IndexError):  # no model can read this file: its disk goes back
-                meta.unlink(missing_ok=True)
-                kv.unlink(missing_ok=True)
-                continue
-            except OSError:
-                continue
-            if not kv.exists():  # a publication a crash cut between the sidecar and the file
-                meta.unlink(missing_ok=True)
-                continue
-            if m.get("fingerprint") != fingerprint:  # another model's: kept for it, counted, evicted first
-                try:  # (its blocks on disk: a file with room to grow is sparse)
-                    mtime, size = kv.stat().st_mtime, allocated_bytes(kv)
-                except OSError:
-                    continue
-                self._foreign.append((mtime, kv, size))
-                continue
-            st = kv.stat()
-            if st.st_size != capacity * config.kv_bytes_per_token:  # cut short: a read past its end kills the
-                meta.unlink(missing_ok=True)  # process (SIGBUS), so nothing may map it
-                kv.unlink(missing_ok=True)
-                continue
-            held = len(keys) * BLOCK * config.kv_bytes_per_token
-            if allocated_bytes(kv) > held + BLOCK * config.kv_bytes_per_token // 2:  # rows a stop left between
-                shape = (config.n_layers, 2, config.n_kv_heads, capacity, config.head_dim)  # growing the file
-                _give_back(kv, shape, len(keys) * BLOCK, capacity)  # and naming them: their disk goes back
-            self._add(Prefix(key, keys, kv, capacity, last_used=st.st_mtime))
-        for kv in self.dir.glob("*.kv") if self.dir.is_dir() else []:
-            if not kv.with_suffix(".json").exists():  # its sidecar is lost: nothing can map it again
-                kv.unlink(missing_ok=True)
-        self._foreign.sort(key=lambda f: f[0])  # oldest first
+        found, self._foreign = files.scan(self.dir, config, fingerprint, BLOCK)  # (the others: oldest first)
+        for key, keys, path, capacity, mtime in found:
+            self._add(Prefix(key, keys, path, capacity, last_used=mtime))
 
     def _add(self, p: Prefix, start: int = 0) -> None:
         """Index ``p``'s blocks from ``start`` on (all of a new file; an extended one's new blocks)."""
@@ -282,10 +242,10 @@ class PrefixStore:
         capacity = max(n, -(-data.shape[3] // BLOCK) * BLOCK)  # room for the publisher's whole context
         shape = (*data.shape[:3], capacity, data.shape[4])
         try:
-            _write_rows(tmp, data, 0, n, shape, create=True)
+            files.write_rows(tmp, data, 0, n, shape, create=True)
             self._write_meta(key, keys, shape)
             os.replace(tmp, path)
-            _sync_dir(self.dir)
+            files.sync_dir(self.dir)
         except OSError as e:  # a full disk most often: nothing is kept of this prefix, the caller goes on
             tmp.unlink(missing_ok=True)
             (self.dir / f"{key}.json").unlink(missing_ok=True)
@@ -317,10 +277,10 @@ class PrefixStore:
         start, n = p.positions, len(keys) * BLOCK
         shape = (*data.shape[:3], p.capacity, data.shape[4])
         try:
-            _write_rows(p.path, data, start, n, shape, create=False)
+            files.write_rows(p.path, data, start, n, shape, create=False)
             self._write_meta(p.key, keys, shape)
         except OSError as e:
-            _give_back(p.path, shape, start, n)  # (the blocks it allocated past what the sidecar names)
+            files.give_back(p.path, shape, start, n)  # (the blocks it allocated past what the sidecar names)
             if e.errno in DISK_FULL:
                 raise DiskFull(f"storing a shared prefix's {n - start} new positions: {e.strerror}") from None
             raise
@@ -336,14 +296,8 @@ class PrefixStore:
         return p
 
     def _write_meta(self, key: str, keys: list[str], shape: tuple[int, ...]) -> None:
-        meta = {"fingerprint": self.fingerprint, "key": key, "keys": keys, "block": BLOCK, "shape": list(shape)}
-        tmp = self.dir / f"{key}.json.tmp"
-        with open(tmp, "w") as f:  # on the disk before it is named: a file sessions map is described again
-            f.write(json.dumps(meta))  # and again as it grows, and a power loss must leave one description
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.dir / f"{key}.json")
-        _sync_dir(self.dir)
+        files.write_sidecar(self.dir / f"{key}.json", {"fingerprint": self.fingerprint, "key": key, "keys": keys,
+                                                       "block": BLOCK, "shape": list(shape)})
 
     # ---- the cap ---------------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -428,60 +382,3 @@ class PrefixStore:
                     "extended": self.extended,
                     "copied": self.copied,
                     "other_models": {"files": len(self._foreign), "bytes": sum(f[2] for f in self._foreign)}}
-
-
-def _write_rows(path: Path, data: np.ndarray, start: int, stop: int, shape: tuple[int, ...], *,
-                create: bool) -> None:
-    """Positions [start, stop) of ``data`` (float16 [L, 2, H, cap, D]) into the file at ``path`` (a new one
-    with ``create``, sized for ``shape``'s capacity and sparse) and synced: each run's blocks allocated
-    first (a full disk fails here, with ENOSPC), then its rows written with ``pwrite``.  Not through a
-    mapping: a store into a mapped page of a sparse file dirties the whole page-cache folio around it
-    (up to megabytes on recent kernels), and its writeback fills the holes beside the rows - measured,
-    a block of every run written so made a 180 MB file of 151 MB on disk, not 3."""
-    row = shape[4] * 2
-    capacity = shape[3]
-    flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
-    fd = os.open(path, flags, 0o600)  # (prompts' KV: the user's alone)
-    try:
-        if create:
-            os.ftruncate(fd, int(np.prod(shape)) * 2)  # a hole: only the blocks written cost disk
-        runs = [(r, (r * capacity + start) * row) for r in range(shape[0] * shape[1] * shape[2])]
-        for _, offset in runs:
-            os.posix_fallocate(fd, offset, (stop - start) * row)
-        flat = data.reshape(-1, *data.shape[3:])  # [L * 2 * H, cap, D]: one run a row
-        for r, offset in runs:
-            _pwrite_all(fd, flat[r, start:stop], offset)
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sync_dir(path: Path) -> None:
-    """The directory's entries (a file's new name) on the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _pwrite_all(fd: int, rows: np.ndarray, offset: int) -> None:
-    """``rows`` (contiguous) at ``offset``, however many calls the kernel takes to write them."""
-    view = memoryview(np.ascontiguousarray(rows)).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def _give_back(path: Path, shape: tuple[int, ...], start: int, stop: int) -> None:
-    """Best effort: the blocks of positions [start, stop) of every run back to the file system."""
-    row = shape[4] * 2
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
-        return
-    try:
-        for r in range(shape[0] * shape[1] * shape[2]):
-            punch_hole(fd, (r * shape[3] + start) * row, (stop - start) * row)
-    finally:
-        os.close(fd)

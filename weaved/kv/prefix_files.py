@@ -1,0 +1,143 @@
+"""The shared prefixes' files on disk (``prefixes.py`` holds their index): finding them at start, writing a
+file's rows and its sidecar, giving rows' disk back.
+
+A file ``<key>.kv`` is the layout of a session's file (``[layer][k|v][kv_head][position][head_dim]``,
+float16) with room for ``capacity`` positions in every run, sparse: only the blocks it holds use disk.
+Its sidecar ``<key>.json`` names the model (``fingerprint``), the key after each block it holds
+(``keys``), the block size and the shape; the rows a sidecar names are on the disk before it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from weaved.kv.tiers import allocated_bytes, punch_hole
+from weaved.model.config import ModelConfig
+
+Found = tuple[str, list[str], Path, int, float]  # (key, keys, path, capacity, last modified)
+Foreign = tuple[float, Path, int]  # another model's file: (last modified, path, bytes on disk)
+
+
+def scan(directory: Path, config: ModelConfig, fingerprint: str, block: int) -> tuple[list[Found], list[Foreign]]:
+    """The prefix files under ``directory`` this model can map, and other models' (kept for them, oldest
+    first).  What no model can use goes: publications a crash cut, files without a sidecar or with one
+    nobody can read, files shorter than their sidecar says (a read past a mapped file's end kills the
+    process), and the disk of rows a stop left past what a sidecar names."""
+    if not directory.is_dir():
+        return [], []
+    for pattern in ("*.kv.tmp", "*.json.tmp"):  # a publication a crash cut
+        for tmp in directory.glob(pattern):
+            tmp.unlink(missing_ok=True)
+    found: list[Found] = []
+    foreign: list[Foreign] = []
+    bpt = config.kv_bytes_per_token
+    for meta in sorted(directory.glob("*.json")):
+        kv = meta.with_suffix(".kv")
+        try:
+            m = json.loads(meta.read_text())
+            key, keys = m["key"], list(m["keys"])
+            capacity = int(m["shape"][3]) if "shape" in m else len(keys) * block  # (older files: no room)
+            if capacity < len(keys) * block or capacity % block:
+                raise ValueError(f"capacity {capacity} for {len(keys)} blocks")
+        except (ValueError, KeyError, TypeError, IndexError):  # no model can read this file: its disk goes back
+            meta.unlink(missing_ok=True)
+            kv.unlink(missing_ok=True)
+            continue
+        except OSError:
+            continue
+        try:
+            st = kv.stat()
+        except FileNotFoundError:  # a publication a crash cut between the sidecar and the file
+            meta.unlink(missing_ok=True)
+            continue
+        except OSError:
+            continue
+        if m.get("fingerprint") != fingerprint:  # another model's: kept for it, counted, evicted first
+            foreign.append((st.st_mtime, kv, allocated_bytes(kv)))  # (its blocks: a file with room is sparse)
+            continue
+        if st.st_size != capacity * bpt:  # cut short: nothing may map it
+            meta.unlink(missing_ok=True)
+            kv.unlink(missing_ok=True)
+            continue
+        if allocated_bytes(kv) > (len(keys) * block + block // 2) * bpt:  # rows a stop left between growing the
+            shape = (config.n_layers, 2, config.n_kv_heads, capacity, config.head_dim)  # file and naming them
+            give_back(kv, shape, len(keys) * block, capacity)
+        found.append((key, keys, kv, capacity, st.st_mtime))
+    for kv in directory.glob("*.kv"):
+        if not kv.with_suffix(".json").exists():  # its sidecar is lost: nothing can map it again
+            kv.unlink(missing_ok=True)
+    foreign.sort(key=lambda f: f[0])  # oldest first
+    return found, foreign
+
+
+def write_sidecar(path: Path, meta: dict) -> None:
+    """``meta`` as the sidecar at ``path``, on the disk before it is named: a file sessions map is described
+    again and again as it grows, and a power loss must leave one description or the other."""
+    tmp = path.with_suffix(".json.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(meta))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    sync_dir(path.parent)
+
+
+def write_rows(path: Path, data: np.ndarray, start: int, stop: int, shape: tuple[int, ...], *,
+                create: bool) -> None:
+    """Positions [start, stop) of ``data`` (float16 [L, 2, H, cap, D]) into the file at ``path`` (a new one
+    with ``create``, sized for ``shape``'s capacity and sparse) and synced: each run's blocks allocated
+    first (a full disk fails here, with ENOSPC), then its rows written with ``pwrite``.  Not through a
+    mapping: a store into a mapped page of a sparse file dirties the whole page-cache folio around it
+    (up to megabytes on recent kernels), and its writeback fills the holes beside the rows - measured,
+    a block of every run written so made a 180 MB file of 151 MB on disk, not 3."""
+    row = shape[4] * 2
+    capacity = shape[3]
+    flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
+    fd = os.open(path, flags, 0o600)  # (prompts' KV: the user's alone)
+    try:
+        if create:
+            os.ftruncate(fd, int(np.prod(shape)) * 2)  # a hole: only the blocks written cost disk
+        runs = [(r, (r * capacity + start) * row) for r in range(shape[0] * shape[1] * shape[2])]
+        for _, offset in runs:
+            os.posix_fallocate(fd, offset, (stop - start) * row)
+        flat = data.reshape(-1, *data.shape[3:])  # [L * 2 * H, cap, D]: one run a row
+        for r, offset in runs:
+            _pwrite_all(fd, flat[r, start:stop], offset)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_dir(path: Path) -> None:
+    """The directory's entries (a file's new name) on the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, rows: np.ndarray, offset: int) -> None:
+    """``rows`` (contiguous) at ``offset``, however many calls the kernel takes to write them."""
+    view = memoryview(np.ascontiguousarray(rows)).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def give_back(path: Path, shape: tuple[int, ...], start: int, stop: int) -> None:
+    """Best effort: the blocks of positions [start, stop) of every run back to the file system."""
+    row = shape[4] * 2
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return
+    try:
+        for r in range(shape[0] * shape[1] * shape[2]):
+            punch_hole(fd, (r * shape[3] + start) * row, (stop - start) * row)
+    finally:
+        os.close(fd)
