@@ -200,7 +200,6 @@ def register(app: typer.Typer) -> None:
                     bind_tcp(*address).close()
                 except ServerError as e:
                     raise _fail(str(e)) from None
-            check_socket_free(path)
             try:
                 prof = load_profile(profile)
             except ProfileError as e:  # the --profile given: bad usage, as a missing --model is
@@ -228,6 +227,10 @@ def register(app: typer.Typer) -> None:
                 raise _fail(f"{chat_template}: {e}", 2) from None
         if data_dir is not None and not data_dir.strip():  # (an empty $VAR: not the current directory)
             raise _fail("--data-dir is empty: name a directory, or leave the option out for the profile's", 2)
+        try:  # (after the arguments' own checks: a bad one leaves no socket directory made)
+            check_socket_free(path)
+        except ServerError as e:
+            raise _fail(str(e)) from None
         try:  # held from here: a client that finds no socket yet waits for this daemon instead of failing
             lock_fd = _inherited_lock()
             if lock_fd is None:

@@ -70,3 +70,15 @@ def test_a_setting_this_host_cannot_honour_is_bad_usage(tmp_path):
                       env={"WEAVE_DEBUG": None, "WEAVE_SOCKET": None})
     assert r.exit_code == 2 and "is a file, not a directory" in r.stderr, (r.exit_code, r.stderr)
     assert not (tmp_path / "w.sock").exists()
+
+
+def test_a_bad_profile_or_template_leaves_no_socket_directory_made(tmp_path):
+    sock = tmp_path / "run" / "weave" / "w.sock"
+    env = {"WEAVE_DEBUG": None, "WEAVE_SOCKET": None}
+    bad = runner.invoke(app, ["serve", "--socket", str(sock), "--profile", str(tmp_path / "missing.toml")], env=env)
+    assert bad.exit_code == 2 and "missing.toml" in bad.stderr, bad.stderr
+    empty = tmp_path / "empty.jinja"
+    empty.write_text("\n")
+    refused = runner.invoke(app, ["serve", "--socket", str(sock), "--chat-template", str(empty)], env=env)
+    assert refused.exit_code == 2, refused.stderr
+    assert not (tmp_path / "run").exists()
