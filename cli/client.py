@@ -32,6 +32,9 @@ from weaved.cli.sse import DONE, Progress, SSEDecoder
 
 CONNECT_TIMEOUT_S = 2.0
 REQUEST_TIMEOUT_S = 60.0
+# a stream (tokens, events) gets at least a keep-alive comment every 15 s from the daemon: this long with
+# no byte at all is a daemon stopped or hung, not one that is waiting
+STREAM_SILENCE_S = 60.0
 START_POLL_S = 0.25  # while a daemon starts (its socket not bound yet), how often to try it again
 
 
@@ -123,11 +126,13 @@ class Client:
     microseconds), so a client may be used from one thread at a time and needs no closing."""
 
     def __init__(self, address: str | Path | None = None, api_key: str | None = None,
-                 timeout_s: float = REQUEST_TIMEOUT_S, on_starting: Callable[[str], None] | None = None):
+                 timeout_s: float = REQUEST_TIMEOUT_S, on_starting: Callable[[str], None] | None = None,
+                 stream_silence_s: float = STREAM_SILENCE_S):
         """``on_starting``: given, a request that finds the daemon still starting (loading its model; its
         socket not bound yet) is told once why it waits and waits for it; else that is an error."""
         self.address = resolve_address(address)
         self.timeout_s = timeout_s
+        self.stream_silence_s = stream_silence_s
         self.on_starting = on_starting
         self._prefix = urlsplit(self.address).path.rstrip("/") if is_url(self.address) else ""
         self._headers = {"Accept": "application/json"}
@@ -207,7 +212,8 @@ class Client:
         """The events of an SSE answer (JSON payloads, and a ``Progress`` for each prompt progress
         comment).  Closing the iterator early (``break``, Ctrl-C) closes the
         connection, which makes the daemon cancel the generation."""
-        conn, r = self._open(method, path, body, None)  # tokens or events may be minutes apart
+        # (tokens or events may be minutes apart, but the daemon's keep-alives are not)
+        conn, r = self._open(method, path, body, self.stream_silence_s)
         with closing(conn):
             if r.status >= 400:
                 with self._transport_errors():
@@ -215,7 +221,7 @@ class Client:
                 raise error_from_bytes(r.status, raw)
             decoder = SSEDecoder()
             while True:
-                with self._transport_errors():
+                with _TransportErrors(self.address, silence_s=self.stream_silence_s):
                     raw = r.readline()
                 if not raw:
                     return
@@ -336,8 +342,9 @@ def _quote(session_id: str) -> str:
 class _TransportErrors:
     """Maps a broken exchange (timeout, reset, malformed HTTP) to a one-line ClientError."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, silence_s: float | None = None):
         self.address = address
+        self.silence_s = silence_s  # a stream's: its timeout is a silence, not a slow answer
 
     def __enter__(self) -> None:
         return None
@@ -345,6 +352,9 @@ class _TransportErrors:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
         if exc is None:
             return False
+        if isinstance(exc, TimeoutError) and self.silence_s is not None:
+            raise ClientError(f"no word from the daemon at {self.address} for {self.silence_s:.0f} s (a stream "
+                              "gets a keep-alive every 15 s): it may be stopped or hung") from exc
         if isinstance(exc, TimeoutError):
             raise ClientError(f"the daemon at {self.address} did not answer in time") from exc
         if isinstance(exc, http.client.HTTPException | ConnectionError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import socket
 
 import pytest
 from weaved.cli import fmt
@@ -133,7 +134,6 @@ def test_no_daemon_is_one_clear_message(tmp_path):
 
 
 def test_stale_socket_file_counts_as_no_daemon():
-    import socket
 
     with short_socket_dir() as d:
         s = socket.socket(socket.AF_UNIX)
@@ -234,3 +234,33 @@ def test_no_color_leaves_a_terminals_stream_unstyled(monkeypatch):
     plain = _Terminal()
     write_stream(deltas, plain, err=io.StringIO())
     assert "\x1b[" not in plain.getvalue() and "[thinking]\nhmm" in plain.getvalue()
+
+
+def test_a_stream_with_no_word_for_too_long_is_a_daemon_stopped_or_hung(tmp_path):
+    """The daemon sends a keep-alive at least every 15 s on a stream: silence past the client's limit is an
+    error that says so, not a wait without end."""
+    import threading
+
+    path = tmp_path / "w.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen()
+    done = threading.Event()
+
+    def stall() -> None:  # the headers of a stream, then nothing (a daemon stopped with SIGSTOP)
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n: keep-alive\n\n")
+            done.wait(10)
+
+    t = threading.Thread(target=stall, daemon=True)
+    t.start()
+    try:
+        c = Client(str(path), stream_silence_s=0.3)
+        with pytest.raises(ClientError, match="no word from the daemon .* it may be stopped or hung"):
+            list(c.stream("GET", "/v1/events"))
+    finally:
+        done.set()
+        t.join(5)
+        server.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 
@@ -9,6 +10,8 @@ from starlette.responses import StreamingResponse
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"  # a comment line: clients ignore it; a dead client makes the write fail
+KEEPALIVE_S = 15.0  # a stream silent this long sends one: a client reading with a timeout (weave's CLI) can
+# tell a daemon that is waiting - a turn queued behind others, or paced to a long budget - from a hung one
 
 
 def progress_comment(ev: dict) -> bytes:
@@ -54,6 +57,40 @@ class _EventStream(StreamingResponse):
 
 
 def sse_response(frames: AsyncIterator[bytes], on_close: Callable[[], None] | None = None) -> StreamingResponse:
-    """``frames`` as ``text/event-stream``; ``on_close``: what must happen when the response is over, sent
-    or not (the turns it streams let go of: cancelled if still running)."""
-    return _EventStream(frames, on_close)
+    """``frames`` as ``text/event-stream``, with a keep-alive comment whenever none came for ``KEEPALIVE_S``;
+    ``on_close``: what must happen when the response is over, sent or not (the turns it streams let go
+    of: cancelled if still running)."""
+    return _EventStream(with_keepalives(frames), on_close)
+
+
+async def with_keepalives(frames: AsyncIterator[bytes], every: float = KEEPALIVE_S) -> AsyncIterator[bytes]:
+    """``frames``, and ``KEEPALIVE`` whenever the next one has not come for ``every`` seconds.  The next frame
+    is awaited in a task of its own, so that waiting past ``every`` does not cancel it; closing this
+    generator (the client gone, the response cancelled) cancels that wait and closes ``frames``, whose
+    own ``finally`` then runs as it would have."""
+    it = aiter(frames)
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield KEEPALIVE
+                continue
+            step, pending = pending, None
+            try:
+                chunk = step.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+    finally:
+        if pending is not None:
+            pending.cancel()
+            try:
+                await pending
+            except (asyncio.CancelledError, Exception):  # (its end is the close below's business)
+                pass
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()

@@ -11,14 +11,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from weaved.api.sse import KEEPALIVE, frame, sse_response
+from weaved.api.sse import KEEPALIVE, KEEPALIVE_S, frame, sse_response
 from weaved.api.state import ApiState, state_of
 from weaved.daemon.events import BACKLOG, Subscription
 from weaved.errors import InvalidRequest
 from weaved.metrics import CONTENT_TYPE
 
 router = APIRouter()
-KEEPALIVE_S = 15.0  # an idle event stream sends a comment this often (and so notices a dead client)
 
 
 @router.get("/health")
