@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from weaved.api.sse import KEEPALIVE, KEEPALIVE_S, frame, sse_response
+from weaved.api.sse import KEEPALIVE, frame, sse_response
 from weaved.api.state import ApiState, state_of
 from weaved.daemon.events import BACKLOG, Subscription
 from weaved.errors import InvalidRequest
@@ -65,18 +65,15 @@ async def _event_frames(request: Request, state: ApiState, sub: Subscription) ->
     stop = {asyncio.create_task(hung_up()), asyncio.create_task(state.closing.wait())}
     get: asyncio.Task | None = None
     try:
-        yield KEEPALIVE  # sends the headers now, so a client knows it is subscribed
-        while True:
+        yield KEEPALIVE  # sends the headers now, so a client knows it is subscribed (then, while idle, the
+        while True:  # stream's own keep-alives: sse_response)
             get = asyncio.create_task(sub.get())
-            done, _ = await asyncio.wait({get, *stop}, timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED)
-            if get in done:
-                event_id, ev = get.result()
-                yield frame(ev, id=event_id)
-                continue
-            get.cancel()
-            if done:  # the client left or the daemon is closing
+            done, _ = await asyncio.wait({get, *stop}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:  # the client left or the daemon is closing
+                get.cancel()
                 return
-            yield KEEPALIVE
+            event_id, ev = get.result()
+            yield frame(ev, id=event_id)
     finally:  # (the wait may be cancelled mid-way, its queue read still pending; the response's close
         # unsubscribes, also when this generator never started)
         for t in (*stop, *([get] if get is not None else [])):

@@ -95,17 +95,16 @@ def write_rows(path: Path, data: np.ndarray, start: int, stop: int, shape: tuple
     (up to megabytes on recent kernels), and its writeback fills the holes beside the rows - measured,
     a block of every run written so made a 180 MB file of 151 MB on disk, not 3."""
     row = shape[4] * 2
-    capacity = shape[3]
     flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
     fd = os.open(path, flags, 0o600)  # (prompts' KV: the user's alone)
     try:
         if create:
             os.ftruncate(fd, int(np.prod(shape)) * 2)  # a hole: only the blocks written cost disk
-        runs = [(r, (r * capacity + start) * row) for r in range(shape[0] * shape[1] * shape[2])]
-        for _, offset in runs:
+        offsets = _run_offsets(shape, start)
+        for offset in offsets:
             os.posix_fallocate(fd, offset, (stop - start) * row)
         flat = data.reshape(-1, *data.shape[3:])  # [L * 2 * H, cap, D]: one run a row
-        for r, offset in runs:
+        for r, offset in enumerate(offsets):
             _pwrite_all(fd, flat[r, start:stop], offset)
         os.fdatasync(fd)
     finally:
@@ -137,7 +136,13 @@ def give_back(path: Path, shape: tuple[int, ...], start: int, stop: int) -> None
     except OSError:
         return
     try:
-        for r in range(shape[0] * shape[1] * shape[2]):
-            punch_hole(fd, (r * shape[3] + start) * row, (stop - start) * row)
+        for offset in _run_offsets(shape, start):
+            punch_hole(fd, offset, (stop - start) * row)
     finally:
         os.close(fd)
+
+
+def _run_offsets(shape: tuple[int, ...], start: int) -> list[int]:
+    """The byte offset of position ``start`` in each (layer, k|v, head) run of a file of ``shape``."""
+    row, capacity = shape[4] * 2, shape[3]
+    return [(r * capacity + start) * row for r in range(shape[0] * shape[1] * shape[2])]

@@ -363,9 +363,8 @@ class PrefixStore:
     def _forget(self, p: Prefix, unlink: bool = True) -> None:
         del self._by_key[p.key]
         self._index = {}
-        for q in self._by_key.values():
-            for i, k in enumerate(q.keys):
-                self._index.setdefault(k, (q.key, i + 1))
+        for q in list(self._by_key.values()):
+            self._add(q)
         if unlink:
             p.path.unlink(missing_ok=True)
             p.path.with_suffix(".json").unlink(missing_ok=True)
