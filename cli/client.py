@@ -191,8 +191,8 @@ class Client:
                 if not daemon_starting(self.address):
                     raise not_running(self.address) from e
 
-    def _transport_errors(self) -> _TransportErrors:
-        return _TransportErrors(self.address)
+    def _transport_errors(self, silence_s: float | None = None) -> _TransportErrors:
+        return _TransportErrors(self.address, silence_s)
 
     def request(self, method: str, path: str, body: dict | None = None, *, generates: bool = False) -> Any:
         """One request; its JSON answer, or ApiError for an error status.  ``generates``: the answer is a
@@ -221,7 +221,7 @@ class Client:
                 raise error_from_bytes(r.status, raw)
             decoder = SSEDecoder()
             while True:
-                with _TransportErrors(self.address, silence_s=self.stream_silence_s):
+                with self._transport_errors(silence_s=self.stream_silence_s):
                     raw = r.readline()
                 if not raw:
                     return
