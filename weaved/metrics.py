@@ -148,7 +148,11 @@ class _DaemonCounters(Collector):
                                   value=pre.get("published") or 0)
         yield CounterMetricFamily("weave_prefixes_extended", "Shared prefixes stored by growing a file in place "
                                   "(a longer conversation, a deeper fork)", value=pre.get("extended") or 0)
+        yield CounterMetricFamily("weave_prefixes_branched", "Shared prefixes stored as a branch: a file of its "
+                                  "own blocks past another file's (diverging conversations)",
+                                  value=pre.get("branched") or 0)
         for what, doc in (("files", "Shared prefix files held"), ("bytes", "Bytes of shared prefix files held"),
+                          ("branches", "Shared prefix files that branch from another file"),
                           ("in_use", "Shared prefix files mapped by a session now")):
             yield GaugeMetricFamily(f"weave_prefix_{what}", doc, value=pre.get(what) or 0)
         pools = self.status.get("pools") or []

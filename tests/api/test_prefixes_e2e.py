@@ -97,6 +97,36 @@ def test_a_stateless_client_prefills_only_what_is_new(tmp_path, smollm2_q4_0):
         assert fresh.choices[0].logprobs.model_dump() == out.choices[0].logprobs.model_dump()
 
 
+def test_diverging_conversations_store_their_shared_start_once(tmp_path, smollm2_q4_0):
+    """Two stateless conversations with one long system prompt: the second's file holds only its own blocks
+    past the first's (a branch); a request that maps the chain answers as one computed from nothing."""
+    with weave_serve(tmp_path, "--model", str(smollm2_q4_0)) as proc:
+        h = httpx.Client(transport=httpx.HTTPTransport(uds=str(proc.socket)), timeout=300.0)
+        sdk = openai.OpenAI(base_url="http://weave/v1", api_key="x", http_client=h, max_retries=0)
+        ask = {"max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+        tail = " ".join(f"Detail {i} of the task matters." for i in range(40))  # ~300 tokens of its own
+
+        def chat(question: str):
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{question} {tail}"}]
+            return sdk.chat.completions.create(model="default", messages=messages, **ask)
+
+        first = chat("Summarise the rules.")
+        second = chat("Which rule is the longest?")
+        n1, n2 = first.usage.prompt_tokens, second.usage.prompt_tokens
+        assert second.usage.prompt_tokens_details.cached_tokens >= 1500 // BLOCK * BLOCK
+        st = h.get("http://weave/v1/status").json()["kv"]["prefixes"]
+        assert st["files"] == 2 and st["branched"] == 1 and st["branches"] == 1
+        block_bytes = BLOCK * 30 * 2 * 3 * 64 * 2  # SmolLM2: 30 layers of K and V, 3 kv heads of 64, float16
+        assert st["bytes"] < 0.75 * (n1 // BLOCK + n2 // BLOCK) * block_bytes  # whole files: the sum
+        again = chat("Which rule is the longest?")  # maps the root and the branch
+        assert again.usage.prompt_tokens_details.cached_tokens == (n2 - 1) // BLOCK * BLOCK
+        assert again.choices[0].logprobs.model_dump() == second.choices[0].logprobs.model_dump()
+        assert h.delete("http://weave/v1/prefixes").json()["files"] == 2
+        fresh = chat("Which rule is the longest?")
+        assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+        assert fresh.choices[0].logprobs.model_dump() == second.choices[0].logprobs.model_dump()
+
+
 def test_a_fork_continues_as_its_parent_then_goes_its_own_way(tmp_path, smollm2_q4_0):
     q = {"max_tokens": 10, "temperature": 0, "logprobs": True}
     with weave_serve(tmp_path, "--model", str(smollm2_q4_0)) as proc, uds_client(proc.socket, timeout=300.0) as http:

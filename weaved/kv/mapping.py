@@ -102,6 +102,17 @@ class FileMapping:
         self._maps[0] += n
         return True
 
+    def claim_maps_upto(self, n: int) -> bool:
+        """``claim_maps`` of what ``n`` claimed mappings lack (a session mapped before may have them)."""
+        if not self.can_alias:
+            return False
+        return self.claimed >= n or self.claim_maps(n - self.claimed)
+
+    @property
+    def claimed(self) -> int:
+        """Mappings claimed for this one's splits."""
+        return self._maps[0] - 1 if self._mm is None else 0
+
     def unclaim_maps(self, n: int) -> None:
         """Give back ``n`` mappings claimed, once the aliases are replaced by this mapping's own pages."""
         n = min(n, self._maps[0] - 1)

@@ -4,7 +4,9 @@ file's rows and its sidecar, giving rows' disk back.
 A file ``<key>.kv`` is the layout of a session's file (``[layer][k|v][kv_head][position][head_dim]``,
 float16) with room for ``capacity`` positions in every run, sparse: only the blocks it holds use disk.
 Its sidecar ``<key>.json`` names the model (``fingerprint``), the key after each block it holds
-(``keys``), the block size and the shape; the rows a sidecar names are on the disk before it is.
+(``keys``), the block size and the shape; the rows a sidecar names are on the disk before it is.  A
+branch's sidecar also names its ``parent`` file and the ``base`` blocks it takes from it: the branch holds
+the rows of its own blocks only, at their own positions (the parent's part a hole).
 """
 
 from __future__ import annotations
@@ -18,15 +20,17 @@ import numpy as np
 from weaved.kv.tiers import allocated_bytes, punch_hole
 from weaved.model.config import ModelConfig
 
-Found = tuple[str, list[str], Path, int, float]  # (key, keys, path, capacity, last modified)
-Foreign = tuple[float, Path, int]  # another model's file: (last modified, path, bytes on disk)
+Found = tuple[str, list[str], Path, int, float, str | None, int]
+# (key, keys, path, capacity, last modified, parent key or None, blocks taken from the parent)
+Foreign = tuple[float, Path, int, str | None]  # another model's file: (last modified, path, bytes on disk, parent)
 
 
 def scan(directory: Path, config: ModelConfig, fingerprint: str, block: int) -> tuple[list[Found], list[Foreign]]:
     """The prefix files under ``directory`` this model can map, and other models' (kept for them, oldest
     first).  What no model can use goes: publications a crash cut, files without a sidecar or with one
     nobody can read, files shorter than their sidecar says (a read past a mapped file's end kills the
-    process), and the disk of rows a stop left past what a sidecar names."""
+    process), branches whose parent is gone or holds other blocks, and the disk of rows a stop left past
+    what a sidecar names."""
     if not directory.is_dir():
         return [], []
     for pattern in ("*.kv.tmp", "*.json.tmp"):  # a publication a crash cut
@@ -43,6 +47,9 @@ def scan(directory: Path, config: ModelConfig, fingerprint: str, block: int) -> 
             capacity = int(m["shape"][3]) if "shape" in m else len(keys) * block  # (older files: no room)
             if capacity < len(keys) * block or capacity % block:
                 raise ValueError(f"capacity {capacity} for {len(keys)} blocks")
+            parent, base = m.get("parent"), int(m.get("base", 0))
+            if (parent is None) != (base == 0) or not 0 <= base < len(keys):
+                raise ValueError(f"a branch of {base} blocks from {parent!r}")
         except (ValueError, KeyError, TypeError, IndexError):  # no model can read this file: its disk goes back
             meta.unlink(missing_ok=True)
             kv.unlink(missing_ok=True)
@@ -57,21 +64,38 @@ def scan(directory: Path, config: ModelConfig, fingerprint: str, block: int) -> 
         except OSError:
             continue
         if m.get("fingerprint") != fingerprint:  # another model's: kept for it, counted, evicted first
-            foreign.append((st.st_mtime, kv, allocated_bytes(kv)))  # (its blocks: a file with room is sparse)
+            foreign.append((st.st_mtime, kv, allocated_bytes(kv), parent))  # (its blocks: a file with room is sparse)
             continue
         if st.st_size != capacity * bpt:  # cut short: nothing may map it
             meta.unlink(missing_ok=True)
             kv.unlink(missing_ok=True)
             continue
-        if allocated_bytes(kv) > (len(keys) * block + block // 2) * bpt:  # rows a stop left between growing the
-            shape = (config.n_layers, 2, config.n_kv_heads, capacity, config.head_dim)  # file and naming them
-            give_back(kv, shape, len(keys) * block, capacity)
-        found.append((key, keys, kv, capacity, st.st_mtime))
+        if allocated_bytes(kv) > ((len(keys) - base) * block + block // 2) * bpt:  # rows a stop left between
+            shape = (config.n_layers, 2, config.n_kv_heads, capacity, config.head_dim)  # growing the file and
+            give_back(kv, shape, len(keys) * block, capacity)  # naming them
+        found.append((key, keys, kv, capacity, st.st_mtime, parent, base))
+    found = _rooted(found)
     for kv in directory.glob("*.kv"):
         if not kv.with_suffix(".json").exists():  # its sidecar is lost: nothing can map it again
             kv.unlink(missing_ok=True)
     foreign.sort(key=lambda f: f[0])  # oldest first
     return found, foreign
+
+
+def _rooted(found: list[Found]) -> list[Found]:
+    """``found`` less the branches that cannot be mapped (their parent is gone, or holds other blocks
+    than the branch's first), and theirs in turn - their files removed: their own rows mean nothing
+    without the parent's."""
+    by_key = {f[0]: f for f in found}
+    while True:
+        broken = [f for f in by_key.values() if f[5] is not None and (
+            f[5] not in by_key or len(by_key[f[5]][1]) < f[6] or by_key[f[5]][1][f[6] - 1] != f[1][f[6] - 1])]
+        if not broken:
+            return list(by_key.values())
+        for f in broken:
+            del by_key[f[0]]
+            f[2].with_suffix(".json").unlink(missing_ok=True)
+            f[2].unlink(missing_ok=True)
 
 
 def write_sidecar(path: Path, meta: dict) -> None:

@@ -12,8 +12,15 @@ disk), and a later publication whose stored part is exactly a file's blocks exte
 a stateless client sending its conversation again one message longer, or a session forked at growing
 depths, keeps one file that grows by its new blocks - not one file per length, each repeating the
 shorter ones' rows (disk and writes growing with the square of the conversation).  Sessions mapping
-its first blocks are untouched (blocks are whole pages of every run).  Blocks that differ from a
-file's later ones (a branch) start a new file.
+its first blocks are untouched (blocks are whole pages of every run).
+
+Blocks that differ from a file's later ones (a branch: sub-agents sharing a long system prompt and
+tools, then each its own conversation) start a new file that holds only the branch's own blocks and
+names the file it branches from (``parent``) for the ``base`` blocks before them: the shared part is
+stored, and held in the page cache, once for every branch.  A session maps a branch's chain of files,
+each over its own positions (``segments``); a file with branches is kept while they are (they pin it),
+and chains are at most ``MAX_CHAIN`` files deep (a deeper branch starts a file from position 0 again:
+each file in a chain is one more mapping per run for every session that maps it).
 
 A session reuses a prefix by mapping the prefix file's pages over the first positions of its own
 mapping (``FileMapping.alias``: one read-only ``mmap`` per (layer, k|v, head) run); nothing is copied,
@@ -43,6 +50,8 @@ from weaved.model.config import ModelConfig
 
 BLOCK = 128  # positions per block: whole pages for head sizes from 16 up (128 * head_dim * 2 bytes)
 PENDING_WAIT_S = 10.0  # a lookup that meets a block being published waits this long for it
+MAX_CHAIN = 4  # files in a branch's chain, its own included
+BRANCH_MIN_BLOCKS = 4  # a shared part shorter than this is stored again (it costs less than the mappings)
 
 
 def chain_keys(fingerprint: str, tokens: Sequence[int], block: int = BLOCK) -> list[str]:
@@ -64,6 +73,8 @@ class Prefix:
     keys: list[str]  # the key after each block (a new list when the file is extended: readers keep theirs)
     path: Path
     capacity: int = 0  # positions each (layer, k|v, head) run has room for in the file (0: its own blocks)
+    parent: str | None = None  # a branch: the file holding its first ``base`` blocks (their rows are there)
+    base: int = 0  # blocks taken from ``parent``; the file holds rows from position base * BLOCK on
     users: set[str] = field(default_factory=set)  # sessions mapping it
     last_used: float = field(default_factory=time.time)
 
@@ -73,6 +84,11 @@ class Prefix:
     @property
     def positions(self) -> int:
         return len(self.keys) * BLOCK
+
+    @property
+    def own(self) -> int:
+        """Positions whose rows this file holds (a branch: those past its parent's part)."""
+        return (len(self.keys) - self.base) * BLOCK
 
 
 class PrefixStore:
@@ -90,16 +106,17 @@ class PrefixStore:
         self._pending: dict[str, threading.Event] = {}  # keys announced, being published
         self.hits = self.misses = self.reused_tokens = self.published = 0
         self.extended = 0  # publications that grew a file in place rather than starting one
+        self.branched = 0  # new files that hold only their own blocks past another file's (branches)
         self.copied = 0  # sessions given their own copy of a prefix's rows (no mapping left to map it)
         self._foreign_kept: set[str] = set()  # other models' files their sessions' sidecars name: not evicted
         found, self._foreign = files.scan(self.dir, config, fingerprint, BLOCK)  # (the others: oldest first)
-        for key, keys, path, capacity, mtime in found:
-            self._add(Prefix(key, keys, path, capacity, last_used=mtime))
+        for key, keys, path, capacity, mtime, parent, base in found:
+            self._add(Prefix(key, keys, path, capacity, parent, base, last_used=mtime))
 
     def _add(self, p: Prefix, start: int = 0) -> None:
-        """Index ``p``'s blocks from ``start`` on (all of a new file; an extended one's new blocks)."""
+        """Index ``p``'s blocks from ``start`` on (all of a new file's own; an extended one's new blocks)."""
         self._by_key[p.key] = p
-        for i in range(start, len(p.keys)):  # any file holding block i under key k holds blocks 0..i
+        for i in range(max(start, p.base), len(p.keys)):  # any file holding block i under key k holds blocks 0..i
             self._index.setdefault(p.keys[i], (p.key, i + 1))
 
     block = BLOCK
@@ -166,6 +183,38 @@ class PrefixStore:
 
     def get(self, key: str) -> Prefix | None:
         return self._by_key.get(key)
+
+    def segments(self, key: str, n: int) -> list[tuple[Prefix, int, int]]:
+        """Where positions [0, n) of file ``key``'s chain lie: ``(file, start, stop)`` for each file that
+        holds some of them, the root's first.  KeyError when a file of the chain is not stored (a file is
+        kept while it has branches, so only for a ``key`` that is gone itself)."""
+        with self._lock:
+            out, p, stop = [], self._by_key[key], n
+            while True:
+                start = min(p.base * BLOCK, stop)
+                if start < stop:
+                    out.append((p, start, stop))
+                if not start:
+                    return out[::-1]
+                p, stop = self._by_key[p.parent], start
+
+    def _chain(self, p: Prefix) -> int:
+        """Files in ``p``'s chain, its own included (under the lock)."""
+        depth = 1
+        while p.parent is not None:
+            p, depth = self._by_key[p.parent], depth + 1
+        return depth
+
+    def _owner(self, key: str, blocks: int) -> Prefix | None:
+        """The file of ``key``'s chain that holds the rows of its ``blocks``-th block (under the lock)."""
+        p = self._by_key.get(key)
+        while p is not None and p.base >= blocks:
+            p = self._by_key.get(p.parent)
+        return p
+
+    def _branched(self) -> set[str]:
+        """The files that some stored file branches from (they are kept while it is; under the lock)."""
+        return {p.parent for p in self._by_key.values() if p.parent is not None}
 
     def use(self, key: str, session: str) -> None:
         with self._lock:
@@ -235,27 +284,52 @@ class PrefixStore:
                 finally:  # (no eviction here: the one after growing it spared it, this one would not)
                     with self._lock:
                         p.users.discard(PUBLISHING)
-        key = keys[-1]
+        parent = self._branch_from(keys, held)  # (made a user meanwhile: PUBLISHING)
+        try:
+            return self._new_file(data, keys, parent, held if parent is not None else 0)
+        finally:
+            if parent is not None:
+                with self._lock:
+                    parent.users.discard(PUBLISHING)
+
+    def _branch_from(self, keys: list[str], held: int) -> Prefix | None:
+        """The file a new file of ``keys`` branches from, holding its first ``held`` blocks' rows (made a
+        user, ``PUBLISHING``, so that no eviction takes it before the branch names it); None when the
+        shared part is too short to be worth the mappings, or the chain would be too deep."""
+        if held < BRANCH_MIN_BLOCKS:
+            return None
+        found = self._index.get(keys[held - 1])
+        with self._lock:
+            p = self._owner(found[0], held) if found is not None else None
+            if p is None or len(p.keys) < held or p.keys[held - 1] != keys[held - 1] or self._chain(p) >= MAX_CHAIN:
+                return None
+            p.users.add(PUBLISHING)
+            return p
+
+    def _new_file(self, data: np.ndarray, keys: list[str], parent: Prefix | None, base: int) -> Prefix:
+        """A new file of ``keys``' blocks from ``base`` on (a branch of ``parent`` holding the ones before)."""
+        key, n = keys[-1], len(keys) * BLOCK
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"{key}.kv"
         tmp = path.with_suffix(".kv.tmp")
         capacity = max(n, -(-data.shape[3] // BLOCK) * BLOCK)  # room for the publisher's whole context
         shape = (*data.shape[:3], capacity, data.shape[4])
         try:
-            files.write_rows(tmp, data, 0, n, shape, create=True)
-            self._write_meta(key, keys, shape)
+            files.write_rows(tmp, data, base * BLOCK, n, shape, create=True)
+            self._write_meta(key, keys, shape, parent.key if parent is not None else None, base)
             os.replace(tmp, path)
             files.sync_dir(self.dir)
         except OSError as e:  # a full disk most often: nothing is kept of this prefix, the caller goes on
             tmp.unlink(missing_ok=True)
             (self.dir / f"{key}.json").unlink(missing_ok=True)
             if e.errno in DISK_FULL:
-                raise DiskFull(f"storing a shared prefix of {n} positions: {e.strerror}") from None
+                raise DiskFull(f"storing a shared prefix of {n - base * BLOCK} positions: {e.strerror}") from None
             raise
-        p = Prefix(key, keys, path, capacity)
+        p = Prefix(key, keys, path, capacity, parent.key if parent is not None else None, base)
         with self._lock:
             self._add(p)
             self.published += 1
+            self.branched += parent is not None
         self.evict(spare=key)
         return p
 
@@ -278,7 +352,7 @@ class PrefixStore:
         shape = (*data.shape[:3], p.capacity, data.shape[4])
         try:
             files.write_rows(p.path, data, start, n, shape, create=False)
-            self._write_meta(p.key, keys, shape)
+            self._write_meta(p.key, keys, shape, p.parent, p.base)
         except OSError as e:
             files.give_back(p.path, shape, start, n)  # (the blocks it allocated past what the sidecar names)
             if e.errno in DISK_FULL:
@@ -295,9 +369,11 @@ class PrefixStore:
         self.evict(spare=p.key)
         return p
 
-    def _write_meta(self, key: str, keys: list[str], shape: tuple[int, ...]) -> None:
-        files.write_sidecar(self.dir / f"{key}.json", {"fingerprint": self.fingerprint, "key": key, "keys": keys,
-                                                       "block": BLOCK, "shape": list(shape)})
+    def _write_meta(self, key: str, keys: list[str], shape: tuple[int, ...], parent: str | None, base: int) -> None:
+        meta = {"fingerprint": self.fingerprint, "key": key, "keys": keys, "block": BLOCK, "shape": list(shape)}
+        if parent is not None:
+            meta |= {"parent": parent, "base": base}
+        files.write_sidecar(self.dir / f"{key}.json", meta)
 
     # ---- the cap ---------------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -307,36 +383,48 @@ class PrefixStore:
 
     def _nbytes(self) -> int:
         bpt = self.config.kv_bytes_per_token
-        return sum(p.positions for p in self._by_key.values()) * bpt + sum(f[2] for f in self._foreign)
+        return sum(p.own for p in self._by_key.values()) * bpt + sum(f[2] for f in self._foreign)
 
     def evict(self, spare: str | None = None, free: int = 0) -> int:
-        """Least recently used files nobody maps (nor ``spare``, just made) go until the prefixes fit
-        their cap, and ``free`` bytes more (sessions need the room: stored prefixes are a cache).  Returns
-        the bytes freed."""
+        """Least recently used files nobody maps (nor ``spare``, just made), and no file branches from, go
+        until the prefixes fit their cap, and ``free`` bytes more (sessions need the room: stored prefixes
+        are a cache) - a branch's going may free its parent in turn.  Returns the bytes freed."""
         if self.cap_bytes is None and not free:
             return 0
         with self._lock:
             bpt = self.config.kv_bytes_per_token
             total = start = self._nbytes()
             target = max(0, min(self.cap_bytes if self.cap_bytes is not None else total, total - free))
-            for f in list(self._foreign):  # other models' files first, oldest first
-                if total <= target:
+            while total > target:  # other models' files first, oldest first
+                kept = self._foreign_needed()
+                f = next((f for f in self._foreign if f[1].stem not in kept), None)
+                if f is None:  # (a session of that model maps each, or a file it maps branches from it)
                     break
-                _, path, size = f
-                if path.stem in self._foreign_kept:  # a session of that model maps it: its rows are only there
-                    continue
                 self._foreign.remove(f)
-                path.unlink(missing_ok=True)
-                path.with_suffix(".json").unlink(missing_ok=True)
-                total -= size
-            for p in sorted(self._by_key.values(), key=lambda x: x.last_used):
-                if total <= target:
+                f[1].unlink(missing_ok=True)
+                f[1].with_suffix(".json").unlink(missing_ok=True)
+                total -= f[2]
+            while total > target:
+                branched = self._branched()
+                free_now = [p for p in self._by_key.values()
+                            if not p.users and p.key != spare and p.key not in branched]
+                if not free_now:
                     break
-                if p.users or p.key == spare:
-                    continue
+                p = min(free_now, key=lambda x: x.last_used)
                 self._forget(p)
-                total -= p.positions * bpt
+                total -= p.own * bpt
             return start - total
+
+    def _foreign_needed(self) -> set[str]:
+        """Other models' files their sessions map, and the files those branch from (under the lock)."""
+        parents = {f[1].stem: f[3] for f in self._foreign}
+        needed, todo = set(), list(self._foreign_kept)
+        while todo:
+            key = todo.pop()
+            if key is not None and key not in needed:
+                needed.add(key)
+                todo.append(parents.get(key))
+        return needed
 
     def no_publication(self) -> threading.Lock:
         """Held, no publication runs (the caller may remove files the index no longer names, without a
@@ -344,18 +432,25 @@ class PrefixStore:
         return self._writing
 
     def clear(self) -> tuple[list[Path], int, int]:
-        """Every file nobody maps leaves the index - this model's, and another model's no session of it
-        names: the cache emptied (a deleted session's context leaves the disk).  (the files to remove -
+        """Every file nobody maps (nor branches from) leaves the index - this model's, and another model's
+        no session of it names: the cache emptied (a deleted session's context leaves the disk).  (the files to remove -
         the caller unlinks them, outside any lock: gigabytes take a while - bytes freed, files kept
         because sessions map them)."""
         with self._lock:
             start, gone = self._nbytes(), []
+            kept = self._foreign_needed()
             for f in list(self._foreign):
-                if f[1].stem not in self._foreign_kept:
+                if f[1].stem not in kept:
                     self._foreign.remove(f)
                     gone.append(f[1])
+            needed, todo = set(), [p.key for p in self._by_key.values() if p.users]
+            while todo:  # the files sessions map, and the ones those branch from
+                key = todo.pop()
+                if key is not None and key not in needed:
+                    needed.add(key)
+                    todo.append(self._by_key[key].parent)
             for p in list(self._by_key.values()):
-                if not p.users:
+                if p.key not in needed:
                     self._forget(p, unlink=False)
                     gone.append(p.path)
             return gone, start - self._nbytes(), len(self._by_key) + len(self._foreign)
@@ -378,6 +473,7 @@ class PrefixStore:
             return {"files": len(self._by_key), "bytes": self._nbytes(), "cap_bytes": self.cap_bytes,
                     "in_use": sum(1 for p in self._by_key.values() if p.users - {PUBLISHING}), "hits": self.hits,
                     "misses": self.misses, "reused_tokens": self.reused_tokens, "published": self.published,
-                    "extended": self.extended,
+                    "extended": self.extended, "branched": self.branched,
+                    "branches": sum(1 for p in self._by_key.values() if p.parent is not None),
                     "copied": self.copied,
                     "other_models": {"files": len(self._foreign), "bytes": sum(f[2] for f in self._foreign)}}

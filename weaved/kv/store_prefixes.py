@@ -65,34 +65,41 @@ class PrefixSharing:
             self.prefixes.drop_user(prefix.key, session_id)
 
     def _alias(self, kv: KVCache, session_id: str, s: OpenSession, key: str, n: int) -> bool:
-        """Map the prefix file ``key``'s positions [0, n) over the session's; False when the layout's
-        runs are not whole pages (a head size too small for this page size).  ``NoMapsLeft`` when the
-        process's mapping budget cannot take a new session's aliases (one per run, each splitting the
-        session's own mapping: 2 x runs)."""
+        """Map the prefix file ``key``'s positions [0, n) over the session's - a branch's from each file of
+        its chain (``PrefixStore.segments``); False when the layout's runs are not whole pages (a head
+        size too small for this page size).  ``NoMapsLeft`` when the process's mapping budget cannot take
+        the session's aliases (one per run and file, each splitting the session's own mapping: a chain of
+        k files makes k + 1 pieces of every run)."""
         prefix = self.prefixes.get(key)
         if prefix is None:
             raise KVStoreError(f"session {session_id}: its shared prefix {key} is gone from {self.prefixes.dir}")
         if n > prefix.positions:  # (a sidecar naming blocks the file's own never recorded: a lost update)
             raise KVStoreError(f"session {session_id}: its shared prefix {key} holds {prefix.positions} positions, "
                                f"not {n}")
+        try:
+            segments = self.prefixes.segments(key, n)
+        except KeyError as e:
+            raise KVStoreError(f"session {session_id}: a file its shared prefix {key} branches from is gone") from e
         row = self.config.head_dim * 2
-        if (s.capacity * row) % mmap.PAGESIZE or (prefix.capacity * row) % mmap.PAGESIZE or (n * row) % mmap.PAGESIZE:
+        if (s.capacity * row) % mmap.PAGESIZE or (n * row) % mmap.PAGESIZE or any(
+                (p.capacity * row) % mmap.PAGESIZE or (start * row) % mmap.PAGESIZE for p, start, _ in segments):
             return False
-        if not s.mm.split and not s.mm.claim_maps(2 * self.prefixes.runs()):
+        if not s.mm.claim_maps_upto((len(segments) + 1) * self.prefixes.runs()):
             self._note_no_maps()
             raise NoMapsLeft(f"session {session_id}: no room under vm.max_map_count to map a shared prefix")
-        fd = os.open(prefix.path, os.O_RDONLY)
+        fds = [os.open(p.path, os.O_RDONLY) for p, _, _ in segments]
         done = 0
         try:
             for r in range(self.prefixes.runs()):
-                s.mm.alias(r * s.capacity * row, fd, r * prefix.capacity * row, n * row)
                 done += 1
+                for fd, (p, start, stop) in zip(fds, segments, strict=True):
+                    s.mm.alias((r * s.capacity + start) * row, fd, (r * p.capacity + start) * row, (stop - start) * row)
         except BaseException:  # the kernel refused part-way: the runs mapped read-only are the session's again
-            if done:  # (else its next write there would fault)
-                self._own_pages(session_id, s, done, n)
+            self._own_pages(session_id, s, done, n)  # (else its next write there would fault)
             raise
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
         s.prefix, s.shared = key, n
         kv.shared = SharedRows(tuple(prefix.keys[:n // self.prefixes.block]), self.prefixes.block)
         s.reserved = max(s.reserved, n)
@@ -109,11 +116,17 @@ class PrefixSharing:
                         "share them again", st["used"], st["max_map_count"], st["max_map_count"] - st["budget"])
 
     def _rows_from_prefix(self, data: np.ndarray, prefix, n: int) -> None:
-        """Copy prefix file ``prefix``'s positions [0, n) into ``data`` (a session's own rows, allocated),
-        for a session that may not map them; OSError or ValueError when the file is gone or damaged."""
-        src = np.memmap(prefix.path, dtype=np.float16, mode="r", shape=self._shape(prefix.capacity))
-        data[:, :, :, :n] = src[:, :, :, :n]
-        del src
+        """Copy prefix file ``prefix``'s positions [0, n) (from each file of its chain) into ``data`` (a
+        session's own rows, allocated), for a session that may not map them; OSError or ValueError when a
+        file is gone or damaged."""
+        try:
+            segments = self.prefixes.segments(prefix.key, n)
+        except KeyError as e:
+            raise ValueError(f"a file the shared prefix {prefix.key} branches from is gone") from e
+        for p, start, stop in segments:
+            src = np.memmap(p.path, dtype=np.float16, mode="r", shape=self._shape(p.capacity))
+            data[:, :, :, start:stop] = src[:, :, :, start:stop]
+            del src
         self.prefixes.copied += 1
 
     def _copy_from_prefix(self, kv: KVCache, prefix, n: int) -> int:
@@ -244,7 +257,7 @@ class PrefixSharing:
             for r in range(runs):
                 s.mm.renew(r * s.capacity * row + start * row, (n - start) * row)
             if not start:  # anonymous again: the kernel merges the pieces back
-                s.mm.unclaim_maps(2 * self.prefixes.runs())
+                s.mm.unclaim_maps(s.mm.claimed)
             return
         # (a file's pieces stay apart - each remap opened the file anew - and stay claimed until the
         # session's mapping goes: a later prefix's aliases reuse them)
