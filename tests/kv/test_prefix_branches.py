@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from tests.kv.test_prefix_growth import conversation, prefix_disk
 from tests.kv.test_prefixes import tokens
@@ -207,3 +208,115 @@ def test_the_branch_threshold_is_the_modules(tmp_path, monkeypatch):
 
 def kv_mapping_of(store: KVStore, sid: str):
     return store._open[sid].mm
+
+
+def test_a_publication_of_stored_blocks_seen_through_a_partial_index_changes_nothing(tmp_path, monkeypatch):
+    """Lookups read the index off the lock: a publication of blocks a file already holds, which saw fewer
+    of them held (an eviction rebuilding the index meanwhile), must not make that file a branch of
+    itself (a chain walk that never ends) nor write it again."""
+    store = KVStore(tmp_path, CFG)
+    talk = tokens(SHARED + 4 * BLOCK, seed=23)
+    _, rows = conversation(store, "a", talk, seed=23)
+    (before,) = store.prefixes._by_key.values()
+    monkeypatch.setattr(store.prefixes, "covered", lambda toks: SHARED + BLOCK)  # what the partial index said
+    kv = store.create("b", capacity=2048, memory_only=True)
+    store.reserve(kv, len(talk))
+    fill(kv, 0, len(talk), seed=24)
+    assert store.prefixes.publish(kv.data, talk) is None
+    (after,) = store.prefixes._by_key.values()
+    assert after is before and after.parent is None
+    late = store.create("late", capacity=2048, memory_only=True)
+    monkeypatch.undo()
+    assert store.share_prefix(late, talk + [0]) == len(talk)
+    assert np.array_equal(late.data[:, :, :, : len(talk)], rows)
+
+
+def test_a_chain_that_does_not_go_forward_or_a_bad_parent_is_removed_at_start(tmp_path):
+    store = KVStore(tmp_path, CFG)
+    shared = tokens(SHARED, seed=25)
+    a, b = diverging(2, 130, shared)
+    conversation(store, "a", a, seed=25)
+    conversation(store, "b", b, seed=26)
+    branch = next(p for p in store.prefixes._by_key.values() if p.parent is not None)
+    meta = branch.path.with_suffix(".json")
+    good = json.loads(meta.read_text())
+    assert "keys" not in good  # (a version that knows no branches cannot read it: it removes it, never maps it)
+    del store
+    for bad in ({"parent": good["key"]}, {"parent": ["x"]}, {"parent": {}}, {"base": 0}):
+        meta.write_text(json.dumps(good | bad))
+        again = KVStore(tmp_path, CFG)  # no hang, no crash: the branch goes, the root stays
+        assert again.prefixes.status()["files"] == 1 and not meta.exists() and not branch.path.exists()
+        del again
+        store = KVStore(tmp_path, CFG)
+        conversation(store, f"b{len(bad)}{id(bad)}", b, seed=26)  # the branch made again for the next try
+        assert store.prefixes.status()["branches"] == 1
+        del store
+
+
+def test_a_branch_of_a_file_unreadable_at_start_is_kept_for_a_later_start(tmp_path, monkeypatch):
+    import pathlib
+
+    store = KVStore(tmp_path, CFG)
+    shared = tokens(SHARED, seed=27)
+    a, b = diverging(2, 140, shared)
+    conversation(store, "a", a, seed=27)
+    _, b_rows = conversation(store, "b", b, seed=28)
+    root = next(p for p in store.prefixes._by_key.values() if p.parent is None)
+    del store
+    real = pathlib.Path.read_text
+
+    def flaky(self, *args, **kwargs):
+        if self == root.path.with_suffix(".json"):
+            raise OSError(5, "Input/output error")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", flaky)
+    store = KVStore(tmp_path, CFG)
+    assert store.prefixes.status()["files"] == 0  # neither can be mapped now
+    assert len(list(store.prefixes.dir.glob("*.kv"))) == 2  # nor is either removed
+    del store
+    monkeypatch.undo()
+    store = KVStore(tmp_path, CFG)
+    late = store.create("late", capacity=2048, memory_only=True)
+    n = len(b) // BLOCK * BLOCK
+    assert store.share_prefix(late, b + [0]) == n
+    assert np.array_equal(late.data[:, :, :, :n], b_rows[:, :, :, :n])
+
+
+def test_a_chain_file_that_cannot_be_opened_leaves_no_descriptor(tmp_path):
+    import os
+
+    from weaved.kv.errors import KVStoreError
+
+    store = KVStore(tmp_path, CFG)
+    shared = tokens(SHARED, seed=29)
+    a, b = diverging(2, 150, shared)
+    conversation(store, "a", a, seed=29)
+    conversation(store, "b", b, seed=30)
+    store.delete("a")
+    store.delete("b")
+    branch = next(p for p in store.prefixes._by_key.values() if p.parent is not None)
+    os.rename(branch.path, branch.path.with_suffix(".gone"))  # the leaf of the chain: opened last
+    fds = len(os.listdir("/proc/self/fd"))
+    for i in range(5):
+        kv = store.create(f"c{i}", capacity=2048)
+        with pytest.raises((KVStoreError, OSError)):
+            store.share_prefix(kv, b + [0])
+        store.delete(f"c{i}")
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_the_publisher_is_the_files_user_until_it_maps_it_or_declines(tmp_path):
+    store = KVStore(tmp_path, CFG)
+    talk = tokens(2 * BLOCK + 3, seed=31)
+    kv = store.create("a", capacity=2048)
+    store.reserve(kv, len(talk))
+    fill(kv, 0, len(talk), seed=31)
+    assert store.publish_prefix(kv, talk, adopt=False) == 2 * BLOCK
+    (p,) = store.prefixes._by_key.values()
+    assert p.users == set()  # declined: let go
+    more = talk + tokens(2 * BLOCK, seed=32)
+    store.reserve(kv, len(more))
+    fill(kv, len(talk), len(more), seed=33)
+    assert store.publish_prefix(kv, more) == 4 * BLOCK  # grown, and mapped by its publisher
+    assert p.users == {"a"} and store._open["a"].prefix == p.key

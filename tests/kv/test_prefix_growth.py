@@ -163,8 +163,8 @@ def test_a_publisher_adopts_only_its_own_blocks_of_a_file_grown_meanwhile(tmp_pa
     mine = fill(a, 0, 2 * BLOCK + 3, seed=11)
     real = store.prefixes.publish
 
-    def and_then_grown(data, toks):
-        p = real(data, toks)
+    def and_then_grown(data, toks, user=None):
+        p = real(data, toks, user)
         if len(toks) < len(talk):
             conversation(store, "other", talk, seed=12)  # extends the same file to four blocks
         return p

@@ -64,10 +64,10 @@ def test_a_publication_racing_a_deletion_stores_real_rows_or_nothing(tmp_path):
     started, go = threading.Event(), threading.Event()
     real = store.prefixes.publish
 
-    def slow_publish(data, toks):
+    def slow_publish(data, toks, user=None):
         started.set()
         go.wait(10)
-        return real(data, toks)
+        return real(data, toks, user)
 
     store.prefixes.publish = slow_publish
     t = threading.Thread(target=lambda: store.publish_prefix(a, prompt, adopt=False))

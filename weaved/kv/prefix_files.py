@@ -38,23 +38,25 @@ def scan(directory: Path, config: ModelConfig, fingerprint: str, block: int) -> 
             tmp.unlink(missing_ok=True)
     found: list[Found] = []
     foreign: list[Foreign] = []
+    unsure: set[str] = set()
     bpt = config.kv_bytes_per_token
     for meta in sorted(directory.glob("*.json")):
         kv = meta.with_suffix(".kv")
         try:
             m = json.loads(meta.read_text())
-            key, keys = m["key"], list(m["keys"])
+            key, keys = m["key"], list(m["chain"] if "parent" in m else m["keys"])
             capacity = int(m["shape"][3]) if "shape" in m else len(keys) * block  # (older files: no room)
             if capacity < len(keys) * block or capacity % block:
                 raise ValueError(f"capacity {capacity} for {len(keys)} blocks")
             parent, base = m.get("parent"), int(m.get("base", 0))
-            if (parent is None) != (base == 0) or not 0 <= base < len(keys):
+            if parent is not None and (not isinstance(parent, str) or parent == key or not 0 < base < len(keys)):
                 raise ValueError(f"a branch of {base} blocks from {parent!r}")
         except (ValueError, KeyError, TypeError, IndexError):  # no model can read this file: its disk goes back
             meta.unlink(missing_ok=True)
             kv.unlink(missing_ok=True)
             continue
-        except OSError:
+        except OSError:  # (unreadable now: kept for a later start, and so are its branches)
+            unsure.add(meta.stem)
             continue
         try:
             st = kv.stat()
@@ -62,6 +64,7 @@ def scan(directory: Path, config: ModelConfig, fingerprint: str, block: int) -> 
             meta.unlink(missing_ok=True)
             continue
         except OSError:
+            unsure.add(meta.stem)
             continue
         if m.get("fingerprint") != fingerprint:  # another model's: kept for it, counted, evicted first
             foreign.append((st.st_mtime, kv, allocated_bytes(kv), parent))  # (its blocks: a file with room is sparse)
@@ -74,7 +77,7 @@ def scan(directory: Path, config: ModelConfig, fingerprint: str, block: int) -> 
             shape = (config.n_layers, 2, config.n_kv_heads, capacity, config.head_dim)  # growing the file and
             give_back(kv, shape, len(keys) * block, capacity)  # naming them
         found.append((key, keys, kv, capacity, st.st_mtime, parent, base))
-    found = _rooted(found)
+    found = _rooted(found, unsure)
     for kv in directory.glob("*.kv"):
         if not kv.with_suffix(".json").exists():  # its sidecar is lost: nothing can map it again
             kv.unlink(missing_ok=True)
@@ -82,20 +85,26 @@ def scan(directory: Path, config: ModelConfig, fingerprint: str, block: int) -> 
     return found, foreign
 
 
-def _rooted(found: list[Found]) -> list[Found]:
-    """``found`` less the branches that cannot be mapped (their parent is gone, or holds other blocks
-    than the branch's first), and theirs in turn - their files removed: their own rows mean nothing
-    without the parent's."""
+def _rooted(found: list[Found], unsure: set[str]) -> list[Found]:
+    """``found`` less the branches that cannot be mapped - their parent is gone, holds other blocks than
+    the branch's first, or starts its own rows no earlier (chains go forward: no cycle) - and theirs in
+    turn, their files removed (their own rows mean nothing without the parent's); but a branch of a file
+    that could not be read now (``unsure``) is only left out, kept for a later start."""
     by_key = {f[0]: f for f in found}
     while True:
         broken = [f for f in by_key.values() if f[5] is not None and (
-            f[5] not in by_key or len(by_key[f[5]][1]) < f[6] or by_key[f[5]][1][f[6] - 1] != f[1][f[6] - 1])]
+            f[5] not in by_key or by_key[f[5]][6] >= f[6] or len(by_key[f[5]][1]) < f[6]
+            or by_key[f[5]][1][f[6] - 1] != f[1][f[6] - 1])]
         if not broken:
             return list(by_key.values())
         for f in broken:
             del by_key[f[0]]
-            f[2].with_suffix(".json").unlink(missing_ok=True)
-            f[2].unlink(missing_ok=True)
+            unsure_parent = f[5] in unsure
+            if unsure_parent:  # (and its own branches in turn, the same way)
+                unsure.add(f[0])
+            else:
+                f[2].with_suffix(".json").unlink(missing_ok=True)
+                f[2].unlink(missing_ok=True)
 
 
 def write_sidecar(path: Path, meta: dict) -> None:

@@ -220,16 +220,17 @@ class PrefixStore:
         with self._lock:
             self._by_key[key].users.add(session)
 
-    def drop_user(self, key: str, session: str) -> None:
+    def drop_user(self, key: str, session: str, evict: bool = True) -> None:
         """``session`` no longer maps ``key``; a file left with no user goes if the prefixes are over their
         cap (publishing and sessions' growth evict too, but a cap a restart lowered, or files kept while
-        mapped, would otherwise stay over it until then)."""
+        mapped, would otherwise stay over it until then) - unless not ``evict`` (a publisher that does not
+        map the file it just stored: kept as its publication's own eviction kept it)."""
         with self._lock:
             p = self._by_key.get(key)
             if p is None:
                 return
             p.users.discard(session)
-            over = not p.users and self.cap_bytes is not None and self._nbytes() > self.cap_bytes
+            over = evict and not p.users and self.cap_bytes is not None and self._nbytes() > self.cap_bytes
         if over:
             self.evict()
 
@@ -258,35 +259,36 @@ class PrefixStore:
             n = found[1]
         return n * BLOCK
 
-    def publish(self, data: np.ndarray, tokens: Sequence[int]) -> Prefix | None:
+    def publish(self, data: np.ndarray, tokens: Sequence[int], user: str | None = None) -> Prefix | None:
         """The full blocks of ``tokens`` stored from their KV rows in ``data`` ([L, 2, H, cap, D]): the new
         blocks appended to the file that holds exactly the ones before them (and has room), else a new
         file of them all; None when no new block would be added.  The rows are copied once, here.  The
         file returned may hold more blocks by the time the caller reads it (a later publication extended
-        it): the caller's are its first ``len(tokens) // BLOCK``."""
+        it): the caller's are its first ``len(tokens) // BLOCK``.  ``user``: made a user of the file returned
+        in the same step (no eviction takes it before it maps it - ``drop_user`` if it then does not)."""
         with self._writing:
             try:
-                return self._publish(data, tokens)
+                return self._publish(data, tokens, user)
             finally:
                 self.settle(tokens)
 
-    def _publish(self, data: np.ndarray, tokens: Sequence[int]) -> Prefix | None:
+    def _publish(self, data: np.ndarray, tokens: Sequence[int], user: str | None) -> Prefix | None:
         keys = chain_keys(self.fingerprint, tokens)
         held = self.covered(tokens) // BLOCK
-        if held >= len(keys):
+        if held >= len(keys) or keys[-1] in self._by_key:  # (all held: a file made with these very blocks)
             return None
         n = len(keys) * BLOCK
         if held:
             p = self._extendable(keys[held - 1], held, n)
             if p is not None:
                 try:
-                    return self._extend(p, data, keys)
+                    return self._extend(p, data, keys, user)
                 finally:  # (no eviction here: the one after growing it spared it, this one would not)
                     with self._lock:
                         p.users.discard(PUBLISHING)
         parent = self._branch_from(keys, held)  # (made a user meanwhile: PUBLISHING)
         try:
-            return self._new_file(data, keys, parent, held if parent is not None else 0)
+            return self._new_file(data, keys, parent, held if parent is not None else 0, user)
         finally:
             if parent is not None:
                 with self._lock:
@@ -301,12 +303,14 @@ class PrefixStore:
         found = self._index.get(keys[held - 1])
         with self._lock:
             p = self._owner(found[0], held) if found is not None else None
-            if p is None or len(p.keys) < held or p.keys[held - 1] != keys[held - 1] or self._chain(p) >= MAX_CHAIN:
+            if (p is None or p.key == keys[-1] or len(p.keys) < held or p.keys[held - 1] != keys[held - 1]
+                    or self._chain(p) >= MAX_CHAIN):
                 return None
             p.users.add(PUBLISHING)
             return p
 
-    def _new_file(self, data: np.ndarray, keys: list[str], parent: Prefix | None, base: int) -> Prefix:
+    def _new_file(self, data: np.ndarray, keys: list[str], parent: Prefix | None, base: int,
+                  user: str | None) -> Prefix:
         """A new file of ``keys``' blocks from ``base`` on (a branch of ``parent`` holding the ones before)."""
         key, n = keys[-1], len(keys) * BLOCK
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -327,6 +331,8 @@ class PrefixStore:
             raise
         p = Prefix(key, keys, path, capacity, parent.key if parent is not None else None, base)
         with self._lock:
+            if user is not None:
+                p.users.add(user)
             self._add(p)
             self.published += 1
             self.branched += parent is not None
@@ -344,7 +350,7 @@ class PrefixStore:
             p.users.add(PUBLISHING)
             return p
 
-    def _extend(self, p: Prefix, data: np.ndarray, keys: list[str]) -> Prefix:
+    def _extend(self, p: Prefix, data: np.ndarray, keys: list[str], user: str | None) -> Prefix:
         """``p``'s file grown in place by the rows of ``keys``' blocks past its own: rows written (and
         synced) first, then the sidecar replaced, then the index - a stop in between leaves the file as its
         sidecar describes it, the rows past it unused.  Sessions mapping its blocks see no change."""
@@ -362,6 +368,8 @@ class PrefixStore:
             before = len(p.keys)
             p.keys = list(keys)
             p.last_used = time.time()
+            if user is not None:
+                p.users.add(user)
             if p.key in self._by_key:
                 self._add(p, start=before)
             self.published += 1
@@ -371,8 +379,8 @@ class PrefixStore:
 
     def _write_meta(self, key: str, keys: list[str], shape: tuple[int, ...], parent: str | None, base: int) -> None:
         meta = {"fingerprint": self.fingerprint, "key": key, "keys": keys, "block": BLOCK, "shape": list(shape)}
-        if parent is not None:
-            meta |= {"parent": parent, "base": base}
+        if parent is not None:  # (its keys under another name: a version that knows no branches removes the
+            meta |= {"parent": parent, "base": base, "chain": meta.pop("keys")}  # file, never maps its hole)
         files.write_sidecar(self.dir / f"{key}.json", meta)
 
     # ---- the cap ---------------------------------------------------------------------------------
@@ -395,8 +403,8 @@ class PrefixStore:
             bpt = self.config.kv_bytes_per_token
             total = start = self._nbytes()
             target = max(0, min(self.cap_bytes if self.cap_bytes is not None else total, total - free))
-            while total > target:  # other models' files first, oldest first
-                kept = self._foreign_needed()
+            while total > target:  # other models' files first, oldest first (a file after its branches)
+                kept = self._foreign_needed() | {f[3] for f in self._foreign}
                 f = next((f for f in self._foreign if f[1].stem not in kept), None)
                 if f is None:  # (a session of that model maps each, or a file it maps branches from it)
                     break
@@ -457,9 +465,11 @@ class PrefixStore:
 
     def _forget(self, p: Prefix, unlink: bool = True) -> None:
         del self._by_key[p.key]
-        self._index = {}
-        for q in list(self._by_key.values()):
-            self._add(q)
+        index: dict[str, tuple[str, int]] = {}  # (built aside: lookups read the index off the lock)
+        for q in self._by_key.values():
+            for i in range(q.base, len(q.keys)):
+                index.setdefault(q.keys[i], (q.key, i + 1))
+        self._index = index
         if unlink:
             p.path.unlink(missing_ok=True)
             p.path.with_suffix(".json").unlink(missing_ok=True)

@@ -87,15 +87,18 @@ class PrefixSharing:
         if not s.mm.claim_maps_upto((len(segments) + 1) * self.prefixes.runs()):
             self._note_no_maps()
             raise NoMapsLeft(f"session {session_id}: no room under vm.max_map_count to map a shared prefix")
-        fds = [os.open(p.path, os.O_RDONLY) for p, _, _ in segments]
+        fds: list[int] = []
         done = 0
         try:
+            for p, _, _ in segments:
+                fds.append(os.open(p.path, os.O_RDONLY))
             for r in range(self.prefixes.runs()):
                 done += 1
                 for fd, (p, start, stop) in zip(fds, segments, strict=True):
                     s.mm.alias((r * s.capacity + start) * row, fd, (r * p.capacity + start) * row, (stop - start) * row)
         except BaseException:  # the kernel refused part-way: the runs mapped read-only are the session's again
-            self._own_pages(session_id, s, done, n)  # (else its next write there would fault)
+            if done:  # (else its next write there would fault)
+                self._own_pages(session_id, s, done, n)
             raise
         finally:
             for fd in fds:
@@ -282,12 +285,21 @@ class PrefixSharing:
         with self.pinned(kv) as open_:
             if not open_:  # deleted meanwhile: its rows may be zeros by now, not what ``tokens`` computed
                 return 0
-            p = self.prefixes.publish(kv.data, tokens)
+            session_id = self._ids[kv]
+            # (a user of the file from its making on: no eviction takes it before the session maps it)
+            p = self.prefixes.publish(kv.data, tokens, user=session_id)
         if p is None:
             return 0
         n = (len(tokens) // self.prefixes.block) * self.prefixes.block  # (the file may hold more by now)
-        if adopt:
-            self._adopt(kv, p.key, n)
+        try:
+            if adopt:
+                self._adopt(kv, p.key, n)
+        finally:
+            with self._lock:
+                s = self._open.get(session_id)
+                mapped = s is not None and s.prefix == p.key
+            if not mapped:  # (the file stays as its publication left it: no eviction here)
+                self.prefixes.drop_user(p.key, session_id, evict=False)
         return n
 
     def _adopt(self, kv: KVCache, key: str, n: int) -> None:
