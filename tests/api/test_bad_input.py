@@ -552,6 +552,7 @@ def test_a_response_validates_against_the_sdks_own_types(client, fake):
         r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "store": store})
         assert r.status_code == 200, r.text
         usage = Response.model_validate(r.json()).usage
+        assert r.json()["text"]["verbosity"] == "medium"  # what it was served with, asked for or not
         cached = usage.input_tokens_details.cached_tokens
         assert usage.input_tokens_details.cache_write_tokens == (usage.input_tokens - cached if store else 0)
 
@@ -559,6 +560,8 @@ def test_a_response_validates_against_the_sdks_own_types(client, fake):
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"reasoning_effort": "high"}, "reasoning_effort", "chat_template_kwargs"),
     ({"service_tier": "flex"}, None, None),  # one of OpenAI's: accepted (bookkeeping)
+    ({"verbosity": "medium"}, None, None),  # the default, as clients send it: honoured (it is what the model does)
+    ({"verbosity": "low"}, "verbosity", "only 'medium'"),
 ])
 def test_a_field_not_offered_says_what_to_do_instead(client, body: dict, param: str | None, words: str | None):
     r = client.post(CHAT, json={"messages": USER, "max_tokens": 2, **body})

@@ -170,6 +170,15 @@ EXPLAINED = {
 }
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")  # OpenAI's: bookkeeping here
 
+
+def medium_verbosity(v: str | None) -> str | None:
+    """``verbosity`` (chat completions) or ``text.verbosity`` (responses): "medium", the default, is the only
+    one a model without that training can honour; the others are refused."""
+    if v not in (None, "medium"):
+        raise ValueError(f"only 'medium' (the default) is offered, got {v!r}: this model was not trained to "
+                         f"make its answers shorter or longer on request; ask for it in the instructions")
+    return v
+
 INERT_TYPES = {"store": (bool, "a boolean"), "user": (str, "a string"), "service_tier": (str, "a string"),
                "prompt_cache_key": (str, "a string"), "safety_identifier": (str, "a string"),
                "prompt_cache_retention": (str, "a string")}
@@ -299,6 +308,9 @@ class ChatRequest(Sampling):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    verbosity: str | None = None
+
+    _verbosity = field_validator("verbosity")(classmethod(lambda cls, v: medium_verbosity(v)))
 
     @field_validator("tool_choice", mode="before")
     @classmethod

@@ -26,7 +26,15 @@ from weaved.api.agent_models import (
     answer_spec,
     other_tool_type,
 )
-from weaved.api.models import EXPLAINED, INERT_FIELDS, NullIsDefault, SLABody, StreamOptions, inert_field_problem
+from weaved.api.models import (
+    EXPLAINED,
+    INERT_FIELDS,
+    NullIsDefault,
+    SLABody,
+    StreamOptions,
+    inert_field_problem,
+    medium_verbosity,
+)
 from weaved.api.response_items import unseal_reasoning
 from weaved.errors import InvalidRequest
 
@@ -169,13 +177,7 @@ class TextOptions(BaseModel):
     format: TextFormat | None = None
     verbosity: str | None = None  # "medium": the only one a model without that training can honour
 
-    @field_validator("verbosity")
-    @classmethod
-    def _medium(cls, v: str | None) -> str | None:
-        if v not in (None, "medium"):
-            raise ValueError(f"only 'medium' (the default) is offered, got {v!r}: this model was not trained to "
-                             f"make its answers shorter or longer on request; ask for it in the instructions")
-        return v
+    _medium = field_validator("verbosity")(classmethod(lambda cls, v: medium_verbosity(v)))
 
 
 class ReasoningOptions(BaseModel):
