@@ -105,7 +105,8 @@ def register(app: typer.Typer, run: Runner | None = None,
                                                  "load: many concurrent clients against weave serve; grammar: "
                                                  "constrained decoding's mask cost per token (the default model's "
                                                  "and Gemma 3's vocabularies, or --model's); prefix: 16 agents "
-                                                 "sharing 2,000 tokens of tools, with and without shared prefixes.")
+                                                 "sharing 2,000 tokens of tools, then working on in conversations "
+                                                 "of their own, with and without shared prefixes.")
         ] = "llama",
         agents: Annotated[int | None, typer.Option("--agents", min=1, help="agents: background agents.")] = None,
         duration: Annotated[

@@ -64,6 +64,17 @@ def tool_result(agent: int, turn: int) -> str:
     return f"Result of the lookup, round {turn}: {rows}."
 
 
+def follow_up(out: dict, result: str) -> list[dict]:
+    """What an agent sends after an answer, as the OpenAI SDK's agents do: the answer as it came (its
+    calls with their ids), then each call's result - or, for an answer that called nothing, the result
+    as the user's next message."""
+    calls = [out["calls"][k] for k in sorted(out.get("calls") or {})]
+    if not calls:
+        return [{"role": "assistant", "content": out.get("text") or ""}, {"role": "user", "content": result}]
+    return [{"role": "assistant", "content": out.get("text") or None, "tool_calls": calls},
+            *({"role": "tool", "tool_call_id": c["id"], "content": result} for c in calls)]
+
+
 def _turn(sock: Path, tools: list[dict], messages: list[dict], max_tokens: int, out: dict) -> None:
     body = {"messages": messages, "tools": tools, "tool_choice": "auto",
             "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -101,6 +112,13 @@ def _stream(sock: Path, body: dict, t0: float, out: dict) -> bool:
                 return True
             delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
             out["text"] = out.get("text", "") + (delta.get("content") or "")
+            for call in delta.get("tool_calls") or ():  # assembled as the SDKs do: by index
+                calls = out.setdefault("calls", {})
+                got = calls.setdefault(call.get("index", 0), {"id": "", "type": "function",
+                                                             "function": {"name": "", "arguments": ""}})
+                got["id"] += call.get("id") or ""
+                for k in ("name", "arguments"):
+                    got["function"][k] += (call.get("function") or {}).get(k) or ""
             if "ttft" not in out and any(delta.get(k) for k in ("content", "tool_calls", "reasoning_content")):
                 out["ttft"] = time.monotonic() - t0
             if chunk.get("choices") == [] and chunk.get("usage"):
@@ -130,8 +148,7 @@ def _run(opts: PrefixOptions, share: bool, say: Callable[[str], None]) -> dict:
             answers, work_wall, refused = [first, *outs], 0.0, sum(o.get("retries", 0) for o in (first, *outs))
             for turn in range(opts.turns):  # every agent works on: its answer and a tool's result appended
                 for i, (talk, out) in enumerate(zip(talks, answers, strict=True)):
-                    talk += [{"role": "assistant", "content": out.get("text") or "(looking it up)"},
-                             {"role": "user", "content": tool_result(i, turn)}]
+                    talk += follow_up(out, tool_result(i, turn))
                 answers, took = _round(served.socket, tools, talks, opts.max_tokens)
                 work_wall += took
                 refused += sum(o.get("retries", 0) for o in answers)
