@@ -23,3 +23,15 @@ def test_the_table_says_what_the_rounds_prefilled_and_what_is_stored():
 def test_each_agent_and_round_gets_its_own_tool_result():
     results = {tool_result(a, t) for a in range(4) for t in range(3)}
     assert len(results) == 12 and tool_result(1, 2) == tool_result(1, 2)
+
+
+def test_an_answer_goes_back_as_the_sdks_send_it():
+    from weaved.bench.prefix import follow_up
+
+    called = {"text": "", "calls": {1: {"id": "c2", "type": "function", "function": {"name": "b", "arguments": "{}"}},
+                                    0: {"id": "c1", "type": "function", "function": {"name": "a", "arguments": "{}"}}}}
+    sent = follow_up(called, "rows")
+    assert sent[0] == {"role": "assistant", "content": None, "tool_calls": [called["calls"][0], called["calls"][1]]}
+    assert [(m["role"], m["tool_call_id"]) for m in sent[1:]] == [("tool", "c1"), ("tool", "c2")]
+    assert follow_up({"text": "done"}, "rows") == [{"role": "assistant", "content": "done"},
+                                                   {"role": "user", "content": "rows"}]
