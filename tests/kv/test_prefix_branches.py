@@ -25,6 +25,23 @@ def diverging(n: int, seed: int, shared: list[int]) -> list[list[int]]:
     return [shared + tokens(2 * BLOCK + 7, seed=seed + i) for i in range(n)]
 
 
+def stored(tmp_path, seed: int, n: int = 2) -> tuple[KVStore, list[list[int]], list[np.ndarray]]:
+    """A store holding ``n`` conversations (sessions "a", "b", ...) that share a start of ``SHARED`` tokens
+    and then diverge: the first's file, and a branch of it for each other; (store, prompts, their rows)."""
+    store = KVStore(tmp_path, CFG)
+    prompts = diverging(n, 10 * seed, tokens(SHARED, seed=seed))
+    rows = [conversation(store, "abcdefgh"[i], p, seed=seed + i)[1] for i, p in enumerate(prompts)]
+    return store, prompts, rows
+
+
+def late_reads(store: KVStore, prompt: list[int], rows: np.ndarray, name: str = "late") -> None:
+    """A new session maps the stored full blocks of ``prompt``: the rows ``rows`` holds there."""
+    kv = store.create(name, capacity=2048, memory_only=True)
+    n = len(prompt) // BLOCK * BLOCK
+    assert store.share_prefix(kv, prompt + [0]) == n
+    assert np.array_equal(kv.data[:, :, :, :n], rows[:, :, :, :n])
+
+
 def test_diverging_conversations_store_the_shared_start_once(tmp_path):
     store = KVStore(tmp_path, CFG)
     shared = tokens(SHARED, seed=1)
@@ -48,11 +65,7 @@ def test_diverging_conversations_store_the_shared_start_once(tmp_path):
 
 
 def test_a_branch_grows_in_place_and_branches_again(tmp_path):
-    store = KVStore(tmp_path, CFG)
-    shared = tokens(SHARED, seed=2)
-    a, b = diverging(2, 20, shared)
-    conversation(store, "a", a, seed=2)
-    _, b_rows = conversation(store, "b", b, seed=3)
+    store, (a, b), (_, b_rows) = stored(tmp_path, 2)
     longer = b + tokens(BLOCK, seed=30)
     _, longer_rows = conversation(store, "b2", longer, seed=4)  # the branch's file grows
     st = store.prefixes.status()
@@ -121,20 +134,12 @@ def test_a_file_with_branches_is_kept_until_they_go(tmp_path):
 
 
 def test_clear_keeps_the_files_a_mapped_branch_needs(tmp_path):
-    store = KVStore(tmp_path, CFG)
-    shared = tokens(SHARED, seed=12)
-    a, b, c = diverging(3, 80, shared)
-    conversation(store, "a", a, seed=12)
-    conversation(store, "b", b, seed=13)
-    _, c_rows = conversation(store, "c", c, seed=14)
+    store, (a, b, c), (_, _, c_rows) = stored(tmp_path, 12, 3)
     store.delete("a")
     store.delete("b")  # "c" maps its branch, which needs the root
     out = store.clear_prefixes()
     assert out["files"] == 1 and out["kept_files"] == 2
-    late = store.create("late", capacity=2048, memory_only=True)
-    n = len(c) // BLOCK * BLOCK
-    assert store.share_prefix(late, c + [0]) == n
-    assert np.array_equal(late.data[:, :, :, :n], c_rows[:, :, :, :n])
+    late_reads(store, c, c_rows)
 
 
 def test_a_restart_maps_chains_and_drops_branches_whose_parent_is_gone(tmp_path):
@@ -164,11 +169,7 @@ def test_a_restart_maps_chains_and_drops_branches_whose_parent_is_gone(tmp_path)
 
 
 def test_a_session_without_mappings_left_copies_the_chain(tmp_path, monkeypatch):
-    store = KVStore(tmp_path, CFG)
-    shared = tokens(SHARED, seed=17)
-    a, b = diverging(2, 100, shared)
-    _, a_rows = conversation(store, "a", a, seed=17)
-    _, b_rows = conversation(store, "b", b, seed=18)
+    store, (a, b), (a_rows, b_rows) = stored(tmp_path, 17)
     kv = store.create("c", capacity=2048)
     monkeypatch.setattr(kv_mapping_of(store, "c"), "claim_maps_upto", lambda n: False)
     n = len(b) // BLOCK * BLOCK
@@ -179,11 +180,7 @@ def test_a_session_without_mappings_left_copies_the_chain(tmp_path, monkeypatch)
 
 
 def test_a_rewrite_inside_the_shared_start_keeps_mapping_the_root(tmp_path):
-    store = KVStore(tmp_path, CFG)
-    shared = tokens(SHARED, seed=19)
-    a, b = diverging(2, 110, shared)
-    _, a_rows = conversation(store, "a", a, seed=19)
-    conversation(store, "b", b, seed=20)
+    store, (a, b), (a_rows, _) = stored(tmp_path, 19)
     kv = store.create("c", capacity=2048)
     assert store.share_prefix(kv, b + [0]) == len(b) // BLOCK * BLOCK
     store.take_back(kv, 2 * BLOCK + 5)  # a rewind into the root's part
@@ -225,18 +222,12 @@ def test_a_publication_of_stored_blocks_seen_through_a_partial_index_changes_not
     assert store.prefixes.publish(kv.data, talk) is None
     (after,) = store.prefixes._by_key.values()
     assert after is before and after.parent is None
-    late = store.create("late", capacity=2048, memory_only=True)
     monkeypatch.undo()
-    assert store.share_prefix(late, talk + [0]) == len(talk)
-    assert np.array_equal(late.data[:, :, :, : len(talk)], rows)
+    late_reads(store, talk, rows)
 
 
 def test_a_chain_that_does_not_go_forward_or_a_bad_parent_is_removed_at_start(tmp_path):
-    store = KVStore(tmp_path, CFG)
-    shared = tokens(SHARED, seed=25)
-    a, b = diverging(2, 130, shared)
-    conversation(store, "a", a, seed=25)
-    conversation(store, "b", b, seed=26)
+    store, (a, b), _ = stored(tmp_path, 25)
     branch = next(p for p in store.prefixes._by_key.values() if p.parent is not None)
     meta = branch.path.with_suffix(".json")
     good = json.loads(meta.read_text())
@@ -256,11 +247,7 @@ def test_a_chain_that_does_not_go_forward_or_a_bad_parent_is_removed_at_start(tm
 def test_a_branch_of_a_file_unreadable_at_start_is_kept_for_a_later_start(tmp_path, monkeypatch):
     import pathlib
 
-    store = KVStore(tmp_path, CFG)
-    shared = tokens(SHARED, seed=27)
-    a, b = diverging(2, 140, shared)
-    conversation(store, "a", a, seed=27)
-    _, b_rows = conversation(store, "b", b, seed=28)
+    store, (a, b), (_, b_rows) = stored(tmp_path, 27)
     root = next(p for p in store.prefixes._by_key.values() if p.parent is None)
     del store
     real = pathlib.Path.read_text
@@ -276,11 +263,7 @@ def test_a_branch_of_a_file_unreadable_at_start_is_kept_for_a_later_start(tmp_pa
     assert len(list(store.prefixes.dir.glob("*.kv"))) == 2  # nor is either removed
     del store
     monkeypatch.undo()
-    store = KVStore(tmp_path, CFG)
-    late = store.create("late", capacity=2048, memory_only=True)
-    n = len(b) // BLOCK * BLOCK
-    assert store.share_prefix(late, b + [0]) == n
-    assert np.array_equal(late.data[:, :, :, :n], b_rows[:, :, :, :n])
+    late_reads(KVStore(tmp_path, CFG), b, b_rows)
 
 
 def test_a_chain_file_that_cannot_be_opened_leaves_no_descriptor(tmp_path):
@@ -288,11 +271,7 @@ def test_a_chain_file_that_cannot_be_opened_leaves_no_descriptor(tmp_path):
 
     from weaved.kv.errors import KVStoreError
 
-    store = KVStore(tmp_path, CFG)
-    shared = tokens(SHARED, seed=29)
-    a, b = diverging(2, 150, shared)
-    conversation(store, "a", a, seed=29)
-    conversation(store, "b", b, seed=30)
+    store, (a, b), _ = stored(tmp_path, 29)
     store.delete("a")
     store.delete("b")
     branch = next(p for p in store.prefixes._by_key.values() if p.parent is not None)
