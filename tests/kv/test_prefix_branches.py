@@ -299,3 +299,30 @@ def test_the_publisher_is_the_files_user_until_it_maps_it_or_declines(tmp_path):
     fill(kv, len(talk), len(more), seed=33)
     assert store.publish_prefix(kv, more) == 4 * BLOCK  # grown, and mapped by its publisher
     assert p.users == {"a"} and store._open["a"].prefix == p.key
+
+
+@pytest.mark.parametrize("memory_only", [True, False])
+def test_an_alias_refused_part_way_leaves_the_sessions_rows(tmp_path, monkeypatch, memory_only):
+    """A publisher maps its new file over its own rows run by run: if the kernel refuses part-way, the runs
+    already mapped get their own pages back holding the same rows - what the aliases replaced was private
+    memory, or blocks an earlier adoption punched out of its file."""
+    store, (a, b), _ = stored(tmp_path, 31)
+    kv = store.create("s", capacity=2048, memory_only=memory_only)
+    assert store.share_prefix(kv, b[: 5 * BLOCK] + [0]) == 5 * BLOCK  # the root's four, the branch's fifth
+    store.reserve(kv, 8 * BLOCK)
+    rows = np.array(kv.data[:, :, :, : 8 * BLOCK])
+    rows[:, :, :, 5 * BLOCK:] = fill(kv, 5 * BLOCK, 8 * BLOCK, seed=32)
+    mm, calls = store._open["s"].mm, []
+    real = mm.alias
+
+    def refuse_the_seventh(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 7:
+            raise OSError(12, "Cannot allocate memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mm, "alias", refuse_the_seventh)
+    with pytest.raises(OSError):
+        store.publish_prefix(kv, b[: 5 * BLOCK] + tokens(3 * BLOCK, seed=33))
+    monkeypatch.undo()
+    assert np.array_equal(kv.data[:, :, :, : 8 * BLOCK], rows)

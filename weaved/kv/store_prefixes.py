@@ -97,8 +97,9 @@ class PrefixSharing:
                 for fd, (p, start, stop) in zip(fds, segments, strict=True):
                     s.mm.alias((r * s.capacity + start) * row, fd, (r * p.capacity + start) * row, (stop - start) * row)
         except BaseException:  # the kernel refused part-way: the runs mapped read-only are the session's again
-            if done:  # (else its next write there would fault)
-                self._own_pages(session_id, s, done, n)
+            if done:  # (else its next write there would fault), holding the prefix's rows - the same bits as
+                self._own_pages(session_id, s, done, n)  # the rows the aliases replaced, which were private or
+                self._restore_rows(s, segments, done)  # punched out of its file: gone
             raise
         finally:
             for fd in fds:
@@ -108,6 +109,16 @@ class PrefixSharing:
         s.reserved = max(s.reserved, n)
         self.prefixes.use(key, session_id)
         return True
+
+    def _restore_rows(self, s: OpenSession, segments: list, runs: int) -> None:
+        """The segments' rows copied from their prefix files into the first ``runs`` runs of the session's own
+        pages (an alias that failed part-way: what those pages held before went with the aliases)."""
+        head = s.data.shape[-1]
+        own = s.data.reshape(-1, s.capacity, head)  # [runs, capacity, head_dim]
+        for p, start, stop in segments:
+            src = np.memmap(p.path, dtype=np.float16, mode="r", shape=self._shape(p.capacity))
+            own[:runs, start:stop] = src.reshape(-1, p.capacity, head)[:runs, start:stop]
+            del src
 
     def _note_no_maps(self) -> None:
         if not self.maps.refused_logged:
