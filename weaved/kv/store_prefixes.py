@@ -270,8 +270,8 @@ class PrefixSharing:
         if s.memory_only:
             for r in range(runs):
                 s.mm.renew(r * s.capacity * row + start * row, (n - start) * row)
-            if not start:  # anonymous again: the kernel merges the pieces back
-                s.mm.unclaim_maps(s.mm.claimed)
+            if not start and runs == self.prefixes.runs():  # anonymous again: the kernel merges the pieces back
+                s.mm.unclaim_maps(s.mm.claimed)  # (not after a part-way alias: the other runs still map a file)
             return
         # (a file's pieces stay apart - each remap opened the file anew - and stay claimed until the
         # session's mapping goes: a later prefix's aliases reuse them)
