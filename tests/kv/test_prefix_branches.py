@@ -322,8 +322,11 @@ def test_an_alias_refused_part_way_leaves_the_sessions_rows(tmp_path, monkeypatc
         return real(*args, **kwargs)
 
     monkeypatch.setattr(mm, "alias", refuse_the_seventh)
+    disk = 0 if memory_only else allocated(tmp_path / "s.kv")
     with pytest.raises(OSError):
         store.publish_prefix(kv, b[: 5 * BLOCK] + tokens(3 * BLOCK, seed=33))
     monkeypatch.undo()
     assert np.array_equal(kv.data[:, :, :, : 8 * BLOCK], rows)
+    if not memory_only:  # disk for the three runs taken back alone (the others still map the chain)
+        assert allocated(tmp_path / "s.kv") - disk <= 3 * 8 * BLOCK * CFG.head_dim * 2
     assert mm.claimed >= 3 * store.prefixes.runs()  # the runs past the refusal still map the chain's two files

@@ -275,7 +275,7 @@ class PrefixSharing:
             return
         # (a file's pieces stay apart - each remap opened the file anew - and stay claimed until the
         # session's mapping goes: a later prefix's aliases reuse them)
-        self._allocate(session_id, s, start, n)
+        self._allocate(session_id, s, start, n, runs)  # (of the runs taken back alone: the others map a file)
         fd = os.open(self._kv_path(session_id), os.O_RDWR)
         try:
             for r in range(runs):

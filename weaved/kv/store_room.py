@@ -152,7 +152,9 @@ class RoomAccounting:
         return KVFileLost(f"session {session_id}: its KV file {self._kv_path(session_id)} is gone (removed while "
                           f"the daemon ran): delete the session, or restart the daemon to rebuild it from its journal")
 
-    def _allocate(self, session_id: str, s: OpenSession, start: int, stop: int) -> None:
+    def _allocate(self, session_id: str, s: OpenSession, start: int, stop: int, runs: int | None = None) -> None:
+        """Disk for positions [start, stop) of the session's file: of every (layer, k|v, head) run, or of its
+        first ``runs``."""
         try:
             fd = os.open(self._kv_path(session_id), os.O_RDWR)
         except FileNotFoundError:
@@ -162,7 +164,7 @@ class RoomAccounting:
         try:
             done: list[tuple[int, int]] = []
             try:
-                for off, n in self._runs(s.capacity, start, stop):
+                for off, n in self._runs(s.capacity, start, stop)[:runs]:
                     os.posix_fallocate(fd, off, n)
                     done.append((off, n))
             except OSError as e:
