@@ -6,6 +6,7 @@ a restart, a clear, the cap and a session without mappings left all see the chai
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -267,7 +268,7 @@ def test_a_branch_of_a_file_unreadable_at_start_is_kept_for_a_later_start(tmp_pa
 
 
 def test_a_chain_file_that_cannot_be_opened_leaves_no_descriptor(tmp_path):
-    import os
+
 
     from weaved.kv.errors import KVStoreError
 
@@ -330,3 +331,20 @@ def test_an_alias_refused_part_way_leaves_the_sessions_rows(tmp_path, monkeypatc
     if not memory_only:  # disk for the three runs taken back alone (the others still map the chain)
         assert allocated(tmp_path / "s.kv") - disk <= 3 * 8 * BLOCK * CFG.head_dim * 2
     assert mm.claimed >= 3 * store.prefixes.runs()  # the runs past the refusal still map the chain's two files
+
+
+def test_another_models_branch_goes_before_the_file_it_branches_from(tmp_path):
+    """Other models' files go first, oldest first - but never a file that one of them branches from while
+    that branch stays (the branch's rows mean nothing without it)."""
+    store, _, _ = stored(tmp_path, 34)
+    root = next(p for p in store.prefixes._by_key.values() if p.parent is None)
+    for meta in store.prefixes.dir.glob("*.json"):  # as if another model had written them
+        meta.write_text(json.dumps(json.loads(meta.read_text()) | {"fingerprint": "another-model"}))
+    store.delete("a")
+    store.delete("b")
+    del store
+    os.utime(root.path, (1e9, 1e9))  # the root the oldest by far: first in line, but for its branch
+    store = KVStore(tmp_path, CFG)
+    assert store.prefixes.status()["other_models"]["files"] == 2
+    assert store.prefixes.evict(free=1) > 0  # one file's worth: the branch, though the root is older
+    assert [f[1] for f in store.prefixes._foreign] == [root.path]
