@@ -268,8 +268,6 @@ def test_a_branch_of_a_file_unreadable_at_start_is_kept_for_a_later_start(tmp_pa
 
 
 def test_a_chain_file_that_cannot_be_opened_leaves_no_descriptor(tmp_path):
-
-
     from weaved.kv.errors import KVStoreError
 
     store, (a, b), _ = stored(tmp_path, 29)
