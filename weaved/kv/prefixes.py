@@ -38,7 +38,7 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,8 +116,7 @@ class PrefixStore:
     def _add(self, p: Prefix, start: int = 0) -> None:
         """Index ``p``'s blocks from ``start`` on (all of a new file's own; an extended one's new blocks)."""
         self._by_key[p.key] = p
-        for i in range(max(start, p.base), len(p.keys)):  # any file holding block i under key k holds blocks 0..i
-            self._index.setdefault(p.keys[i], (p.key, i + 1))
+        _index_blocks(self._index, p, start)
 
     block = BLOCK
 
@@ -204,13 +203,6 @@ class PrefixStore:
         while p.parent is not None:
             p, depth = self._by_key[p.parent], depth + 1
         return depth
-
-    def _owner(self, key: str, blocks: int) -> Prefix | None:
-        """The file of ``key``'s chain that holds the rows of its ``blocks``-th block (under the lock)."""
-        p = self._by_key.get(key)
-        while p is not None and p.base >= blocks:
-            p = self._by_key.get(p.parent)
-        return p
 
     def _branched(self) -> set[str]:
         """The files that some stored file branches from (they are kept while it is; under the lock)."""
@@ -300,10 +292,10 @@ class PrefixStore:
         shared part is too short to be worth the mappings, or the chain would be too deep."""
         if held < BRANCH_MIN_BLOCKS:
             return None
-        found = self._index.get(keys[held - 1])
+        found = self._index.get(keys[held - 1])  # (a file whose own rows hold that block: ``_index_blocks``)
         with self._lock:
-            p = self._owner(found[0], held) if found is not None else None
-            if (p is None or p.key == keys[-1] or len(p.keys) < held or p.keys[held - 1] != keys[held - 1]
+            p = self._by_key.get(found[0]) if found is not None else None
+            if (p is None or p.key == keys[-1] or not p.base < held <= len(p.keys) or p.keys[held - 1] != keys[held - 1]
                     or self._chain(p) >= MAX_CHAIN):
                 return None
             p.users.add(PUBLISHING)
@@ -426,13 +418,7 @@ class PrefixStore:
     def _foreign_needed(self) -> set[str]:
         """Other models' files their sessions map, and the files those branch from (under the lock)."""
         parents = {f[1].stem: f[3] for f in self._foreign}
-        needed, todo = set(), list(self._foreign_kept)
-        while todo:
-            key = todo.pop()
-            if key is not None and key not in needed:
-                needed.add(key)
-                todo.append(parents.get(key))
-        return needed
+        return _with_parents(self._foreign_kept, parents.get)
 
     def no_publication(self) -> threading.Lock:
         """Held, no publication runs (the caller may remove files the index no longer names, without a
@@ -451,12 +437,8 @@ class PrefixStore:
                 if f[1].stem not in kept:
                     self._foreign.remove(f)
                     gone.append(f[1])
-            needed, todo = set(), [p.key for p in self._by_key.values() if p.users]
-            while todo:  # the files sessions map, and the ones those branch from
-                key = todo.pop()
-                if key is not None and key not in needed:
-                    needed.add(key)
-                    todo.append(self._by_key[key].parent)
+            # the files sessions map, and the ones those branch from
+            needed = _with_parents((p.key for p in self._by_key.values() if p.users), lambda k: self._by_key[k].parent)
             for p in list(self._by_key.values()):
                 if p.key not in needed:
                     self._forget(p, unlink=False)
@@ -467,8 +449,7 @@ class PrefixStore:
         del self._by_key[p.key]
         index: dict[str, tuple[str, int]] = {}  # (built aside: lookups read the index off the lock)
         for q in self._by_key.values():
-            for i in range(q.base, len(q.keys)):
-                index.setdefault(q.keys[i], (q.key, i + 1))
+            _index_blocks(index, q)
         self._index = index
         if unlink:
             p.path.unlink(missing_ok=True)
@@ -487,3 +468,21 @@ class PrefixStore:
                     "branches": sum(1 for p in self._by_key.values() if p.parent is not None),
                     "copied": self.copied,
                     "other_models": {"files": len(self._foreign), "bytes": sum(f[2] for f in self._foreign)}}
+
+
+def _index_blocks(index: dict[str, tuple[str, int]], p: Prefix, start: int = 0) -> None:
+    """``p``'s own blocks from ``start`` on into ``index`` (key after block i -> (file, i + 1 blocks)): any file
+    holding block i under key k holds blocks 0..i, and the file named holds that block's rows itself."""
+    for i in range(max(start, p.base), len(p.keys)):
+        index.setdefault(p.keys[i], (p.key, i + 1))
+
+
+def _with_parents(keys: Iterable[str], parent_of: Callable[[str], str | None]) -> set[str]:
+    """``keys`` and every file they branch from, however deep (``parent_of``: a file's parent, or None)."""
+    out, todo = set(), list(keys)
+    while todo:
+        key = todo.pop()
+        if key is not None and key not in out:
+            out.add(key)
+            todo.append(parent_of(key))
+    return out

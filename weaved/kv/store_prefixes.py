@@ -99,7 +99,7 @@ class PrefixSharing:
         except BaseException:  # the kernel refused part-way: the runs mapped read-only are the session's again
             if done:  # (else its next write there would fault), holding the prefix's rows - the same bits as
                 self._own_pages(session_id, s, done, n)  # the rows the aliases replaced, which were private or
-                self._restore_rows(s, segments, done)  # punched out of its file: gone
+                self._copy_segments(s.data, segments, done)  # punched out of its file: gone
             raise
         finally:
             for fd in fds:
@@ -110,14 +110,14 @@ class PrefixSharing:
         self.prefixes.use(key, session_id)
         return True
 
-    def _restore_rows(self, s: OpenSession, segments: list, runs: int) -> None:
-        """The segments' rows copied from their prefix files into the first ``runs`` runs of the session's own
-        pages (an alias that failed part-way: what those pages held before went with the aliases)."""
-        head = s.data.shape[-1]
-        own = s.data.reshape(-1, s.capacity, head)  # [runs, capacity, head_dim]
+    def _copy_segments(self, data: np.ndarray, segments: list, runs: int | None = None) -> None:
+        """The segments' rows (``PrefixStore.segments``) copied from their prefix files into ``data`` (a
+        session's rows, [L, 2, H, cap, D]): into every (layer, k|v, head) run, or its first ``runs``."""
+        own = data.view()
+        own.shape = (-1, *data.shape[3:])  # [runs, cap, head_dim]: a view (an error, never a copy written to)
         for p, start, stop in segments:
             src = np.memmap(p.path, dtype=np.float16, mode="r", shape=self._shape(p.capacity))
-            own[:runs, start:stop] = src.reshape(-1, p.capacity, head)[:runs, start:stop]
+            own[:runs, start:stop] = src.reshape(own.shape[0], p.capacity, -1)[:runs, start:stop]
             del src
 
     def _note_no_maps(self) -> None:
@@ -137,10 +137,7 @@ class PrefixSharing:
             segments = self.prefixes.segments(prefix.key, n)
         except KeyError as e:
             raise ValueError(f"a file the shared prefix {prefix.key} branches from is gone") from e
-        for p, start, stop in segments:
-            src = np.memmap(p.path, dtype=np.float16, mode="r", shape=self._shape(p.capacity))
-            data[:, :, :, start:stop] = src[:, :, :, start:stop]
-            del src
+        self._copy_segments(data, segments)
         self.prefixes.copied += 1
 
     def _copy_from_prefix(self, kv: KVCache, prefix, n: int) -> int:
